@@ -1,0 +1,43 @@
+"""fastckpt: nearly free checkpointing for PyTorch training."""
+from .checkpointer import Checkpointer, WatchHandle
+from .config import CheckpointConfig, PersistOptions, RetentionOptions, StagingOptions
+from .errors import (
+    CheckpointNotFoundError,
+    ConfigError,
+    FastCkptError,
+    IntegrityError,
+    StateMismatchError,
+    StorageError,
+    UnsafeCheckpointError,
+)
+from .handle import CheckpointInfo, SaveHandle, SaveStats
+from .loader import CheckpointReader, is_checkpoint, load_checkpoint
+from .storage import FsspecStorage, LocalStorage, Storage, open_storage
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Checkpointer",
+    "WatchHandle",
+    "CheckpointConfig",
+    "StagingOptions",
+    "PersistOptions",
+    "RetentionOptions",
+    "SaveHandle",
+    "SaveStats",
+    "CheckpointInfo",
+    "CheckpointReader",
+    "load_checkpoint",
+    "is_checkpoint",
+    "Storage",
+    "LocalStorage",
+    "FsspecStorage",
+    "open_storage",
+    "FastCkptError",
+    "ConfigError",
+    "StorageError",
+    "IntegrityError",
+    "CheckpointNotFoundError",
+    "StateMismatchError",
+    "UnsafeCheckpointError",
+]

@@ -1,0 +1,182 @@
+"""Validated configuration. One YAML schema serves the core and both integrations.
+
+Every field is validated in ``__post_init__`` and errors name the field and the
+allowed values, so a typo in ``fastckpt.yaml`` fails at start-up instead of
+silently falling back to a default.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+from .errors import ConfigError
+
+__all__ = [
+    "CheckpointConfig",
+    "StagingOptions",
+    "PersistOptions",
+    "RetentionOptions",
+]
+
+_MODES = ("lazy", "eager")
+_WHEN_BUSY = ("wait", "skip")
+_DIRECT_IO = ("auto", "on", "off")
+
+
+def _check_int(section: str, name: str, value: Any, minimum: int, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        none = " or null" if allow_none else ""
+        raise ConfigError(f"{section}{name} must be an integer >= {minimum}{none}, got {value!r}")
+
+
+def _check_choice(section: str, name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{section}{name} must be one of {', '.join(allowed)}; got {value!r}")
+
+
+@dataclass(kw_only=True, slots=True)
+class StagingOptions:
+    """How state is copied to host memory."""
+
+    mode: str = "lazy"
+    """``lazy``: optimizer-managed tensors are copied in the background until the next
+    ``optimizer.step()``; ``eager``: everything is copied inside ``save()``."""
+    slots: int = 2
+    """Snapshots in flight at once; each slot owns a reusable host buffer set."""
+    when_busy: str = "wait"
+    """``wait`` blocks ``save()`` until a slot frees; ``skip`` drops the save and reports it."""
+    max_host_bytes: int | None = None
+    """Upper bound on staging memory. Past it, one slot streams through a ring of chunk buffers."""
+
+    def __post_init__(self) -> None:
+        _check_choice("staging.", "mode", self.mode, _MODES)
+        _check_int("staging.", "slots", self.slots, 1)
+        _check_choice("staging.", "when_busy", self.when_busy, _WHEN_BUSY)
+        _check_int("staging.", "max_host_bytes", self.max_host_bytes, 1, allow_none=True)
+
+
+@dataclass(kw_only=True, slots=True)
+class PersistOptions:
+    """How staged bytes reach storage."""
+
+    workers: int = 2
+    """I/O worker threads (writes, uploads, reads on load)."""
+    chunk_bytes: int = 128 * 1024 * 1024
+    """Target size of one tensor file; the unit of the copy -> write pipeline."""
+    verify_on_load: bool = True
+    """Check every file's size and checksum before using it."""
+    direct_io: str = "auto"
+    """O_DIRECT for local writes: ``auto`` tries it and falls back, ``on`` requires it, ``off``."""
+    fsync: bool = True
+    """fsync data files and the directory before the manifest commits."""
+
+    def __post_init__(self) -> None:
+        _check_int("persist.", "workers", self.workers, 1)
+        _check_int("persist.", "chunk_bytes", self.chunk_bytes, 4096)
+        if not isinstance(self.verify_on_load, bool):
+            raise ConfigError(f"persist.verify_on_load must be true or false, got {self.verify_on_load!r}")
+        _check_choice("persist.", "direct_io", self.direct_io, _DIRECT_IO)
+        if not isinstance(self.fsync, bool):
+            raise ConfigError(f"persist.fsync must be true or false, got {self.fsync!r}")
+
+
+@dataclass(kw_only=True, slots=True)
+class RetentionOptions:
+    """Which committed checkpoints to keep."""
+
+    keep_last: int | None = None
+    """Keep the newest N committed checkpoints (null keeps all)."""
+    keep_every_n_steps: int | None = None
+    """Also keep every checkpoint whose step is a multiple of N."""
+
+    def __post_init__(self) -> None:
+        _check_int("retention.", "keep_last", self.keep_last, 1, allow_none=True)
+        _check_int("retention.", "keep_every_n_steps", self.keep_every_n_steps, 1, allow_none=True)
+
+
+_SECTIONS: dict[str, type] = {
+    "staging": StagingOptions,
+    "persist": PersistOptions,
+    "retention": RetentionOptions,
+}
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    """Everything a ``Checkpointer`` needs. Build it in code, ``from_dict`` or ``from_yaml``."""
+
+    root: str
+    """Where checkpoints live: a local path or any fsspec URL (``s3://``, ``memory://``)."""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    """Passed to the fsspec filesystem (credentials, ``client_kwargs.endpoint_url``...)."""
+    staging: StagingOptions = field(default_factory=StagingOptions)
+    persist: PersistOptions = field(default_factory=PersistOptions)
+    retention: RetentionOptions = field(default_factory=RetentionOptions)
+    allowed_classes: list[str] = field(default_factory=list)
+    """Extra ``module.QualName`` classes the safe loader may rebuild (non-plain leaves)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.root, Path):
+            self.root = str(self.root)
+        if not isinstance(self.root, str) or not self.root.strip():
+            raise ConfigError(f"root must be a non-empty path or URL, got {self.root!r}")
+        if not isinstance(self.storage_options, Mapping):
+            raise ConfigError(f"storage_options must be a mapping, got {type(self.storage_options).__name__}")
+        self.storage_options = dict(self.storage_options)
+        if not isinstance(self.allowed_classes, (list, tuple)) or not all(
+                isinstance(c, str) and "." in c for c in self.allowed_classes):
+            raise ConfigError(f"allowed_classes must be a list of 'module.QualName' strings, got {self.allowed_classes!r}")
+        self.allowed_classes = list(self.allowed_classes)
+        for name, cls in _SECTIONS.items():
+            value = getattr(self, name)
+            if isinstance(value, Mapping):
+                setattr(self, name, _build_section(name, cls, value))
+            elif not isinstance(value, cls):
+                raise ConfigError(f"{name} must be a mapping or {cls.__name__}, got {type(value).__name__}")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "CheckpointConfig":
+        """Build from a plain mapping (the YAML schema); unknown keys are errors."""
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"a fastckpt config must be a mapping, got {type(data).__name__}")
+        allowed = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - allowed)
+        if unknown:
+            raise ConfigError(f"unknown config field(s) {unknown}; allowed top-level fields: {sorted(allowed)}")
+        if "root" not in data:
+            raise ConfigError("config field 'root' is required (a local path or an fsspec URL such as s3://bucket/run)")
+        return cls(**dict(data))
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "CheckpointConfig":
+        """Read a YAML file holding the schema documented in docs/API.md."""
+        import yaml
+
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise ConfigError(f"cannot read fastckpt config {str(path)!r}: {e}") from e
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{str(path)!r} is not valid YAML: {e}") from e
+        try:
+            return cls.from_dict(data or {})
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from e
+
+    def to_dict(self) -> dict[str, Any]:
+        """The YAML schema as plain data (round-trips through ``from_dict``)."""
+        return dataclasses.asdict(self)
+
+
+def _build_section(name: str, cls: type, data: Mapping[str, Any]) -> Any:
+    allowed = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - allowed)
+    if unknown:
+        raise ConfigError(f"unknown field(s) {[f'{name}.{u}' for u in unknown]}; allowed: {sorted(allowed)}")
+    return cls(**dict(data))

@@ -1,0 +1,44 @@
+"""Exception types. Every error fastckpt raises is a ``FastCkptError``.
+
+Subclasses also derive from the closest built-in so callers that already catch
+``ValueError``/``OSError``/``FileNotFoundError`` keep working.
+"""
+from __future__ import annotations
+
+__all__ = [
+    "FastCkptError",
+    "ConfigError",
+    "StorageError",
+    "IntegrityError",
+    "CheckpointNotFoundError",
+    "StateMismatchError",
+    "UnsafeCheckpointError",
+]
+
+
+class FastCkptError(Exception):
+    """Base class of every fastckpt error."""
+
+
+class ConfigError(FastCkptError, ValueError):
+    """A configuration field is missing or has an invalid value."""
+
+
+class StorageError(FastCkptError, OSError):
+    """Reading or writing the checkpoint storage failed (disk full, permission, network)."""
+
+
+class IntegrityError(FastCkptError):
+    """A checkpoint file is corrupt, truncated or not a fastckpt file."""
+
+
+class CheckpointNotFoundError(FastCkptError, FileNotFoundError):
+    """No committed checkpoint matches the request."""
+
+
+class StateMismatchError(FastCkptError, ValueError):
+    """The saved state does not match the target it is loaded into."""
+
+
+class UnsafeCheckpointError(IntegrityError):
+    """The checkpoint holds an object that the safe loader refuses to rebuild."""

@@ -1,0 +1,104 @@
+"""``SaveHandle``: the two awaitable phases of one save, plus its figures."""
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .errors import FastCkptError
+
+__all__ = ["SaveHandle", "SaveStats", "CheckpointInfo"]
+
+log = logging.getLogger("fastckpt")
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointInfo:
+    """A committed checkpoint."""
+
+    name: str
+    step: int
+    path: str
+    nbytes: int
+
+
+@dataclass(slots=True)
+class SaveStats:
+    """Figures of one save. Times are measured from the start of ``save()``."""
+
+    step: int
+    name: str
+    blocking_ms: float = 0.0
+    staging_ms: float = 0.0
+    persist_s: float = 0.0
+    nbytes: int = 0
+    skipped: bool = False
+
+    @property
+    def throughput_mb_s(self) -> float:
+        return self.nbytes / 1e6 / self.persist_s if self.persist_s > 0 else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "blocking_ms": self.blocking_ms,
+            "staging_ms": self.staging_ms,
+            "persist_s": self.persist_s,
+            "nbytes": float(self.nbytes),
+            "throughput_mb_s": self.throughput_mb_s,
+        }
+
+
+@dataclass(eq=False)
+class SaveHandle:
+    """Returned by ``Checkpointer.save``. ``wait_staged`` then ``wait``."""
+
+    name: str
+    step: int
+    path: str
+    stats: SaveStats
+    skipped: bool = False
+    _staged: threading.Event = field(default_factory=threading.Event)
+    _cuda_events: list = field(default_factory=list)
+    _durable: Future = field(default_factory=Future)
+    _on_error_seen: Callable[["SaveHandle"], None] | None = None
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        """Block until the host copy is complete: the source tensors may change after this."""
+        if not self._staged.wait(timeout):
+            raise TimeoutError(f"checkpoint {self.name!r} was not staged within {timeout}s")
+        if self._cuda_events:
+            # GPU-side ordering: kernels queued after this point wait for the copy
+            # without blocking the host.
+            stream = torch.cuda.current_stream()
+            for ev in self._cuda_events:
+                stream.wait_event(ev)
+
+    def staged(self) -> bool:
+        """Whether staging finished (non-blocking)."""
+        return self._staged.is_set()
+
+    def wait(self, timeout: float | None = None) -> CheckpointInfo | None:
+        """Block until committed; raises the background error (and marks it reported)."""
+        try:
+            return self._durable.result(timeout)
+        except FastCkptError:
+            if self._on_error_seen is not None:
+                self._on_error_seen(self)
+            raise
+
+    def done(self) -> bool:
+        """Whether the save finished, successfully or not."""
+        return self._durable.done()
+
+    def add_done_callback(self, fn: Callable[["SaveHandle"], None]) -> None:
+        """Call ``fn(handle)`` after commit or failure, on the committer thread (or now if done)."""
+        def call(_: Future) -> None:
+            try:
+                fn(self)
+            except Exception:  # a user callback must not kill the committer
+                log.exception("fastckpt: done-callback for %s raised", self.name)
+        self._durable.add_done_callback(call)

@@ -1,0 +1,238 @@
+"""Reading checkpoints: verify, read files in parallel, rebuild the nested state.
+
+Every file is checked against the manifest (size, then CRC32C) before a byte of
+it is used. A CRC mismatch is localised with the per-tensor checksums so the
+error names the tensor as well as the file.
+"""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+
+from .checksum import crc32c
+from .codec import decode_tree, loads_objects
+from .errors import CheckpointNotFoundError, IntegrityError, StateMismatchError
+from .format import MANIFEST, parse_manifest, parse_meta
+from .staging import _alloc
+from .storage import Storage
+
+__all__ = ["CheckpointReader", "load_checkpoint", "is_checkpoint"]
+
+
+@dataclass
+class _Entry:
+    index: int
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    file: str
+    offset: int
+    nbytes: int
+    crc: int
+    numpy: bool
+
+
+def _dtype(name: str, source: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise IntegrityError(f"{source}: unknown dtype {name!r}")
+    return dtype
+
+
+class CheckpointReader:
+    """Reads one committed checkpoint directory."""
+
+    def __init__(self, storage: Storage, dirpath: str, *, verify: bool = True, workers: int = 2,
+                 allowed_classes: Iterable[str] = ()) -> None:
+        self.storage = storage
+        self.dirpath = dirpath
+        self.verify = verify
+        self.workers = workers
+        self.allowed = list(allowed_classes)
+        mpath = storage.join(dirpath, MANIFEST)
+        try:
+            raw = storage.read_bytes(mpath)
+        except FileNotFoundError as e:
+            raise CheckpointNotFoundError(
+                f"no committed checkpoint at {dirpath}: {MANIFEST} is missing (the save never "
+                "committed, or the path is wrong); list committed ones with Checkpointer.list()") from e
+        self.manifest = parse_manifest(raw, mpath)
+        self.step: int = int(self.manifest["step"])
+        self.name: str = self.manifest["name"]
+        meta_name = self.manifest["meta"]
+        self.meta = parse_meta(self._read_small(meta_name), storage.join(dirpath, meta_name))
+        try:
+            self.entries = [
+                _Entry(i, t["key"], _dtype(t["dtype"], meta_name), tuple(t["shape"]), t["file"], int(t["offset"]),
+                       int(t["nbytes"]), int(t["crc32c"]), bool(t.get("numpy")))
+                for i, t in enumerate(self.meta["tensors"])
+            ]
+        except (KeyError, TypeError, ValueError) as e:
+            raise IntegrityError(f"{storage.join(dirpath, meta_name)}: malformed tensor table ({e})") from e
+        for e in self.entries:
+            if e.file not in self.manifest["files"]:
+                raise IntegrityError(f"{meta_name}: tensor {e.key!r} points at {e.file!r}, which the manifest does not list")
+
+    # ---- files -------------------------------------------------------------------
+
+    def _expect(self, name: str) -> dict[str, int]:
+        rec = self.manifest["files"].get(name)
+        if rec is None:
+            raise IntegrityError(f"{self.dirpath}: file {name!r} is not listed in the manifest")
+        return rec
+
+    def _check_size(self, path: str, rec: dict[str, int]) -> None:
+        try:
+            actual = self.storage.size(path)
+        except FileNotFoundError as e:
+            raise IntegrityError(f"{path}: file listed in the manifest is missing; the checkpoint is damaged") from e
+        if actual != rec["size"]:
+            raise IntegrityError(
+                f"{path}: size is {actual} bytes but the manifest says {rec['size']}; the file is truncated "
+                "or was replaced. Load an earlier checkpoint (Checkpointer.list()).")
+
+    def _read_small(self, name: str) -> bytes:
+        rec = self._expect(name)
+        path = self.storage.join(self.dirpath, name)
+        self._check_size(path, rec)
+        data = self.storage.read_bytes(path)
+        if self.verify and crc32c(data) != rec["crc32c"]:
+            raise IntegrityError(f"{path}: checksum mismatch (CRC32C {crc32c(data):#010x}, manifest "
+                                 f"{rec['crc32c']:#010x}); the file is corrupt")
+        return data
+
+    def _read_file(self, name: str) -> torch.Tensor:
+        rec = self._expect(name)
+        path = self.storage.join(self.dirpath, name)
+        self._check_size(path, rec)
+        keep, buf = _alloc(rec["size"], pin=False)
+        view = memoryview(buf.numpy())[: rec["size"]]
+        self.storage.read_into(path, 0, view)
+        if self.verify:
+            actual = crc32c(view)
+            if actual != rec["crc32c"]:
+                raise IntegrityError(f"{path}: checksum mismatch{self._culprit(name, view)}; the file is corrupt. "
+                                     "Load an earlier checkpoint (Checkpointer.list()).")
+        buf._fastckpt_keep = keep  # type: ignore[attr-defined]  # the mmap lives as long as the views
+        return buf
+
+    def _culprit(self, name: str, view: memoryview) -> str:
+        for e in self.entries:
+            if e.file == name and crc32c(view[e.offset: e.offset + e.nbytes]) != e.crc:
+                return f" in tensor {e.key!r}"
+        return " in the file header"
+
+    def _objects(self) -> list[Any]:
+        name = self.meta.get("objects")
+        if not name:
+            return []
+        return loads_objects(self._read_small(name), self.allowed, self.storage.join(self.dirpath, name))
+
+    def _by_file(self) -> dict[str, list[_Entry]]:
+        files: dict[str, list[_Entry]] = {}
+        for e in self.entries:
+            files.setdefault(e.file, []).append(e)
+        return files
+
+    def _for_each_file(self, fn: Callable[[str, list[_Entry]], None]) -> None:
+        files = self._by_file()
+        if self.workers <= 1 or len(files) <= 1:
+            for name, entries in files.items():
+                fn(name, entries)
+            return
+        with ThreadPoolExecutor(min(self.workers, len(files)), thread_name_prefix="fastckpt-load") as pool:
+            for f in [pool.submit(fn, n, es) for n, es in files.items()]:
+                f.result()
+
+    # ---- public ------------------------------------------------------------------
+
+    def load(self, map_location: Any = None) -> Any:
+        """Rebuild the saved tree. Tensors land on ``map_location`` (default: CPU)."""
+        objects = self._objects()
+        tensors: list[Any] = [None] * len(self.entries)
+
+        def read(name: str, entries: list[_Entry]) -> None:
+            buf = self._read_file(name)
+            for e in entries:
+                tensors[e.index] = self._materialize(buf, e, map_location)
+
+        self._for_each_file(read)
+        for e in self.entries:
+            if e.nbytes == 0:
+                tensors[e.index] = self._materialize(None, e, map_location)
+        return decode_tree(self.meta["tree"], tensors, objects)
+
+    def _materialize(self, buf: torch.Tensor | None, e: _Entry, map_location: Any) -> Any:
+        if buf is None or e.nbytes == 0:
+            t = torch.empty(e.shape, dtype=e.dtype)
+        else:
+            raw = buf[e.offset: e.offset + e.nbytes]
+            if e.offset % max(e.dtype.itemsize, 1):
+                raw = raw.clone()  # a foreign layout: realign before viewing
+            t = raw.view(e.dtype).view(e.shape)
+        if e.numpy:
+            return t.numpy()
+        if map_location is not None:
+            t = _map(t, map_location)
+        return t
+
+    def load_into(self, target: Any) -> Any:
+        """Copy tensors into ``target``'s tensors in place; structure must match."""
+        from .plan import flatten
+
+        flat = flatten(target)
+        if len(flat.tensors) != len(self.entries):
+            raise StateMismatchError(
+                f"{self.dirpath}: checkpoint has {len(self.entries)} tensors, target has {len(flat.tensors)}; "
+                "the model/optimizer structure differs from the saved one")
+        for e, key, t in zip(self.entries, flat.keys, flat.tensors):
+            if key != e.key or tuple(t.shape) != e.shape or t.dtype != e.dtype:
+                raise StateMismatchError(
+                    f"{self.dirpath}: tensor {e.key!r} is {e.dtype} {list(e.shape)} in the checkpoint but target "
+                    f"has {key!r} {t.dtype} {list(t.shape)}")
+        objects = self._objects()
+
+        def read(name: str, entries: list[_Entry]) -> None:
+            buf = self._read_file(name)
+            for e in entries:
+                src = self._materialize(buf, e, None)
+                dst = flat.tensors[e.index]
+                with torch.no_grad():
+                    dst.copy_(torch.from_numpy(src) if e.numpy else src)
+
+        self._for_each_file(read)
+        rebuilt = [t.numpy() if e.numpy else t for e, t in zip(self.entries, flat.tensors)]
+        return decode_tree(self.meta["tree"], rebuilt, objects)
+
+
+def _map(t: torch.Tensor, map_location: Any) -> torch.Tensor:
+    if callable(map_location):
+        return map_location(t, "cpu")
+    if isinstance(map_location, dict):
+        return t.to(map_location.get("cpu", "cpu"))
+    return t.to(map_location)
+
+
+def _split(path: str) -> str:
+    path = path.rstrip("/")
+    return path[: -len(MANIFEST) - 1] if path.endswith("/" + MANIFEST) else path
+
+
+def load_checkpoint(path: str, *, map_location: Any = None, storage_options: dict | None = None,
+                    verify: bool = True, allowed_classes: Iterable[str] = ()) -> Any:
+    """Load one checkpoint directory (local path or URL) without a Checkpointer."""
+    from .storage import open_storage
+
+    storage = open_storage(_split(path), storage_options)
+    return CheckpointReader(storage, storage.url, verify=verify, allowed_classes=allowed_classes).load(map_location)
+
+
+def is_checkpoint(path: str, storage_options: dict | None = None) -> bool:
+    """Whether ``path`` holds a committed checkpoint (its manifest exists)."""
+    from .storage import open_storage
+
+    storage = open_storage(_split(path), storage_options)
+    return storage.exists(storage.join(storage.url, MANIFEST))

@@ -1,0 +1,271 @@
+"""The background pipeline: copy thread -> I/O workers -> committer.
+
+Each staged shard is handed to an I/O worker as soon as its copy finishes, so the
+device-to-host copy of shard *i+1* overlaps the write of shard *i*. The committer
+handles jobs strictly in save order: it waits for a job's files, writes the
+metadata, then the manifest (the commit), then garbage. Deletions travel through
+the same queue, so they always run behind the saves submitted before them.
+
+Threads: ``fastckpt-copy`` and ``fastckpt-commit`` are owned by ``Pipeline`` and
+stop on a ``None`` sentinel; ``fastckpt-io-*`` is an executor shut down by ``close``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from .checksum import combine, crc32c
+from .errors import FastCkptError, StorageError
+from .format import MANIFEST, FileRecord, build_manifest, parse_manifest, shard_file_name, shard_header
+from .handle import CheckpointInfo, SaveHandle
+from .plan import Plan, Shard
+from .staging import HostArena, Slot, copy_entries, entry_view
+from .storage import Storage, aligned_buffer
+
+__all__ = ["Job", "Pipeline"]
+
+log = logging.getLogger("fastckpt")
+
+
+@dataclass(eq=False)
+class Job:
+    """One snapshot on its way to storage."""
+
+    handle: SaveHandle
+    plan: Plan
+    slot: Slot
+    tensors: list[torch.Tensor]
+    numpy: list[bool]
+    tree: Any
+    objects: bytes | None
+    dirpath: str
+    t0: float
+    uid: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    writes: list[Future] = field(default_factory=list)
+    cuda_ready: Any = None  # event on the caller's stream at save() time
+    copy_stream: Any = None
+    error: BaseException | None = None
+    reported: bool = False  # the error was already raised from save() itself
+    shard_events: dict[int, Any] = field(default_factory=dict)
+
+
+class Pipeline:
+    """Owns the background threads of one ``Checkpointer``."""
+
+    def __init__(self, storage: Storage, arena: HostArena, workers: int,
+                 on_commit: Callable[[Job, CheckpointInfo], None],
+                 on_failure: Callable[[Job, FastCkptError], None]) -> None:
+        self.storage = storage
+        self._arena = arena
+        self._on_commit = on_commit
+        self._on_failure = on_failure
+        self._io = ThreadPoolExecutor(workers, thread_name_prefix="fastckpt-io")
+        self._copy_q: queue.Queue[Job | None] = queue.Queue()
+        self._commit_q: queue.Queue[Any] = queue.Queue()
+        self._copier = threading.Thread(target=self._copy_loop, name="fastckpt-copy", daemon=True)
+        self._committer = threading.Thread(target=self._commit_loop, name="fastckpt-commit", daemon=True)
+        self._copier.start()
+        self._committer.start()
+        self._closed = False
+
+    # ---- called by the Checkpointer on the training thread -------------------------
+
+    def stage_now(self, job: Job, shards: list[Shard]) -> None:
+        """Copy ``shards`` synchronously (eager tensors) and queue their writes."""
+        for shard in shards:
+            self._copy_shard(job, shard)
+
+    def submit(self, job: Job, lazy: list[Shard]) -> None:
+        """Queue ``job``: the copy thread stages ``lazy`` shards, then the committer commits."""
+        self._commit_q.put(job)
+        if lazy:
+            self._copy_q.put((job, lazy))  # type: ignore[arg-type]
+        else:
+            job.handle._staged.set()
+
+    def run_in_order(self, fn: Callable[[], Any]) -> Future:
+        """Run ``fn`` on the committer after every job submitted so far (deletions)."""
+        fut: Future = Future()
+        self._commit_q.put((fn, fut))
+        return fut
+
+    def close(self) -> None:
+        """Stop all threads after they drain their queues; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._copy_q.put(None)
+        self._copier.join()
+        self._commit_q.put(None)
+        self._committer.join()
+        self._io.shutdown(wait=True)
+
+    # ---- copy thread ---------------------------------------------------------------
+
+    def _copy_loop(self) -> None:
+        while True:
+            item = self._copy_q.get()
+            if item is None:
+                return
+            job, shards = item  # type: ignore[misc]
+            try:
+                if job.cuda_ready is not None:
+                    job.copy_stream.wait_event(job.cuda_ready)
+                for shard in shards:
+                    self._copy_shard(job, shard)
+            except BaseException as e:  # noqa: BLE001 - reported through the job
+                job.error = e
+            finally:
+                job.handle._cuda_events = list(job.shard_events.values())
+                job.handle.stats.staging_ms = (time.perf_counter() - job.t0) * 1e3
+                job.handle._staged.set()
+
+    def _copy_shard(self, job: Job, shard: Shard) -> None:
+        buf = job.slot.buffer(shard)
+        copy_entries(buf, shard.entries, job.tensors, job.copy_stream)
+        if job.copy_stream is not None and any(job.tensors[e.index].is_cuda for e in shard.entries):
+            ev = torch.cuda.Event()
+            ev.record(job.copy_stream)
+            job.shard_events[shard.index] = ev
+        job.writes.append(self._io.submit(self._write_shard, job, shard))
+
+    # ---- I/O workers -----------------------------------------------------------------
+
+    def _write_shard(self, job: Job, shard: Shard) -> tuple[FileRecord, list[int]]:
+        ev = job.shard_events.get(shard.index)
+        if ev is not None:
+            ev.synchronize()
+        buf = job.slot.held(shard)
+        header = shard_header(shard, job.handle.step)
+        crc = crc32c(header)
+        data = memoryview(buf.numpy())[: shard.nbytes]
+        tensor_crcs = []
+        for e in shard.entries:
+            c = crc32c(data[e.offset: e.offset + e.nbytes])
+            tensor_crcs.append(c)
+            crc = combine(crc, c, e.nbytes)
+        name = shard_file_name(shard.index, job.uid)
+        head_mm, head = aligned_buffer(len(header))  # page-aligned so O_DIRECT can take it
+        head[:] = header
+        self.storage.write_file(self.storage.join(job.dirpath, name), [head, data])
+        head.release()
+        head_mm.close()
+        job.slot.release(shard)
+        return FileRecord(name, len(header) + shard.nbytes, crc), tensor_crcs
+
+    # ---- committer -----------------------------------------------------------------
+
+    def _commit_loop(self) -> None:
+        while True:
+            item = self._commit_q.get()
+            if item is None:
+                return
+            if isinstance(item, tuple):
+                fn, fut = item
+                try:
+                    fut.set_result(fn())
+                except BaseException as e:  # noqa: BLE001 - handed to the caller's future
+                    fut.set_exception(e)
+                continue
+            self._finish(item)
+
+    def _finish(self, job: Job) -> None:
+        written: list[str] = []
+        try:
+            job.handle._staged.wait()
+            if job.error is not None:
+                raise job.error
+            results = [f.result() for f in job.writes]
+            written = [r[0].name for r in results]
+            info = self._commit(job, results, written)
+        except BaseException as e:  # noqa: BLE001 - every failure becomes the job's error
+            for ev in job.shard_events.values():
+                ev.synchronize()  # never recycle a buffer a DMA may still be writing
+            for f in job.writes:
+                if not f.done():
+                    f.exception()
+            self._discard(job, written + [r[0].name for r in _ok(job.writes)])
+            self._arena.release(job.slot)
+            err = e if isinstance(e, FastCkptError) else StorageError(
+                f"checkpoint {job.handle.name!r} at {job.handle.path} failed: {e}")
+            if err is not e:
+                err.__cause__ = e
+            job.handle.stats.persist_s = time.perf_counter() - job.t0
+            self._on_failure(job, err)
+            job.handle._durable.set_exception(err)
+            return
+        self._arena.release(job.slot)
+        job.handle.stats.persist_s = time.perf_counter() - job.t0
+        self._on_commit(job, info)
+        job.handle._durable.set_result(info)
+
+    def _commit(self, job: Job, results: list[tuple[FileRecord, list[int]]], written: list[str]) -> CheckpointInfo:
+        st = self.storage
+        files = [r[0] for r in results]
+        crcs: dict[int, int] = {}
+        by_shard = {s.index: s for s in job.plan.shards}
+        for rec, tcrcs in results:
+            shard = by_shard[int(rec.name.split("-")[1].split(".")[0])]
+            for e, c in zip(shard.entries, tcrcs):
+                crcs[e.index] = c
+        header_len = {s.index: len(shard_header(s, job.handle.step)) for s in job.plan.shards}
+        table = [
+            {
+                "key": e.key, "dtype": str(e.dtype).removeprefix("torch."), "shape": list(e.shape),
+                "file": shard_file_name(e.shard, job.uid), "offset": header_len[e.shard] + e.offset,
+                "nbytes": e.nbytes, "crc32c": crcs[e.index], "numpy": job.numpy[e.index],
+            }
+            for e in job.plan.entries
+        ]
+        if job.objects is not None:
+            obj_name = f"objects.{job.uid}.pt"
+            st.write_file(st.join(job.dirpath, obj_name), [memoryview(job.objects)])
+            written.append(obj_name)
+            files.append(FileRecord(obj_name, len(job.objects), crc32c(job.objects)))
+        meta = json.dumps({"tree": job.tree, "tensors": table,
+                           "objects": f"objects.{job.uid}.pt" if job.objects is not None else None}).encode()
+        meta_name = f"meta.{job.uid}.json"
+        st.write_file(st.join(job.dirpath, meta_name), [memoryview(meta)])
+        written.append(meta_name)
+        files.append(FileRecord(meta_name, len(meta), crc32c(meta)))
+        old = self._old_files(job.dirpath)
+        nbytes = sum(f.size for f in files)
+        manifest = build_manifest(job.handle.name, job.handle.step, files, meta_name, nbytes)
+        st.write_atomic(st.join(job.dirpath, MANIFEST), manifest)  # <- the commit point
+        job.handle.stats.nbytes = nbytes
+        for name in old - {f.name for f in files}:  # bytes of the checkpoint this one replaced
+            try:
+                st.delete(st.join(job.dirpath, name))
+            except StorageError as e:
+                log.warning("fastckpt: could not remove replaced file %s: %s", name, e)
+        return CheckpointInfo(job.handle.name, job.handle.step, job.dirpath, nbytes)
+
+    def _old_files(self, dirpath: str) -> set[str]:
+        try:
+            data = self.storage.read_bytes(self.storage.join(dirpath, MANIFEST))
+        except FileNotFoundError:
+            return set()
+        try:
+            return set(parse_manifest(data, dirpath)["files"])
+        except FastCkptError:
+            return set()
+
+    def _discard(self, job: Job, names: list[str]) -> None:
+        for name in set(names):
+            try:
+                self.storage.delete(self.storage.join(job.dirpath, name))
+            except Exception as e:  # noqa: BLE001 - storage may be the thing that failed
+                log.debug("fastckpt: could not remove partial file %s: %s", name, e)
+
+
+def _ok(futures: list[Future]) -> list[tuple[FileRecord, list[int]]]:
+    return [f.result() for f in futures if f.done() and f.exception() is None]

@@ -1,0 +1,179 @@
+"""Flatten a nested state into a tensor table and a JSON tree, and plan its file layout.
+
+The plan (which tensor goes to which shard file at which offset) depends only on
+the tensors' names, dtypes, shapes and copy class, so it is cached: a training
+loop that saves the same structure every N steps plans once and reuses the host
+buffers that belong to the plan.
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from .codec import encode_tree
+
+__all__ = ["TensorEntry", "Shard", "Plan", "FlatState", "flatten", "Planner", "st_dtype"]
+
+# safetensors dtype names; dtypes safetensors cannot name are stored as raw U8 bytes
+# with the real dtype kept in fastckpt's metadata, so plain readers still see bytes.
+_ST_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL", torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.float8_e4m3fnuz: "F8_E4M3FNUZ", torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
+}
+
+
+def st_dtype(dtype: torch.dtype) -> str:
+    """The safetensors dtype string for ``dtype`` (``U8`` when safetensors has none)."""
+    return _ST_DTYPES.get(dtype, "U8")
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    """One unique tensor in the checkpoint."""
+
+    index: int
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    nbytes: int
+    lazy: bool
+    shard: int = -1
+    offset: int = 0
+
+
+@dataclass(slots=True)
+class Shard:
+    """One safetensors file: entries laid out back to back from ``offset`` 0."""
+
+    index: int
+    entries: list[TensorEntry] = field(default_factory=list)
+    nbytes: int = 0
+    lazy: bool = False
+
+
+@dataclass(slots=True)
+class Plan:
+    """The cached layout of one state structure."""
+
+    key: tuple
+    entries: list[TensorEntry]
+    shards: list[Shard]
+    total_bytes: int
+    plan_id: int = 0
+
+
+@dataclass(slots=True)
+class FlatState:
+    """What ``flatten`` returns: unique tensors in table order, the JSON tree, pickled-object leaves."""
+
+    tree: Any
+    tensors: list[torch.Tensor]
+    keys: list[str]
+    numpy: list[bool]
+    objects: list[Any]
+
+
+def _key(path: tuple) -> str:
+    return "/".join(str(p) for p in path) or "tensor"
+
+
+def flatten(state: Any) -> FlatState:
+    """Walk ``state`` once; identical tensor views (tied weights) get one table entry."""
+    tensors: list[torch.Tensor] = []
+    keys: list[str] = []
+    numpy: list[bool] = []
+    seen: dict[tuple, int] = {}
+    used: set[str] = set()
+    objects: list[Any] = []
+
+    def on_tensor(path: tuple, t: torch.Tensor, is_numpy: bool) -> int:
+        if t.is_sparse or t.layout != torch.strided:
+            raise TypeError(f"tensor at {_key(path)!r} has layout {t.layout}; only strided tensors are supported")
+        ident = None
+        if t.numel() > 0 and not is_numpy:
+            ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device)
+            if ident in seen:
+                return seen[ident]
+        key = _key(path)
+        while key in used:  # keys from different containers may print alike
+            key += "#"
+        used.add(key)
+        tensors.append(t)
+        keys.append(key)
+        numpy.append(is_numpy)
+        if ident is not None:
+            seen[ident] = len(tensors) - 1
+        return len(tensors) - 1
+
+    tree = encode_tree(state, on_tensor, objects)
+    return FlatState(tree=tree, tensors=tensors, keys=keys, numpy=numpy, objects=objects)
+
+
+def _build_plan(key: tuple, entries: list[TensorEntry], chunk_bytes: int) -> Plan:
+    # Eager tensors go first so that save() fills the leading shards and the copy
+    # thread owns whole trailing shards; within a shard, wider dtypes first keeps
+    # every offset aligned to its element size with no holes (safetensors forbids holes).
+    order = sorted(entries, key=lambda e: (e.lazy, e.index))
+    shards: list[Shard] = []
+    current = Shard(index=0)
+    for e in order:
+        if current.entries and (current.nbytes + e.nbytes > chunk_bytes or current.lazy != e.lazy):
+            shards.append(current)
+            current = Shard(index=len(shards))
+        current.entries.append(e)
+        current.nbytes += e.nbytes
+        current.lazy = e.lazy
+    if current.entries:
+        shards.append(current)
+    placed: list[TensorEntry | None] = [None] * len(entries)
+    for shard in shards:
+        offset = 0
+        laid = []
+        for e in sorted(shard.entries, key=lambda e: (-e.dtype.itemsize, e.index)):
+            p = TensorEntry(e.index, e.key, e.dtype, e.shape, e.nbytes, e.lazy, shard.index, offset)
+            placed[e.index] = p
+            laid.append(p)
+            offset += e.nbytes
+        shard.entries = laid
+    return Plan(key=key, entries=placed, shards=shards, total_bytes=sum(s.nbytes for s in shards))  # type: ignore[arg-type]
+
+
+class Planner:
+    """Caches plans by structure. ``plans_built`` counts cache misses (tests assert on it)."""
+
+    def __init__(self, chunk_bytes: int, capacity: int = 4) -> None:
+        self._chunk_bytes = chunk_bytes
+        self._cache: OrderedDict[tuple, Plan] = OrderedDict()
+        self._capacity = capacity
+        self._lock = threading.Lock()
+        self.plans_built = 0
+
+    def plan(self, flat: FlatState, is_lazy: Callable[[torch.Tensor], bool]) -> Plan:
+        """Return the cached plan for this structure, building it on the first sight."""
+        lazy = [(not n) and is_lazy(t) for t, n in zip(flat.tensors, flat.numpy)]
+        key = tuple(
+            (k, t.dtype, tuple(t.shape), lz) for k, t, lz in zip(flat.keys, flat.tensors, lazy)
+        )
+        with self._lock:
+            plan = self._cache.get(key)
+            if plan is not None:
+                self._cache.move_to_end(key)
+                return plan
+            entries = [
+                TensorEntry(i, k, t.dtype, tuple(t.shape), t.numel() * t.element_size(), lz)
+                for i, (k, t, lz) in enumerate(zip(flat.keys, flat.tensors, lazy))
+            ]
+            plan = _build_plan(key, entries, self._chunk_bytes)
+            self.plans_built += 1
+            plan.plan_id = self.plans_built
+            self._cache[key] = plan
+            if len(self._cache) > self._capacity:
+                self._cache.popitem(last=False)
+            return plan

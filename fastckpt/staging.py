@@ -1,0 +1,193 @@
+"""Host staging memory and the copies into it.
+
+``HostArena`` owns reusable host buffers keyed by plan. A *slot* is one snapshot's
+worth of buffers; slots are created on demand (up to ``slots``) so a loop whose
+saves never overlap holds a single copy of the state. When ``max_host_bytes`` is
+smaller than the state, one slot streams the shards through a ring of chunk
+buffers that writers hand back, so staging memory stays bounded.
+
+Buffers are page-aligned (``mmap``) on CPU so writers can use O_DIRECT, and pinned
+on CUDA so device-to-host copies run asynchronously on a side stream.
+"""
+from __future__ import annotations
+
+import mmap
+import threading
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+
+from .plan import Plan, Shard, TensorEntry
+
+__all__ = ["HostArena", "Slot", "copy_entries", "entry_view"]
+
+
+def _alloc(nbytes: int, pin: bool) -> tuple[object, torch.Tensor]:
+    if pin:
+        t = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=True)
+        return t, t
+    mm = mmap.mmap(-1, max(nbytes, 1))  # page-aligned, zero-filled lazily by the kernel
+    return mm, torch.frombuffer(mm, dtype=torch.uint8)
+
+
+@dataclass(eq=False)
+class Slot:
+    """One snapshot's buffers. ``buffer(shard)`` may block in ring mode until a writer releases one."""
+
+    plan: Plan
+    ring: bool
+    pinned: bool
+    _buffers: dict[int, torch.Tensor] = field(default_factory=dict)
+    _free: list[torch.Tensor] = field(default_factory=list)
+    _held: dict[int, torch.Tensor] = field(default_factory=dict)
+    _keep: list[object] = field(default_factory=list)
+    _cond: threading.Condition = field(default_factory=threading.Condition)
+    busy: bool = False
+
+    def buffer(self, shard: Shard, timeout: float | None = None) -> torch.Tensor:
+        """Called by the copier before filling ``shard``."""
+        if not self.ring:
+            return self._buffers[shard.index]
+        with self._cond:
+            if not self._cond.wait_for(lambda: bool(self._free), timeout):
+                raise TimeoutError("no staging buffer was released in time")
+            buf = self._free.pop()
+            self._held[shard.index] = buf
+            return buf
+
+    def held(self, shard: Shard) -> torch.Tensor:
+        """Called by the writer: the buffer currently holding ``shard``."""
+        return self._buffers[shard.index] if not self.ring else self._held[shard.index]
+
+    def release(self, shard: Shard) -> None:
+        """Called by the writer once ``shard`` is on storage (ring mode recycles the buffer)."""
+        if self.ring:
+            with self._cond:
+                buf = self._held.pop(shard.index, None)
+                if buf is not None:
+                    self._free.append(buf)
+                    self._cond.notify()
+
+    def reset(self) -> None:
+        """Called when a snapshot ends (success or failure): every ring buffer is free again."""
+        if self.ring:
+            with self._cond:
+                self._free.extend(self._held.values())
+                self._held.clear()
+                self._cond.notify_all()
+
+
+class HostArena:
+    """Reusable staging buffers. ``allocations``/``allocated_bytes`` let tests prove reuse."""
+
+    def __init__(self, slots: int, max_host_bytes: int | None) -> None:
+        self._max_slots = slots
+        self._limit = max_host_bytes
+        self._slots: dict[int, list[Slot]] = {}
+        self._cond = threading.Condition()
+        self.allocations = 0
+        self.allocated_bytes = 0
+
+    def acquire(self, plan: Plan, pin: bool, block: bool, timeout: float | None = None) -> Slot | None:
+        """Called by ``save()``: a free slot for ``plan``, or None when busy and not blocking."""
+        with self._cond:
+            while True:
+                slot = self._try_acquire(plan, pin)
+                if slot is not None:
+                    slot.busy = True
+                    return slot
+                if not block:
+                    return None
+                if not self._cond.wait(timeout):
+                    raise TimeoutError("all staging slots stayed busy")
+
+    def release(self, slot: Slot) -> None:
+        """Called by the committer when a snapshot is finished with its buffers."""
+        slot.reset()
+        with self._cond:
+            slot.busy = False
+            self._cond.notify_all()
+
+    def _try_acquire(self, plan: Plan, pin: bool) -> Slot | None:
+        mine = self._slots.setdefault(plan.plan_id, [])
+        for slot in mine:
+            if not slot.busy and slot.pinned == pin:
+                return slot
+        if len(mine) >= self._max_slots_for(plan):
+            return None
+        # Other plans' idle buffers are dropped first so memory tracks the live structure.
+        self._evict_idle(keep=plan.plan_id)
+        slot = self._new_slot(plan, pin)
+        mine.append(slot)
+        return slot
+
+    def _max_slots_for(self, plan: Plan) -> int:
+        if self._limit is None or plan.total_bytes == 0:
+            return self._max_slots
+        return max(1, min(self._max_slots, self._limit // max(plan.total_bytes, 1)))
+
+    def _ring_mode(self, plan: Plan) -> bool:
+        return self._limit is not None and plan.total_bytes > self._limit
+
+    def _new_slot(self, plan: Plan, pin: bool) -> Slot:
+        ring = self._ring_mode(plan)
+        slot = Slot(plan=plan, ring=ring, pinned=pin)
+        if ring:
+            biggest = max(s.nbytes for s in plan.shards)
+            count = max(2, self._limit // max(biggest, 1))  # type: ignore[operator]
+            count = min(count, len(plan.shards))
+            for _ in range(count):
+                keep, buf = _alloc(biggest, pin)
+                slot._keep.append(keep)
+                slot._free.append(buf)
+                self._count(biggest)
+        else:
+            for shard in plan.shards:
+                keep, buf = _alloc(shard.nbytes, pin)
+                slot._keep.append(keep)
+                slot._buffers[shard.index] = buf
+                self._count(shard.nbytes)
+        return slot
+
+    def _count(self, nbytes: int) -> None:
+        self.allocations += 1
+        self.allocated_bytes += nbytes
+
+    def _evict_idle(self, keep: int) -> None:
+        for plan_id in list(self._slots):
+            if plan_id == keep:
+                continue
+            live = [s for s in self._slots[plan_id] if s.busy]
+            if live:
+                self._slots[plan_id] = live
+            else:
+                del self._slots[plan_id]
+
+    def close(self) -> None:
+        """Drop every buffer (called by ``Checkpointer.close``)."""
+        with self._cond:
+            self._slots.clear()
+
+
+def entry_view(buf: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
+    """The slice of ``buf`` holding ``entry``, viewed with its dtype and shape."""
+    raw = buf[entry.offset: entry.offset + entry.nbytes]
+    if entry.nbytes == 0:
+        return torch.empty(entry.shape, dtype=entry.dtype)
+    return raw.view(entry.dtype).view(entry.shape)
+
+
+def copy_entries(buf: torch.Tensor, entries: Iterable[TensorEntry], tensors: list[torch.Tensor],
+                 stream: "torch.cuda.Stream | None" = None) -> None:
+    """Copy each entry's source tensor into ``buf``. CUDA sources copy asynchronously on ``stream``."""
+    for e in entries:
+        if e.nbytes == 0:
+            continue
+        src = tensors[e.index].detach()
+        dst = entry_view(buf, e)
+        if src.is_cuda and stream is not None:
+            with torch.cuda.stream(stream):
+                dst.copy_(src, non_blocking=True)
+        else:
+            dst.copy_(src)

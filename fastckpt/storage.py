@@ -1,0 +1,347 @@
+"""Storage backends: one small protocol, a local fast path, and fsspec for the rest.
+
+Only this module touches fsspec. Errors are raised as ``StorageError`` naming the
+path, chained to the backend's exception.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+from .errors import StorageError
+
+__all__ = ["Storage", "LocalStorage", "FsspecStorage", "open_storage"]
+
+log = logging.getLogger("fastckpt")
+
+_DIRECT_ALIGN = 4096
+_READ_PIECE = 16 * 1024 * 1024  # ranged-read size for remote loads
+
+
+@runtime_checkable
+class Storage(Protocol):
+    """What the pipeline needs from a place that holds checkpoints."""
+
+    url: str
+
+    def join(self, *parts: str) -> str:
+        """Called by everyone to build child paths."""
+
+    def write_file(self, path: str, parts: Sequence[memoryview]) -> None:
+        """Called by an I/O worker: write ``parts`` back to back as one new, durable file."""
+
+    def write_atomic(self, path: str, data: bytes) -> None:
+        """Called by the committer: make ``path`` appear with ``data`` all at once (the commit)."""
+
+    def read_into(self, path: str, offset: int, out: memoryview) -> None:
+        """Called by loaders: fill ``out`` from ``path`` starting at ``offset``."""
+
+    def read_bytes(self, path: str) -> bytes:
+        """Called by loaders for small files (manifest, metadata)."""
+
+    def size(self, path: str) -> int:
+        """File size in bytes; raises FileNotFoundError when absent."""
+
+    def exists(self, path: str) -> bool:
+        """Whether a file exists at ``path``."""
+
+    def listdir(self, path: str) -> list[str]:
+        """Names directly under ``path`` (empty when it does not exist)."""
+
+    def delete(self, path: str) -> None:
+        """Remove one file; missing is fine."""
+
+    def delete_tree(self, path: str) -> None:
+        """Remove a directory and everything under it; missing is fine."""
+
+
+def _wrap(op: str, path: str, e: BaseException) -> StorageError:
+    err = StorageError(f"{op} {path!r} failed: {e}")
+    if isinstance(e, OSError):
+        err.errno = e.errno
+    return err
+
+
+class LocalStorage:
+    """Local files with large sequential writes, O_DIRECT where the filesystem allows it."""
+
+    def __init__(self, root: str, direct_io: str = "auto", fsync: bool = True) -> None:
+        self.url = os.path.abspath(root.removeprefix("file://"))
+        self._direct = direct_io
+        self._fsync = fsync
+        self._direct_works: bool | None = None if direct_io == "auto" else direct_io == "on"
+
+    def join(self, *parts: str) -> str:
+        return os.path.join(*parts)
+
+    def write_file(self, path: str, parts: Sequence[memoryview]) -> None:
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            if self._direct_works is not False and _aligned(parts) and hasattr(os, "O_DIRECT"):
+                if self._write_direct(path, parts):
+                    return
+            self._write_buffered(path, parts)
+        except OSError as e:
+            raise _wrap("writing", path, e) from e
+
+    def _write_direct(self, path: str, parts: Sequence[memoryview]) -> bool:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+        except OSError as e:
+            if e.errno != errno.EINVAL or self._direct == "on":
+                raise
+            self._note_direct(False, e)  # tmpfs and some FUSE mounts reject O_DIRECT
+            return False
+        tail: list[memoryview] = []
+        try:
+            for i, part in enumerate(parts):
+                cut = len(part) - len(part) % _DIRECT_ALIGN
+                _write_all(fd, part[:cut])
+                if cut != len(part):
+                    tail = [part[cut:], *parts[i + 1:]]
+                    break
+            self._note_direct(True, None)
+        finally:
+            os.close(fd)
+        if tail:  # the unaligned remainder goes through the page cache
+            fd = os.open(path, os.O_WRONLY)
+            try:
+                os.lseek(fd, 0, os.SEEK_END)
+                for part in tail:
+                    _write_all(fd, part)
+                if self._fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+        return True
+
+    def _note_direct(self, works: bool, e: OSError | None) -> None:
+        if self._direct_works is None:
+            self._direct_works = works
+            if not works:
+                log.info("fastckpt: O_DIRECT not supported under %s (%s); using buffered writes", self.url, e)
+
+    def _write_buffered(self, path: str, parts: Sequence[memoryview]) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            for part in parts:
+                _write_all(fd, part)
+            if self._fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def write_atomic(self, path: str, data: bytes) -> None:
+        tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            self._write_buffered(tmp, [memoryview(data)])
+            os.replace(tmp, path)  # atomic on POSIX: readers see old or new, never half
+            if self._fsync:
+                _fsync_dir(os.path.dirname(path))
+        except OSError as e:
+            _silent_remove(tmp)
+            raise _wrap("committing", path, e) from e
+
+    def read_into(self, path: str, offset: int, out: memoryview) -> None:
+        try:
+            with open(path, "rb", buffering=0) as f:
+                f.seek(offset)
+                got = 0
+                while got < len(out):
+                    n = f.readinto(out[got:])
+                    if not n:
+                        raise EOFError(f"file ended after {offset + got} bytes")
+                    got += n
+        except (OSError, EOFError) as e:
+            raise _wrap("reading", path, e) from e
+
+    def read_bytes(self, path: str) -> bytes:
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            raise
+        except OSError as e:
+            raise _wrap("reading", path, e) from e
+
+    def size(self, path: str) -> int:
+        return os.stat(path).st_size
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(path)
+
+    def listdir(self, path: str) -> list[str]:
+        try:
+            return os.listdir(path)
+        except FileNotFoundError:
+            return []
+
+    def delete(self, path: str) -> None:
+        _silent_remove(path)
+
+    def delete_tree(self, path: str) -> None:
+        import shutil
+
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _aligned(parts: Sequence[memoryview]) -> bool:
+    import numpy as np
+
+    for part in parts[:-1]:
+        if len(part) % _DIRECT_ALIGN:
+            return False
+    for part in parts:
+        if len(part) and np.frombuffer(part, dtype=np.uint8).ctypes.data % _DIRECT_ALIGN:
+            return False
+    return True
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    while len(data):
+        n = os.write(fd, data[: 1 << 30])
+        data = data[n:]
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _silent_remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
+class FsspecStorage:
+    """Any fsspec filesystem (s3://, memory://, gs://...). Object stores commit by PUT."""
+
+    def __init__(self, url: str, storage_options: dict[str, Any], workers: int = 4) -> None:
+        try:
+            import fsspec
+        except ImportError as e:  # pragma: no cover - fsspec is a hard dependency
+            raise StorageError("fsspec is required for remote roots: pip install fsspec") from e
+        try:
+            fs, path = fsspec.core.url_to_fs(url, **storage_options)
+        except ImportError as e:
+            raise StorageError(f"no fsspec backend for {url!r}: {e}. For s3:// install fastckpt[s3] (s3fs)") from e
+        except (ValueError, TypeError) as e:
+            raise StorageError(f"cannot open storage {url!r}: {e}") from e
+        self.fs = fs
+        self._protocol = url.split("://", 1)[0]
+        self.url = f"{self._protocol}://{path}" if "://" in url else path
+        self._workers = workers
+
+    def _p(self, path: str) -> str:
+        return path.split("://", 1)[1] if "://" in path else path
+
+    def join(self, *parts: str) -> str:
+        return "/".join(p.strip("/") if i else p.rstrip("/") for i, p in enumerate(parts))
+
+    def write_file(self, path: str, parts: Sequence[memoryview]) -> None:
+        try:
+            # s3fs turns this into a multipart upload, one part per block.
+            with self.fs.open(self._p(path), "wb", block_size=max(5 << 20, 64 << 20)) as f:
+                for part in parts:
+                    f.write(part)
+        except Exception as e:
+            raise _wrap("uploading", path, e) from e
+
+    def write_atomic(self, path: str, data: bytes) -> None:
+        try:
+            self.fs.pipe_file(self._p(path), data)  # one PUT: the object appears whole or not at all
+        except Exception as e:
+            raise _wrap("committing", path, e) from e
+
+    def read_into(self, path: str, offset: int, out: memoryview) -> None:
+        pieces = [(s, min(s + _READ_PIECE, len(out))) for s in range(0, len(out), _READ_PIECE)]
+
+        def fetch(piece: tuple[int, int]) -> None:
+            start, end = piece
+            data = self.fs.cat_file(self._p(path), start=offset + start, end=offset + end)
+            if len(data) != end - start:
+                raise EOFError(f"short read at {offset + start}: got {len(data)} of {end - start} bytes")
+            out[start:end] = data
+
+        try:
+            if len(pieces) <= 1:
+                for p in pieces:
+                    fetch(p)
+            else:  # concurrent ranged GETs: one connection rarely fills the link
+                with ThreadPoolExecutor(self._workers, thread_name_prefix="fastckpt-read") as pool:
+                    list(pool.map(fetch, pieces))
+        except Exception as e:
+            raise _wrap("reading", path, e) from e
+
+    def read_bytes(self, path: str) -> bytes:
+        try:
+            return self.fs.cat_file(self._p(path))
+        except FileNotFoundError:
+            raise
+        except Exception as e:
+            raise _wrap("reading", path, e) from e
+
+    def size(self, path: str) -> int:
+        try:
+            return int(self.fs.size(self._p(path)))
+        except FileNotFoundError:
+            raise
+        except Exception as e:
+            raise _wrap("stat of", path, e) from e
+
+    def exists(self, path: str) -> bool:
+        try:
+            return bool(self.fs.exists(self._p(path)))
+        except Exception as e:
+            raise _wrap("checking", path, e) from e
+
+    def listdir(self, path: str) -> list[str]:
+        try:
+            self.fs.invalidate_cache(self._p(path))
+            entries = self.fs.ls(self._p(path), detail=False)
+        except FileNotFoundError:
+            return []
+        except Exception as e:
+            raise _wrap("listing", path, e) from e
+        return [e.rstrip("/").rsplit("/", 1)[-1] for e in entries]
+
+    def delete(self, path: str) -> None:
+        try:
+            self.fs.rm_file(self._p(path))
+        except FileNotFoundError:
+            pass
+        except Exception as e:
+            raise _wrap("deleting", path, e) from e
+
+    def delete_tree(self, path: str) -> None:
+        try:
+            self.fs.rm(self._p(path), recursive=True)
+        except FileNotFoundError:
+            pass
+        except Exception as e:
+            raise _wrap("deleting", path, e) from e
+
+
+def open_storage(root: str, storage_options: dict[str, Any] | None = None, *, direct_io: str = "auto",
+                 fsync: bool = True, workers: int = 4) -> Storage:
+    """Local paths and ``file://`` get ``LocalStorage``; every other URL goes through fsspec."""
+    if "://" not in root or root.startswith("file://"):
+        return LocalStorage(root, direct_io=direct_io, fsync=fsync)
+    return FsspecStorage(root, storage_options or {}, workers=workers)
+
+
+def aligned_buffer(nbytes: int) -> tuple[mmap.mmap, memoryview]:
+    """A page-aligned anonymous buffer (usable for O_DIRECT)."""
+    mm = mmap.mmap(-1, max(nbytes, 1))
+    return mm, memoryview(mm)[:nbytes]
