@@ -150,13 +150,16 @@ def loads_objects(data: bytes, allowed: Iterable[str], source: str) -> list[Any]
 
 def dumps_objects(objects: list[Any], allowed: Iterable[str]) -> bytes:
     """Pickle the object table, then prove it loads back under the same allowlist."""
+    kinds = sorted({f"{type(o).__module__}.{type(o).__qualname__}" for o in objects})
     buf = io.BytesIO()
-    torch.save(objects, buf)
+    try:
+        torch.save(objects, buf)
+    except Exception as e:  # pickling errors come as AttributeError, TypeError, PicklingError
+        raise UnsafeCheckpointError(f"state holds objects that cannot be serialized ({kinds}): {e}") from e
     data = buf.getvalue()
     try:
         loads_objects(data, allowed, "save()")
     except UnsafeCheckpointError as e:
-        kinds = sorted({f"{type(o).__module__}.{type(o).__qualname__}" for o in objects})
         raise UnsafeCheckpointError(
             f"state holds objects the safe loader would refuse: {kinds}. Convert them to plain "
             "values, or list the classes in config allowed_classes."

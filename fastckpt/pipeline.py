@@ -11,6 +11,7 @@ stop on a ``None`` sentinel; ``fastckpt-io-*`` is an executor shut down by ``clo
 """
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import queue
@@ -34,6 +35,7 @@ from .storage import Storage, aligned_buffer
 __all__ = ["Job", "Pipeline"]
 
 log = logging.getLogger("fastckpt")
+_ids = itertools.count(1)
 
 
 @dataclass(eq=False)
@@ -68,11 +70,12 @@ class Pipeline:
         self._arena = arena
         self._on_commit = on_commit
         self._on_failure = on_failure
-        self._io = ThreadPoolExecutor(workers, thread_name_prefix="fastckpt-io")
+        n = next(_ids)  # several Checkpointers may live in one process
+        self._io = ThreadPoolExecutor(workers, thread_name_prefix=f"fastckpt-io-{n}")
         self._copy_q: queue.Queue[Job | None] = queue.Queue()
         self._commit_q: queue.Queue[Any] = queue.Queue()
-        self._copier = threading.Thread(target=self._copy_loop, name="fastckpt-copy", daemon=True)
-        self._committer = threading.Thread(target=self._commit_loop, name="fastckpt-commit", daemon=True)
+        self._copier = threading.Thread(target=self._copy_loop, name=f"fastckpt-copy-{n}", daemon=True)
+        self._committer = threading.Thread(target=self._commit_loop, name=f"fastckpt-commit-{n}", daemon=True)
         self._copier.start()
         self._committer.start()
         self._closed = False
@@ -179,21 +182,19 @@ class Pipeline:
             self._finish(item)
 
     def _finish(self, job: Job) -> None:
-        written: list[str] = []
         try:
             job.handle._staged.wait()
             if job.error is not None:
                 raise job.error
             results = [f.result() for f in job.writes]
-            written = [r[0].name for r in results]
-            info = self._commit(job, results, written)
+            info = self._commit(job, results)
         except BaseException as e:  # noqa: BLE001 - every failure becomes the job's error
             for ev in job.shard_events.values():
                 ev.synchronize()  # never recycle a buffer a DMA may still be writing
             for f in job.writes:
                 if not f.done():
                     f.exception()
-            self._discard(job, written + [r[0].name for r in _ok(job.writes)])
+            self._discard(job)
             self._arena.release(job.slot)
             err = e if isinstance(e, FastCkptError) else StorageError(
                 f"checkpoint {job.handle.name!r} at {job.handle.path} failed: {e}")
@@ -208,7 +209,7 @@ class Pipeline:
         self._on_commit(job, info)
         job.handle._durable.set_result(info)
 
-    def _commit(self, job: Job, results: list[tuple[FileRecord, list[int]]], written: list[str]) -> CheckpointInfo:
+    def _commit(self, job: Job, results: list[tuple[FileRecord, list[int]]]) -> CheckpointInfo:
         st = self.storage
         files = [r[0] for r in results]
         crcs: dict[int, int] = {}
@@ -229,13 +230,11 @@ class Pipeline:
         if job.objects is not None:
             obj_name = f"objects.{job.uid}.pt"
             st.write_file(st.join(job.dirpath, obj_name), [memoryview(job.objects)])
-            written.append(obj_name)
             files.append(FileRecord(obj_name, len(job.objects), crc32c(job.objects)))
         meta = json.dumps({"tree": job.tree, "tensors": table,
                            "objects": f"objects.{job.uid}.pt" if job.objects is not None else None}).encode()
         meta_name = f"meta.{job.uid}.json"
         st.write_file(st.join(job.dirpath, meta_name), [memoryview(meta)])
-        written.append(meta_name)
         files.append(FileRecord(meta_name, len(meta), crc32c(meta)))
         old = self._old_files(job.dirpath)
         nbytes = sum(f.size for f in files)
@@ -259,13 +258,14 @@ class Pipeline:
         except FastCkptError:
             return set()
 
-    def _discard(self, job: Job, names: list[str]) -> None:
-        for name in set(names):
-            try:
+    def _discard(self, job: Job) -> None:
+        """Remove every file this job may have written (never another save's: names carry the uid)."""
+        names = [shard_file_name(s.index, job.uid) for s in job.plan.shards]
+        names += [f"meta.{job.uid}.json", f"objects.{job.uid}.pt"]
+        try:
+            for name in names:
                 self.storage.delete(self.storage.join(job.dirpath, name))
-            except Exception as e:  # noqa: BLE001 - storage may be the thing that failed
-                log.debug("fastckpt: could not remove partial file %s: %s", name, e)
-
-
-def _ok(futures: list[Future]) -> list[tuple[FileRecord, list[int]]]:
-    return [f.result() for f in futures if f.done() and f.exception() is None]
+            if not self.storage.listdir(job.dirpath):
+                self.storage.delete_tree(job.dirpath)
+        except Exception as e:  # noqa: BLE001 - storage may be the thing that failed
+            log.warning("fastckpt: could not remove partial files of %s: %s", job.dirpath, e)

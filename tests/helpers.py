@@ -1,0 +1,111 @@
+"""Shared test helpers: bit-exact comparison and storages that fail or stall on demand."""
+from __future__ import annotations
+
+import errno
+import threading
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from fastckpt.storage import Storage
+
+
+def assert_bit_equal(a: Any, b: Any, path: str = "state") -> None:
+    """Recursively compare two states; tensors must match bit for bit (NaNs included)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), f"{path}: expected a tensor, got {type(b).__name__}"
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"
+        ac, bc = a.detach().cpu().contiguous().reshape(-1), b.detach().cpu().contiguous().reshape(-1)
+        if ac.numel():
+            assert ac.view(torch.uint8).numpy().tobytes() == bc.view(torch.uint8).numpy().tobytes(), \
+                f"{path}: tensor bytes differ"
+    elif isinstance(a, np.ndarray):
+        assert isinstance(b, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape, path
+        assert a.tobytes() == b.tobytes(), f"{path}: array bytes differ"
+    elif isinstance(a, dict):
+        assert isinstance(b, dict), f"{path}: expected dict, got {type(b).__name__}"
+        assert list(a.keys()) == list(b.keys()), f"{path}: keys {list(a)} vs {list(b)}"
+        for k in a:
+            assert_bit_equal(a[k], b[k], f"{path}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), f"{path}: {type(a).__name__}[{len(a)}] vs {type(b).__name__}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_bit_equal(x, y, f"{path}[{i}]")
+    elif isinstance(a, float) and a != a:
+        assert isinstance(b, float) and b != b, f"{path}: NaN lost"
+    else:
+        assert type(a) is type(b) and a == b, f"{path}: {a!r} vs {b!r}"
+
+
+def clone_state(obj: Any) -> Any:
+    """A deep copy with tensors cloned (the reference values at save time)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return type(obj)((k, clone_state(v)) for k, v in obj.items())
+    if isinstance(obj, list):
+        return [clone_state(v) for v in obj]
+    if type(obj) is tuple:
+        return tuple(clone_state(v) for v in obj)
+    return obj
+
+
+class WrappedStorage:
+    """Delegates everything to ``inner``; subclasses override what they fault."""
+
+    def __init__(self, inner: Storage) -> None:
+        self.inner = inner
+        self.url = inner.url
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def join(self, *parts: str) -> str:
+        return self.inner.join(*parts)
+
+    def write_file(self, path: str, parts: Sequence[memoryview]) -> None:
+        self.inner.write_file(path, parts)
+
+    def write_atomic(self, path: str, data: bytes) -> None:
+        self.inner.write_atomic(path, data)
+
+
+class FaultyStorage(WrappedStorage):
+    """Fails the ``fail_on``-th data write (1-based) after writing part of it, like a full disk."""
+
+    def __init__(self, inner: Storage, fail_on: int = 1, err: int = errno.ENOSPC) -> None:
+        super().__init__(inner)
+        self.fail_on = fail_on
+        self.err = err
+        self.writes = 0
+        self.armed = True
+        self._lock = threading.Lock()
+
+    def write_file(self, path: str, parts: Sequence[memoryview]) -> None:
+        with self._lock:
+            self.writes += 1
+            fail = self.armed and self.writes == self.fail_on
+        if fail:
+            self.inner.write_file(path, [parts[0][: max(1, len(parts[0]) // 2)]])  # a torn file stays behind
+            raise OSError(self.err, f"injected: {errno.errorcode[self.err]}", path)
+        self.inner.write_file(path, parts)
+
+
+class GatedStorage(WrappedStorage):
+    """Blocks every data write until ``gate`` is set; ``entered`` fires when a write is waiting."""
+
+    def __init__(self, inner: Storage) -> None:
+        super().__init__(inner)
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+        self.deleted: list[str] = []
+
+    def write_file(self, path: str, parts: Sequence[memoryview]) -> None:
+        self.entered.set()
+        self.gate.wait(timeout=60)
+        self.inner.write_file(path, parts)
+
+    def delete(self, path: str) -> None:
+        self.deleted.append(path)
+        self.inner.delete(path)

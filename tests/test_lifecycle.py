@@ -1,0 +1,66 @@
+"""Threads, close(), interpreter exit."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastckpt import CheckpointConfig, Checkpointer, ConfigError, FastCkptError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _fastckpt_threads() -> set[str]:
+    return {t.name for t in threading.enumerate() if t.name.startswith("fastckpt")}
+
+
+def test_threads_are_named_and_stop_on_close(tmp_path) -> None:
+    before = _fastckpt_threads()
+    ckpt = Checkpointer(CheckpointConfig(root=str(tmp_path)))
+    ckpt.save({"x": torch.ones(3)}, step=1)
+    names = _fastckpt_threads() - before
+    assert {n.rsplit("-", 1)[0] for n in names} >= {"fastckpt-copy", "fastckpt-commit"}
+    ckpt.close()
+    ckpt.close()  # idempotent
+    assert _fastckpt_threads() - before == set()
+    with pytest.raises(FastCkptError, match="closed"):
+        ckpt.save({"x": torch.ones(3)}, step=2)
+    with Checkpointer(CheckpointConfig(root=str(tmp_path))) as again:
+        assert again.latest() == 1
+
+
+def test_close_is_safe_after_failed_init(tmp_path) -> None:
+    with pytest.raises(ConfigError):
+        Checkpointer("not a config")  # type: ignore[arg-type]
+
+
+def test_bad_names_and_steps(tmp_path) -> None:
+    with Checkpointer(CheckpointConfig(root=str(tmp_path))) as ckpt:
+        for bad in ("", "a/b", ".hidden", ".."):
+            with pytest.raises(ConfigError, match="name"):
+                ckpt.save({"x": torch.ones(1)}, step=1, name=bad)
+        with pytest.raises(ConfigError, match="step"):
+            ckpt.save({"x": torch.ones(1)}, step=-1)
+
+
+def test_pending_save_is_flushed_at_interpreter_exit(tmp_path) -> None:
+    script = textwrap.dedent("""
+        import sys, torch
+        from fastckpt import Checkpointer, CheckpointConfig
+        ck = Checkpointer(CheckpointConfig(root=sys.argv[1]))
+        ck.save({"w": torch.full((512, 512), 7.0)}, step=42)
+        # no wait(), no close(): the atexit hook must flush
+    """)
+    r = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True,
+                       cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "flushing 1 pending checkpoint" in r.stderr
+    with Checkpointer(CheckpointConfig(root=str(tmp_path))) as ckpt:
+        assert ckpt.latest() == 42
+        assert torch.equal(ckpt.load()["w"], torch.full((512, 512), 7.0))
