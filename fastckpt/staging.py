@@ -28,6 +28,8 @@ def _alloc(nbytes: int, pin: bool) -> tuple[object, torch.Tensor]:
         t = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=True)
         return t, t
     mm = mmap.mmap(-1, max(nbytes, 1))  # page-aligned, zero-filled lazily by the kernel
+    if nbytes >= 1 << 21 and hasattr(mmap, "MADV_HUGEPAGE"):
+        mm.madvise(mmap.MADV_HUGEPAGE)  # 512x fewer page faults on the first copy into it
     return mm, torch.frombuffer(mm, dtype=torch.uint8)
 
 

@@ -106,6 +106,8 @@ class LocalStorage:
                     tail = [part[cut:], *parts[i + 1:]]
                     break
             self._note_direct(True, None)
+            if self._fsync and not tail:  # O_DIRECT skips the cache, not the metadata journal
+                os.fsync(fd)
         finally:
             os.close(fd)
         if tail:  # the unaligned remainder goes through the page cache
@@ -165,8 +167,8 @@ class LocalStorage:
         try:
             with open(path, "rb") as f:
                 return f.read()
-        except FileNotFoundError:
-            raise
+        except (FileNotFoundError, NotADirectoryError) as e:
+            raise FileNotFoundError(e.errno, e.strerror, path) from e
         except OSError as e:
             raise _wrap("reading", path, e) from e
 
