@@ -1,0 +1,72 @@
+"""Shared fixtures. S3 tests run against a real SeaweedFS server (see `s3server.py`)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import pytest
+
+from tests.faultproxy import FaultProxy
+from tests.s3server import S3Server, s3_storage_options, start_s3_server
+
+_S3_FIXTURES = {"s3_server", "s3_root", "s3_fault_proxy"}
+
+
+def pytest_collection_modifyitems(items):
+    """Mark every test that uses the S3 server `s3`, so `-m "not s3"` skips them all."""
+    for item in items:
+        if _S3_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.s3)
+
+
+class S3Root(NamedTuple):
+    """A unique, empty `s3://bucket/prefix` for one test, and the options to reach it."""
+
+    url: str
+    storage_options: dict
+
+
+@dataclass
+class ProxiedS3:
+    """The S3 server seen through a `FaultProxy`; its options fail fast (no botocore retries,
+    short timeouts) so a fault shows up in seconds, not minutes."""
+
+    proxy: FaultProxy
+    server: S3Server
+
+    @property
+    def endpoint_url(self) -> str:
+        return self.proxy.endpoint_url
+
+    @property
+    def storage_options(self) -> dict:
+        return s3_storage_options(self.proxy.endpoint_url, connect_timeout=2, read_timeout=5,
+                                  retries={"max_attempts": 1, "mode": "standard"})
+
+    def fresh_url(self, prefix: str = "t") -> str:
+        return self.server.fresh_url(prefix)
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory) -> S3Server:
+    """One SeaweedFS `weed mini` on loopback for the whole session; stopped by pid at the end."""
+    server = start_s3_server(tmp_path_factory.mktemp("seaweedfs"))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_root(s3_server, request) -> S3Root:
+    prefix = re.sub(r"[^A-Za-z0-9_-]+", "-", request.node.name)[:40].strip("-") or "t"
+    return S3Root(s3_server.fresh_url(prefix), s3_server.storage_options)
+
+
+@pytest.fixture
+def s3_fault_proxy(s3_server) -> ProxiedS3:
+    """A fault proxy in front of the session's S3 server, in pass-through mode at the start."""
+    with FaultProxy(("127.0.0.1", s3_server.port), name="s3-faultproxy") as proxy:
+        yield ProxiedS3(proxy, s3_server)
