@@ -21,7 +21,8 @@ from .handle import CheckpointInfo, SaveHandle, SaveStats
 from .loader import CheckpointReader
 from .pipeline import Job, Pipeline
 from .plan import Planner, flatten
-from .staging import HostArena
+from .staging import HostArena, Slot
+from .tiers import ShmTier
 from .storage import Storage, open_storage
 
 __all__ = ["Checkpointer", "WatchHandle"]
@@ -61,7 +62,9 @@ class Checkpointer:
         self.storage = storage or open_storage(config.root, config.storage_options, direct_io=p.direct_io,
                                                fsync=p.fsync, workers=p.workers)
         self._planner = Planner(p.chunk_bytes)
-        self._arena = HostArena(config.staging.slots, config.staging.max_host_bytes)
+        st = config.staging
+        self._shm = ShmTier(st.shm_dir, self.storage.url) if st.shm else None
+        self._arena = HostArena(st.slots, st.max_host_bytes, self._shm)
         self._watched: weakref.WeakSet = weakref.WeakSet()
         self._hooks: list[WatchHandle] = []
         self._lock = threading.Lock()
@@ -73,6 +76,28 @@ class Checkpointer:
         self._pipeline = Pipeline(self.storage, self._arena, p.workers, self._on_commit, self._on_failure)
         self._atexit = _exit_flusher(self)
         atexit.register(self._atexit)
+        self.recovered: list[SaveHandle] = self._recover() if self._shm is not None else []
+
+    def _recover(self) -> list[SaveHandle]:
+        """Persist snapshots that a crashed process had staged in shared memory."""
+        handles = []
+        for rec in self._shm.orphans():  # type: ignore[union-attr]
+            log.warning("fastckpt: recovering checkpoint %r (step %d) staged in shared memory by a crashed "
+                        "process", rec.name, rec.step)
+            slot = Slot(plan=rec.plan, ring=False, pinned=False, dir=rec.dir, recovered=True)
+            for shard in rec.plan.shards:
+                keep, buf = ShmTier.alloc(rec.dir, shard.index, shard.nbytes)
+                slot._keep.append(keep)
+                slot._buffers[shard.index] = buf
+            handle = SaveHandle(name=rec.name, step=rec.step, path=rec.dirpath,
+                                stats=SaveStats(step=rec.step, name=rec.name), _on_error_seen=self._mark_seen)
+            job = Job(handle, rec.plan, slot, [], rec.numpy, rec.tree, rec.objects, rec.dirpath,
+                      time.perf_counter(), uid=rec.uid)
+            with self._lock:
+                self._pending.append(handle)
+            self._pipeline.submit_recovered(job)  # type: ignore[union-attr]
+            handles.append(handle)
+        return handles
 
     # ---- saving ----------------------------------------------------------------------
 

@@ -51,12 +51,20 @@ class StagingOptions:
     """``wait`` blocks ``save()`` until a slot frees; ``skip`` drops the save and reports it."""
     max_host_bytes: int | None = None
     """Upper bound on staging memory. Past it, one slot streams through a ring of chunk buffers."""
+    shm: bool = False
+    """Stage in shared memory: a snapshot staged before a crash is persisted by the next process."""
+    shm_dir: str = "/dev/shm"
+    """Where shared-memory staging files live (a tmpfs)."""
 
     def __post_init__(self) -> None:
         _check_choice("staging.", "mode", self.mode, _MODES)
         _check_int("staging.", "slots", self.slots, 1)
         _check_choice("staging.", "when_busy", self.when_busy, _WHEN_BUSY)
         _check_int("staging.", "max_host_bytes", self.max_host_bytes, 1, allow_none=True)
+        if not isinstance(self.shm, bool):
+            raise ConfigError(f"staging.shm must be true or false, got {self.shm!r}")
+        if not isinstance(self.shm_dir, str) or not self.shm_dir:
+            raise ConfigError(f"staging.shm_dir must be a directory path, got {self.shm_dir!r}")
 
 
 @dataclass(kw_only=True, slots=True)

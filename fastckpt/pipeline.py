@@ -31,6 +31,7 @@ from .handle import CheckpointInfo, SaveHandle
 from .plan import Plan, Shard
 from .staging import HostArena, Slot, copy_entries, entry_view
 from .storage import Storage, aligned_buffer
+from .tiers import ShmTier
 
 __all__ = ["Job", "Pipeline"]
 
@@ -94,6 +95,13 @@ class Pipeline:
             self._copy_q.put((job, lazy))  # type: ignore[arg-type]
         else:
             job.handle._staged.set()
+
+    def submit_recovered(self, job: Job) -> None:
+        """Persist a snapshot adopted from shared memory: its bytes are already staged."""
+        job.handle._staged.set()
+        for shard in job.plan.shards:
+            job.writes.append(self._io.submit(self._write_shard, job, shard))
+        self._commit_q.put(job)
 
     def run_in_order(self, fn: Callable[[], Any]) -> Future:
         """Run ``fn`` on the committer after every job submitted so far (deletions)."""
@@ -186,6 +194,10 @@ class Pipeline:
             job.handle._staged.wait()
             if job.error is not None:
                 raise job.error
+            if job.slot.dir is not None and not job.slot.recovered:
+                for ev in job.shard_events.values():
+                    ev.synchronize()
+                ShmTier.write_record(job.slot.dir, job)  # from here a crash loses nothing staged
             results = [f.result() for f in job.writes]
             info = self._commit(job, results)
         except BaseException as e:  # noqa: BLE001 - every failure becomes the job's error
@@ -195,7 +207,7 @@ class Pipeline:
                 if not f.done():
                     f.exception()
             self._discard(job)
-            self._arena.release(job.slot)
+            self._release(job)
             err = e if isinstance(e, FastCkptError) else StorageError(
                 f"checkpoint {job.handle.name!r} at {job.handle.path} failed: {e}")
             if err is not e:
@@ -204,10 +216,18 @@ class Pipeline:
             self._on_failure(job, err)
             job.handle._durable.set_exception(err)
             return
-        self._arena.release(job.slot)
+        self._release(job)
         job.handle.stats.persist_s = time.perf_counter() - job.t0
         self._on_commit(job, info)
         job.handle._durable.set_result(info)
+
+    def _release(self, job: Job) -> None:
+        if job.slot.dir is not None:
+            if job.slot.recovered:
+                ShmTier.remove(job.slot.dir)
+            else:
+                ShmTier.clear_record(job.slot.dir)
+        self._arena.release(job.slot)
 
     def _commit(self, job: Job, results: list[tuple[FileRecord, list[int]]]) -> CheckpointInfo:
         st = self.storage

@@ -14,11 +14,14 @@ from __future__ import annotations
 import mmap
 import threading
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import torch
 
 from .plan import Plan, Shard, TensorEntry
+
+if TYPE_CHECKING:
+    from .tiers import ShmTier
 
 __all__ = ["HostArena", "Slot", "copy_entries", "entry_view"]
 
@@ -46,6 +49,8 @@ class Slot:
     _keep: list[object] = field(default_factory=list)
     _cond: threading.Condition = field(default_factory=threading.Condition)
     busy: bool = False
+    dir: str | None = None  # shared-memory folder backing the buffers (staging.shm)
+    recovered: bool = False  # adopted from a crashed process; not owned by an arena
 
     def buffer(self, shard: Shard, timeout: float | None = None) -> torch.Tensor:
         """Called by the copier before filling ``shard``."""
@@ -83,7 +88,8 @@ class Slot:
 class HostArena:
     """Reusable staging buffers. ``allocations``/``allocated_bytes`` let tests prove reuse."""
 
-    def __init__(self, slots: int, max_host_bytes: int | None) -> None:
+    def __init__(self, slots: int, max_host_bytes: int | None, shm: "ShmTier | None" = None) -> None:
+        self._shm = shm
         self._max_slots = slots
         self._limit = max_host_bytes
         self._slots: dict[int, list[Slot]] = {}
@@ -144,6 +150,13 @@ class HostArena:
                 slot._keep.append(keep)
                 slot._free.append(buf)
                 self._count(biggest)
+        elif self._shm is not None and not pin:
+            slot.dir = self._shm.new_slot_dir()
+            for shard in plan.shards:
+                keep, buf = self._shm.alloc(slot.dir, shard.index, shard.nbytes)
+                slot._keep.append(keep)
+                slot._buffers[shard.index] = buf
+                self._count(shard.nbytes)
         else:
             for shard in plan.shards:
                 keep, buf = _alloc(shard.nbytes, pin)
@@ -161,14 +174,22 @@ class HostArena:
             if plan_id == keep:
                 continue
             live = [s for s in self._slots[plan_id] if s.busy]
+            self._drop([s for s in self._slots[plan_id] if not s.busy])
             if live:
                 self._slots[plan_id] = live
             else:
                 del self._slots[plan_id]
 
+    def _drop(self, slots: list[Slot]) -> None:
+        for slot in slots:
+            if slot.dir is not None and self._shm is not None:
+                self._shm.remove(slot.dir)
+
     def close(self) -> None:
         """Drop every buffer (called by ``Checkpointer.close``)."""
         with self._cond:
+            for slots in self._slots.values():
+                self._drop(slots)
             self._slots.clear()
 
 
