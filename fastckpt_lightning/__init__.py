@@ -1,0 +1,14 @@
+"""Lightning integration of fastckpt: ``Trainer(plugins=[FastCheckpointIO("fastckpt.yaml")])``."""
+
+from fastckpt_lightning.callback import FastCheckpointCallback
+from fastckpt_lightning.checkpoint_io import FastCheckpointIO
+from fastckpt_lightning.model_checkpoint import FastModelCheckpoint, find_last_checkpoint
+from fastckpt_lightning.stats import CheckpointStats
+
+__all__ = [
+    "CheckpointStats",
+    "FastCheckpointCallback",
+    "FastCheckpointIO",
+    "FastModelCheckpoint",
+    "find_last_checkpoint",
+]

@@ -1,0 +1,84 @@
+"""Turn the plugin's constructor arguments into one core ``CheckpointConfig``.
+
+Lightning, not the config, decides where checkpoints go: every folder that ``ModelCheckpoint`` hands the plugin
+gets its own core ``Checkpointer`` whose ``root`` is that folder. ``root`` in the config is therefore optional and
+only serves as a default ``dirpath`` for :class:`~fastckpt_lightning.FastModelCheckpoint`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from collections.abc import Mapping
+from typing import Any, Optional, Union
+
+import yaml
+from fastckpt import CheckpointConfig
+from fastckpt.errors import ConfigError
+
+ConfigSource = Union[CheckpointConfig, str, os.PathLike, Mapping[str, Any], None]
+
+# The core requires a root; Lightning supplies the real folder per checkpoint, so any valid placeholder works.
+_PLACEHOLDER_ROOT = "."
+
+
+def build_config(source: ConfigSource, **overrides: Any) -> tuple[CheckpointConfig, Optional[str]]:
+    """Merge ``source`` (a config, a YAML path or a dict) with keyword overrides; return the config and user root."""
+    base = _as_dict(source)
+    for key, value in overrides.items():
+        if value is None:
+            continue
+        if isinstance(value, Mapping) and isinstance(base.get(key), Mapping):
+            base[key] = {**base[key], **value}
+        else:
+            base[key] = value
+    user_root = base.get("root")
+    base["root"] = str(user_root) if user_root is not None else _PLACEHOLDER_ROOT
+    base = _without_retention(base)
+    return CheckpointConfig.from_dict(base), (str(user_root) if user_root is not None else None)
+
+
+def for_directory(config: CheckpointConfig, dirpath: str) -> CheckpointConfig:
+    """The config of the core ``Checkpointer`` that owns one Lightning checkpoint folder."""
+    return dataclasses.replace(config, root=dirpath)
+
+
+def staging_mode(config: CheckpointConfig) -> str:
+    """``"lazy"`` or ``"eager"``, read through ``to_dict`` so it does not depend on the nested dataclass layout."""
+    return str((config.to_dict().get("staging") or {}).get("mode", "lazy"))
+
+
+def _as_dict(source: ConfigSource) -> dict[str, Any]:
+    if source is None:
+        return {}
+    if isinstance(source, CheckpointConfig):
+        return source.to_dict()
+    if isinstance(source, Mapping):
+        return dict(source)
+    if isinstance(source, (str, os.PathLike)):
+        # Read the YAML ourselves: the core's from_yaml() insists on `root`, which a Lightning config may omit.
+        try:
+            with open(source, encoding="utf-8") as stream:
+                loaded = yaml.safe_load(stream) or {}
+        except OSError as e:
+            raise ConfigError(f"FastCheckpointIO: cannot read config file {os.fspath(source)!r}: {e}") from e
+        if not isinstance(loaded, Mapping):
+            raise ConfigError(f"FastCheckpointIO: {os.fspath(source)!r} must hold a YAML mapping, got {type(loaded)}")
+        return dict(loaded)
+    raise ConfigError(
+        f"FastCheckpointIO(config=...) takes a CheckpointConfig, a YAML path or a dict, got {type(source).__name__}"
+    )
+
+
+def _without_retention(config: dict[str, Any]) -> dict[str, Any]:
+    # ModelCheckpoint(save_top_k=...) owns retention; core retention would delete data that pointers still name.
+    retention = config.get("retention") or {}
+    if any(value is not None for value in retention.values()):
+        warnings.warn(
+            "FastCheckpointIO ignores `retention` settings: use ModelCheckpoint(save_top_k=...) to keep the newest N.",
+            UserWarning,
+            stacklevel=4,
+        )
+    config.pop("retention", None)
+    return config

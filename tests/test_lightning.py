@@ -1,0 +1,383 @@
+"""FastCheckpointIO under the Lightning Trainer: lazy snapshots, ModelCheckpoint, errors, stats, config."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from datetime import timedelta
+from typing import Any
+
+import fsspec
+import pytest
+import torch
+import yaml
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.plugins.precision import MixedPrecision
+
+from fastckpt import Checkpointer, CheckpointConfig, open_storage
+from fastckpt.errors import ConfigError, StorageError
+from fastckpt_lightning import FastCheckpointCallback, FastCheckpointIO
+from fastckpt_lightning.folder import CheckpointFolder
+from fastckpt_lightning.pointer import Pointer, read_pointer
+from helpers import FaultyStorage, WrappedStorage, assert_bit_equal
+from lightning_support import (
+    GatedIO,
+    RecordAfterStep,
+    ResumableBatches,
+    TinyModule,
+    data_names,
+    make_trainer,
+    pointer_names,
+    referenced_data,
+    training_state,
+)
+
+SHARED = ("state_dict", "optimizer_states")
+
+
+def _weights(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    return {key: checkpoint[key] for key in SHARED if key in checkpoint}
+
+
+def _step_files(dirpath: str) -> dict[int, str]:
+    """``{step: path}`` of the ``epoch=E-step=S.ckpt`` pointers in ``dirpath``."""
+    found = {}
+    for name in pointer_names(dirpath):
+        if name.startswith("epoch="):
+            found[int(name.split("step=")[1].split(".")[0].split("-")[0])] = os.path.join(dirpath, name)
+    return found
+
+
+# ---- lazy snapshots ------------------------------------------------------------------------------------------
+
+MODES = {
+    "automatic": ({}, {}),
+    "batchnorm": ({"batchnorm": True}, {}),
+    "manual": ({"manual": True}, {}),
+    "accumulate": ({}, {"accumulate_grad_batches": 2}),
+    # Trainer(precision="16-mixed") silently becomes bf16 on CPU: pass the plugin to get fp16 with a GradScaler.
+    "16-mixed": ({}, {"extra_plugins": [lambda: MixedPrecision("16-mixed", "cpu")]}),
+    "bf16-mixed": ({"batchnorm": True}, {"precision": "bf16-mixed"}),
+}
+
+
+class RecordFirstAfterStep(RecordAfterStep):
+    """With gradient accumulation a step spans batches: keep the state at the first batch end after it."""
+
+    def on_train_batch_end(self, trainer, pl_module, *args: Any) -> None:
+        if trainer.global_step not in self.by_step:
+            self.by_step[trainer.global_step] = training_state(pl_module)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_lazy_snapshot_equals_state_right_after_its_step(tmp_path, mode):
+    """The race: copies are held back until the next step wants to run, yet every saved tensor equals its value
+    right after the step it was saved at (BatchNorm buffers too, though the next forward changes them)."""
+    module_kwargs, trainer_kwargs = MODES[mode]
+    trainer_kwargs = dict(trainer_kwargs)
+    plugin = GatedIO()
+    plugins = [plugin] + [make() for make in trainer_kwargs.pop("extra_plugins", [])]
+    recorder = RecordFirstAfterStep()
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1, save_last=True)
+    trainer = make_trainer([recorder, checkpoints], plugin, max_steps=4, plugins=plugins, **trainer_kwargs)
+
+    trainer.fit(TinyModule(**module_kwargs), ResumableBatches())
+
+    if mode == "16-mixed":
+        assert trainer.precision_plugin.scaler is not None
+    assert plugin.opened_by and plugin.opened_by[0] == "MainThread", "the first lazy copy was not held back"
+    saved = _step_files(str(tmp_path))
+    assert sorted(saved) == [1, 2, 3, 4]
+    for step, path in saved.items():
+        assert_bit_equal(_weights(plugin.load_checkpoint(path)), recorder.by_step[step], f"step {step}")
+
+
+class SaveOnceAtStep(Callback):
+    def __init__(self, path: str, step: int) -> None:
+        self.path, self.step = path, step
+
+    def on_train_batch_end(self, trainer, pl_module, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+
+
+def test_without_the_wait_the_snapshot_would_be_torn(tmp_path, monkeypatch):
+    """Guards the race test: with the callback's wait removed, the held-back part of the copy (the optimizer state,
+    which comes after the parameters in the copy order) reads the next step's values."""
+    monkeypatch.setattr(FastCheckpointCallback, "on_before_optimizer_step", lambda *args: None)
+    plugin = GatedIO()
+    recorder = RecordAfterStep()
+    path = str(tmp_path / "step1.ckpt")
+    trainer = make_trainer([recorder, SaveOnceAtStep(path, 1)], plugin, max_steps=2, enable_checkpointing=False)
+
+    trainer.fit(TinyModule(), ResumableBatches())
+
+    saved = _weights(plugin.load_checkpoint(path))
+    with pytest.raises(AssertionError, match="bytes differ"):
+        assert_bit_equal(saved, recorder.by_step[1])
+
+
+def test_plugin_installs_its_callback_first(tmp_path):
+    plugin = FastCheckpointIO()
+    trainer = make_trainer([ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1)], plugin, max_steps=1)
+    trainer.fit(TinyModule(), ResumableBatches())
+    assert trainer.callbacks[0] is plugin.callback
+    assert sum(callback is plugin.callback for callback in trainer.callbacks) == 1
+
+
+# ---- ModelCheckpoint -------------------------------------------------------------------------------------------
+
+
+class RecordingStorage(WrappedStorage):
+    """Logs commits and deletions in order, and holds each top-k save's data until Lightning has asked to remove
+    the previous top-k file: so every removal is requested while the save that replaces it is still pending."""
+
+    def __init__(self, inner: Any, plugin: "RecordingIO") -> None:
+        super().__init__(inner)
+        self.plugin = plugin
+
+    def write_file(self, path: str, parts: Any) -> None:
+        step = _topk_step(path)
+        if step is not None and step > 1:
+            with self.plugin.removed:
+                assert self.plugin.removed.wait_for(lambda: step - 1 in self.plugin.removed_steps, timeout=60)
+        self.inner.write_file(path, parts)
+
+    def write_atomic(self, path: str, data: bytes) -> None:
+        self.inner.write_atomic(path, data)
+        self.plugin.log.append(("write", os.path.basename(path)))
+
+    def delete(self, path: str) -> None:
+        self.plugin.log.append(("delete", os.path.basename(path)))
+        self.inner.delete(path)
+
+
+def _topk_step(path: str) -> Any:
+    name = os.path.basename(os.path.dirname(path))
+    if name.startswith("epoch=") and ".weights-" in name:
+        return int(name.split("step=")[1].split(".")[0])
+    return None
+
+
+class RecordingIO(FastCheckpointIO):
+    def __init__(self) -> None:
+        super().__init__(persist={"fsync": False})
+        self.log: list[tuple[str, str]] = []
+        self.removed = threading.Condition()
+        self.removed_steps: set[int] = set()
+        self.pending_at_removal: list[bool] = []
+
+    def _create_checkpointer(self, config: CheckpointConfig) -> Checkpointer:
+        return Checkpointer(config, storage=RecordingStorage(open_storage(config.root), self))
+
+    def remove_checkpoint(self, path: Any) -> None:
+        path = os.fspath(path)
+        super().remove_checkpoint(path)
+        self.log.append(("remove requested", os.path.basename(path)))
+        with self.removed:
+            self.removed_steps.add(int(path.split("step=")[1].split(".")[0]))
+            self.removed.notify_all()
+
+
+def test_removal_waits_for_the_save_that_replaces_it(tmp_path):
+    """save_top_k=1: Lightning removes the previous file right after starting the new save. The removal runs
+    only once the new pointer is written, so no file leaks (Lightning #14035) and one always exists."""
+    plugin = RecordingIO()
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=1, save_last=True)
+    trainer = make_trainer([checkpoints], plugin, max_steps=6)
+
+    trainer.fit(TinyModule(), ResumableBatches())
+
+    log = plugin.log
+    for step in range(1, 6):
+        new = f"step={step + 1}.ckpt"
+        old = next(name for kind, name in log if kind == "write" and name.endswith(f"step={step}.ckpt"))
+        requested = log.index(("remove requested", old))
+        written = next(i for i, (kind, name) in enumerate(log) if kind == "write" and name.endswith(new))
+        deleted = log.index(("delete", old))
+        assert requested < written < deleted, f"{old}: requested {requested}, new written {written}, deleted {deleted}"
+    assert pointer_names(str(tmp_path)) == {"epoch=1-step=6.ckpt", "last.ckpt"}
+    assert data_names(str(tmp_path)) == referenced_data(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"every_n_train_steps": 2, "save_top_k": 2, "monitor": "train_loss", "save_last": True},
+        {"every_n_epochs": 1, "save_top_k": -1},
+        {"train_time_interval": timedelta(seconds=0), "save_top_k": 1, "save_last": True},
+        {"every_n_train_steps": 1, "save_top_k": 2, "save_weights_only": True, "monitor": "train_loss"},
+    ],
+    ids=["top-k-monitor", "every-epoch", "time-interval", "weights-only"],
+)
+def test_model_checkpoint_options_work_unchanged(tmp_path, options):
+    plugin = FastCheckpointIO(persist={"fsync": False})
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, **options)
+    trainer = make_trainer([checkpoints], plugin, max_steps=8)
+
+    trainer.fit(TinyModule(), ResumableBatches())
+
+    names = pointer_names(str(tmp_path))
+    assert names and data_names(str(tmp_path)) == referenced_data(str(tmp_path))
+    fs = fsspec.filesystem("file")
+    assert fs.exists(checkpoints.best_model_path)
+    for name in names:
+        checkpoint = plugin.load_checkpoint(tmp_path / name)
+        assert ("optimizer_states" in checkpoint) is not options.get("save_weights_only", False)
+    if options.get("monitor"):
+        assert set(checkpoints.best_k_models) == {str(tmp_path / n) for n in names if n != "last.ckpt"}
+    if options.get("save_last"):
+        assert plugin.load_checkpoint(tmp_path / "last.ckpt")["global_step"] == 8
+    if "every_n_epochs" in options:
+        assert sorted(_step_files(str(tmp_path))) == [4, 8]
+
+
+def test_save_last_shares_the_weights_of_the_same_step(tmp_path):
+    plugin = FastCheckpointIO(persist={"fsync": False})
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1, save_last=True)
+    trainer = make_trainer([checkpoints], plugin, max_steps=3)
+
+    trainer.fit(TinyModule(), ResumableBatches())
+
+    last = read_pointer(str(tmp_path / "last.ckpt"))
+    top = read_pointer(_step_files(str(tmp_path))[3])
+    assert last is not None and top is not None
+    assert last.parts[0] == top.parts[0], "last.ckpt wrote its own copy of the weights"
+    assert last.parts[1] != top.parts[1]
+    by_path = {os.path.basename(s.path): s for s in plugin.stats if s.step == 3}
+    assert by_path["last.ckpt"].deduplicated and not by_path["epoch=0-step=3.ckpt"].deduplicated
+    assert by_path["last.ckpt"].nbytes < by_path["epoch=0-step=3.ckpt"].nbytes / 2
+    loaded_last = plugin.load_checkpoint(tmp_path / "last.ckpt")
+    assert_bit_equal(_weights(loaded_last), _weights(plugin.load_checkpoint(_step_files(str(tmp_path))[3])))
+    callback_state = next(iter(loaded_last["callbacks"].values()))
+    assert callback_state["last_model_path"] == str(tmp_path / "last.ckpt")
+
+
+def test_checkpoint_path_is_one_file_for_fsspec(tmp_path):
+    plugin = FastCheckpointIO(persist={"fsync": False})
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=1)
+    make_trainer([checkpoints], plugin, max_steps=2).fit(TinyModule(), ResumableBatches())
+
+    fs = fsspec.filesystem("file")
+    path = checkpoints.best_model_path
+    assert fs.exists(path) and fs.isfile(path)
+    assert fs.modified(path)
+    assert path in fs.ls(str(tmp_path), detail=False)
+
+
+# ---- errors -----------------------------------------------------------------------------------------------------
+
+
+class FaultyIO(FastCheckpointIO):
+    def _create_checkpointer(self, config: CheckpointConfig) -> Checkpointer:
+        self.storage = FaultyStorage(open_storage(config.root), fail_on=1, err=errno.ENOSPC)
+        return Checkpointer(config, storage=self.storage)
+
+
+def test_failing_storage_surfaces_at_teardown_once(tmp_path):
+    plugin = FaultyIO(persist={"fsync": False})
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)
+    trainer = make_trainer([checkpoints], plugin, max_steps=2)
+
+    with pytest.raises(StorageError) as raised:
+        trainer.fit(TinyModule(), ResumableBatches())
+
+    assert "ENOSPC" in repr(raised.value) or "No space" in repr(raised.value.__cause__)
+    assert pointer_names(str(tmp_path)) == set(), "a pointer names data that never committed"
+    plugin.teardown()  # raised once: a second teardown is quiet
+
+
+def test_storage_options_per_call_are_refused(tmp_path):
+    plugin = FastCheckpointIO()
+    with pytest.raises(TypeError, match="storage_options"):
+        plugin.save_checkpoint({"a": 1}, tmp_path / "x.ckpt", storage_options={"x": 1})
+
+
+# ---- stats ------------------------------------------------------------------------------------------------------
+
+
+def test_stats_go_to_every_logger_and_to_python(tmp_path):
+    plugin = FastCheckpointIO(persist={"fsync": False})
+    loggers = [CSVLogger(tmp_path / "csv"), TensorBoardLogger(tmp_path / "tb")]
+    checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
+    trainer = make_trainer([checkpoints], plugin, max_steps=4, logger=loggers, log_every_n_steps=1)
+
+    trainer.fit(TinyModule(), ResumableBatches())
+
+    assert [s.step for s in plugin.stats] == [2, 4]
+    assert all(s.nbytes > 0 and s.persist_s > 0 and s.blocking_ms > 0 for s in plugin.stats)
+    with open(loggers[0].experiment.metrics_file_path) as stream:
+        header, *rows = [line.rstrip("\n").split(",") for line in stream]
+    column = header.index("fastckpt/nbytes")
+    assert sorted(float(row[column]) for row in rows if row[column]) == sorted(s.nbytes for s in plugin.stats)
+    assert {"fastckpt/blocking_ms", "fastckpt/staging_ms", "fastckpt/persist_s", "fastckpt/throughput_mb_s"} <= set(
+        header
+    )
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(loggers[1].log_dir)
+    events.Reload()
+    assert [e.step for e in events.Scalars("fastckpt/persist_s")] == [2, 4]
+
+
+# ---- construction -----------------------------------------------------------------------------------------------
+
+
+def test_construction_from_yaml_config_or_keywords(tmp_path):
+    path = tmp_path / "fastckpt.yaml"
+    path.write_text(yaml.safe_dump({"staging": {"mode": "eager"}, "persist": {"workers": 3}}))
+    from_yaml = FastCheckpointIO(str(path), persist={"fsync": False})
+    assert from_yaml.config.staging.mode == "eager"
+    assert (from_yaml.config.persist.workers, from_yaml.config.persist.fsync) == (3, False)
+    assert from_yaml.root is None
+
+    config = CheckpointConfig(root="s3://bucket/run", storage_options={"key": "k"})
+    from_config = FastCheckpointIO(config)
+    assert from_config.root == "s3://bucket/run" and from_config.config.storage_options == {"key": "k"}
+
+    from_keywords = FastCheckpointIO(root=str(tmp_path), staging={"slots": 3})
+    assert from_keywords.config.staging.slots == 3 and from_keywords.root == str(tmp_path)
+
+    with pytest.warns(UserWarning, match="retention"):
+        FastCheckpointIO(retention={"keep_last": 2})
+    with pytest.raises(ConfigError, match="staging"):
+        FastCheckpointIO(staging={"mode": "sometimes"})
+
+
+def test_resumes_from_a_plain_torch_checkpoint(tmp_path):
+    """A run that switches to fastckpt can resume from the files Lightning's default plugin wrote."""
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=1)
+    make_trainer([checkpoints], None, max_steps=2).fit(TinyModule(), ResumableBatches())
+    torch_file = checkpoints.best_model_path
+
+    plugin = FastCheckpointIO(persist={"fsync": False})
+    resumed = make_trainer([], plugin, max_steps=3, enable_checkpointing=False)
+    resumed.fit(TinyModule(), ResumableBatches(), ckpt_path=torch_file)
+    assert resumed.global_step == 3
+    assert torch.load(torch_file, weights_only=False)["global_step"] == 2
+
+
+def test_data_named_by_another_pointer_survives_removal(tmp_path):
+    """last.ckpt shares the weights of a top-k file. Removing that file keeps the weights until last.ckpt moves on,
+    also after a restart: the reference count is recomputed from the pointers on disk."""
+    config = CheckpointConfig(root=str(tmp_path), persist={"fsync": False})
+    folder = CheckpointFolder(str(tmp_path), config, Checkpointer)
+    weights = folder.save({"state_dict": {"w": torch.ones(3)}}, 1, "a.ckpt", "weights")
+    state_a = folder.save({"global_step": 1}, 1, "a.ckpt", "state")
+    state_last = folder.save({"global_step": 1}, 1, "last.ckpt", "state")
+    for name, state in (("a.ckpt", state_a), ("last.ckpt", state_last)):
+        pointer = Pointer((weights.name, state.name), 1)
+        folder.reserve(pointer.parts)
+        folder.publish(name, pointer, [weights, state])
+    folder.close()
+
+    restarted = CheckpointFolder(str(tmp_path), config, Checkpointer)
+    restarted.unpublish("a.ckpt")
+    assert data_names(str(tmp_path)) == {weights.name, state_last.name}
+    new_state = restarted.save({"global_step": 2}, 2, "last.ckpt", "state")
+    restarted.reserve([new_state.name])
+    restarted.publish("last.ckpt", Pointer((new_state.name,), 2), [new_state])
+    assert data_names(str(tmp_path)) == {new_state.name}
+    restarted.close()
