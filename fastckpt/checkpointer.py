@@ -91,7 +91,7 @@ class Checkpointer:
                 slot._buffers[shard.index] = buf
             handle = SaveHandle(name=rec.name, step=rec.step, path=rec.dirpath,
                                 stats=SaveStats(step=rec.step, name=rec.name), _on_error_seen=self._mark_seen)
-            job = Job(handle, rec.plan, slot, [], rec.numpy, rec.tree, rec.objects, rec.dirpath,
+            job = Job(handle, rec.plan, slot, [], rec.keys, rec.numpy, rec.tree, rec.objects, rec.dirpath,
                       time.perf_counter(), uid=rec.uid)
             with self._lock:
                 self._pending.append(handle)
@@ -133,7 +133,7 @@ class Checkpointer:
         slot = self._arena.acquire(plan, pin, block=self.config.staging.when_busy == "wait")
         if slot is None:
             return self._skipped(handle, t0)
-        job = Job(handle, plan, slot, flat.tensors, flat.numpy, flat.tree, objects, dirpath, t0)
+        job = Job(handle, plan, slot, flat.tensors, flat.keys, flat.numpy, flat.tree, objects, dirpath, t0)
         if pin:
             self._prepare_cuda(job)
         with self._lock:

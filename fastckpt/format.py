@@ -58,7 +58,7 @@ def shard_file_name(index: int, uid: str) -> str:
     return f"shard-{index:05d}.{uid}.safetensors"
 
 
-def shard_header(shard: Shard, step: int) -> bytes:
+def shard_header(shard: Shard, step: int, keys: list[str]) -> bytes:
     """The 8-byte length plus JSON header, space-padded to a multiple of ``ALIGN``."""
     header: dict[str, Any] = {}
     real_dtypes: dict[str, str] = {}
@@ -67,8 +67,8 @@ def shard_header(shard: Shard, step: int) -> bytes:
         shape = list(e.shape)
         if sd == "U8" and e.dtype != torch.uint8:  # no safetensors name: raw bytes
             shape = [e.nbytes]
-            real_dtypes[e.key] = str(e.dtype).removeprefix("torch.")
-        header[e.key] = {"dtype": sd, "shape": shape, "data_offsets": [e.offset, e.offset + e.nbytes]}
+            real_dtypes[keys[e.index]] = str(e.dtype).removeprefix("torch.")
+        header[keys[e.index]] = {"dtype": sd, "shape": shape, "data_offsets": [e.offset, e.offset + e.nbytes]}
     meta = {"format": "pt", "producer": FORMAT, "step": str(step)}
     if real_dtypes:
         meta["fastckpt.raw_dtypes"] = json.dumps(real_dtypes)

@@ -47,6 +47,7 @@ class Job:
     plan: Plan
     slot: Slot
     tensors: list[torch.Tensor]
+    keys: list[str]
     numpy: list[bool]
     tree: Any
     objects: bytes | None
@@ -156,7 +157,7 @@ class Pipeline:
         if ev is not None:
             ev.synchronize()
         buf = job.slot.held(shard)
-        header = shard_header(shard, job.handle.step)
+        header = shard_header(shard, job.handle.step, job.keys)
         crc = crc32c(header)
         data = memoryview(buf.numpy())[: shard.nbytes]
         tensor_crcs = []
@@ -238,10 +239,10 @@ class Pipeline:
             shard = by_shard[int(rec.name.split("-")[1].split(".")[0])]
             for e, c in zip(shard.entries, tcrcs):
                 crcs[e.index] = c
-        header_len = {s.index: len(shard_header(s, job.handle.step)) for s in job.plan.shards}
+        header_len = {s.index: len(shard_header(s, job.handle.step, job.keys)) for s in job.plan.shards}
         table = [
             {
-                "key": e.key, "dtype": str(e.dtype).removeprefix("torch."), "shape": list(e.shape),
+                "key": job.keys[e.index], "dtype": str(e.dtype).removeprefix("torch."), "shape": list(e.shape),
                 "file": shard_file_name(e.shard, job.uid), "offset": header_len[e.shard] + e.offset,
                 "nbytes": e.nbytes, "crc32c": crcs[e.index], "numpy": job.numpy[e.index],
             }

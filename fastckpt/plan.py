@@ -39,7 +39,6 @@ class TensorEntry:
     """One unique tensor in the checkpoint."""
 
     index: int
-    key: str
     dtype: torch.dtype
     shape: tuple[int, ...]
     nbytes: int
@@ -60,7 +59,7 @@ class Shard:
 
 @dataclass(slots=True)
 class Plan:
-    """The cached layout of one state structure."""
+    """The cached layout of one state structure (tensor names travel with each save)."""
 
     key: tuple
     entries: list[TensorEntry]
@@ -137,7 +136,7 @@ def _build_plan(key: tuple, entries: list[TensorEntry], chunk_bytes: int) -> Pla
         offset = 0
         laid = []
         for e in sorted(shard.entries, key=lambda e: (-e.dtype.itemsize, e.index)):
-            p = TensorEntry(e.index, e.key, e.dtype, e.shape, e.nbytes, e.lazy, shard.index, offset)
+            p = TensorEntry(e.index, e.dtype, e.shape, e.nbytes, e.lazy, shard.index, offset)
             placed[e.index] = p
             laid.append(p)
             offset += e.nbytes
@@ -158,17 +157,17 @@ class Planner:
     def plan(self, flat: FlatState, is_lazy: Callable[[torch.Tensor], bool]) -> Plan:
         """Return the cached plan for this structure, building it on the first sight."""
         lazy = [(not n) and is_lazy(t) for t, n in zip(flat.tensors, flat.numpy)]
-        key = tuple(
-            (k, t.dtype, tuple(t.shape), lz) for k, t, lz in zip(flat.keys, flat.tensors, lazy)
-        )
+        # Names are not part of the key: a state whose keys change every save (Lightning's
+        # best_k_models is keyed by file path) still reuses one plan and one set of buffers.
+        key = tuple((t.dtype, tuple(t.shape), lz) for t, lz in zip(flat.tensors, lazy))
         with self._lock:
             plan = self._cache.get(key)
             if plan is not None:
                 self._cache.move_to_end(key)
                 return plan
             entries = [
-                TensorEntry(i, k, t.dtype, tuple(t.shape), t.numel() * t.element_size(), lz)
-                for i, (k, t, lz) in enumerate(zip(flat.keys, flat.tensors, lazy))
+                TensorEntry(i, t.dtype, tuple(t.shape), t.numel() * t.element_size(), lz)
+                for i, (t, lz) in enumerate(zip(flat.tensors, lazy))
             ]
             plan = _build_plan(key, entries, self._chunk_bytes)
             self.plans_built += 1

@@ -42,6 +42,7 @@ class StagedRecord:
     dirpath: str
     tree: Any
     objects: bytes | None
+    keys: list[str]
     numpy: list[bool]
     plan: Plan
 
@@ -90,9 +91,9 @@ class ShmTier:
         plan: Plan = job.plan
         doc = {
             "pid": os.getpid(), "name": job.handle.name, "step": job.handle.step, "uid": job.uid,
-            "dirpath": job.dirpath, "tree": job.tree, "numpy": job.numpy,
+            "dirpath": job.dirpath, "tree": job.tree, "numpy": job.numpy, "keys": job.keys,
             "objects": base64.b64encode(job.objects).decode() if job.objects is not None else None,
-            "entries": [[e.key, str(e.dtype).removeprefix("torch."), list(e.shape), e.nbytes, e.lazy, e.shard, e.offset]
+            "entries": [[str(e.dtype).removeprefix("torch."), list(e.shape), e.nbytes, e.lazy, e.shard, e.offset]
                         for e in plan.entries],
             "shards": [[s.index, s.nbytes, s.lazy] for s in plan.shards],
         }
@@ -135,8 +136,8 @@ class ShmTier:
 
 
 def _parse(path: str, doc: dict[str, Any]) -> StagedRecord:
-    entries = [TensorEntry(i, k, getattr(torch, dt), tuple(shape), nbytes, lazy, shard, offset)
-               for i, (k, dt, shape, nbytes, lazy, shard, offset) in enumerate(doc["entries"])]
+    entries = [TensorEntry(i, getattr(torch, dt), tuple(shape), nbytes, lazy, shard, offset)
+               for i, (dt, shape, nbytes, lazy, shard, offset) in enumerate(doc["entries"])]
     shards = [Shard(index=i, entries=[e for e in entries if e.shard == i], nbytes=n, lazy=lz)
               for i, n, lz in doc["shards"]]
     for s in shards:
@@ -144,4 +145,4 @@ def _parse(path: str, doc: dict[str, Any]) -> StagedRecord:
     plan = Plan(key=("recovered", path), entries=entries, shards=shards, total_bytes=sum(s.nbytes for s in shards))
     objects = base64.b64decode(doc["objects"]) if doc["objects"] is not None else None
     return StagedRecord(path, doc["name"], int(doc["step"]), doc["uid"], doc["dirpath"], doc["tree"], objects,
-                        list(doc["numpy"]), plan)
+                        list(doc["keys"]), list(doc["numpy"]), plan)

@@ -190,3 +190,13 @@ def test_bounded_host_memory_with_lazy_copies(tmp_path) -> None:
         h.wait()
         assert ckpt.counters["host_bytes"] <= 200_000
         assert_bit_equal(ref, ckpt.load())
+
+
+def test_plan_is_reused_when_only_names_change(tmp_path) -> None:
+    """Lightning keys best_k_models by file path: new names every save must not re-plan."""
+    with Checkpointer(CheckpointConfig(root=str(tmp_path))) as ckpt:
+        for step in range(4):
+            state = {"w": torch.full((8,), float(step)), "best": {f"epoch={step}.ckpt": torch.tensor(step * 1.0)}}
+            ckpt.save(state, step=step).wait()
+            assert_bit_equal(state, ckpt.load(step=step))
+        assert ckpt.counters["plans_built"] == 1
