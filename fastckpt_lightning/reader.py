@@ -33,7 +33,7 @@ def read_checkpoint(
         return _load_part(path, map_location, options, allowed_classes)
     storage = open_storage(path, options)
     if storage.exists(storage.url):
-        return torch_load(path, map_location=map_location)
+        return torch_load(path, map_location=map_location, weights_only=True)  # never arbitrary pickles
     raise CheckpointNotFoundError(f"no checkpoint at {path!r}: not a fastckpt pointer, checkpoint folder or file")
 
 
