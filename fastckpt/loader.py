@@ -180,32 +180,49 @@ class CheckpointReader:
         return t
 
     def load_into(self, target: Any) -> Any:
-        """Copy tensors into ``target``'s tensors in place; structure must match."""
+        """Copy saved tensors into ``target``'s tensors in place (matched by tree path).
+
+        Every tensor of ``target`` must exist in the checkpoint with the same dtype and shape.
+        Checkpoint tensors that ``target`` lacks (say, optimizer state before the first step)
+        are loaded into new tensors. Returns the saved tree built on ``target``'s tensors.
+        """
         from .plan import flatten
 
         flat = flatten(target)
-        if len(flat.tensors) != len(self.entries):
+        wanted = dict(zip(flat.keys, flat.tensors))
+        by_key = {e.key: e for e in self.entries}
+        missing = [k for k in wanted if k not in by_key]
+        if missing:
             raise StateMismatchError(
-                f"{self.dirpath}: checkpoint has {len(self.entries)} tensors, target has {len(flat.tensors)}; "
-                "the model/optimizer structure differs from the saved one")
-        for e, key, t in zip(self.entries, flat.keys, flat.tensors):
-            if key != e.key or tuple(t.shape) != e.shape or t.dtype != e.dtype:
+                f"{self.dirpath}: target tensor(s) {missing[:5]} are not in the checkpoint; the model/optimizer "
+                "structure differs from the saved one")
+        for key, t in wanted.items():
+            e = by_key[key]
+            if tuple(t.shape) != e.shape or t.dtype != e.dtype:
                 raise StateMismatchError(
-                    f"{self.dirpath}: tensor {e.key!r} is {e.dtype} {list(e.shape)} in the checkpoint but target "
-                    f"has {key!r} {t.dtype} {list(t.shape)}")
+                    f"{self.dirpath}: tensor {key!r} is {e.dtype} {list(e.shape)} in the checkpoint but "
+                    f"{t.dtype} {list(t.shape)} in the target")
         objects = self._objects()
+        out: list[Any] = [None] * len(self.entries)
 
         def read(name: str, entries: list[_Entry]) -> None:
             buf = self._read_file(name)
             for e in entries:
                 src = self._materialize(buf, e, None)
-                dst = flat.tensors[e.index]
+                dst = wanted.get(e.key)
+                if dst is None:
+                    out[e.index] = src
+                    continue
                 with torch.no_grad():
                     dst.copy_(torch.from_numpy(src) if e.numpy else src)
+                out[e.index] = dst.numpy() if e.numpy else dst
 
         self._for_each_file(read)
-        rebuilt = [t.numpy() if e.numpy else t for e, t in zip(self.entries, flat.tensors)]
-        return decode_tree(self.meta["tree"], rebuilt, objects)
+        for e in self.entries:
+            if out[e.index] is None:  # zero-size tensors live in no file
+                dst = wanted.get(e.key)
+                out[e.index] = dst if dst is not None else self._materialize(None, e, None)
+        return decode_tree(self.meta["tree"], out, objects)
 
 
 def _map(t: torch.Tensor, map_location: Any) -> torch.Tensor:
