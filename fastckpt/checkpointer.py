@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from .codec import dumps_objects
+from .distributed import Coordinator
 from .config import CheckpointConfig
 from .errors import CheckpointNotFoundError, ConfigError, FastCkptError, IntegrityError, StateMismatchError
 from .format import MANIFEST, parse_manifest
@@ -53,7 +54,10 @@ class WatchHandle:
 class Checkpointer:
     """Saves nested training state asynchronously; see docs/API.md."""
 
-    def __init__(self, config: CheckpointConfig, *, storage: Storage | None = None) -> None:
+    def __init__(self, config: CheckpointConfig, *, storage: Storage | None = None, distributed: bool = False,
+                 group: Any = None) -> None:
+        """``distributed=True``: every rank of ``group`` (default: world) constructs this together and
+        calls ``save``/``load`` with the same replicated state; the ranks share the copies and writes."""
         self._pipeline: Pipeline | None = None  # set last: close() is safe on a half-built object
         if not isinstance(config, CheckpointConfig):
             raise ConfigError(f"Checkpointer needs a CheckpointConfig, got {type(config).__name__}")
@@ -73,7 +77,12 @@ class Checkpointer:
         self._committed: dict[str, CheckpointInfo] = {}
         self._copy_stream: Any = None
         self.stats: list[SaveStats] = []
-        self._pipeline = Pipeline(self.storage, self._arena, p.workers, self._on_commit, self._on_failure)
+        self._coord = Coordinator(group) if distributed else None
+        if self._coord is not None and st.when_busy == "skip":
+            # ranks deciding to skip independently would leave the commit protocol waiting on each other
+            raise ConfigError("staging.when_busy=skip cannot be used with distributed=True (ranks could disagree); use wait")
+        self._pipeline = Pipeline(self.storage, self._arena, p.workers, self._on_commit, self._on_failure,
+                                  self._coord)
         self._atexit = _exit_flusher(self)
         atexit.register(self._atexit)
         self.recovered: list[SaveHandle] = self._recover() if self._shm is not None else []
@@ -126,6 +135,8 @@ class Checkpointer:
         objects = dumps_objects(flat.objects, self.config.allowed_classes) if flat.objects else None
         lazy_ptrs = self._lazy_ptrs()
         plan = self._planner.plan(flat, lambda t: t.numel() > 0 and t.untyped_storage().data_ptr() in lazy_ptrs)
+        if self._coord is not None:
+            self._coord.assign(plan)
         pin = any(t.is_cuda for t in flat.tensors)
         dirpath = self.storage.join(self.storage.url, name)
         stats = SaveStats(step=step, name=name)
@@ -134,12 +145,14 @@ class Checkpointer:
         if slot is None:
             return self._skipped(handle, t0)
         job = Job(handle, plan, slot, flat.tensors, flat.keys, flat.numpy, flat.tree, objects, dirpath, t0)
+        if self._coord is not None:
+            job.uid = self._coord.next_uid()
         if pin:
             self._prepare_cuda(job)
         with self._lock:
             self._pending.append(handle)
         try:
-            self._pipeline.stage_now(job, [s for s in plan.shards if not s.lazy])  # type: ignore[union-attr]
+            self._pipeline.stage_now(job, plan.mine([s for s in plan.shards if not s.lazy]))  # type: ignore[union-attr]
         except BaseException as e:
             job.error, job.reported = e, True  # the committer cleans up and frees the slot
             self._pipeline.submit(job, [])  # type: ignore[union-attr]
@@ -147,7 +160,7 @@ class Checkpointer:
         if pin:  # the next forward (BatchNorm stats) must not overwrite what the copy reads
             for ev in job.shard_events.values():
                 torch.cuda.current_stream().wait_event(ev)
-        lazy = [s for s in plan.shards if s.lazy]
+        lazy = plan.mine([s for s in plan.shards if s.lazy])
         if not lazy:
             stats.staging_ms = (time.perf_counter() - t0) * 1e3
             handle._cuda_events = list(job.shard_events.values())
@@ -288,7 +301,7 @@ class Checkpointer:
         target = self._resolve(step, name)
         return CheckpointReader(self.storage, self.storage.join(self.storage.url, target),
                                 verify=self.config.persist.verify_on_load, workers=self.config.persist.workers,
-                                allowed_classes=self.config.allowed_classes)
+                                allowed_classes=self.config.allowed_classes, coord=self._coord)
 
     def load(self, step: int | None = None, *, name: str | None = None, map_location: Any = None) -> Any:
         """Rebuild a saved state (the latest committed by default); tensors on CPU unless ``map_location``."""
@@ -304,6 +317,10 @@ class Checkpointer:
         """Delete a committed checkpoint after every save submitted before this call."""
         self._check_open()
         name = self._check_name(name)
+        if not self._leader:
+            done: Future = Future()
+            done.set_result(None)  # rank 0 deletes for everyone
+            return done
         return self._pipeline.run_in_order(lambda: self._delete_now(name))  # type: ignore[union-attr]
 
     def _delete_now(self, name: str) -> None:
@@ -322,7 +339,7 @@ class Checkpointer:
 
     def _apply_retention(self) -> None:
         r = self.config.retention
-        if r.keep_last is None:
+        if r.keep_last is None or not self._leader:
             return
         try:
             infos = self.list()
@@ -344,6 +361,10 @@ class Checkpointer:
                 log.warning("fastckpt: retention could not remove %s: %s", info.path, e)
 
     # ---- lifecycle -----------------------------------------------------------------
+
+    @property
+    def _leader(self) -> bool:
+        return self._coord is None or self._coord.rank == 0
 
     @property
     def counters(self) -> dict[str, int]:

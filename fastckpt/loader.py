@@ -46,8 +46,9 @@ class CheckpointReader:
     """Reads one committed checkpoint directory."""
 
     def __init__(self, storage: Storage, dirpath: str, *, verify: bool = True, workers: int = 2,
-                 allowed_classes: Iterable[str] = ()) -> None:
+                 allowed_classes: Iterable[str] = (), coord: Any = None) -> None:
         self.storage = storage
+        self.coord = coord  # distributed: each file is read by one rank and broadcast
         self.dirpath = dirpath
         self.verify = verify
         self.workers = workers
@@ -137,14 +138,26 @@ class CheckpointReader:
             files.setdefault(e.file, []).append(e)
         return files
 
-    def _for_each_file(self, fn: Callable[[str, list[_Entry]], None]) -> None:
+    def _for_each_file(self, fn: Callable[[torch.Tensor, list[_Entry]], None]) -> None:
+        """Read (and verify) every shard file, then hand its buffer and entries to ``fn``."""
         files = self._by_file()
+        if self.coord is not None:
+            names = sorted(files)
+            sizes = [int(self.manifest["files"][n]["size"]) for n in names]
+            buffers = self.coord.share_files(names, sizes, self._read_file)
+            for name in names:
+                fn(buffers[name], files[name])
+            return
+
+        def one(name: str) -> None:
+            fn(self._read_file(name), files[name])
+
         if self.workers <= 1 or len(files) <= 1:
-            for name, entries in files.items():
-                fn(name, entries)
+            for name in files:
+                one(name)
             return
         with ThreadPoolExecutor(min(self.workers, len(files)), thread_name_prefix="fastckpt-load") as pool:
-            for f in [pool.submit(fn, n, es) for n, es in files.items()]:
+            for f in [pool.submit(one, n) for n in files]:
                 f.result()
 
     # ---- public ------------------------------------------------------------------
@@ -154,8 +167,7 @@ class CheckpointReader:
         objects = self._objects()
         tensors: list[Any] = [None] * len(self.entries)
 
-        def read(name: str, entries: list[_Entry]) -> None:
-            buf = self._read_file(name)
+        def read(buf: torch.Tensor, entries: list[_Entry]) -> None:
             for e in entries:
                 tensors[e.index] = self._materialize(buf, e, map_location)
 
@@ -205,8 +217,7 @@ class CheckpointReader:
         objects = self._objects()
         out: list[Any] = [None] * len(self.entries)
 
-        def read(name: str, entries: list[_Entry]) -> None:
-            buf = self._read_file(name)
+        def read(buf: torch.Tensor, entries: list[_Entry]) -> None:
             for e in entries:
                 src = self._materialize(buf, e, None)
                 dst = wanted.get(e.key)

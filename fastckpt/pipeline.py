@@ -30,6 +30,7 @@ from .format import MANIFEST, FileRecord, build_manifest, parse_manifest, shard_
 from .handle import CheckpointInfo, SaveHandle
 from .plan import Plan, Shard
 from .staging import HostArena, Slot, copy_entries, entry_view
+from .distributed import Coordinator
 from .storage import Storage, aligned_buffer
 from .tiers import ShmTier
 
@@ -67,8 +68,9 @@ class Pipeline:
 
     def __init__(self, storage: Storage, arena: HostArena, workers: int,
                  on_commit: Callable[[Job, CheckpointInfo], None],
-                 on_failure: Callable[[Job, FastCkptError], None]) -> None:
+                 on_failure: Callable[[Job, FastCkptError], None], coord: Coordinator | None = None) -> None:
         self.storage = storage
+        self._coord = coord
         self._arena = arena
         self._on_commit = on_commit
         self._on_failure = on_failure
@@ -100,7 +102,7 @@ class Pipeline:
     def submit_recovered(self, job: Job) -> None:
         """Persist a snapshot adopted from shared memory: its bytes are already staged."""
         job.handle._staged.set()
-        for shard in job.plan.shards:
+        for shard in job.plan.mine(job.plan.shards):
             job.writes.append(self._io.submit(self._write_shard, job, shard))
         self._commit_q.put(job)
 
@@ -192,16 +194,19 @@ class Pipeline:
 
     def _finish(self, job: Job) -> None:
         try:
-            job.handle._staged.wait()
-            if job.error is not None:
-                raise job.error
-            if job.slot.dir is not None and not job.slot.recovered:
-                for ev in job.shard_events.values():
-                    ev.synchronize()
-                ShmTier.write_record(job.slot.dir, job)  # from here a crash loses nothing staged
-            results = [f.result() for f in job.writes]
-            info = self._commit(job, results)
+            results = self._written(job)
+            if self._coord is None:
+                info = self._commit(job, results)
+            else:
+                info = self._commit_together(job, results, None)
         except BaseException as e:  # noqa: BLE001 - every failure becomes the job's error
+            if self._coord is not None and not getattr(e, "_fastckpt_agreed", False):
+                # This rank failed before the protocol: it still takes part, reporting its
+                # error, so no rank hangs. The verdict is then a failure that we already hold.
+                try:
+                    self._commit_together(job, [], e)
+                except BaseException:  # noqa: BLE001 - the local error ``e`` is the one to raise
+                    pass
             for ev in job.shard_events.values():
                 ev.synchronize()  # never recycle a buffer a DMA may still be writing
             for f in job.writes:
@@ -222,6 +227,38 @@ class Pipeline:
         self._on_commit(job, info)
         job.handle._durable.set_result(info)
 
+    def _written(self, job: Job) -> list[tuple[FileRecord, list[int]]]:
+        job.handle._staged.wait()
+        if job.error is not None:
+            raise job.error
+        if job.slot.dir is not None and not job.slot.recovered:
+            for ev in job.shard_events.values():
+                ev.synchronize()
+            ShmTier.write_record(job.slot.dir, job)  # from here a crash loses nothing staged
+        return [f.result() for f in job.writes]
+
+    def _commit_together(self, job: Job, results: list[Any], error: BaseException | None) -> CheckpointInfo:
+        """The distributed commit: gather to rank 0, rank 0 commits, everyone learns the verdict."""
+        coord = self._coord
+        assert coord is not None
+        merged, failed = coord.gather(results, error)
+        info = None
+        if coord.rank == 0 and failed is None:
+            try:
+                info = self._commit(job, merged)
+            except BaseException as e:  # noqa: BLE001 - broadcast before raising
+                failed = f"rank 0 commit: {e}"
+        verdict = coord.outcome(failed)
+        if verdict is not None:
+            err = StorageError(f"checkpoint {job.handle.name!r} at {job.handle.path} failed: {verdict}")
+            err._fastckpt_agreed = True  # type: ignore[attr-defined]
+            if error is not None:
+                raise err from error
+            raise err
+        if info is None:  # ranks other than 0 did not write the manifest
+            info = CheckpointInfo(job.handle.name, job.handle.step, job.dirpath, sum(r[0].size for r in results))
+        return info
+
     def _release(self, job: Job) -> None:
         if job.slot.dir is not None:
             if job.slot.recovered:
@@ -232,10 +269,10 @@ class Pipeline:
 
     def _commit(self, job: Job, results: list[tuple[FileRecord, list[int]]]) -> CheckpointInfo:
         st = self.storage
-        files = [r[0] for r in results]
+        files = sorted((r[0] for r in results), key=lambda f: f.name)
         crcs: dict[int, int] = {}
         by_shard = {s.index: s for s in job.plan.shards}
-        for rec, tcrcs in results:
+        for rec, tcrcs in sorted(results, key=lambda r: r[0].name):
             shard = by_shard[int(rec.name.split("-")[1].split(".")[0])]
             for e, c in zip(shard.entries, tcrcs):
                 crcs[e.index] = c

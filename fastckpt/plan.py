@@ -66,6 +66,11 @@ class Plan:
     shards: list[Shard]
     total_bytes: int
     plan_id: int = 0
+    owned: set[int] | None = None  # shards this rank stages and writes (None: all of them)
+
+    def mine(self, shards: list[Shard]) -> list[Shard]:
+        """The subset of ``shards`` this rank is responsible for."""
+        return shards if self.owned is None else [s for s in shards if s.index in self.owned]
 
 
 @dataclass(slots=True)

@@ -131,20 +131,23 @@ class HostArena:
         return slot
 
     def _max_slots_for(self, plan: Plan) -> int:
-        if self._limit is None or plan.total_bytes == 0:
+        mine = sum(s.nbytes for s in plan.mine(plan.shards))
+        if self._limit is None or mine == 0:
             return self._max_slots
-        return max(1, min(self._max_slots, self._limit // max(plan.total_bytes, 1)))
+        return max(1, min(self._max_slots, self._limit // mine))
 
     def _ring_mode(self, plan: Plan) -> bool:
-        return self._limit is not None and plan.total_bytes > self._limit
+        mine = sum(s.nbytes for s in plan.mine(plan.shards))
+        return self._limit is not None and mine > self._limit
 
     def _new_slot(self, plan: Plan, pin: bool) -> Slot:
         ring = self._ring_mode(plan)
         slot = Slot(plan=plan, ring=ring, pinned=pin)
-        if ring:
-            biggest = max(s.nbytes for s in plan.shards)
+        shards = plan.mine(plan.shards)  # other ranks stage the rest
+        if ring and shards:
+            biggest = max(s.nbytes for s in shards)
             count = max(2, self._limit // max(biggest, 1))  # type: ignore[operator]
-            count = min(count, len(plan.shards))
+            count = min(count, len(shards))
             for _ in range(count):
                 keep, buf = _alloc(biggest, pin)
                 slot._keep.append(keep)
@@ -152,13 +155,13 @@ class HostArena:
                 self._count(biggest)
         elif self._shm is not None and not pin:
             slot.dir = self._shm.new_slot_dir()
-            for shard in plan.shards:
+            for shard in shards:
                 keep, buf = self._shm.alloc(slot.dir, shard.index, shard.nbytes)
                 slot._keep.append(keep)
                 slot._buffers[shard.index] = buf
                 self._count(shard.nbytes)
         else:
-            for shard in plan.shards:
+            for shard in shards:
                 keep, buf = _alloc(shard.nbytes, pin)
                 slot._keep.append(keep)
                 slot._buffers[shard.index] = buf

@@ -304,6 +304,7 @@ class FsspecStorage:
 
     def exists(self, path: str) -> bool:
         try:
+            self.fs.invalidate_cache(self._p(path))  # s3fs caches listings per instance
             return bool(self.fs.exists(self._p(path)))
         except Exception as e:
             raise _wrap("checking", path, e) from e

@@ -20,7 +20,7 @@ class Backend:
         return CheckpointConfig(root=self.root, storage_options=self.storage_options, **kw)
 
 
-@pytest.fixture(params=["local", "memory", "s3"])
+@pytest.fixture(params=["local", "memory", pytest.param("s3", marks=pytest.mark.s3)])
 def backend(request: pytest.FixtureRequest, tmp_path) -> Backend:
     if request.param == "local":
         return Backend("local", str(tmp_path / "ckpts"))

@@ -1,0 +1,139 @@
+"""Data-parallel ranks share the work of one checkpoint.
+
+Every rank calls ``save()`` with the same replicated state. The plan is identical
+on every rank, so shard ownership is computed locally with no communication: a
+greedy, size-sorted balance that is deterministic (DCP's dedup is greedy and
+unsorted, so its owners can differ between runs). Each rank copies and writes only
+its own shards. The commit protocol runs on the committer threads over a
+dedicated gloo group, never the training process group, so it cannot interleave
+with the model's collectives:
+
+1. every rank gathers its file records (or its error) to rank 0;
+2. rank 0 writes the metadata and the manifest (the commit) if every rank succeeded;
+3. rank 0 broadcasts the outcome, so every rank's handle resolves the same way.
+
+Loading reads each file once: its owner reads and verifies it, then broadcasts the
+bytes to the other ranks.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import uuid
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .errors import ConfigError, StateMismatchError, StorageError
+from .plan import Plan
+
+__all__ = ["Coordinator", "balance"]
+
+log = logging.getLogger("fastckpt")
+
+
+def balance(sizes: list[int], world: int) -> list[int]:
+    """Owner rank of each item: largest first onto the least-loaded rank (ties: lowest rank)."""
+    load = [0] * world
+    owner = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        r = min(range(world), key=lambda r: (load[r], r))
+        owner[i] = r
+        load[r] += sizes[i]
+    return owner
+
+
+class Coordinator:
+    """Rank-aware planning and the commit protocol; one per distributed ``Checkpointer``."""
+
+    def __init__(self, group: Any = None) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise ConfigError("distributed=True needs torch.distributed initialized (init_process_group) first")
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        # A private gloo group: background threads must never issue collectives on the
+        # training group (NCCL or gloo), or they would interleave with the model's.
+        self.group = dist.new_group(ranks=ranks, backend="gloo")
+        self._checked: set[int] = set()
+        # File names carry a per-save uid that all ranks must agree on; saves are collective,
+        # so a shared nonce plus a local counter gives the same uid everywhere with no traffic.
+        box = [uuid.uuid4().hex]
+        dist.broadcast_object_list(box, src=self._dst(), group=self.group)
+        self._nonce = box[0]
+        self._saves = 0
+
+    def next_uid(self) -> str:
+        """Called by ``save()`` on every rank, in the same order."""
+        self._saves += 1
+        return hashlib.sha1(f"{self._nonce}-{self._saves}".encode()).hexdigest()[:12]
+
+    # ---- planning (training thread) -------------------------------------------------
+
+    def assign(self, plan: Plan) -> None:
+        """Give ``plan`` its owned shards; on first sight, check every rank planned the same."""
+        if plan.plan_id in self._checked:
+            return
+        digest = hashlib.sha1(repr(plan.key).encode()).hexdigest()
+        digests: list[Any] = [None] * self.world
+        dist.all_gather_object(digests, digest, group=self.group)
+        if len(set(digests)) != 1:
+            raise StateMismatchError(
+                "ranks passed states with different structures to save(); with distributed=True every rank "
+                "must save the same replicated state (per-rank state belongs in a separate checkpoint)")
+        owners = balance([s.nbytes for s in plan.shards], self.world)
+        plan.owned = {s.index for s, r in zip(plan.shards, owners) if r == self.rank}
+        self._checked.add(plan.plan_id)
+
+    # ---- commit protocol (committer thread) --------------------------------------------
+
+    def gather(self, results: list[Any], error: BaseException | None) -> tuple[list[Any], str | None]:
+        """All ranks: send results/error to rank 0. Rank 0 gets everyone's results and the first error."""
+        mine = (self.rank, results if error is None else None, None if error is None else f"rank {self.rank}: {error}")
+        everyone: list[Any] = [None] * self.world if self.rank == 0 else None  # type: ignore[assignment]
+        dist.gather_object(mine, everyone, dst=self._dst(), group=self.group)
+        if self.rank != 0:
+            return [], None
+        merged: list[Any] = []
+        errors = [e for _, _, e in everyone if e]
+        for _, res, _ in everyone:
+            merged.extend(res or [])
+        return merged, (errors[0] if errors else None)
+
+    def outcome(self, error: str | None) -> str | None:
+        """All ranks: rank 0's verdict (None for committed, else the error text)."""
+        box = [error]
+        dist.broadcast_object_list(box, src=self._dst(), group=self.group)
+        return box[0]
+
+    def _dst(self) -> int:
+        return dist.get_global_rank(self.group, 0)
+
+    # ---- loading (training thread, collective) -----------------------------------------
+
+    def share_files(self, names: list[str], sizes: list[int], read: Any) -> dict[str, torch.Tensor]:
+        """Each file is read by one rank and broadcast to all: storage sees every byte once."""
+        owners = balance(sizes, self.world)
+        buffers: dict[str, torch.Tensor] = {}
+        local_err: BaseException | None = None
+        for name, owner in zip(names, owners):
+            if owner == self.rank:
+                try:
+                    buffers[name] = read(name)
+                except BaseException as e:  # noqa: BLE001 - shared below so no rank hangs
+                    local_err = e
+        errors: list[Any] = [None] * self.world
+        dist.all_gather_object(errors, None if local_err is None else repr(local_err), group=self.group)
+        if local_err is not None:
+            raise local_err
+        failed = [e for e in errors if e]
+        if failed:
+            raise StorageError(f"another rank could not read the checkpoint: {failed[0]}")
+        for name, size, owner in zip(names, sizes, owners):
+            buf = buffers.get(name)
+            if buf is None:
+                buf = torch.empty(size, dtype=torch.uint8)
+            dist.broadcast(buf[:size], src=dist.get_global_rank(self.group, owner), group=self.group)
+            buffers[name] = buf
+        return buffers

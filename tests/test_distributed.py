@@ -1,0 +1,109 @@
+"""Data-parallel ranks share the writes and read each file once (2 gloo ranks)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from fastckpt import CheckpointConfig, Checkpointer, StateMismatchError, StorageError
+from fastckpt.storage import open_storage
+from tests.dist_launcher import run_ranks
+from tests.helpers import FaultyStorage, WrappedStorage, assert_bit_equal, clone_state
+
+pytestmark = pytest.mark.slow
+
+
+class CountingStorage(WrappedStorage):
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.written: list[str] = []
+        self.read: list[str] = []
+
+    def write_file(self, path, parts):
+        self.written.append(path.rsplit("/", 1)[-1])
+        self.inner.write_file(path, parts)
+
+    def read_into(self, path, offset, out):
+        self.read.append(path.rsplit("/", 1)[-1])
+        self.inner.read_into(path, offset, out)
+
+
+def _model() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)  # identical replicas on every rank, as DDP keeps them
+    model = nn.Sequential(nn.Linear(64, 128), nn.BatchNorm1d(128), nn.ReLU(), nn.Linear(128, 64))
+    return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+
+def _shared_writes(rank: int, world: int, root: str, out: str) -> None:
+    model, opt = _model()
+    storage = CountingStorage(open_storage(root))
+    cfg = CheckpointConfig(root=root, persist={"chunk_bytes": 16 * 1024})
+    with Checkpointer(cfg, storage=storage, distributed=True) as ckpt:
+        ckpt.watch(opt)
+        x = torch.randn(16, 64, generator=torch.Generator().manual_seed(1))
+        for step in range(3):
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+            state = {"model": model.state_dict(), "optim": opt.state_dict(), "step": step}
+            ref = clone_state(state)
+            h = ckpt.save(state, step=step)
+        model(x * 3)  # mutate BN stats and (below) params right after the last save
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+        h.wait()
+        shards = [n for n in storage.written if n.startswith("shard-") and f".{h.path}" not in n]
+        assert ckpt.latest() == 2
+        storage.read.clear()
+        loaded = ckpt.load()  # collective: every rank gets everything
+        assert_bit_equal(ref, loaded)
+        mine = [n for n in storage.read if n.startswith("shard-")]
+        total = len([n for n in Path(root, "step-000000002").iterdir() if n.name.startswith("shard-")])
+        Path(out, f"rank{rank}").write_text(f"{len(shards)} {len(mine)} {total}")
+        loaded_into = ckpt.load_into({"model": model.state_dict()})
+        assert_bit_equal(ref["model"], loaded_into["model"])
+        assert_bit_equal(ref["model"], model.state_dict())
+
+
+def test_ranks_share_writes_and_reads(tmp_path) -> None:
+    root, out = tmp_path / "ckpt", tmp_path / "out"
+    out.mkdir()
+    run_ranks(_shared_writes, 2, str(root), str(out))
+    counts = [list(map(int, (out / f"rank{r}").read_text().split())) for r in range(2)]
+    total = counts[0][2]
+    assert total >= 4
+    assert counts[0][0] > 0 and counts[1][0] > 0, "both ranks must write shards"
+    assert counts[0][0] + counts[1][0] == 3 * total, "each shard written by exactly one rank"
+    assert counts[0][1] + counts[1][1] == total and counts[0][1] and counts[1][1], "each file read once"
+    # a single process (any world size) reads the result
+    _, opt = _model()
+    with Checkpointer(CheckpointConfig(root=str(root))) as ckpt:
+        assert ckpt.load()["step"] == 2
+
+
+def _one_rank_fails(rank: int, world: int, root: str) -> None:
+    inner = open_storage(root)
+    storage = FaultyStorage(inner, fail_on=10**9)
+    with Checkpointer(CheckpointConfig(root=root, persist={"chunk_bytes": 4096}), storage=storage,
+                      distributed=True) as ckpt:
+        state = {f"t{i}": torch.full((32, 32), float(i)) for i in range(8)}
+        ckpt.save(state, step=1).wait()
+        if rank == 1:
+            storage.writes, storage.fail_on = 0, 1  # only rank 1's disk fills up
+        h = ckpt.save({k: v + 1 for k, v in state.items()}, step=2)
+        with pytest.raises(StorageError, match="ENOSPC") as ei:
+            h.wait()
+        if rank == 0:  # rank 0 learns whose disk failed
+            assert "rank 1" in str(ei.value)
+        assert ckpt.latest() == 1
+        assert_bit_equal(state, ckpt.load())
+        with pytest.raises(StateMismatchError, match="different structures"):
+            ckpt.save({"only": torch.zeros(rank + 1)}, step=3)
+
+
+def test_one_rank_failing_fails_the_checkpoint_everywhere(tmp_path) -> None:
+    run_ranks(_one_rank_fails, 2, str(tmp_path / "ckpt"))
+    assert not (tmp_path / "ckpt" / "step-000000002" / "manifest.json").exists()
