@@ -109,9 +109,16 @@ class CheckpointReader:
         rec = self._expect(name)
         path = self.storage.join(self.dirpath, name)
         self._check_size(path, rec)
-        keep, buf = _alloc(rec["size"], pin=False)
-        view = memoryview(buf.numpy())[: rec["size"]]
-        self.storage.read_into(path, 0, view)
+        mapper = getattr(self.storage, "map_file", None)
+        if mapper is not None and rec["size"] > 0:
+            # Files are immutable once written (new uid per save, deletion is unlink), so
+            # mapping them is safe and skips a full copy of the checkpoint.
+            keep, view = mapper(path, rec["size"])
+            buf = torch.frombuffer(keep, dtype=torch.uint8)
+        else:
+            keep, buf = _alloc(rec["size"], pin=False)
+            view = memoryview(buf.numpy())[: rec["size"]]
+            self.storage.read_into(path, 0, view)
         if self.verify:
             actual = crc32c(view)
             if actual != rec["crc32c"]:

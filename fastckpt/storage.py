@@ -163,6 +163,17 @@ class LocalStorage:
         except (OSError, EOFError) as e:
             raise _wrap("reading", path, e) from e
 
+    def map_file(self, path: str, size: int) -> tuple[mmap.mmap, memoryview]:
+        """Map ``path`` copy-on-write: tensors view the page cache, no read copy (local loads)."""
+        try:
+            with open(path, "rb") as f:
+                mm = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except (OSError, ValueError) as e:
+            raise _wrap("mapping", path, e) from e
+        if hasattr(mmap, "MADV_WILLNEED"):
+            mm.madvise(mmap.MADV_WILLNEED)  # start readahead of the whole file now
+        return mm, memoryview(mm)
+
     def read_bytes(self, path: str) -> bytes:
         try:
             with open(path, "rb") as f:
