@@ -134,7 +134,7 @@ class Checkpointer:
             raise StateMismatchError(f"cannot checkpoint this state: {e}") from e
         objects = dumps_objects(flat.objects, self.config.allowed_classes) if flat.objects else None
         lazy_ptrs = self._lazy_ptrs()
-        plan = self._planner.plan(flat, lambda t: t.numel() > 0 and t.untyped_storage().data_ptr() in lazy_ptrs)
+        plan = self._planner.plan(flat, lambda t: t.data_ptr() in lazy_ptrs)
         if self._coord is not None:
             self._coord.assign(plan)
         pin = any(t.is_cuda for t in flat.tensors)
@@ -190,15 +190,14 @@ class Checkpointer:
     def _lazy_ptrs(self) -> set[int]:
         if self.config.staging.mode != "lazy":
             return set()
+        # Addresses, not tensor objects: state_dict() hands out detached aliases. A tensor is
+        # lazy only if it starts exactly where a watched param/state tensor starts.
         ptrs: set[int] = set()
         for opt in list(self._watched):
             for group in opt.param_groups:
-                for p in group["params"]:
-                    ptrs.add(p.untyped_storage().data_ptr())
+                ptrs.update(p.data_ptr() for p in group["params"])
             for st in opt.state.values():
-                for v in st.values():
-                    if isinstance(v, torch.Tensor) and v.numel() > 0:
-                        ptrs.add(v.untyped_storage().data_ptr())
+                ptrs.update(v.data_ptr() for v in st.values() if isinstance(v, torch.Tensor))
         ptrs.discard(0)
         return ptrs
 

@@ -42,6 +42,18 @@ def encode_tree(
     path: tuple = (),
 ) -> Any:
     """Encode ``obj``; ``on_tensor(path, tensor, is_numpy)`` returns the tensor's table index."""
+    # Exact-type fast paths first: this walk runs inside save(), on every checkpoint.
+    kind = type(obj)
+    if kind is torch.Tensor:
+        return {"T": on_tensor(path, obj, False)}
+    if kind is dict or kind is OrderedDict:
+        out = {"D": [[encode_tree(k, on_tensor, objects, path), encode_tree(v, on_tensor, objects, path + (k,))]
+                     for k, v in obj.items()]}
+        if kind is OrderedDict:
+            out["o"] = 1
+        return out
+    if kind is str or kind is int or kind is bool or obj is None:
+        return obj
     if obj is None or isinstance(obj, (bool, str)):
         return obj
     if isinstance(obj, int) and type(obj) is int:

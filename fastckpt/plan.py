@@ -85,7 +85,7 @@ class FlatState:
 
 
 def _key(path: tuple) -> str:
-    return "/".join(str(p) for p in path) or "tensor"
+    return "/".join(map(str, path)) or "tensor"
 
 
 def flatten(state: Any) -> FlatState:
@@ -98,11 +98,12 @@ def flatten(state: Any) -> FlatState:
     objects: list[Any] = []
 
     def on_tensor(path: tuple, t: torch.Tensor, is_numpy: bool) -> int:
-        if t.is_sparse or t.layout != torch.strided:
+        if t.layout is not torch.strided:
             raise TypeError(f"tensor at {_key(path)!r} has layout {t.layout}; only strided tensors are supported")
         ident = None
-        if t.numel() > 0 and not is_numpy:
-            ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device)
+        ptr = t.data_ptr()
+        if ptr and not is_numpy:  # identical views of one memory (tied weights) share an entry
+            ident = (ptr, t.shape, t.stride(), t.dtype, t.is_cuda)
             if ident in seen:
                 return seen[ident]
         key = _key(path)
