@@ -13,11 +13,11 @@ from typing import Any
 
 import torch
 
+from .catalog import Catalog
 from .codec import dumps_objects
 from .distributed import Coordinator
 from .config import CheckpointConfig
-from .errors import CheckpointNotFoundError, ConfigError, FastCkptError, IntegrityError, StateMismatchError
-from .format import MANIFEST, parse_manifest
+from .errors import ConfigError, FastCkptError, StateMismatchError
 from .handle import CheckpointInfo, SaveHandle, SaveStats
 from .loader import CheckpointReader
 from .pipeline import Job, Pipeline
@@ -74,7 +74,7 @@ class Checkpointer:
         self._lock = threading.Lock()
         self._pending: list[SaveHandle] = []
         self._errors: list[tuple[SaveHandle, FastCkptError]] = []
-        self._committed: dict[str, CheckpointInfo] = {}
+        self._catalog = Catalog(self.storage)
         self._copy_stream: Any = None
         self.stats: list[SaveStats] = []
         self._coord = Coordinator(group) if distributed else None
@@ -218,8 +218,8 @@ class Checkpointer:
     # ---- background callbacks (committer thread) -----------------------------------
 
     def _on_commit(self, job: Job, info: CheckpointInfo) -> None:
+        self._catalog.committed(info)
         with self._lock:
-            self._committed[info.name] = info
             self._drop_pending(job.handle)
             self.stats.append(job.handle.stats)
         self._apply_retention()
@@ -254,26 +254,7 @@ class Checkpointer:
     def list(self) -> list[CheckpointInfo]:
         """Committed checkpoints under ``root``, oldest step first."""
         self._check_open()
-        found: dict[str, CheckpointInfo] = {}
-        for name in self.storage.listdir(self.storage.url):
-            info = self._committed.get(name) or self._read_info(name)
-            if info is not None:
-                found[name] = info
-        with self._lock:
-            self._committed = found
-        return sorted(found.values(), key=lambda i: (i.step, i.name))
-
-    def _read_info(self, name: str) -> CheckpointInfo | None:
-        path = self.storage.join(self.storage.url, name)
-        mpath = self.storage.join(path, MANIFEST)
-        try:
-            doc = parse_manifest(self.storage.read_bytes(mpath), mpath)
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-            return None
-        except IntegrityError as e:
-            log.warning("fastckpt: ignoring %s: %s", path, e)
-            return None
-        return CheckpointInfo(name, int(doc["step"]), path, int(doc.get("nbytes", 0)))
+        return self._catalog.list()
 
     def latest(self) -> int | None:
         """Newest committed step, or None."""
@@ -282,34 +263,22 @@ class Checkpointer:
 
     def exists(self, name: str) -> bool:
         """Whether a checkpoint named ``name`` is committed."""
-        return self._read_info(self._check_name(name)) is not None
-
-    def _resolve(self, step: int | None, name: str | None) -> str:
-        if name is not None:
-            return self._check_name(name)
-        infos = self.list()
-        if step is not None:
-            infos = [i for i in infos if i.step == step]
-        if not infos:
-            what = f"at step {step}" if step is not None else "at all"
-            raise CheckpointNotFoundError(f"no committed checkpoint {what} under {self.storage.url}")
-        return infos[-1].name
+        return self._catalog.info(self._check_name(name)) is not None
 
     def reader(self, step: int | None = None, *, name: str | None = None) -> CheckpointReader:
         """A reader for one committed checkpoint (the latest by default)."""
-        target = self._resolve(step, name)
+        self._check_open()
+        target = self._check_name(name) if name is not None else self._catalog.resolve(step)
         return CheckpointReader(self.storage, self.storage.join(self.storage.url, target),
                                 verify=self.config.persist.verify_on_load, workers=self.config.persist.workers,
                                 allowed_classes=self.config.allowed_classes, coord=self._coord)
 
     def load(self, step: int | None = None, *, name: str | None = None, map_location: Any = None) -> Any:
         """Rebuild a saved state (the latest committed by default); tensors on CPU unless ``map_location``."""
-        self._check_open()
         return self.reader(step, name=name).load(map_location)
 
     def load_into(self, target: Any, step: int | None = None, *, name: str | None = None) -> Any:
         """Copy a saved state into ``target``'s tensors in place."""
-        self._check_open()
         return self.reader(step, name=name).load_into(target)
 
     def delete(self, name: str) -> Future:
@@ -320,44 +289,13 @@ class Checkpointer:
             done: Future = Future()
             done.set_result(None)  # rank 0 deletes for everyone
             return done
-        return self._pipeline.run_in_order(lambda: self._delete_now(name))  # type: ignore[union-attr]
-
-    def _delete_now(self, name: str) -> None:
-        path = self.storage.join(self.storage.url, name)
-        mpath = self.storage.join(path, MANIFEST)
-        try:
-            files = list(parse_manifest(self.storage.read_bytes(mpath), mpath)["files"])
-        except (FileNotFoundError, IntegrityError):
-            files = []
-        self.storage.delete(mpath)  # un-commit first: a half-deleted checkpoint is never visible
-        for f in files:
-            self.storage.delete(self.storage.join(path, f))
-        self.storage.delete_tree(path)
-        with self._lock:
-            self._committed.pop(name, None)
+        return self._pipeline.run_in_order(lambda: self._catalog.delete(name))  # type: ignore[union-attr]
 
     def _apply_retention(self) -> None:
-        r = self.config.retention
-        if r.keep_last is None or not self._leader:
-            return
-        try:
-            infos = self.list()
-        except FastCkptError as e:
-            log.warning("fastckpt: retention skipped, cannot list %s: %s", self.storage.url, e)
-            return
-        with self._lock:
-            pending = {h.name for h in self._pending}
-        keep = {i.name for i in infos[-r.keep_last:]}
-        if r.keep_every_n_steps:
-            keep |= {i.name for i in infos if i.step % r.keep_every_n_steps == 0}
-        for info in infos[:-1]:  # never the newest committed one
-            if info.name in keep or info.name in pending:
-                continue
-            try:
-                self._delete_now(info.name)
-                log.info("fastckpt: retention removed %s (step %d)", info.name, info.step)
-            except FastCkptError as e:
-                log.warning("fastckpt: retention could not remove %s: %s", info.path, e)
+        if self._leader:
+            with self._lock:
+                pending = {h.name for h in self._pending}
+            self._catalog.retain(self.config.retention, pending)
 
     # ---- lifecycle -----------------------------------------------------------------
 

@@ -29,7 +29,7 @@ from .errors import FastCkptError, StorageError
 from .format import MANIFEST, FileRecord, build_manifest, parse_manifest, shard_file_name, shard_header
 from .handle import CheckpointInfo, SaveHandle
 from .plan import Plan, Shard
-from .staging import HostArena, Slot, copy_entries, entry_view
+from .staging import HostArena, Slot, copy_entries
 from .distributed import Coordinator
 from .storage import Storage, aligned_buffer
 from .tiers import ShmTier

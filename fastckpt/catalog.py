@@ -1,0 +1,103 @@
+"""The committed checkpoints under one root: listing, lookup, deletion, retention.
+
+Only manifests count. A directory without one (an interrupted save, or an object
+store prefix that lingers after deletion) is invisible.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+from .config import RetentionOptions
+from .errors import CheckpointNotFoundError, FastCkptError, IntegrityError
+from .format import MANIFEST, parse_manifest
+from .handle import CheckpointInfo
+from .storage import Storage
+
+__all__ = ["Catalog"]
+
+log = logging.getLogger("fastckpt")
+
+
+class Catalog:
+    """Reads manifests lazily and caches what it read; the committer keeps it current."""
+
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+        self._lock = threading.Lock()
+        self._known: dict[str, CheckpointInfo] = {}
+
+    def list(self) -> list[CheckpointInfo]:
+        """Committed checkpoints under the root, oldest step first."""
+        found: dict[str, CheckpointInfo] = {}
+        for name in self.storage.listdir(self.storage.url):
+            info = self._known.get(name) or self.info(name)
+            if info is not None:
+                found[name] = info
+        with self._lock:
+            self._known = found
+        return sorted(found.values(), key=lambda i: (i.step, i.name))
+
+    def info(self, name: str) -> CheckpointInfo | None:
+        """The committed checkpoint ``name``, read from its manifest, or None."""
+        path = self.storage.join(self.storage.url, name)
+        mpath = self.storage.join(path, MANIFEST)
+        try:
+            doc = parse_manifest(self.storage.read_bytes(mpath), mpath)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            return None
+        except IntegrityError as e:
+            log.warning("fastckpt: ignoring %s: %s", path, e)
+            return None
+        return CheckpointInfo(name, int(doc["step"]), path, int(doc.get("nbytes", 0)))
+
+    def committed(self, info: CheckpointInfo) -> None:
+        """Called by the committer right after a manifest lands."""
+        with self._lock:
+            self._known[info.name] = info
+
+    def resolve(self, step: int | None) -> str:
+        """The name of the newest committed checkpoint (at ``step`` when given)."""
+        infos = self.list()
+        if step is not None:
+            infos = [i for i in infos if i.step == step]
+        if not infos:
+            what = f"at step {step}" if step is not None else "at all"
+            raise CheckpointNotFoundError(f"no committed checkpoint {what} under {self.storage.url}")
+        return infos[-1].name
+
+    def delete(self, name: str) -> None:
+        """Remove ``name``: manifest first, so a half-deleted checkpoint is never visible."""
+        path = self.storage.join(self.storage.url, name)
+        mpath = self.storage.join(path, MANIFEST)
+        try:
+            files = list(parse_manifest(self.storage.read_bytes(mpath), mpath)["files"])
+        except (FileNotFoundError, IntegrityError):
+            files = []
+        self.storage.delete(mpath)
+        for f in files:
+            self.storage.delete(self.storage.join(path, f))
+        self.storage.delete_tree(path)
+        with self._lock:
+            self._known.pop(name, None)
+
+    def retain(self, rules: RetentionOptions, pending: set[str]) -> None:
+        """Delete what ``rules`` do not keep; never the newest committed one, never a pending name."""
+        if rules.keep_last is None:
+            return
+        try:
+            infos = self.list()
+        except FastCkptError as e:
+            log.warning("fastckpt: retention skipped, cannot list %s: %s", self.storage.url, e)
+            return
+        keep = {i.name for i in infos[-rules.keep_last:]}
+        if rules.keep_every_n_steps:
+            keep |= {i.name for i in infos if i.step % rules.keep_every_n_steps == 0}
+        for info in infos[:-1]:
+            if info.name in keep or info.name in pending:
+                continue
+            try:
+                self.delete(info.name)
+                log.info("fastckpt: retention removed %s (step %d)", info.name, info.step)
+            except FastCkptError as e:
+                log.warning("fastckpt: retention could not remove %s: %s", info.path, e)
