@@ -1,0 +1,86 @@
+"""Build the core ``CheckpointConfig`` for an Accelerator from fastckpt's own YAML schema.
+
+The schema is exactly the core's (see docs/API.md), in its own file: Accelerate's ``accelerate config``
+YAML rejects unknown keys. Two things come from the Accelerator when the file leaves them out:
+
+- ``root`` defaults to ``{project_dir}/checkpoints``, where Accelerate's automatic naming saves;
+- ``retention.keep_last`` defaults to ``ProjectConfiguration.total_limit``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any, Union
+
+import yaml
+from accelerate import Accelerator
+
+from fastckpt import CheckpointConfig
+from fastckpt.errors import ConfigError
+
+from .naming import normalize
+
+logger = logging.getLogger(__name__)
+
+ConfigSource = Union[CheckpointConfig, dict, str, os.PathLike, None]
+
+
+def resolve_config(source: ConfigSource, accelerator: Accelerator) -> CheckpointConfig:
+    """A validated ``CheckpointConfig`` from a config object, a dict, a YAML path, or None (all defaults)."""
+    raw = _as_dict(source)
+    project = accelerator.project_configuration
+    if not raw.get("root"):
+        raw["root"] = _default_root(project.project_dir)
+    # One spelling per root, so that save_state(output_dir) under the root reuses its Checkpointer.
+    raw["root"] = normalize(str(raw["root"]))
+    total_limit = project.total_limit
+    if total_limit is not None:
+        retention = dict(raw.get("retention") or {})
+        keep_last = retention.get("keep_last")
+        if keep_last is None:
+            retention["keep_last"] = total_limit
+        elif keep_last != total_limit:
+            logger.warning(
+                "fastckpt retention.keep_last=%s overrides ProjectConfiguration.total_limit=%s", keep_last, total_limit
+            )
+        raw["retention"] = retention
+    return CheckpointConfig.from_dict(raw)
+
+
+def _as_dict(source: ConfigSource) -> dict[str, Any]:
+    if source is None:
+        return {}
+    if isinstance(source, CheckpointConfig):
+        return source.to_dict()
+    if isinstance(source, dict):
+        return dict(source)
+    if isinstance(source, (str, os.PathLike)):
+        return _read_yaml(Path(source))
+    raise ConfigError(
+        f"config must be a CheckpointConfig, a dict, a YAML path or None, not {type(source).__name__}"
+    )
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        loaded = yaml.safe_load(path.read_text())
+    except OSError as e:
+        raise ConfigError(f"cannot read the fastckpt config {path}: {e}") from e
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path} is not valid YAML: {e}") from e
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{path} must hold a mapping of fastckpt settings, not {type(loaded).__name__}")
+    return loaded
+
+
+def _default_root(project_dir: str | None) -> str:
+    if project_dir is None:
+        raise ConfigError(
+            "no checkpoint root: set `root` in the fastckpt config, or pass "
+            "ProjectConfiguration(project_dir=...) to the Accelerator"
+        )
+    return os.path.join(os.path.abspath(os.path.expanduser(project_dir)), "checkpoints")

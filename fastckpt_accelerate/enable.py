@@ -1,0 +1,81 @@
+"""``enable(accelerator, config)``: route one Accelerator's ``save_state``/``load_state`` through fastckpt.
+
+Accelerate has no plugin slot for checkpointing (``kwargs_handlers`` is a closed mapping) and its save
+pre-hook can take over only the model weights, so the methods are replaced on the instance. Other
+Accelerators in the process are untouched.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from accelerate import Accelerator
+from accelerate.utils import DistributedType
+
+from fastckpt.errors import ConfigError
+
+from .checkpointing import FastAccelerateCheckpointing
+from .config import ConfigSource, resolve_config
+
+_ATTRIBUTE = "_fastckpt_checkpointing"
+
+# These engines shard or own their state and save it themselves; fastckpt would save only one shard.
+_UNSUPPORTED = {
+    DistributedType.FSDP,
+    DistributedType.DEEPSPEED,
+    DistributedType.MEGATRON_LM,
+    DistributedType.XLA,
+}
+
+
+def enable(
+    accelerator: Accelerator,
+    config: ConfigSource = None,
+    *,
+    storage: Any = None,
+    log_stats: bool = False,
+) -> FastAccelerateCheckpointing:
+    """Make ``accelerator.save_state()`` asynchronous and fastckpt-backed; call right after creating it.
+
+    ``config`` is a fastckpt YAML path, a dict, a ``CheckpointConfig``, or None; a missing ``root`` means
+    ``{project_dir}/checkpoints``. ``storage`` injects a ``fastckpt.Storage`` (tests). With ``log_stats``
+    each save's stats go to ``accelerator.log`` at the next save, ``wait()`` or ``end_training()``.
+    """
+    if accelerator.distributed_type in _UNSUPPORTED:
+        raise ConfigError(
+            f"fastckpt_accelerate does not support distributed_type={accelerator.distributed_type.value}: "
+            "its engine saves sharded state itself; use single-process or DDP (MULTI_GPU/MULTI_CPU) training"
+        )
+    previous = getattr(accelerator, _ATTRIBUTE, None)
+    if previous is not None and not previous.closed:
+        raise ConfigError("fastckpt is already enabled on this Accelerator; close() the returned object first")
+    checkpointing = FastAccelerateCheckpointing(
+        accelerator,
+        resolve_config(config, accelerator),
+        storage=storage,
+        log_stats=log_stats,
+        original_load_state=type(accelerator).load_state.__get__(accelerator),
+    )
+    _install(accelerator, checkpointing)
+    return checkpointing
+
+
+def get_checkpointing(accelerator: Accelerator) -> FastAccelerateCheckpointing | None:
+    """The object ``enable`` attached to ``accelerator``, if any."""
+    return getattr(accelerator, _ATTRIBUTE, None)
+
+
+def _install(accelerator: Accelerator, checkpointing: FastAccelerateCheckpointing) -> None:
+    original_end_training = type(accelerator).end_training.__get__(accelerator)
+
+    def end_training() -> None:
+        # Flush before the process group is destroyed and the trackers finish.
+        try:
+            checkpointing.close()
+        finally:
+            original_end_training()
+
+    accelerator.save_state = checkpointing.save_state
+    accelerator.load_state = checkpointing.load_state
+    accelerator.end_training = end_training
+    setattr(accelerator, _ATTRIBUTE, checkpointing)
