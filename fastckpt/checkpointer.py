@@ -84,7 +84,7 @@ class Checkpointer:
         self._pipeline = Pipeline(self.storage, self._arena, p.workers, self._on_commit, self._on_failure,
                                   self._coord)
         self._atexit = _exit_flusher(self)
-        atexit.register(self._atexit)
+        _register_exit_hook(self._atexit)
         self.recovered: list[SaveHandle] = self._recover() if self._shm is not None else []
 
     def _recover(self) -> list[SaveHandle]:
@@ -200,6 +200,11 @@ class Checkpointer:
                 ptrs.update(v.data_ptr() for v in st.values() if isinstance(v, torch.Tensor))
         ptrs.discard(0)
         return ptrs
+
+    def pending_names(self) -> list[str]:
+        """Names of saves submitted but not yet committed or failed, oldest first."""
+        with self._lock:
+            return [h.name for h in self._pending]
 
     def wait_staged(self) -> None:
         """Block until every pending snapshot is in host memory (call before mutating)."""
@@ -324,7 +329,6 @@ class Checkpointer:
         pipeline, self._pipeline = getattr(self, "_pipeline", None), None
         if pipeline is None:
             return
-        atexit.unregister(self._atexit)
         with self._lock:
             pending = list(self._pending)
         wait_futures([h._durable for h in pending], timeout)
@@ -352,6 +356,23 @@ class Checkpointer:
                 self.close()
             except Exception:  # noqa: BLE001 - nothing can be raised from __del__
                 pass
+
+
+def _register_exit_hook(hook: Any) -> None:
+    """Run ``hook`` at exit while our I/O executor still accepts work.
+
+    ``atexit`` handlers run after threading's exit hooks, and one of those shuts down every
+    ``concurrent.futures`` executor, so a lazy copy still pending would fail to queue its
+    writes. ``threading._register_atexit`` hooks run newest first, before that one.
+    """
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:
+        try:
+            register(hook)
+            return
+        except RuntimeError:  # shutdown already started
+            pass
+    atexit.register(hook)
 
 
 def _exit_flusher(ckpt: Checkpointer) -> Any:

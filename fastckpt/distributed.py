@@ -82,8 +82,17 @@ class Coordinator:
             raise StateMismatchError(
                 "ranks passed states with different structures to save(); with distributed=True every rank "
                 "must save the same replicated state (per-rank state belongs in a separate checkpoint)")
-        owners = balance([s.nbytes for s in plan.shards], self.world)
-        plan.owned = {s.index for s, r in zip(plan.shards, owners) if r == self.rank}
+        # Eager tensors (BatchNorm buffers, unwatched state) may differ between ranks; DDP
+        # treats rank 0's as the truth (broadcast_buffers), so rank 0 writes all of them.
+        # Only optimizer-managed tensors, identical on every rank, are spread out.
+        eager = [s for s in plan.shards if not s.lazy]
+        lazy = [s for s in plan.shards if s.lazy]
+        owners = balance([sum(s.nbytes for s in eager)] + [s.nbytes for s in lazy], self.world)
+        rank0 = owners[0]  # the ranks are symmetric: relabel so the eager bundle lands on rank 0
+        relabel = {rank0: 0, 0: rank0}
+        mine = {s.index for s in eager} if self.rank == 0 else set()
+        mine |= {s.index for s, r in zip(lazy, owners[1:]) if relabel.get(r, r) == self.rank}
+        plan.owned = mine
         self._checked.add(plan.plan_id)
 
     # ---- commit protocol (committer thread) --------------------------------------------

@@ -21,6 +21,8 @@ from .storage import Storage
 
 __all__ = ["CheckpointReader", "load_checkpoint", "is_checkpoint"]
 
+_OWN_STORAGE_BELOW = 1 << 20  # bytes; see _materialize
+
 
 @dataclass
 class _Entry:
@@ -189,8 +191,11 @@ class CheckpointReader:
             t = torch.empty(e.shape, dtype=e.dtype)
         else:
             raw = buf[e.offset: e.offset + e.nbytes]
-            if e.offset % max(e.dtype.itemsize, 1):
-                raw = raw.clone()  # a foreign layout: realign before viewing
+            if e.offset % max(e.dtype.itemsize, 1) or e.nbytes <= _OWN_STORAGE_BELOW:
+                # Small tensors (RNG states, step counters, scalars) get storage of their own:
+                # torch.set_rng_state and Generator.set_state ignore storage offsets, and a
+                # foreign layout may be misaligned. Large ones stay zero-copy views.
+                raw = raw.clone()
             t = raw.view(e.dtype).view(e.shape)
         if e.numpy:
             return t.numpy()

@@ -93,11 +93,17 @@ def _one_rank_fails(rank: int, world: int, root: str) -> None:
     storage = FaultyStorage(inner, fail_on=10**9)
     with Checkpointer(CheckpointConfig(root=root, persist={"chunk_bytes": 4096}), storage=storage,
                       distributed=True) as ckpt:
-        state = {f"t{i}": torch.full((32, 32), float(i)) for i in range(8)}
-        ckpt.save(state, step=1).wait()
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(32, 32, bias=False) for _ in range(8)])
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ckpt.watch(opt)  # watched tensors are spread over both ranks
+        state = clone_state(model.state_dict())
+        ckpt.save(model.state_dict(), step=1).wait()
         if rank == 1:
             storage.writes, storage.fail_on = 0, 1  # only rank 1's disk fills up
-        h = ckpt.save({k: v + 1 for k, v in state.items()}, step=2)
+        with torch.no_grad():
+            model[0].weight.add_(1)
+        h = ckpt.save(model.state_dict(), step=2)
         with pytest.raises(StorageError, match="ENOSPC") as ei:
             h.wait()
         if rank == 0:  # rank 0 learns whose disk failed
@@ -111,3 +117,23 @@ def _one_rank_fails(rank: int, world: int, root: str) -> None:
 def test_one_rank_failing_fails_the_checkpoint_everywhere(tmp_path) -> None:
     run_ranks(_one_rank_fails, 2, str(tmp_path / "ckpt"))
     assert not (tmp_path / "ckpt" / "step-000000002" / "manifest.json").exists()
+
+
+def _eager_from_rank0(rank: int, world: int, root: str) -> None:
+    model, opt = _model()
+    with Checkpointer(CheckpointConfig(root=root, persist={"chunk_bytes": 4096}), distributed=True) as ckpt:
+        ckpt.watch(opt)
+        model(torch.randn(8, 64) + rank)  # BatchNorm stats now differ per rank, as under DDP
+        state = {"model": model.state_dict()}
+        ref = clone_state(state)
+        ckpt.save(state, step=1).wait()
+        saved = ckpt.load()
+        truth = [None]
+        if rank == 0:
+            truth = [ref]
+        torch.distributed.broadcast_object_list(truth, src=0)
+        assert_bit_equal(truth[0], saved)  # rank 0's buffers, on every rank
+
+
+def test_eager_tensors_come_from_rank_zero(tmp_path) -> None:
+    run_ranks(_eager_from_rank0, 2, str(tmp_path / "ckpt"))

@@ -53,9 +53,14 @@ def test_pending_save_is_flushed_at_interpreter_exit(tmp_path) -> None:
     script = textwrap.dedent("""
         import sys, torch
         from fastckpt import Checkpointer, CheckpointConfig
-        ck = Checkpointer(CheckpointConfig(root=sys.argv[1]))
-        ck.save({"w": torch.full((512, 512), 7.0)}, step=42)
-        # no wait(), no close(): the atexit hook must flush
+        ck = Checkpointer(CheckpointConfig(root=sys.argv[1], persist={"chunk_bytes": 65536}))
+        model = torch.nn.Linear(512, 512, bias=False)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ck.watch(opt)  # lazy: the copy thread still has work when the interpreter exits
+        with torch.no_grad():
+            model.weight.fill_(7.0)
+        ck.save({"w": model.weight, "eager": torch.ones(3)}, step=42)
+        # no wait(), no close(): the exit hook must flush
     """)
     r = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True,
                        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)

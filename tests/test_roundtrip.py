@@ -126,3 +126,17 @@ def test_map_location_and_module_level_loader(tmp_path) -> None:
     assert torch.equal(out["w"], torch.arange(4.0))
     out2 = fastckpt.load_checkpoint(path + "/manifest.json", map_location=torch.float64 and (lambda t, _: t.double()))
     assert out2["w"].dtype == torch.float64
+
+
+def test_loaded_rng_state_is_usable(tmp_path) -> None:
+    """Small tensors own their storage: RNG setters ignore storage offsets."""
+    g = torch.Generator().manual_seed(123)
+    state = {"big": torch.randn(512, 1024), "cpu_rng": torch.get_rng_state(), "gen": g.get_state()}
+    with Checkpointer(CheckpointConfig(root=str(tmp_path))) as ckpt:
+        ckpt.save(state, step=0).wait()
+        loaded = ckpt.load()
+    assert loaded["cpu_rng"].storage_offset() == 0 and loaded["gen"].storage_offset() == 0
+    torch.set_rng_state(loaded["cpu_rng"])
+    g2 = torch.Generator()
+    g2.set_state(loaded["gen"])
+    assert torch.equal(torch.randn(4, generator=g2), torch.randn(4, generator=g))
