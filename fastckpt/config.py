@@ -15,6 +15,7 @@ from .errors import ConfigError
 
 __all__ = [
     "CheckpointConfig",
+    "config_mapping",
     "StagingOptions",
     "PersistOptions",
     "RetentionOptions",
@@ -180,6 +181,37 @@ class CheckpointConfig:
     def to_dict(self) -> dict[str, Any]:
         """The YAML schema as plain data (round-trips through ``from_dict``)."""
         return dataclasses.asdict(self)
+
+
+def config_mapping(source: "CheckpointConfig | Mapping[str, Any] | str | Path | None") -> dict[str, Any]:
+    """The raw schema mapping behind any config source the integrations accept.
+
+    ``root`` may be missing here (an integration can derive it, e.g. from Accelerate's
+    ``project_dir``); ``CheckpointConfig.from_dict`` validates the finished mapping.
+    """
+    if source is None:
+        return {}
+    if isinstance(source, CheckpointConfig):
+        return source.to_dict()
+    if isinstance(source, Mapping):
+        return dict(source)
+    if isinstance(source, (str, Path)) or hasattr(source, "__fspath__"):
+        import yaml
+
+        path = Path(source)
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except OSError as e:
+            raise ConfigError(f"cannot read fastckpt config {str(path)!r}: {e}") from e
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{str(path)!r} is not valid YAML: {e}") from e
+        if loaded is None:
+            return {}
+        if not isinstance(loaded, Mapping):
+            raise ConfigError(f"{str(path)!r} must hold a mapping of fastckpt settings, not {type(loaded).__name__}")
+        return dict(loaded)
+    raise ConfigError(f"a fastckpt config is a CheckpointConfig, a mapping, a YAML path or None; "
+                      f"got {type(source).__name__}")
 
 
 def _build_section(name: str, cls: type, data: Mapping[str, Any]) -> Any:

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
-from typing import Any, Union
+from typing import Union
 
-import yaml
 from accelerate import Accelerator
 
 from fastckpt import CheckpointConfig
+from fastckpt.config import config_mapping
 from fastckpt.errors import ConfigError
 
 from .naming import normalize
@@ -29,7 +28,7 @@ ConfigSource = Union[CheckpointConfig, dict, str, os.PathLike, None]
 
 def resolve_config(source: ConfigSource, accelerator: Accelerator) -> CheckpointConfig:
     """A validated ``CheckpointConfig`` from a config object, a dict, a YAML path, or None (all defaults)."""
-    raw = _as_dict(source)
+    raw = config_mapping(source)
     project = accelerator.project_configuration
     if not raw.get("root"):
         raw["root"] = _default_root(project.project_dir)
@@ -47,34 +46,6 @@ def resolve_config(source: ConfigSource, accelerator: Accelerator) -> Checkpoint
             )
         raw["retention"] = retention
     return CheckpointConfig.from_dict(raw)
-
-
-def _as_dict(source: ConfigSource) -> dict[str, Any]:
-    if source is None:
-        return {}
-    if isinstance(source, CheckpointConfig):
-        return source.to_dict()
-    if isinstance(source, dict):
-        return dict(source)
-    if isinstance(source, (str, os.PathLike)):
-        return _read_yaml(Path(source))
-    raise ConfigError(
-        f"config must be a CheckpointConfig, a dict, a YAML path or None, not {type(source).__name__}"
-    )
-
-
-def _read_yaml(path: Path) -> dict[str, Any]:
-    try:
-        loaded = yaml.safe_load(path.read_text())
-    except OSError as e:
-        raise ConfigError(f"cannot read the fastckpt config {path}: {e}") from e
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path} is not valid YAML: {e}") from e
-    if loaded is None:
-        return {}
-    if not isinstance(loaded, dict):
-        raise ConfigError(f"{path} must hold a mapping of fastckpt settings, not {type(loaded).__name__}")
-    return loaded
 
 
 def _default_root(project_dir: str | None) -> str:

@@ -13,9 +13,8 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, Optional, Union
 
-import yaml
 from fastckpt import CheckpointConfig
-from fastckpt.errors import ConfigError
+from fastckpt.config import config_mapping
 
 ConfigSource = Union[CheckpointConfig, str, os.PathLike, Mapping[str, Any], None]
 
@@ -25,7 +24,7 @@ _PLACEHOLDER_ROOT = "."
 
 def build_config(source: ConfigSource, **overrides: Any) -> tuple[CheckpointConfig, Optional[str]]:
     """Merge ``source`` (a config, a YAML path or a dict) with keyword overrides; return the config and user root."""
-    base = _as_dict(source)
+    base = config_mapping(source)
     for key, value in overrides.items():
         if value is None:
             continue
@@ -47,28 +46,6 @@ def for_directory(config: CheckpointConfig, dirpath: str) -> CheckpointConfig:
 def staging_mode(config: CheckpointConfig) -> str:
     """``"lazy"`` or ``"eager"``, read through ``to_dict`` so it does not depend on the nested dataclass layout."""
     return str((config.to_dict().get("staging") or {}).get("mode", "lazy"))
-
-
-def _as_dict(source: ConfigSource) -> dict[str, Any]:
-    if source is None:
-        return {}
-    if isinstance(source, CheckpointConfig):
-        return source.to_dict()
-    if isinstance(source, Mapping):
-        return dict(source)
-    if isinstance(source, (str, os.PathLike)):
-        # Read the YAML ourselves: the core's from_yaml() insists on `root`, which a Lightning config may omit.
-        try:
-            with open(source, encoding="utf-8") as stream:
-                loaded = yaml.safe_load(stream) or {}
-        except OSError as e:
-            raise ConfigError(f"FastCheckpointIO: cannot read config file {os.fspath(source)!r}: {e}") from e
-        if not isinstance(loaded, Mapping):
-            raise ConfigError(f"FastCheckpointIO: {os.fspath(source)!r} must hold a YAML mapping, got {type(loaded)}")
-        return dict(loaded)
-    raise ConfigError(
-        f"FastCheckpointIO(config=...) takes a CheckpointConfig, a YAML path or a dict, got {type(source).__name__}"
-    )
 
 
 def _without_retention(config: dict[str, Any]) -> dict[str, Any]:
