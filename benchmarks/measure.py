@@ -1,0 +1,501 @@
+"""Measurement primitives and the core measures (issue #2): (a) save() blocking, (b) per-checkpoint
+stall, (c) durable-commit bandwidth vs a raw fsync'd write, (d) load time, (e) peak RSS.
+
+Every ``task_*`` function runs inside one (usually fresh) process and returns a JSON-able dict.
+"""
+from __future__ import annotations
+
+import gc
+import mmap
+import os
+import shutil
+import statistics
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import psutil
+import torch
+
+from . import peers as peers_mod
+from . import workload as wl
+
+now = time.perf_counter
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------- memory
+
+
+class RssSampler:
+    """Samples this process's RSS (psutil) on a daemon thread; ``peak`` is the max seen."""
+
+    def __init__(self, interval: float = 0.02) -> None:
+        self.proc = psutil.Process()
+        self.interval = interval
+        self.peak = self.proc.memory_info().rss
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            rss = self.proc.memory_info().rss
+            if rss > self.peak:
+                self.peak = rss
+            self._stop.wait(self.interval)
+
+    def start(self) -> "RssSampler":
+        self._t.start()
+        return self
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._t.join()
+        self.peak = max(self.peak, self.proc.memory_info().rss)
+        return self.peak
+
+
+def rss() -> int:
+    return psutil.Process().memory_info().rss
+
+
+def reset_hwm() -> bool:
+    """Reset the kernel's peak-RSS counter (VmHWM) of this process; False where unsupported."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def vm_hwm() -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- files
+
+
+def raw_fsync_write(path: Path, buf: np.ndarray, piece: int = 64 << 20) -> float:
+    """Sequential os.write of ``buf`` + fsync; returns seconds (the bandwidth yardstick)."""
+    mv = memoryview(buf).cast("B")
+    t0 = now()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        while len(mv):
+            n = os.write(fd, mv[:piece])
+            mv = mv[n:]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return now() - t0
+
+
+def raw_direct_write(path: Path, buf: memoryview, piece: int = 64 << 20) -> float:
+    """Sequential O_DIRECT os.write of a page-aligned ``buf`` + fsync (a second, stricter yardstick)."""
+    mv = buf
+    t0 = now()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+    try:
+        while len(mv):
+            n = os.write(fd, mv[:piece])
+            mv = mv[n:]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return now() - t0
+
+
+def files_under(path: Path) -> list[Path]:
+    path = Path(path)
+    if path.is_file():
+        return [path]
+    return [p for p in path.rglob("*") if p.is_file()]
+
+
+def tree_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in files_under(path))
+
+
+def drop_cache(path: Path) -> None:
+    """Evict ``path``'s (clean) pages from the page cache: fsync, then POSIX_FADV_DONTNEED per file."""
+    for p in files_under(path):
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def warm_cache(path: Path, piece: int = 64 << 20) -> None:
+    """Read every file under ``path`` once so that it sits in the page cache."""
+    buf = bytearray(piece)
+    for p in files_under(path):
+        with open(p, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+
+
+def rmtree(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------- stats
+
+
+def med(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def mean(xs: list[float]) -> float | None:
+    return statistics.fmean(xs) if xs else None
+
+
+def stall_estimate(loop_s: float, n_steps: int, base_steps: list[float], n_ckpt: int) -> dict[str, float]:
+    """Per-checkpoint stall = (loop time with checkpoints - n x mean baseline step) / #checkpoints.
+
+    ``noise_s`` is one standard error of that estimate from the baseline steps' spread (the checkpointed
+    loop is assumed to be as noisy per step as the baseline).
+    """
+    mu = statistics.fmean(base_steps)
+    sd = statistics.stdev(base_steps) if len(base_steps) > 1 else 0.0
+    var = n_steps * sd**2 + (n_steps**2) * sd**2 / max(len(base_steps), 1)
+    return {
+        "stall_s": (loop_s - n_steps * mu) / n_ckpt,
+        "noise_s": var**0.5 / n_ckpt,
+        "base_step_mean_s": mu,
+        "base_step_sd_s": sd,
+    }
+
+
+# ---------------------------------------------------------------------------------------------- core loop
+
+
+class Trainer:
+    """The plain loop: forward, backward, ``peer.before_optimizer_step()``, ``opt.step()``."""
+
+    def __init__(self, shape: wl.Shape) -> None:
+        wl.setup_threads()
+        self.model, self.opt = wl.build(shape)
+        self.batches = wl.Batches(shape)
+        self.pre_step: Callable[[], None] = lambda: None
+
+    def step(self) -> None:
+        x, y = self.batches.next()
+        loss = wl.loss_fn(self.model, x, y)
+        self.opt.zero_grad(set_to_none=False)
+        loss.backward()
+        self.pre_step()
+        self.opt.step()
+
+    def timed_steps(self, n: int) -> list[float]:
+        out = []
+        for _ in range(n):
+            t0 = now()
+            self.step()
+            out.append(now() - t0)
+        return out
+
+    def state(self, step: int) -> dict:
+        return wl.make_state(self.model, self.opt, step)
+
+
+def save_points(n_steps: int, every: int) -> set[int]:
+    """Checkpoint after these step indices: mid-window, so every save has steps after it."""
+    return {i for i in range(n_steps) if i % every == every // 2 - 1 or (every == 1)}
+
+
+def task_core(peer: str, shape: dict, root: str, warmup: int, every: int, n_ckpt: int,
+              base_steps: int) -> dict[str, Any]:
+    """(a), (b) and peak RSS for one peer, in one process.
+
+    Order: warm-up steps -> baseline A (``base_steps/2`` steps; also gives the no-checkpoint peak RSS) ->
+    warm-up checkpoint (untimed, awaited) -> checkpointed loop (n = n_ckpt x every steps, a save in the
+    middle of every ``every``-step window, nothing awaited beyond what the peer needs) -> final flush
+    (timed on its own) -> baseline B (the rest of ``base_steps``).
+    """
+    root_p = Path(root)
+    rmtree(root_p)
+    tr = Trainer(wl.Shape(**shape))
+    p = peers_mod.make(peer, root_p)
+    p.attach(tr.model, tr.opt)
+    tr.pre_step = p.before_optimizer_step
+    tr.timed_steps(warmup)
+    state_bytes = wl.tensor_bytes(tr.state(0))
+    gc.collect()
+
+    rss_quiet = rss()
+    base_sampler = RssSampler().start()
+    base_a = tr.timed_steps(base_steps // 2)
+    base_peak = base_sampler.stop()
+
+    hwm_reset = reset_hwm()
+    sampler = RssSampler().start()
+    t0 = now()
+    p.save(tr.state(0), 0)
+    first_block = now() - t0
+    tr.step()
+    p.flush()
+    first_total = now() - t0
+
+    n = n_ckpt * every
+    points = save_points(n, every)
+    blocks: list[float] = []
+    steps: list[float] = []
+    t_loop = now()
+    for i in range(n):
+        ts = now()
+        tr.step()
+        if i in points:
+            st = tr.state(i + 1)
+            tb = now()
+            p.save(st, i + 1)
+            blocks.append(now() - tb)
+            del st
+        steps.append(now() - ts)
+    loop_s = now() - t_loop
+    tf = now()
+    p.flush()
+    flush_s = now() - tf
+    base_b = tr.timed_steps(base_steps - base_steps // 2)
+    peak = sampler.stop()
+    hwm = vm_hwm() if hwm_reset else None
+    p.close()
+    written = tree_bytes(root_p)
+    rmtree(root_p)
+    out = {
+        "peer": peer,
+        "n_steps": n,
+        "n_ckpt": len(blocks),
+        "every": every,
+        "state_bytes": state_bytes,
+        "bytes_on_disk_per_ckpt": written / (len(blocks) + 1),
+        "first_save_block_s": first_block,
+        "first_save_total_s": first_total,
+        "save_block_s": blocks,
+        "save_block_median_s": med(blocks),
+        "loop_s": loop_s,
+        "loop_steps_s": steps,
+        "flush_s": flush_s,
+        "base_steps_s": base_a + base_b,
+        "rss_quiet": rss_quiet,
+        "rss_before_saves": base_peak,
+        "peak_rss": peak,
+        "peak_rss_hwm": hwm,
+    }
+    out.update(stall_estimate(loop_s, n, base_a + base_b, len(blocks)))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- (c) + (d)
+
+
+def task_io(shape: dict, root: str, reps: int, cold: bool) -> dict[str, Any]:
+    """(c) durable commit vs raw fsync'd write, interleaved; (d) load vs torch.load (warm; optionally cold)."""
+    from fastckpt import CheckpointConfig, Checkpointer
+
+    root_p = Path(root)
+    rmtree(root_p)
+    root_p.mkdir(parents=True)
+    tr = Trainer(wl.Shape(**shape))
+    tr.timed_steps(2)
+    state = tr.state(2)
+    state_bytes = wl.tensor_bytes(state)
+    ckpt = Checkpointer(CheckpointConfig(root=os.fspath(root_p / "fastckpt")))
+    ckpt.watch(tr.opt)
+
+    # warm-up: arena allocation + plan (reported, not part of the comparison)
+    t0 = now()
+    h = ckpt.save(state, 0)
+    info = h.wait()
+    cold_durable = now() - t0
+    nbytes = info.nbytes
+    buf = np.ones(nbytes, dtype=np.uint8)  # touched: the yardstick writes from resident memory
+    dnbytes = -(-nbytes // 4096) * 4096
+    dmm = mmap.mmap(-1, dnbytes)  # page-aligned for O_DIRECT
+    dbuf = memoryview(dmm)
+    np.frombuffer(dmm, dtype=np.uint8)[:] = 1
+    direct_s: list[float] = []
+    raw_s: list[float] = []
+    fc_s: list[float] = []
+    fc_block: list[float] = []
+    fc_staged: list[float] = []
+    prev = info.name
+    for r in range(reps):
+        order = [("raw", "fc", "direct"), ("fc", "direct", "raw"), ("direct", "raw", "fc")][r % 3]
+        for what in order:
+            if what == "raw":
+                f = root_p / "raw.bin"
+                raw_s.append(raw_fsync_write(f, buf))
+                f.unlink()
+            elif what == "direct":
+                f = root_p / "raw_direct.bin"
+                try:
+                    direct_s.append(raw_direct_write(f, dbuf))
+                except OSError as e:  # tmpfs etc.
+                    log(f"O_DIRECT yardstick unavailable: {e}")
+                f.unlink(missing_ok=True)
+            else:
+                ckpt.delete(prev).result()
+                t0 = now()
+                h = ckpt.save(state, r + 1)
+                fc_block.append(now() - t0)
+                h.wait_staged()
+                fc_staged.append(now() - t0)
+                info = h.wait()
+                fc_s.append(now() - t0)
+                prev = info.name
+    del buf
+    dbuf.release()
+    dmm.close()
+    ratios = [(nbytes / f) / (nbytes / r) for f, r in zip(fc_s, raw_s)]
+    out: dict[str, Any] = {
+        "state_bytes": state_bytes,
+        "ckpt_bytes": nbytes,
+        "cold_durable_s": cold_durable,
+        "raw_s": raw_s,
+        "fastckpt_durable_s": fc_s,
+        "fastckpt_block_s": fc_block,
+        "fastckpt_staged_s": fc_staged,
+        "raw_MBps": nbytes / 1e6 / med(raw_s),
+        "fastckpt_MBps": nbytes / 1e6 / med(fc_s),
+        "bw_ratio_pairs": ratios,
+        "bw_ratio": med(ratios),
+        "raw_direct_s": direct_s,
+        "raw_direct_MBps": dnbytes / 1e6 / med(direct_s) if direct_s else None,
+        "bw_ratio_vs_direct": med([(dnbytes / f) / (dnbytes / d) for f, d in zip(fc_s, direct_s)]) if direct_s else None,
+    }
+
+    # (d) load. torch.save's file, fsync'd so that a later DONTNEED can drop it.
+    tpath = root_p / "torch_save.pt"
+    t0 = now()
+    torch.save(state, tpath)
+    out["torch_save_s"] = now() - t0
+    fd = os.open(tpath, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+    out["torch_save_bytes"] = tpath.stat().st_size
+    step_saved = ckpt.latest()
+    fc_dir = Path(ckpt.list()[-1].path)
+    del state, tr
+    gc.collect()
+
+    def load_torch() -> float:
+        t0 = now()
+        x = torch.load(tpath, map_location="cpu", weights_only=True)
+        dt = now() - t0
+        del x
+        gc.collect()
+        return dt
+
+    def load_fc() -> float:
+        t0 = now()
+        x = ckpt.load(step_saved)
+        dt = now() - t0
+        del x
+        gc.collect()
+        return dt
+
+    warm_cache(tpath)
+    warm_cache(fc_dir)
+    tl, fl = [], []
+    for r in range(reps):
+        if r % 2 == 0:
+            tl.append(load_torch())
+            fl.append(load_fc())
+        else:
+            fl.append(load_fc())
+            tl.append(load_torch())
+    out.update({"load_warm_torch_s": tl, "load_warm_fastckpt_s": fl,
+                "load_warm_ratio": med(fl) / med(tl)})
+    if cold:
+        drop_cache(tpath)
+        drop_cache(fc_dir)
+        out["load_cold_torch_s"] = load_torch()
+        drop_cache(tpath)
+        drop_cache(fc_dir)
+        out["load_cold_fastckpt_s"] = load_fc()
+        out["load_cold_ratio"] = out["load_cold_fastckpt_s"] / out["load_cold_torch_s"]
+    ckpt.close()
+    rmtree(root_p)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- (e)
+
+
+def task_rss(shape: dict, root: str, warmup: int, every: int, n_saves: int, base_steps: int) -> dict[str, Any]:
+    """(e) fastckpt's peak RSS over ``n_saves`` saves in the training loop (lazy mode, a save every
+    ``every`` steps, nothing awaited in the loop), against the peak RSS of the same loop without
+    checkpoints (model, grads, optimizer state, autograd temporaries, runtime) + the state's bytes."""
+    from fastckpt import CheckpointConfig, Checkpointer
+
+    root_p = Path(root)
+    rmtree(root_p)
+    tr = Trainer(wl.Shape(**shape))
+    # keep_last=2 bounds the disk footprint of 20 full checkpoints (deletion runs on the committer thread).
+    ckpt = Checkpointer(CheckpointConfig.from_dict({"root": os.fspath(root_p), "retention": {"keep_last": 2}}))
+    ckpt.watch(tr.opt)
+    tr.timed_steps(warmup)
+    state_bytes = wl.tensor_bytes(tr.state(0))
+    gc.collect()
+    rss_quiet = rss()
+    base_sampler = RssSampler().start()
+    tr.timed_steps(base_steps)
+    base_peak = base_sampler.stop()
+    hwm_reset = reset_hwm()
+    sampler = RssSampler().start()
+    blocks = []
+    step = 0
+    t0 = now()
+    for _ in range(n_saves):
+        for _ in range(every):
+            tr.step()
+            step += 1
+        st = tr.state(step)
+        tb = now()
+        ckpt.save(st, step)
+        blocks.append(now() - tb)
+        del st
+    for _ in range(every // 2):
+        tr.step()
+    loop_s = now() - t0
+    tf = now()
+    ckpt.wait()
+    flush_s = now() - tf
+    peak = sampler.stop()
+    hwm = vm_hwm() if hwm_reset else None
+    counters = ckpt.counters
+    persist = [s.persist_s for s in ckpt.stats]
+    ckpt.close()
+    rmtree(root_p)
+    return {
+        "n_saves": n_saves,
+        "every": every,
+        "state_bytes": state_bytes,
+        "rss_quiet": rss_quiet,
+        "rss_before_saves": base_peak,
+        "peak_rss": peak,
+        "peak_rss_hwm": hwm,
+        "target_bytes": 1.1 * (base_peak + state_bytes),
+        "overhead_in_states": (peak - base_peak) / state_bytes,
+        "save_block_s": blocks,
+        "save_block_median_s": med(blocks),
+        "persist_s": persist,
+        "loop_s": loop_s,
+        "flush_s": flush_s,
+        "counters": counters,
+    }

@@ -1,0 +1,633 @@
+"""Turn raw results into ratios, a target checklist, a PNG bar chart and BENCHMARKS.md."""
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from . import frameworks, peers
+from .measure import stall_estimate
+
+GB = 1e9
+
+
+# ---------------------------------------------------------------------------------------------- machine
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "?"
+
+
+def _git(*args: str) -> str:
+    try:
+        root = Path(__file__).resolve().parent.parent
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
+    except Exception:  # noqa: BLE001
+        return "?"
+
+
+def machine_info(workdir: Path, disk: dict[str, str]) -> dict[str, Any]:
+    import psutil
+    import torch
+
+    from . import workload as wl
+
+    versions = {"python": platform.python_version(), "torch": torch.__version__}
+    for mod in ("lightning", "accelerate", "numpy", "psutil"):
+        try:
+            versions[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001
+            versions[mod] = "not installed"
+    usage = psutil.disk_usage(str(workdir))
+    return {
+        "cpu": _cpu_model(),
+        "logical_cpus": psutil.cpu_count(),
+        "physical_cpus": psutil.cpu_count(logical=False),
+        "ram_gb": psutil.virtual_memory().total / 2**30,
+        "kernel": platform.release(),
+        "disk": {**disk, "free_gb": usage.free / 2**30},
+        "versions": versions,
+        "git": {"commit": _git("rev-parse", "--short", "HEAD"), "dirty": bool(_git("status", "--porcelain"))},
+        "train_threads": wl.TRAIN_THREADS,
+        "loadavg_start": os.getloadavg(),
+    }
+
+
+# ---------------------------------------------------------------------------------------------- summary
+
+
+def _err(res: dict[str, Any] | None) -> str:
+    if res is None:
+        return "not run"
+    return f"n/a (error: {res.get('error', '?')})"
+
+
+def _fw_rows(section: dict[str, Any], configs: list[str], labels: dict[str, str]) -> list[dict[str, Any]]:
+    bases = [b["result"] for b in section.get("baseline", []) if b.get("ok")]
+    base_steps = [s for b in bases for s in b["steps_s"]]
+    base_peak = max((b["peak_rss"] or 0 for b in bases), default=None)
+    rows = []
+    for cfg in configs:
+        if cfg == "baseline":
+            if not bases:
+                errs = [b for b in section.get("baseline", []) if not b.get("ok")]
+                rows.append({"key": cfg, "label": labels[cfg], "ok": False, "error": _err(errs[0] if errs else None)})
+                continue
+            rows.append({"key": cfg, "label": labels[cfg], "ok": True, "loop_s": statistics.fmean(b["loop_s"] for b in bases),
+                         "n_steps": bases[0]["n_steps"], "n_ckpt": 0, "stall_s": 0.0, "noise_s": 0.0,
+                         "flush_s": statistics.fmean(b["flush_s"] for b in bases), "block_s": None,
+                         "peak_rss": base_peak, "rss_before": None,
+                         "base_step_s": statistics.fmean(base_steps)})
+            continue
+        res = section.get(cfg)
+        if not res or not res.get("ok"):
+            rows.append({"key": cfg, "label": labels[cfg], "ok": False, "error": _err(res)})
+            continue
+        r = res["result"]
+        row = {"key": cfg, "label": labels[cfg], "ok": True, "loop_s": r["loop_s"], "n_steps": r["n_steps"],
+               "n_ckpt": r["n_ckpt"], "flush_s": r["flush_s"], "block_s": r["save_block_median_s"],
+               "peak_rss": r["peak_rss"], "rss_before": base_peak, "bytes_on_disk": r["bytes_on_disk"]}
+        if base_steps and r["n_ckpt"]:
+            row.update(stall_estimate(r["loop_s"], r["n_steps"], base_steps, r["n_ckpt"]))
+        else:
+            row.update(stall_s=None, noise_s=None)
+        rows.append(row)
+    return rows
+
+
+def summarize(results: dict[str, Any]) -> dict[str, Any]:
+    s: dict[str, Any] = {"meta": results.get("meta", {}), "plan": results.get("plan", {})}
+    if "core" in results:
+        rows = []
+        for name, res in results["core"].items():
+            label = peers.LABELS[name]
+            if not res.get("ok"):
+                rows.append({"key": name, "label": label, "ok": False, "error": _err(res)})
+                continue
+            r = res["result"]
+            rows.append({"key": name, "label": label, "ok": True, "block_s": r["save_block_median_s"],
+                         "block_max_s": max(r["save_block_s"]), "first_block_s": r["first_save_block_s"],
+                         "stall_s": r["stall_s"], "noise_s": r["noise_s"], "flush_s": r["flush_s"],
+                         "peak_rss": r["peak_rss"], "rss_before": r["rss_before_saves"],
+                         "state_bytes": r["state_bytes"], "n_ckpt": r["n_ckpt"], "n_steps": r["n_steps"],
+                         "base_step_s": r["base_step_mean_s"], "bytes_per_ckpt": r["bytes_on_disk_per_ckpt"]})
+        s["core"] = rows
+    if "io" in results:
+        s["io"] = results["io"]["result"] if results["io"].get("ok") else {"error": _err(results["io"])}
+    if "rss" in results:
+        s["rss"] = results["rss"]["result"] if results["rss"].get("ok") else {"error": _err(results["rss"])}
+    if "lightning" in results:
+        s["lightning"] = _fw_rows(results["lightning"], frameworks.LIGHTNING_CONFIGS, frameworks.LIGHTNING_LABELS)
+    if "accelerate" in results:
+        s["accelerate"] = _fw_rows(results["accelerate"], frameworks.ACCELERATE_CONFIGS, frameworks.ACCELERATE_LABELS)
+    s["targets"] = targets(s)
+    return s
+
+
+def _row(rows: list[dict[str, Any]], key: str) -> dict[str, Any] | None:
+    for r in rows:
+        if r["key"] == key:
+            return r
+    return None
+
+
+def _stall_target(fast: dict[str, Any] | None, ref: dict[str, Any] | None, factor: float, ref_name: str,
+                  name: str) -> dict[str, Any]:
+    t = {"name": name, "target": f"fastckpt <= 1/{factor:g} of {ref_name} (<= {1 / factor:.2f}x)"}
+    if not fast or not fast.get("ok") or fast.get("stall_s") is None:
+        return {**t, "measured": (fast or {}).get("error", "n/a"), "met": None}
+    if not ref or not ref.get("ok") or ref.get("stall_s") is None:
+        return {**t, "measured": f"reference n/a: {(ref or {}).get('error', 'n/a')}", "met": None}
+    f, r = fast["stall_s"], ref["stall_s"]
+    ratio = f"= {f / r:.2f}x" if r > 0 else ""
+    measured = f"{_s(f)} vs {_s(r)} {ratio}".strip()
+    note = ""
+    if abs(f) < (fast.get("noise_s") or 0):
+        note = f"fastckpt's stall is within noise (±{_s(fast['noise_s'])})"
+    if r <= 0:
+        return {**t, "measured": measured, "met": None, "note": "reference stall <= 0 (noise)"}
+    return {**t, "measured": measured, "met": f <= r / factor, "note": note}
+
+
+def targets(s: dict[str, Any]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    core = s.get("core")
+    if core is not None:
+        fast = _row(core, "fastckpt")
+        t = {"name": "(a) save() blocks", "target": "<= 10 ms (median, steady state)"}
+        if fast and fast["ok"]:
+            ok = fast["block_s"] <= 0.010
+            note = f"max {_ms(fast['block_max_s'])}, first (cold) save {_ms(fast['first_block_s'])}"
+            rss = s.get("rss")
+            if rss and "save_block_median_s" in rss:
+                note += f"; over the {rss['n_saves']} saves of (e): median {_ms(rss['save_block_median_s'])}, " \
+                        f"max {_ms(max(rss['save_block_s']))}"
+            out.append({**t, "measured": _ms(fast["block_s"]), "met": ok, "note": note})
+        else:
+            out.append({**t, "measured": (fast or {}).get("error", "n/a"), "met": None})
+        others = [r for r in core if r["key"] != "fastckpt" and r["ok"] and r.get("stall_s") is not None]
+        best = min(others, key=lambda r: r["stall_s"]) if others else None
+        out.append(_stall_target(fast, best, 4, f"best peer ({best['label']})" if best else "best peer",
+                                 "(b) per-checkpoint stall, plain loop"))
+    io = s.get("io")
+    if io is not None:
+        t = {"name": "(c) durable-commit bandwidth", "target": ">= 0.9x raw fsync'd write"}
+        if "error" in io:
+            out.append({**t, "measured": io["error"], "met": None})
+        else:
+            out.append({**t, "measured": f"{io['bw_ratio']:.2f}x ({io['fastckpt_MBps']:.0f} vs {io['raw_MBps']:.0f} MB/s)",
+                        "met": io["bw_ratio"] >= 0.9,
+                        "note": "median of per-pair ratios: " + ", ".join(f"{x:.2f}" for x in io["bw_ratio_pairs"])
+                        + (f"; vs a raw O_DIRECT write: {io['bw_ratio_vs_direct']:.2f}x"
+                           if io.get("bw_ratio_vs_direct") else "")})
+        t = {"name": "(d) load time (warm page cache)", "target": "<= 1/2 of torch.load"}
+        if "error" in io:
+            out.append({**t, "measured": io["error"], "met": None})
+        else:
+            r = io["load_warm_ratio"]
+            note = ""
+            if "load_cold_ratio" in io:
+                note = f"cold (fadvise DONTNEED): {_s(io['load_cold_fastckpt_s'])} vs {_s(io['load_cold_torch_s'])} " \
+                       f"= {io['load_cold_ratio']:.2f}x"
+            out.append({**t, "measured": f"{_s(min_med(io['load_warm_fastckpt_s']))} vs "
+                                         f"{_s(min_med(io['load_warm_torch_s']))} = {r:.2f}x", "met": r <= 0.5,
+                        "note": note})
+    rss = s.get("rss")
+    if rss is not None:
+        t = {"name": f"(e) peak RSS over {rss.get('n_saves', '?')} saves",
+             "target": "<= 1.1 x (peak RSS without checkpoints + state bytes)"}
+        if "error" in rss:
+            out.append({**t, "measured": rss["error"], "met": None})
+        else:
+            lim = rss["target_bytes"]
+            out.append({**t, "measured": f"{_gb(rss['peak_rss'])} vs limit {_gb(lim)} "
+                                         f"({rss['peak_rss'] / (rss['rss_before_saves'] + rss['state_bytes']):.2f}x)",
+                        "met": rss["peak_rss"] <= lim,
+                        "note": f"overhead {rss['overhead_in_states']:.2f} x state bytes; host staging "
+                                f"{_gb(rss['counters']['host_bytes'])} in {rss['counters']['host_allocations']} buffers"})
+    if s.get("lightning") is not None:
+        rows = s["lightning"]
+        out.append(_stall_target(_row(rows, "fastckpt"), _row(rows, "async_io"), 5, "AsyncCheckpointIO",
+                                 "Lightning Trainer.fit per-checkpoint stall"))
+    if s.get("accelerate") is not None:
+        rows = s["accelerate"]
+        out.append(_stall_target(_row(rows, "fastckpt"), _row(rows, "stock"), 10, "stock save_state",
+                                 "Accelerate per-checkpoint stall"))
+    return out
+
+
+def min_med(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+# ---------------------------------------------------------------------------------------------- formatting
+
+
+def _ms(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x * 1e3:.1f} ms" if x < 10 else f"{x:.1f} s"
+
+
+def _s(x: float | None) -> str:
+    if x is None:
+        return "-"
+    if abs(x) < 1:
+        return f"{x * 1e3:.0f} ms"
+    return f"{x:.2f} s"
+
+
+def _gb(x: float | None) -> str:
+    return "-" if x is None else f"{x / GB:.2f} GB"
+
+
+def _pm(row: dict[str, Any]) -> str:
+    if row.get("stall_s") is None:
+        return "-"
+    return f"{_s(row['stall_s'])} ± {_s(row['noise_s'])}"
+
+
+def _vs(fast: float | None, other: float | None) -> str:
+    if fast is None or other is None:
+        return "-"
+    if fast <= 0:
+        return "fastckpt <= 0"
+    return f"{other / fast:.1f}x"
+
+
+def _met(m: bool | None) -> str:
+    return {True: "**met**", False: "**NOT met**", None: "n/a"}[m]
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _rss_cell(row: dict[str, Any]) -> str:
+    if row.get("peak_rss") is None:
+        return "-"
+    if row.get("rss_before") is None:
+        return _gb(row["peak_rss"])
+    return f"{_gb(row['peak_rss'])} (+{_gb(row['peak_rss'] - row['rss_before'])})"
+
+
+def _fw_table(rows: list[dict[str, Any]]) -> str:
+    fast = _row(rows, "fastckpt")
+    fstall = fast.get("stall_s") if fast and fast.get("ok") else None
+    body = []
+    for r in rows:
+        if not r["ok"]:
+            body.append([r["label"], r["error"], "", "", "", "", ""])
+            continue
+        if r["key"] == "baseline":
+            body.append([r["label"], f"{_s(r['loop_s'])} ({r['n_steps']} steps, {_s(r['base_step_s'])}/step)", "-",
+                         "-", "-", _s(r["flush_s"]), _rss_cell(r)])
+            continue
+        body.append([r["label"], f"{_s(r['loop_s'])} ({r['n_ckpt']} ckpts)", _ms(r["block_s"]), _pm(r),
+                     "1.0x" if r["key"] == "fastckpt" else _vs(fstall, r.get("stall_s")), _s(r["flush_s"]),
+                     _rss_cell(r)])
+    return _table(["config", "timed loop", "checkpoint call (median)", "per-ckpt stall ± noise",
+                   "stall / fastckpt's", "final flush (untimed)", "peak RSS (+ over before saves)"], body)
+
+
+def console_table(s: dict[str, Any]) -> str:
+    lines = ["", "Targets:"]
+    for t in s["targets"]:
+        mark = {True: "MET", False: "NOT MET", None: "n/a"}[t["met"]]
+        lines.append(f"  [{mark:>7}] {t['name']}: {t['measured']} (target {t['target']})"
+                     + (f" - {t['note']}" if t.get("note") else ""))
+    return "\n".join(lines)
+
+
+def markdown(results: dict[str, Any], s: dict[str, Any], chart_rel: str) -> str:
+    meta = s["meta"]
+    plan = s["plan"]
+    shape = plan.get("shape", {})
+    quick = meta.get("quick")
+    v = meta.get("versions", {})
+    disk = meta.get("disk", {})
+    md: list[str] = ["# fastckpt benchmarks", ""]
+    if quick:
+        md += ["> **QUICK smoke run** (tiny model, in-process): these numbers only show that the harness works.", ""]
+    md += [
+        f"fastckpt vs its peers, all measured in **one run on one machine** ({meta.get('started', '?')}, "
+        f"{meta.get('wall_s', 0) / 60:.1f} min wall).",
+        "",
+        "> **Noise warning.** This run was taken on a shared 2-core VM while other engineers were running test "
+        "suites on it (load average "
+        f"{meta.get('loadavg_start', [0])[0]:.1f} at the start, {meta.get('loadavg_end', [0])[0]:.1f} at the end) and "
+        "its virtual disk's write bandwidth swings several-fold from one write to the next. Stalls are differences "
+        "of loop times, so every stall is given with its noise (± one standard error from the spread of the "
+        "baseline steps). Re-run on a quiet machine before quoting numbers.",
+        "",
+        "## Reproduce",
+        "",
+        "```bash",
+        "pip install -e '.[bench]'        # torch, lightning, accelerate, matplotlib, psutil",
+        f"{meta.get('command', 'python -m benchmarks.run')}",
+        "```",
+        "",
+        "`python -m benchmarks.run --quick` is the smoke test (tiny model, ~20 s; run by "
+        "`tests/test_benchmarks_smoke.py`). `--only io,core,rss,lightning,accelerate` and `--peers ...` select "
+        "parts; `--workdir DIR` puts the checkpoints on another disk (default `bench_out/`, refused on tmpfs). "
+        f"Raw numbers: `{os.path.relpath(Path(chart_rel).with_suffix('.json'))}`, per-task logs: `bench_out/logs/`.",
+        "",
+        "## Machine",
+        "",
+        _table(["", ""], [
+            ["CPU", f"{meta.get('cpu', '?')}, {meta.get('logical_cpus', '?')} logical / {meta.get('physical_cpus', '?')} physical cores"],
+            ["RAM", f"{meta.get('ram_gb', 0):.1f} GiB"],
+            ["Disk under test", f"`{disk.get('path', '?')}`: {disk.get('fstype', '?')} on {disk.get('device', '?')} "
+                                f"({disk.get('free_gb', 0):.0f} GiB free)"],
+            ["Kernel", meta.get("kernel", "?")],
+            ["Software", ", ".join(f"{k} {val}" for k, val in v.items())],
+            ["fastckpt", f"git {meta.get('git', {}).get('commit', '?')}"
+                         f"{' + uncommitted changes' if meta.get('git', {}).get('dirty') else ''}"],
+            ["Training threads", f"`torch.set_num_threads({meta.get('train_threads', '?')})` in every worker: the "
+                                 "second core stands in for the host CPU a GPU job leaves to background work "
+                                 "(copies, checksums, I/O threads); every peer runs under the same setting"],
+        ]),
+        "",
+        "## Workload",
+        "",
+        f"GPT-2-small-shaped: `nn.Embedding({shape.get('vocab')}, {shape.get('d_model')})` + {shape.get('layers')} x "
+        f"`nn.TransformerEncoderLayer({shape.get('d_model')}, {shape.get('heads')}, {shape.get('ffn')}, batch_first=True)` "
+        "+ LayerNorm + an LM head tied to the embedding (`F.linear(h, embed.weight)`, so the embedding is stored "
+        "once), trained with AdamW (`fused=True`, the CPU fused kernel; same state as plain AdamW) on synthetic "
+        f"tokens, batch {shape.get('batch')} x seq {shape.get('seq')}. Saved state: "
+        "`{\"model\": model.state_dict(), \"optim\": opt.state_dict(), \"step\": n}`"
+        + (f" = **{_gb(_state_bytes(s))}** of tensors." if _state_bytes(s) else "."),
+        "",
+        f"![results]({chart_rel})",
+        "",
+        "## Targets",
+        "",
+        _table(["measure", "target", "measured", "result", "notes"],
+               [[t["name"], t["target"], t["measured"], _met(t["met"]), t.get("note", "")] for t in s["targets"]]),
+        "",
+    ]
+    if s.get("core") is not None:
+        rows = s["core"]
+        fast = _row(rows, "fastckpt")
+        fstall = fast["stall_s"] if fast and fast["ok"] else None
+        body = []
+        for r in rows:
+            if not r["ok"]:
+                body.append([r["label"], r["error"], "", "", "", ""])
+                continue
+            body.append([r["label"], _ms(r["block_s"]), _pm(r),
+                         "1.0x" if r["key"] == "fastckpt" else _vs(fstall, r["stall_s"]), _s(r["flush_s"]),
+                         _rss_cell(r)])
+        md += [
+            "## Plain training loop (issue #2: a, b, peak RSS)",
+            "",
+            f"Checkpoint every K={plan.get('every')} steps, {plan.get('n_ckpt')} checkpoints in a timed loop of "
+            f"{plan.get('n_ckpt', 0) * plan.get('every', 0)} steps; baseline step time "
+            f"{_s(_mean_base(rows))} (mean over all peers' baseline steps).",
+            "",
+            _table(["peer", "save() blocks (median)", "per-ckpt stall ± noise", "stall / fastckpt's",
+                    "final flush (untimed)", "peak RSS (+ over the same loop's peak without checkpoints)"], body),
+            "",
+        ]
+    io = s.get("io")
+    if io is not None and "error" not in io:
+        md += [
+            "## (c) Time to durable commit vs a raw fsync'd write",
+            "",
+            f"Same {_gb(io['ckpt_bytes'])} (the checkpoint's on-disk size) written {len(io['raw_s'])}x each, "
+            "rotating which goes first: raw = one `os.write` stream (64 MiB pieces) from a resident numpy buffer "
+            "+ `fsync` (the target's yardstick); raw O_DIRECT = the same from a page-aligned buffer opened with "
+            "`O_DIRECT` (informational: on this VM buffered writes + fsync are much slower than direct ones); "
+            "fastckpt = `save()` -> `handle.wait()` (copy to host, CRC32C, O_DIRECT writes, fsync, manifest commit).",
+            "",
+            _table(["", "times", "median", "bandwidth"], [
+                ["raw os.write + fsync", ", ".join(_s(x) for x in io["raw_s"]), _s(statistics.median(io["raw_s"])),
+                 f"{io['raw_MBps']:.0f} MB/s"],
+                ["fastckpt save -> wait", ", ".join(_s(x) for x in io["fastckpt_durable_s"]),
+                 _s(statistics.median(io["fastckpt_durable_s"])), f"{io['fastckpt_MBps']:.0f} MB/s"],
+                ["ratio fastckpt / raw (per pair)", ", ".join(f"{x:.2f}" for x in io["bw_ratio_pairs"]),
+                 f"{io['bw_ratio']:.2f}x", ""],
+            ] + ([
+                ["raw O_DIRECT os.write + fsync (stricter yardstick)", ", ".join(_s(x) for x in io["raw_direct_s"]),
+                 _s(statistics.median(io["raw_direct_s"])), f"{io['raw_direct_MBps']:.0f} MB/s"],
+                ["ratio fastckpt / raw O_DIRECT", "", f"{io['bw_ratio_vs_direct']:.2f}x", ""],
+            ] if io.get("raw_direct_s") else [])),
+            "",
+            f"For reference: first (cold: plan + host-buffer allocation) fastckpt save -> wait "
+            f"{_s(io['cold_durable_s'])}; `torch.save` of the same state (page cache, no fsync) {_s(io['torch_save_s'])}, "
+            f"{_gb(io['torch_save_bytes'])}.",
+            "",
+            "## (d) Load time",
+            "",
+            "`torch.load(path, map_location='cpu', weights_only=True)` of the torch.save file vs "
+            "`Checkpointer.load(step)` (CRC32C verification on, the default). **Warm**: both checkpoints read once "
+            "beforehand so both come from the page cache; interleaved, median. **Cold**: every file fsync'd and "
+            "dropped with `posix_fadvise(DONTNEED)` right before the single timed load.",
+            "",
+            _table(["", "torch.load", "fastckpt", "fastckpt / torch.load"], [
+                ["warm", ", ".join(_s(x) for x in io["load_warm_torch_s"]),
+                 ", ".join(_s(x) for x in io["load_warm_fastckpt_s"]), f"{io['load_warm_ratio']:.2f}x"],
+            ] + ([["cold", _s(io["load_cold_torch_s"]), _s(io["load_cold_fastckpt_s"]), f"{io['load_cold_ratio']:.2f}x"]]
+                 if "load_cold_ratio" in io else [])),
+            "",
+        ]
+    elif io is not None:
+        md += ["## (c) Durable commit, (d) load", "", io["error"], ""]
+    rss = s.get("rss")
+    if rss is not None and "error" not in rss:
+        md += [
+            f"## (e) Peak RSS over {rss['n_saves']} fastckpt saves",
+            "",
+            f"Training loop, a save every {rss['every']} steps (lazy mode, nothing awaited in the loop, "
+            "`retention.keep_last=2` to bound disk use), RSS sampled with psutil every 20 ms in the worker "
+            "(cross-checked with the kernel's VmHWM after resetting it via /proc/self/clear_refs). The reference "
+            "is the peak RSS of the same process over a few training steps before the first save (quiet RSS "
+            f"between steps: {_gb(rss.get('rss_quiet'))}; a step's autograd temporaries add to it).",
+            "",
+            _table(["peak RSS without checkpoints", "state bytes", "limit 1.1 x (before + state)", "peak RSS (psutil)",
+                    "peak (VmHWM)", "overhead", "save() median / max"], [[
+                _gb(rss["rss_before_saves"]), _gb(rss["state_bytes"]), _gb(rss["target_bytes"]), _gb(rss["peak_rss"]),
+                _gb(rss["peak_rss_hwm"]), f"{rss['overhead_in_states']:.2f} x state",
+                f"{_ms(rss['save_block_median_s'])} / {_ms(max(rss['save_block_s']))}"]]),
+            "",
+            f"fastckpt counters at the end: {rss['counters']}. Persist time per save (save() -> committed): "
+            + ", ".join(f"{x:.1f}" for x in rss["persist_s"]) + " s.",
+            "",
+        ]
+    elif rss is not None:
+        md += ["## (e) Peak RSS", "", rss["error"], ""]
+    if s.get("lightning") is not None:
+        md += [
+            "## Lightning `Trainer.fit` (issue #3)",
+            "",
+            f"`ModelCheckpoint(every_n_train_steps={plan.get('every')}, save_top_k=-1)`, {plan.get('n_ckpt')} "
+            "checkpoints per fit; stall = (timed loop - steps x mean baseline step) / checkpoints, the baseline "
+            "being a fit without checkpointing run before and after the others. The timed loop runs from the "
+            "start of batch 2 to `on_train_end` (includes the first, cold checkpoint); the checkpoint IO's "
+            "teardown (final flush) is after it. 'checkpoint call' = `ModelCheckpoint._save_checkpoint` "
+            "(dump_checkpoint + checkpoint_io.save_checkpoint).",
+            "",
+            _fw_table(s["lightning"]),
+            "",
+        ]
+    if s.get("accelerate") is not None:
+        md += [
+            "## Accelerate loop (issue #4)",
+            "",
+            f"`Accelerator(cpu=True, project_config=ProjectConfiguration(automatic_checkpoint_naming=True))`, "
+            f"`accelerator.save_state()` every {plan.get('every')} steps, {plan.get('n_ckpt')} per run; "
+            "fastckpt via `fastckpt_accelerate.enable(accelerator, CheckpointConfig(root=...))`. Final flush = "
+            "`accelerator.end_training()`, after the timed loop.",
+            "",
+            _fw_table(s["accelerate"]),
+            "",
+        ]
+    md += [
+        "## Methodology",
+        "",
+        "- **Isolation**: every peer and every config runs in a fresh `python -m benchmarks.worker` subprocess "
+        "(model built from the same seed), one after another; `os.sync()` before each so no peer inherits another's "
+        "dirty pages. Checkpoints go to the disk under test and are deleted at the end of each task.",
+        "- **Plain loop (a, b)**: warm-up steps, one untimed warm-up checkpoint (awaited), then baseline A "
+        "(n/2 steps), the checkpointed loop (n steps; a save in the middle of each K-step window), the final flush "
+        "(timed on its own, **not** part of the stall), baseline B (n/2 steps). "
+        "Stall per checkpoint = (checkpointed loop time - n x mean baseline step) / checkpoints. The loop time "
+        "includes building `state_dict()`s, the save call, the peer's waits before `optimizer.step()` and any "
+        "slowdown of the training steps by the peer's background threads while they overlap the loop.",
+        "- **What each peer waits for**: torch.save is synchronous (and does not fsync). Lightning "
+        "`AsyncCheckpointIO` clones every tensor inside `save_checkpoint` and writes on a thread: nothing to wait "
+        "for. DCP `async_save` (default) stages synchronously in the call; the previous upload is awaited before "
+        "the next save. DCP + reused `DefaultStager(StagingOptions(use_pinned_memory=False, "
+        "use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=False))`: the staging future is "
+        "awaited right before `optimizer.step()`, the previous upload before the next save. DCP runs without a "
+        "process group (`no_dist=True`): torch 2.13's `async_save` does not need `init_process_group`. "
+        "fastckpt: `ckpt.watch(optimizer)` (lazy mode, default config: 2 slots, 2 I/O workers, O_DIRECT, fsync); "
+        "no wait in the loop; its optimizer pre-hook waits for staging.",
+        "- **save() blocks**: wall time of the save call alone (state dicts built before it), median over the "
+        "timed loop's checkpoints (steady state; the first, cold save is reported separately).",
+        "- **Peak RSS**: psutil, sampled every 20 ms in the worker. Plain loop: '+' is over the peak RSS of the "
+        "same process's baseline-A steps (training without checkpoints: model, grads, optimizer state, autograd "
+        "temporaries, runtime), sampled from the first save to the end. Lightning/Accelerate: '+' is over the "
+        "peak of the no-checkpoint run.",
+        "- **Noise**: ± is one standard error of the stall estimate, from the spread of the baseline step times. "
+        "A stall smaller than its noise is not distinguishable from zero.",
+        "",
+    ]
+    return "\n".join(md)
+
+
+def _state_bytes(s: dict[str, Any]) -> int | None:
+    for r in s.get("core") or []:
+        if r["ok"]:
+            return r["state_bytes"]
+    if s.get("io") and "state_bytes" in s["io"]:
+        return s["io"]["state_bytes"]
+    return None
+
+
+def _mean_base(rows: list[dict[str, Any]]) -> float | None:
+    xs = [r["base_step_s"] for r in rows if r["ok"]]
+    return statistics.fmean(xs) if xs else None
+
+
+# ---------------------------------------------------------------------------------------------- chart
+
+
+def chart(s: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 4, figsize=(22, 9))
+    axes = axes.ravel()
+    fast_color, peer_color, ref_color = "#d62728", "#7f7f7f", "#1f77b4"
+
+    def bars(ax: Any, title: str, labels: list[str], values: list[float | None], errs: list[float] | None = None,
+             colors: list[str] | None = None, unit: str = "", log: bool = False) -> None:
+        ax.set_title(title, fontsize=10)
+        xs = list(range(len(labels)))
+        vals = [v if v is not None else 0.0 for v in values]
+        ax.bar(xs, vals, yerr=errs, color=colors or peer_color, capsize=3)
+        for x, v in zip(xs, values):
+            ax.annotate("n/a" if v is None else f"{v:.3g}", (x, 0 if v is None else v), ha="center",
+                        va="bottom", fontsize=8)
+        ax.set_xticks(xs)
+        ax.set_xticklabels(labels, rotation=25, ha="right", fontsize=8)
+        ax.set_ylabel(unit)
+        if log and all(v is not None and v > 0 for v in values):
+            ax.set_yscale("log")
+        ax.axhline(0, color="black", linewidth=0.5)
+
+    def colors_for(keys: list[str]) -> list[str]:
+        return [fast_color if k == "fastckpt" else peer_color for k in keys]
+
+    core = [r for r in s.get("core") or []]
+    if core:
+        keys = [r["key"] for r in core]
+        labels = [r["label"] for r in core]
+        bars(axes[0], "(a) save() blocks, median", labels, [r["block_s"] * 1e3 if r["ok"] else None for r in core],
+             colors=colors_for(keys), unit="ms (log)", log=True)
+        bars(axes[1], "(b) per-checkpoint stall, plain loop", labels,
+             [r["stall_s"] if r["ok"] else None for r in core], [r["noise_s"] if r["ok"] else 0 for r in core],
+             colors_for(keys), "s")
+        bars(axes[2], "peak RSS over the no-checkpoint peak", labels,
+             [(r["peak_rss"] - r["rss_before"]) / GB if r["ok"] else None for r in core], colors=colors_for(keys),
+             unit="GB")
+    else:
+        for ax in axes[:3]:
+            ax.set_visible(False)
+    io = s.get("io") or {}
+    if "raw_MBps" in io:
+        lab, vals, cols = ["raw os.write+fsync", "fastckpt save->wait"], [io["raw_MBps"], io["fastckpt_MBps"]], \
+            [ref_color, fast_color]
+        if io.get("raw_direct_MBps"):
+            lab.insert(1, "raw O_DIRECT+fsync")
+            vals.insert(1, io["raw_direct_MBps"])
+            cols.insert(1, ref_color)
+        bars(axes[3], "(c) durable write bandwidth (median)", lab, vals, colors=cols, unit="MB/s")
+        lab = ["torch.load warm", "fastckpt warm"]
+        vals = [statistics.median(io["load_warm_torch_s"]), statistics.median(io["load_warm_fastckpt_s"])]
+        cols = [ref_color, fast_color]
+        if "load_cold_ratio" in io:
+            lab += ["torch.load cold", "fastckpt cold"]
+            vals += [io["load_cold_torch_s"], io["load_cold_fastckpt_s"]]
+            cols += [ref_color, fast_color]
+        bars(axes[4], "(d) load time", lab, vals, colors=cols, unit="s")
+    else:
+        axes[3].set_visible(False)
+        axes[4].set_visible(False)
+    rss = s.get("rss") or {}
+    if "peak_rss" in rss:
+        bars(axes[5], f"(e) fastckpt peak RSS, {rss['n_saves']} saves",
+             ["no-ckpt peak", "+ state bytes", "limit 1.1x", "peak"],
+             [rss["rss_before_saves"] / GB, (rss["rss_before_saves"] + rss["state_bytes"]) / GB,
+              rss["target_bytes"] / GB, rss["peak_rss"] / GB], colors=[peer_color, peer_color, ref_color, fast_color],
+             unit="GB")
+    else:
+        axes[5].set_visible(False)
+    for ax, key, title in ((axes[6], "lightning", "Lightning fit: per-checkpoint stall"),
+                           (axes[7], "accelerate", "Accelerate: per-checkpoint stall")):
+        rows = [r for r in (s.get(key) or []) if r["key"] != "baseline"]
+        if not rows:
+            ax.set_visible(False)
+            continue
+        bars(ax, title, [r["label"] for r in rows], [r.get("stall_s") if r["ok"] else None for r in rows],
+             [r.get("noise_s") or 0 if r["ok"] else 0 for r in rows], colors_for([r["key"] for r in rows]), "s")
+    fig.suptitle("fastckpt vs peers" + (" (QUICK smoke run)" if s["meta"].get("quick") else "")
+                 + f" - {s['meta'].get('started', '')}", fontsize=12)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)

@@ -1,0 +1,219 @@
+"""Entry point: ``python -m benchmarks.run [--quick] [--out BENCHMARKS.md]``.
+
+Runs every measure for every peer on this machine in one go (each peer/config in a fresh subprocess
+unless ``--quick``), then writes the results JSON, a PNG bar chart and the markdown report.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from . import frameworks, peers
+from . import workload as wl
+
+REPO = Path(__file__).resolve().parent.parent
+SECTIONS = ("io", "core", "rss", "lightning", "accelerate")
+
+
+@dataclass
+class Plan:
+    shape: wl.Shape
+    warmup: int  # untimed training steps before anything is measured
+    every: int  # K: a checkpoint every K steps
+    n_ckpt: int  # checkpoints in the timed loop (core, Lightning, Accelerate)
+    base_steps: int  # baseline (no checkpoint) steps in each core-loop task, half before, half after
+    io_reps: int  # interleaved repeats for (c) and (d)
+    cold_load: bool
+    rss_saves: int  # saves in the (e) run
+    rss_every: int  # steps between the (e) run's saves
+    task_timeout: int  # seconds per subprocess
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["shape"] = self.shape.to_dict()
+        return d
+
+
+# Sized for a ~1 s training step on a 2-core box: K=6 steps (~6 s) leaves room for one 1.5 GB checkpoint
+# to persist before the next one, and the whole run fits in ~15 minutes.
+FULL_PLAN = Plan(shape=wl.FULL, warmup=2, every=6, n_ckpt=3, base_steps=12, io_reps=3, cold_load=True,
+                 rss_saves=20, rss_every=4, task_timeout=420)
+QUICK_PLAN = Plan(shape=wl.QUICK, warmup=1, every=2, n_ckpt=2, base_steps=4, io_reps=1, cold_load=True,
+                  rss_saves=3, rss_every=2, task_timeout=120)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def check_workdir(path: Path) -> dict[str, str]:
+    """The filesystem that holds ``path``; refuses tmpfs (it would measure RAM, not the disk)."""
+    import psutil
+
+    path = path.resolve()
+    best = None
+    for part in psutil.disk_partitions(all=True):
+        mp = part.mountpoint
+        if (str(path) == mp or str(path).startswith(mp.rstrip("/") + "/")) and (best is None or len(mp) > len(best.mountpoint)):
+            best = part
+    info = {"path": str(path), "device": best.device if best else "?", "fstype": best.fstype if best else "?",
+            "mountpoint": best.mountpoint if best else "?"}
+    return info
+
+
+class Runner:
+    def __init__(self, workdir: Path, isolate: bool, timeout: int) -> None:
+        self.workdir = workdir
+        self.isolate = isolate
+        self.timeout = timeout
+        self.logs = workdir / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.count = 0
+
+    def __call__(self, label: str, task: str, args: dict[str, Any]) -> dict[str, Any]:
+        self.count += 1
+        os.sync()  # start every task with no dirty pages left over from the previous one
+        log(f"#{self.count} {label} ...")
+        t0 = time.perf_counter()
+        if self.isolate:
+            res = self._subprocess(label, task, args)
+        else:
+            from .worker import run_inline
+
+            res = run_inline(task, args)
+        dt = time.perf_counter() - t0
+        res["wall_s"] = dt
+        if res["ok"]:
+            log(f"#{self.count} {label}: done in {dt:.0f}s")
+        else:
+            log(f"#{self.count} {label}: FAILED in {dt:.0f}s: {res['error']}")
+        return res
+
+    def _subprocess(self, label: str, task: str, args: dict[str, Any]) -> dict[str, Any]:
+        slug = label.replace(" ", "_").replace("/", "_")
+        out = self.logs / f"{self.count:02d}_{slug}.json"
+        logf = self.logs / f"{self.count:02d}_{slug}.log"
+        out.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "benchmarks.worker", task, json.dumps(args), str(out)]
+        env = dict(os.environ, PYTHONWARNINGS="ignore")
+        try:
+            with open(logf, "w") as lf:
+                proc = subprocess.run(cmd, cwd=REPO, stdout=lf, stderr=subprocess.STDOUT, env=env,
+                                      timeout=self.timeout)
+        except subprocess.TimeoutExpired:
+            return {"ok": False, "error": f"timed out after {self.timeout}s (log: {logf})"}
+        if out.exists():
+            return json.loads(out.read_text())
+        tail = logf.read_text()[-800:] if logf.exists() else ""
+        return {"ok": False, "error": f"worker exited with {proc.returncode} and no result (log: {logf}): {tail}"}
+
+
+def run_all(plan: Plan, workdir: Path, isolate: bool, sections: tuple[str, ...],
+            peer_names: list[str]) -> dict[str, Any]:
+    run = Runner(workdir, isolate, plan.task_timeout)
+    shape = plan.shape.to_dict()
+    ck = str(workdir / "ckpt")
+    results: dict[str, Any] = {"plan": plan.to_dict()}
+    if "io" in sections:
+        results["io"] = run("io: durable commit + load", "io",
+                            dict(shape=shape, root=ck, reps=plan.io_reps, cold=plan.cold_load))
+    if "core" in sections:
+        results["core"] = {}
+        for name in peer_names:
+            results["core"][name] = run(f"core loop: {name}", "core",
+                                        dict(peer=name, shape=shape, root=ck, warmup=plan.warmup,
+                                             every=plan.every, n_ckpt=plan.n_ckpt, base_steps=plan.base_steps))
+    if "rss" in sections:
+        results["rss"] = run(f"rss: fastckpt x{plan.rss_saves} saves", "rss",
+                             dict(shape=shape, root=ck, warmup=plan.warmup, every=plan.rss_every,
+                                  n_saves=plan.rss_saves, base_steps=max(2, plan.base_steps // 3)))
+    fw = dict(shape=shape, root=ck, warmup=plan.warmup, every=plan.every, n_ckpt=plan.n_ckpt)
+    if "lightning" in sections:
+        res: dict[str, Any] = {"baseline": []}
+        for cfg in frameworks.LIGHTNING_CONFIGS + ["baseline"]:  # baseline brackets the section
+            r = run(f"lightning: {cfg}", "lightning", dict(fw, config=cfg))
+            if cfg == "baseline":
+                res["baseline"].append(r)
+            else:
+                res[cfg] = r
+        results["lightning"] = res
+    if "accelerate" in sections:
+        res = {"baseline": []}
+        for cfg in frameworks.ACCELERATE_CONFIGS + ["baseline"]:
+            r = run(f"accelerate: {cfg}", "accelerate", dict(fw, config=cfg))
+            if cfg == "baseline":
+                res["baseline"].append(r)
+            else:
+                res[cfg] = r
+        results["accelerate"] = res
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny model, few steps, in-process: a smoke test")
+    ap.add_argument("--out", default=None, help="markdown report (default: BENCHMARKS.md at the repo root)")
+    ap.add_argument("--chart", default=None, help="PNG chart (default: benchmarks/results.png next to --out)")
+    ap.add_argument("--json", default=None, help="raw results (default: benchmarks/results.json next to --out)")
+    ap.add_argument("--workdir", default=None,
+                    help="checkpoint scratch dir on the disk under test (default: bench_out/ in the repo)")
+    ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma list of sections: {','.join(SECTIONS)}")
+    ap.add_argument("--peers", default=",".join(peers.ORDER), help="comma list of core-loop peers")
+    ap.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
+                    help="one subprocess per task (default: on, off with --quick)")
+    args = ap.parse_args(argv)
+
+    from . import report
+
+    out = Path(args.out) if args.out else REPO / "BENCHMARKS.md"
+    if args.out is None:
+        chart_default, json_default = REPO / "benchmarks" / "results.png", REPO / "benchmarks" / "results.json"
+    else:
+        chart_default, json_default = out.with_suffix(".png"), out.with_suffix(".json")
+    chart = Path(args.chart) if args.chart else chart_default
+    json_path = Path(args.json) if args.json else json_default
+    workdir = Path(args.workdir) if args.workdir else REPO / "bench_out"
+    workdir.mkdir(parents=True, exist_ok=True)
+    plan = QUICK_PLAN if args.quick else FULL_PLAN
+    isolate = (not args.quick) if args.isolate is None else args.isolate
+    sections = tuple(s for s in args.only.split(",") if s)
+    bad = [s for s in sections if s not in SECTIONS]
+    peer_names = [p for p in args.peers.split(",") if p]
+    bad += [p for p in peer_names if p not in peers.PEERS]
+    if bad:
+        ap.error(f"unknown section/peer: {bad}")
+
+    disk = check_workdir(workdir)
+    if disk["fstype"] in ("tmpfs", "ramfs") and not args.quick:
+        ap.error(f"--workdir {workdir} is on {disk['fstype']}: pick a directory on a real disk")
+    command = "python -m benchmarks.run " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    meta = report.machine_info(workdir, disk)
+    meta.update(command=command.strip(), quick=args.quick, isolate=isolate, started=time.strftime("%Y-%m-%d %H:%M:%S"))
+    log(f"fastckpt benchmarks ({'QUICK smoke run' if args.quick else 'full run'}), checkpoints under "
+        f"{workdir} ({disk['fstype']} on {disk['device']}), torch threads for training: {wl.TRAIN_THREADS}")
+    t0 = time.perf_counter()
+    results = run_all(plan, workdir, isolate, sections, peer_names)
+    meta["wall_s"] = time.perf_counter() - t0
+    meta["loadavg_end"] = os.getloadavg()
+    results["meta"] = meta
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(results, indent=1))
+    summary = report.summarize(results)
+    report.chart(summary, chart)
+    md = report.markdown(results, summary, chart_rel=os.path.relpath(chart, out.parent))
+    out.write_text(md)
+    log(f"wrote {out}, {chart}, {json_path} in {meta['wall_s']:.0f}s")
+    print(report.console_table(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
