@@ -39,3 +39,18 @@ def test_upload_cut_mid_file_keeps_previous_checkpoint(s3_fault_proxy) -> None:
         assert_bit_equal(_state(1.0), ckpt.load())
         ckpt.save(_state(3.0), step=3).wait()  # the pipeline recovers once the network does
         assert [i.step for i in ckpt.list()] == [1, 3]
+
+
+def test_large_file_goes_up_as_concurrent_multipart(s3_server) -> None:
+    """A shard above two parts is one multipart upload; its bytes and checksum survive."""
+    import fsspec
+
+    url = s3_server.fresh_url("multipart")
+    state = {"big": torch.randn(12 << 20)}  # 48 MiB + the 4 KiB header: three 16 MiB parts and a tail
+    cfg = CheckpointConfig(root=url, storage_options=s3_server.storage_options)
+    with Checkpointer(cfg) as ckpt:
+        ckpt.save(state, step=1).wait()
+        assert_bit_equal(state, ckpt.load())
+    fs = fsspec.filesystem("s3", **s3_server.storage_options)
+    shard = next(p for p in fs.ls(url.removeprefix("s3://") + "/step-000000001") if p.endswith(".safetensors"))
+    assert fs.info(shard)["ETag"].strip('"').endswith("-4"), "expected a 4-part multipart upload"
