@@ -54,3 +54,17 @@ def test_large_file_goes_up_as_concurrent_multipart(s3_server) -> None:
     fs = fsspec.filesystem("s3", **s3_server.storage_options)
     shard = next(p for p in fs.ls(url.removeprefix("s3://") + "/step-000000001") if p.endswith(".safetensors"))
     assert fs.info(shard)["ETag"].strip('"').endswith("-4"), "expected a 4-part multipart upload"
+
+
+def test_multipart_upload_cut_is_aborted_and_reported(s3_fault_proxy) -> None:
+    url = s3_fault_proxy.fresh_url("mpcut")
+    cfg = CheckpointConfig(root=url, storage_options=s3_fault_proxy.storage_options)
+    big = {"big": torch.randn(12 << 20)}
+    with Checkpointer(cfg) as ckpt:
+        ckpt.save(_state(1.0), step=1).wait()
+        s3_fault_proxy.proxy.cut_upload_after(20 << 20)  # dies inside the second part
+        with pytest.raises(StorageError, match="step-000000002"):
+            ckpt.save(big, step=2).wait()
+        s3_fault_proxy.proxy.pass_through()
+        assert ckpt.latest() == 1
+        assert_bit_equal(_state(1.0), ckpt.load())
