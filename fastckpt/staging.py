@@ -30,9 +30,9 @@ def _alloc(nbytes: int, pin: bool) -> tuple[object, torch.Tensor]:
     if pin:
         t = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=True)
         return t, t
-    mm = mmap.mmap(-1, max(nbytes, 1))  # page-aligned, zero-filled lazily by the kernel
-    if nbytes >= 1 << 21 and hasattr(mmap, "MADV_HUGEPAGE"):
-        mm.madvise(mmap.MADV_HUGEPAGE)  # 512x fewer page faults on the first copy into it
+    # Page-aligned and zero-filled lazily by the kernel. No MADV_HUGEPAGE: with THP defrag
+    # set to "madvise", first touches can stall in direct compaction.
+    mm = mmap.mmap(-1, max(nbytes, 1))
     return mm, torch.frombuffer(mm, dtype=torch.uint8)
 
 
