@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import logging
 import queue
 import threading
@@ -38,6 +39,15 @@ __all__ = ["Job", "Pipeline"]
 
 log = logging.getLogger("fastckpt")
 _ids = itertools.count(1)
+_BACKGROUND_NICE = 10
+
+
+def _background() -> None:
+    """Lower this thread's CPU priority: when cores are scarce, training steps win over checksums and I/O."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _BACKGROUND_NICE)
+    except (AttributeError, OSError):  # not Linux, or not permitted: run at normal priority
+        pass
 
 
 @dataclass(eq=False)
@@ -75,7 +85,7 @@ class Pipeline:
         self._on_commit = on_commit
         self._on_failure = on_failure
         n = next(_ids)  # several Checkpointers may live in one process
-        self._io = ThreadPoolExecutor(workers, thread_name_prefix=f"fastckpt-io-{n}")
+        self._io = ThreadPoolExecutor(workers, thread_name_prefix=f"fastckpt-io-{n}", initializer=_background)
         self._copy_q: queue.Queue[Job | None] = queue.Queue()
         self._commit_q: queue.Queue[Any] = queue.Queue()
         self._copier = threading.Thread(target=self._copy_loop, name=f"fastckpt-copy-{n}", daemon=True)
@@ -126,6 +136,8 @@ class Pipeline:
     # ---- copy thread ---------------------------------------------------------------
 
     def _copy_loop(self) -> None:
+        # Normal priority: the next optimizer step waits for this thread, so starving it
+        # would turn overlap into a stall. Checksums and writes (below) can yield.
         while True:
             item = self._copy_q.get()
             if item is None:
@@ -179,6 +191,7 @@ class Pipeline:
     # ---- committer -----------------------------------------------------------------
 
     def _commit_loop(self) -> None:
+        _background()
         while True:
             item = self._commit_q.get()
             if item is None:
