@@ -87,6 +87,7 @@ def task_lightning(config: str, shape: dict, root: str, warmup: int, every: int,
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
             if len(self.starts) == warmup:
+                _drain(trainer.strategy.checkpoint_io)  # the warm-up checkpoint ends before timing starts
                 self.rss_before = rss()
                 self.sampler = RssSampler().start()
             self.starts.append(now())
@@ -150,6 +151,15 @@ def task_lightning(config: str, shape: dict, root: str, warmup: int, every: int,
     }
     rmtree(root_p)
     return out
+
+
+def _drain(io: Any) -> None:
+    """Wait until a checkpoint IO has no background work left (untimed)."""
+    if hasattr(io, "flush"):  # fastckpt_lightning.FastCheckpointIO
+        io.flush()
+    executor = getattr(io, "_executor", None)  # AsyncCheckpointIO: one FIFO worker
+    if executor is not None:
+        executor.submit(lambda: None).result()
 
 
 # ---------------------------------------------------------------------------------------------- Accelerate

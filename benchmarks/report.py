@@ -473,9 +473,10 @@ def markdown(results: dict[str, Any], s: dict[str, Any], chart_rel: str) -> str:
             "",
             f"`ModelCheckpoint(every_n_train_steps={plan.get('every')}, save_top_k=-1)`, {plan.get('n_ckpt')} "
             "checkpoints per fit; stall = (timed loop - steps x mean baseline step) / checkpoints, the baseline "
-            "being a fit without checkpointing run before and after the others. The timed loop runs from the "
-            "start of batch 2 to `on_train_end` (includes the first, cold checkpoint); the checkpoint IO's "
-            "teardown (final flush) is after it. 'checkpoint call' = `ModelCheckpoint._save_checkpoint` "
+            "being a fit without checkpointing run before and after the others. As in the plain loop, the "
+            "first checkpoint is taken during the untimed warm-up and finished (the IO drained) before timing "
+            "starts, for every config alike; the timed loop then runs to `on_train_end`, and the checkpoint "
+            "IO's teardown (final flush) is after it. 'checkpoint call' = `ModelCheckpoint._save_checkpoint` "
             "(dump_checkpoint + checkpoint_io.save_checkpoint).",
             "",
             _fw_table(s["lightning"]),
@@ -487,7 +488,8 @@ def markdown(results: dict[str, Any], s: dict[str, Any], chart_rel: str) -> str:
             "",
             f"`Accelerator(cpu=True, project_config=ProjectConfiguration(automatic_checkpoint_naming=True))`, "
             f"`accelerator.save_state()` every {plan.get('every')} steps, {plan.get('n_ckpt')} per run; "
-            "fastckpt via `fastckpt_accelerate.enable(accelerator, CheckpointConfig(root=...))`. Final flush = "
+            "fastckpt via `fastckpt_accelerate.enable(accelerator, CheckpointConfig(root=...))`. One untimed "
+            "warm-up `save_state()` (finished) precedes the timed loop for every config. Final flush = "
             "`accelerator.end_training()`, after the timed loop.",
             "",
             _fw_table(s["accelerate"]),
