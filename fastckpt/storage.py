@@ -5,13 +5,14 @@ path, chained to the backend's exception.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import mmap
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Iterator, Protocol, Sequence, runtime_checkable
 
 from .errors import StorageError
 
@@ -333,53 +334,50 @@ class FsspecStorage:
             raise _wrap("reading", path, e) from e
 
     def read_bytes(self, path: str) -> bytes:
-        try:
+        with _backend_errors("reading", path, missing="raise"):
             return self.fs.cat_file(self._p(path))
-        except FileNotFoundError:
-            raise
-        except Exception as e:
-            raise _wrap("reading", path, e) from e
 
     def size(self, path: str) -> int:
-        try:
+        with _backend_errors("stat of", path, missing="raise"):
             return int(self.fs.size(self._p(path)))
-        except FileNotFoundError:
-            raise
-        except Exception as e:
-            raise _wrap("stat of", path, e) from e
 
     def exists(self, path: str) -> bool:
-        try:
+        with _backend_errors("checking", path):
             self.fs.invalidate_cache(self._p(path))  # s3fs caches listings per instance
             return bool(self.fs.exists(self._p(path)))
-        except Exception as e:
-            raise _wrap("checking", path, e) from e
 
     def listdir(self, path: str) -> list[str]:
-        try:
+        entries: list[str] = []
+        with _backend_errors("listing", path, missing="ignore"):
             self.fs.invalidate_cache(self._p(path))
             entries = self.fs.ls(self._p(path), detail=False)
-        except FileNotFoundError:
-            return []
-        except Exception as e:
-            raise _wrap("listing", path, e) from e
         return [e.rstrip("/").rsplit("/", 1)[-1] for e in entries]
 
     def delete(self, path: str) -> None:
-        try:
+        with _backend_errors("deleting", path, missing="ignore"):
             self.fs.rm_file(self._p(path))
-        except FileNotFoundError:
-            pass
-        except Exception as e:
-            raise _wrap("deleting", path, e) from e
 
     def delete_tree(self, path: str) -> None:
-        try:
+        with _backend_errors("deleting", path, missing="ignore"):
             self.fs.rm(self._p(path), recursive=True)
-        except FileNotFoundError:
-            pass
-        except Exception as e:
-            raise _wrap("deleting", path, e) from e
+
+
+@contextlib.contextmanager
+def _backend_errors(op: str, path: str, missing: str = "wrap") -> Iterator[None]:
+    """Turn a backend's exceptions into ``StorageError`` naming ``path``.
+
+    ``missing`` decides about FileNotFoundError: ``raise`` it as is (callers test for absence),
+    ``ignore`` it (deleting what is gone is fine), or ``wrap`` it like any other error.
+    """
+    try:
+        yield
+    except FileNotFoundError as e:
+        if missing == "raise":
+            raise
+        if missing != "ignore":
+            raise _wrap(op, path, e) from e
+    except Exception as e:
+        raise _wrap(op, path, e) from e
 
 
 def _pieces(parts: Sequence[memoryview], size: int) -> list[memoryview]:
