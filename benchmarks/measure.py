@@ -88,26 +88,15 @@ def vm_hwm() -> int | None:
 # ---------------------------------------------------------------------------------------------- files
 
 
-def raw_fsync_write(path: Path, buf: np.ndarray, piece: int = 64 << 20) -> float:
-    """Sequential os.write of ``buf`` + fsync; returns seconds (the bandwidth yardstick)."""
+def raw_fsync_write(path: Path, buf: np.ndarray | memoryview, piece: int = 64 << 20, direct: bool = False) -> float:
+    """Sequential os.write of ``buf`` + fsync; returns seconds (the bandwidth yardstick).
+
+    ``direct=True`` opens with O_DIRECT (``buf`` must then be page-aligned): a second, stricter yardstick.
+    """
     mv = memoryview(buf).cast("B")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
     t0 = now()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        while len(mv):
-            n = os.write(fd, mv[:piece])
-            mv = mv[n:]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return now() - t0
-
-
-def raw_direct_write(path: Path, buf: memoryview, piece: int = 64 << 20) -> float:
-    """Sequential O_DIRECT os.write of a page-aligned ``buf`` + fsync (a second, stricter yardstick)."""
-    mv = buf
-    t0 = now()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+    fd = os.open(path, flags, 0o644)
     try:
         while len(mv):
             n = os.write(fd, mv[:piece])
@@ -344,7 +333,7 @@ def task_io(shape: dict, root: str, reps: int, cold: bool) -> dict[str, Any]:
             elif what == "direct":
                 f = root_p / "raw_direct.bin"
                 try:
-                    direct_s.append(raw_direct_write(f, dbuf))
+                    direct_s.append(raw_fsync_write(f, dbuf, direct=True))
                 except OSError as e:  # tmpfs etc.
                     log(f"O_DIRECT yardstick unavailable: {e}")
                 f.unlink(missing_ok=True)
