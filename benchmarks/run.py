@@ -136,24 +136,18 @@ def run_all(plan: Plan, workdir: Path, isolate: bool, sections: tuple[str, ...],
                              dict(shape=shape, root=ck, warmup=plan.warmup, every=plan.rss_every,
                                   n_saves=plan.rss_saves, base_steps=max(2, plan.base_steps // 3)))
     fw = dict(shape=shape, root=ck, warmup=plan.warmup, every=plan.every, n_ckpt=plan.n_ckpt)
-    if "lightning" in sections:
+    for section, configs in (("lightning", frameworks.LIGHTNING_CONFIGS),
+                             ("accelerate", frameworks.ACCELERATE_CONFIGS)):
+        if section not in sections:
+            continue
         res: dict[str, Any] = {"baseline": []}
-        for cfg in frameworks.LIGHTNING_CONFIGS + ["baseline"]:  # baseline brackets the section
-            r = run(f"lightning: {cfg}", "lightning", dict(fw, config=cfg))
+        for cfg in configs + ["baseline"]:  # a second baseline brackets the section
+            r = run(f"{section}: {cfg}", section, dict(fw, config=cfg))
             if cfg == "baseline":
                 res["baseline"].append(r)
             else:
                 res[cfg] = r
-        results["lightning"] = res
-    if "accelerate" in sections:
-        res = {"baseline": []}
-        for cfg in frameworks.ACCELERATE_CONFIGS + ["baseline"]:
-            r = run(f"accelerate: {cfg}", "accelerate", dict(fw, config=cfg))
-            if cfg == "baseline":
-                res["baseline"].append(r)
-            else:
-                res[cfg] = r
-        results["accelerate"] = res
+        results[section] = res
     return results
 
 

@@ -114,15 +114,7 @@ class LocalStorage:
         finally:
             os.close(fd)
         if tail:  # the unaligned remainder goes through the page cache
-            fd = os.open(path, os.O_WRONLY)
-            try:
-                os.lseek(fd, 0, os.SEEK_END)
-                for part in tail:
-                    _write_all(fd, part)
-                if self._fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
+            self._write_fd(path, tail, os.O_WRONLY | os.O_APPEND)
         return True
 
     def _note_direct(self, works: bool, e: OSError | None) -> None:
@@ -132,7 +124,10 @@ class LocalStorage:
                 log.info("fastckpt: O_DIRECT not supported under %s (%s); using buffered writes", self.url, e)
 
     def _write_buffered(self, path: str, parts: Sequence[memoryview]) -> None:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._write_fd(path, parts, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+
+    def _write_fd(self, path: str, parts: Sequence[memoryview], flags: int) -> None:
+        fd = os.open(path, flags, 0o644)
         try:
             for part in parts:
                 _write_all(fd, part)
