@@ -69,3 +69,13 @@ def test_pending_save_is_flushed_at_interpreter_exit(tmp_path) -> None:
     with Checkpointer(CheckpointConfig(root=str(tmp_path))) as ckpt:
         assert ckpt.latest() == 42
         assert torch.equal(ckpt.load()["w"], torch.full((512, 512), 7.0))
+
+
+def test_core_import_pulls_in_no_integration() -> None:
+    """`import fastckpt` must not import Lightning or Accelerate (they are optional extras)."""
+    code = ("import sys, fastckpt, fastckpt.cli; "
+            "bad = [m for m in ('lightning', 'pytorch_lightning', 'accelerate', 's3fs') if m in sys.modules]; "
+            "print(bad); sys.exit(1 if bad else 0)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert r.returncode == 0, f"core import pulled in {r.stdout.strip()} {r.stderr[-500:]}"
