@@ -163,9 +163,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peers", default=",".join(peers.ORDER), help="comma list of core-loop peers")
     ap.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                     help="one subprocess per task (default: on, off with --quick)")
+    ap.add_argument("--from-json", default=None,
+                    help="re-render the report and chart from a saved results.json, measuring nothing")
     args = ap.parse_args(argv)
 
     from . import report
+
+    if args.from_json:
+        results = json.loads(Path(args.from_json).read_text())
+        out = Path(args.out) if args.out else REPO / "BENCHMARKS.md"
+        chart = Path(args.chart) if args.chart else REPO / "benchmarks" / "results.png"
+        summary = report.summarize(results)
+        report.chart(summary, chart)
+        out.write_text(report.markdown(results, summary, chart_rel=os.path.relpath(chart, out.parent)))
+        print(report.console_table(summary))
+        return 0
 
     out = Path(args.out) if args.out else REPO / "BENCHMARKS.md"
     if args.out is None:
