@@ -166,7 +166,7 @@ class Pipeline:
 
     # ---- I/O workers -----------------------------------------------------------------
 
-    def _write_shard(self, job: Job, shard: Shard) -> tuple[FileRecord, list[int]]:
+    def _write_shard(self, job: Job, shard: Shard) -> tuple[int, FileRecord, list[int]]:
         ev = job.shard_events.get(shard.index)
         if ev is not None:
             ev.synchronize()
@@ -186,7 +186,7 @@ class Pipeline:
         head.release()
         head_mm.close()
         job.slot.release(shard)
-        return FileRecord(name, len(header) + shard.nbytes, crc), tensor_crcs
+        return shard.index, FileRecord(name, len(header) + shard.nbytes, crc), tensor_crcs
 
     # ---- committer -----------------------------------------------------------------
 
@@ -240,7 +240,7 @@ class Pipeline:
         self._on_commit(job, info)
         job.handle._durable.set_result(info)
 
-    def _written(self, job: Job) -> list[tuple[FileRecord, list[int]]]:
+    def _written(self, job: Job) -> list[tuple[int, FileRecord, list[int]]]:
         job.handle._staged.wait()
         if job.error is not None:
             raise job.error
@@ -269,7 +269,7 @@ class Pipeline:
                 raise err from error
             raise err
         if info is None:  # ranks other than 0 did not write the manifest
-            info = CheckpointInfo(job.handle.name, job.handle.step, job.dirpath, sum(r[0].size for r in results))
+            info = CheckpointInfo(job.handle.name, job.handle.step, job.dirpath, sum(r[1].size for r in results))
         return info
 
     def _release(self, job: Job) -> None:
@@ -280,16 +280,17 @@ class Pipeline:
                 ShmTier.clear_record(job.slot.dir)
         self._arena.release(job.slot)
 
-    def _commit(self, job: Job, results: list[tuple[FileRecord, list[int]]]) -> CheckpointInfo:
+    def _commit(self, job: Job, results: list[tuple[int, FileRecord, list[int]]]) -> CheckpointInfo:
         st = self.storage
-        files = sorted((r[0] for r in results), key=lambda f: f.name)
+        files = sorted((r[1] for r in results), key=lambda f: f.name)
         crcs: dict[int, int] = {}
+        header_len: dict[int, int] = {}
         by_shard = {s.index: s for s in job.plan.shards}
-        for rec, tcrcs in sorted(results, key=lambda r: r[0].name):
-            shard = by_shard[int(rec.name.split("-")[1].split(".")[0])]
+        for index, rec, tcrcs in results:
+            shard = by_shard[index]
+            header_len[index] = rec.size - shard.nbytes  # the writer's header, not rebuilt here
             for e, c in zip(shard.entries, tcrcs):
                 crcs[e.index] = c
-        header_len = {s.index: len(shard_header(s, job.handle.step, job.keys)) for s in job.plan.shards}
         table = [
             {
                 "key": job.keys[e.index], "dtype": str(e.dtype).removeprefix("torch."), "shape": list(e.shape),
