@@ -52,6 +52,7 @@ def task_lightning(config: str, shape: dict, root: str, warmup: int, every: int,
     from torch.utils.data import DataLoader, TensorDataset
 
     wl.setup_threads()
+    wl.tune_malloc()
     s = wl.Shape(**shape)
     root_p = Path(root)
     rmtree(root_p)
@@ -170,6 +171,7 @@ def task_accelerate(config: str, shape: dict, root: str, warmup: int, every: int
     from accelerate.utils import ProjectConfiguration
 
     wl.setup_threads()
+    wl.tune_malloc()
     s = wl.Shape(**shape)
     root_p = Path(root)
     rmtree(root_p)

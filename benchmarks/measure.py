@@ -156,8 +156,9 @@ def mean(xs: list[float]) -> float | None:
 def stall_estimate(loop_s: float, n_steps: int, base_steps: list[float], n_ckpt: int) -> dict[str, float]:
     """Per-checkpoint stall = (loop time with checkpoints - n x mean baseline step) / #checkpoints.
 
-    ``noise_s`` is one standard error of that estimate from the baseline steps' spread (the checkpointed
-    loop is assumed to be as noisy per step as the baseline).
+    Used where the baseline is a separate run (Lightning, Accelerate). ``noise_s`` is one standard error of
+    that estimate from the baseline steps' spread (the checkpointed loop is assumed to be as noisy per step as
+    the baseline).
     """
     mu = statistics.fmean(base_steps)
     sd = statistics.stdev(base_steps) if len(base_steps) > 1 else 0.0
@@ -167,6 +168,30 @@ def stall_estimate(loop_s: float, n_steps: int, base_steps: list[float], n_ckpt:
         "noise_s": var**0.5 / n_ckpt,
         "base_step_mean_s": mu,
         "base_step_sd_s": sd,
+    }
+
+
+def paired_stall(ckpt_windows: list[float], clean_windows: list[float]) -> dict[str, Any]:
+    """Per-checkpoint stall from interleaved windows: clean, ckpt, clean, ..., ckpt, clean.
+
+    Each checkpointed window is compared with the mean of the clean windows on either side of it, so a
+    slow drift of the step time within the process (it moves by tens of percent over a minute on a
+    shared VM) cancels out instead of landing in the stall. ``stall_s`` is the median of those paired
+    differences (one 1-2 s scheduling hiccup in one window does not move it); ``noise_s`` is its standard
+    error from the differences' robust spread (1.4826 x MAD, x 1.2533 for a median). ``stall_mean_s`` is
+    the plain mean, i.e. "loop time with checkpoints minus without, per checkpoint", for reference.
+    """
+    if len(clean_windows) != len(ckpt_windows) + 1:
+        raise ValueError("need one more clean window than checkpointed windows")
+    diffs = [w - (clean_windows[i] + clean_windows[i + 1]) / 2 for i, w in enumerate(ckpt_windows)]
+    m = statistics.median(diffs)
+    mad = statistics.median([abs(d - m) for d in diffs])
+    n = len(diffs)
+    return {
+        "stall_s": m,
+        "noise_s": 1.2533 * 1.4826 * mad / n**0.5,
+        "stall_mean_s": statistics.fmean(diffs),
+        "stall_pairs_s": diffs,
     }
 
 
@@ -202,22 +227,20 @@ class Trainer:
         return wl.make_state(self.model, self.opt, step)
 
 
-def save_points(n_steps: int, every: int) -> set[int]:
-    """Checkpoint after these step indices: mid-window, so every save has steps after it."""
-    return {i for i in range(n_steps) if i % every == every // 2 - 1 or (every == 1)}
-
-
 def task_core(peer: str, shape: dict, root: str, warmup: int, every: int, n_ckpt: int,
               base_steps: int) -> dict[str, Any]:
     """(a), (b) and peak RSS for one peer, in one process.
 
-    Order: warm-up steps -> baseline A (``base_steps/2`` steps; also gives the no-checkpoint peak RSS) ->
-    warm-up checkpoint (untimed, awaited) -> checkpointed loop (n = n_ckpt x every steps, a save in the
-    middle of every ``every``-step window, nothing awaited beyond what the peer needs) -> final flush
-    (timed on its own) -> baseline B (the rest of ``base_steps``).
+    Order: warm-up steps -> ``base_steps`` steps without checkpoints (their peak RSS is the no-checkpoint
+    reference) -> warm-up checkpoint (untimed, awaited: plan, allocation, first touch) -> ``warmup`` settle
+    steps -> interleaved windows of ``every`` steps: clean, ckpt, clean, ckpt, ..., clean (``n_ckpt``
+    checkpointed windows). A checkpointed window is one period of "a checkpoint every K steps" in steady
+    state: ``save()`` at its start, K training steps, then the peer's flush (what the next save would wait
+    for), all timed. The stall per checkpoint compares it with its two neighbouring clean windows.
     """
     root_p = Path(root)
     rmtree(root_p)
+    malloc_tuned = wl.tune_malloc()
     tr = Trainer(wl.Shape(**shape))
     p = peers_mod.make(peer, root_p)
     p.attach(tr.model, tr.opt)
@@ -228,7 +251,7 @@ def task_core(peer: str, shape: dict, root: str, warmup: int, every: int, n_ckpt
 
     rss_quiet = rss()
     base_sampler = RssSampler().start()
-    base_a = tr.timed_steps(base_steps // 2)
+    tr.timed_steps(base_steps)
     base_peak = base_sampler.stop()
 
     hwm_reset = reset_hwm()
@@ -239,35 +262,42 @@ def task_core(peer: str, shape: dict, root: str, warmup: int, every: int, n_ckpt
     tr.step()
     p.flush()
     first_total = now() - t0
+    tr.timed_steps(warmup)
 
-    n = n_ckpt * every
-    points = save_points(n, every)
+    step = 1
     blocks: list[float] = []
-    steps: list[float] = []
-    t_loop = now()
-    for i in range(n):
-        ts = now()
-        tr.step()
-        if i in points:
-            st = tr.state(i + 1)
-            tb = now()
-            p.save(st, i + 1)
-            blocks.append(now() - tb)
-            del st
-        steps.append(now() - ts)
-    loop_s = now() - t_loop
-    tf = now()
-    p.flush()
-    flush_s = now() - tf
-    base_b = tr.timed_steps(base_steps - base_steps // 2)
+    flushes: list[float] = []
+    clean: list[list[float]] = []
+    ckpt: list[list[float]] = []
+    ckpt_windows: list[float] = []
+    for w in range(2 * n_ckpt + 1):
+        if w % 2 == 0:
+            clean.append(tr.timed_steps(every))
+            step += every
+            continue
+        tw = now()
+        st = tr.state(step)
+        tb = now()
+        p.save(st, step)
+        blocks.append(now() - tb)
+        del st
+        ckpt.append(tr.timed_steps(every))
+        step += every
+        tf = now()
+        p.flush()
+        flushes.append(now() - tf)
+        ckpt_windows.append(now() - tw)
     peak = sampler.stop()
     hwm = vm_hwm() if hwm_reset else None
     p.close()
     written = tree_bytes(root_p)
     rmtree(root_p)
+    clean_windows = [sum(w) for w in clean]
+    clean_steps = [s for w in clean for s in w]
     out = {
         "peer": peer,
-        "n_steps": n,
+        "malloc_tuned": malloc_tuned,
+        "n_steps": n_ckpt * every,
         "n_ckpt": len(blocks),
         "every": every,
         "state_bytes": state_bytes,
@@ -276,16 +306,21 @@ def task_core(peer: str, shape: dict, root: str, warmup: int, every: int, n_ckpt
         "first_save_total_s": first_total,
         "save_block_s": blocks,
         "save_block_median_s": med(blocks),
-        "loop_s": loop_s,
-        "loop_steps_s": steps,
-        "flush_s": flush_s,
-        "base_steps_s": base_a + base_b,
+        "loop_s": sum(ckpt_windows),
+        "ckpt_windows_s": ckpt_windows,
+        "clean_windows_s": clean_windows,
+        "loop_steps_s": [s for w in ckpt for s in w],
+        "flush_s": med(flushes),
+        "flushes_s": flushes,
+        "base_steps_s": clean_steps,
+        "base_step_mean_s": statistics.fmean(clean_steps),
+        "base_step_sd_s": statistics.stdev(clean_steps) if len(clean_steps) > 1 else 0.0,
         "rss_quiet": rss_quiet,
         "rss_before_saves": base_peak,
         "peak_rss": peak,
         "peak_rss_hwm": hwm,
     }
-    out.update(stall_estimate(loop_s, n, base_a + base_b, len(blocks)))
+    out.update(paired_stall(ckpt_windows, clean_windows))
     return out
 
 

@@ -338,8 +338,8 @@ def markdown(results: dict[str, Any], s: dict[str, Any], chart_rel: str) -> str:
         "suites on it (load average "
         f"{meta.get('loadavg_start', [0])[0]:.1f} at the start, {meta.get('loadavg_end', [0])[0]:.1f} at the end) and "
         "its virtual disk's write bandwidth swings several-fold from one write to the next. Stalls are differences "
-        "of loop times, so every stall is given with its noise (± one standard error from the spread of the "
-        "baseline steps). Re-run on a quiet machine before quoting numbers.",
+        "of loop times, so every stall is given with its noise (± one standard error, see Methodology). Re-run on "
+        "a quiet machine before quoting numbers.",
         "",
         "## Reproduce",
         "",
@@ -370,6 +370,11 @@ def markdown(results: dict[str, Any], s: dict[str, Any], chart_rel: str) -> str:
             ["Training threads", f"`torch.set_num_threads({meta.get('train_threads', '?')})` in every worker: the "
                                  "second core stands in for the host CPU a GPU job leaves to background work "
                                  "(copies, checksums, I/O threads); every peer runs under the same setting"],
+            ["Allocator", "in the stall-measuring workers (plain loop, Lightning, Accelerate; every peer alike) "
+                          "glibc malloc keeps freed memory (`mallopt(M_MMAP_MAX, 0)`, `M_TRIM_THRESHOLD` 2 GiB), "
+                          "the job jemalloc/tcmalloc do in the PyTorch CPU tuning guide: with the defaults every "
+                          "backward mmaps, faults, zeroes and unmaps ~300 MB of gradient temporaries, half of a "
+                          "step is kernel time and step times swing by +-40%. (c), (d), (e) run with the defaults"],
         ]),
         "",
         "## Workload",
@@ -405,12 +410,14 @@ def markdown(results: dict[str, Any], s: dict[str, Any], chart_rel: str) -> str:
         md += [
             "## Plain training loop (issue #2: a, b, peak RSS)",
             "",
-            f"Checkpoint every K={plan.get('every')} steps, {plan.get('n_ckpt')} checkpoints in a timed loop of "
-            f"{plan.get('n_ckpt', 0) * plan.get('every', 0)} steps; baseline step time "
-            f"{_s(_mean_base(rows))} (mean over all peers' baseline steps).",
+            f"A checkpoint every K={plan.get('every')} steps: {plan.get('n_ckpt')} checkpointed K-step windows "
+            f"interleaved with {plan.get('n_ckpt', 0) + 1} clean ones in one process; clean step time "
+            f"{_s(_mean_base(rows))} (mean over all peers). Stall = median over checkpoints of (checkpointed "
+            "window - mean of the two neighbouring clean windows); the window includes save(), the K steps and "
+            "the peer's flush at its end.",
             "",
             _table(["peer", "save() blocks (median)", "per-ckpt stall ± noise", "stall / fastckpt's",
-                    "final flush (untimed)", "peak RSS (+ over the same loop's peak without checkpoints)"], body),
+                    "flush at window end (median)", "peak RSS (+ over the same loop's peak without checkpoints)"], body),
             "",
         ]
     io = s.get("io")
@@ -514,12 +521,16 @@ def markdown(results: dict[str, Any], s: dict[str, Any], chart_rel: str) -> str:
         "- **Isolation**: every peer and every config runs in a fresh `python -m benchmarks.worker` subprocess "
         "(model built from the same seed), one after another; `os.sync()` before each so no peer inherits another's "
         "dirty pages. Checkpoints go to the disk under test and are deleted at the end of each task.",
-        "- **Plain loop (a, b)**: warm-up steps, one untimed warm-up checkpoint (awaited), then baseline A "
-        "(n/2 steps), the checkpointed loop (n steps; a save in the middle of each K-step window), the final flush "
-        "(timed on its own, **not** part of the stall), baseline B (n/2 steps). "
-        "Stall per checkpoint = (checkpointed loop time - n x mean baseline step) / checkpoints. The loop time "
-        "includes building `state_dict()`s, the save call, the peer's waits before `optimizer.step()` and any "
-        "slowdown of the training steps by the peer's background threads while they overlap the loop.",
+        "- **Plain loop (a, b)**: warm-up steps, a few steps without checkpoints (the no-checkpoint RSS peak), "
+        "one untimed warm-up checkpoint (awaited), settle steps, then K-step windows in one process: clean, "
+        "checkpointed, clean, ..., checkpointed, clean. A checkpointed window is one steady-state period of "
+        "\"a checkpoint every K steps\": building the `state_dict()`s, `save()`, K training steps (with the "
+        "peer's waits before `optimizer.step()` and any slowdown of the steps by its background threads) and the "
+        "peer's flush at the end (what the next save would otherwise wait for), all timed. Stall per checkpoint "
+        "= checkpointed window - mean of its two neighbouring clean windows; the figure is the median over "
+        "checkpoints (the mean is in results.json as `stall_mean_s`). Pairing with neighbours cancels the slow "
+        "drift of the step time within a process (tens of percent over a minute on this VM), which a baseline "
+        "taken before and after the loop does not.",
         "- **What each peer waits for**: torch.save is synchronous (and does not fsync). Lightning "
         "`AsyncCheckpointIO` clones every tensor inside `save_checkpoint` and writes on a thread: nothing to wait "
         "for. DCP `async_save` (default) stages synchronously in the call; the previous upload is awaited before "
@@ -532,11 +543,13 @@ def markdown(results: dict[str, Any], s: dict[str, Any], chart_rel: str) -> str:
         "- **save() blocks**: wall time of the save call alone (state dicts built before it), median over the "
         "timed loop's checkpoints (steady state; the first, cold save is reported separately).",
         "- **Peak RSS**: psutil, sampled every 20 ms in the worker. Plain loop: '+' is over the peak RSS of the "
-        "same process's baseline-A steps (training without checkpoints: model, grads, optimizer state, autograd "
+        "same process's steps before the first save (training without checkpoints: model, grads, optimizer state, autograd "
         "temporaries, runtime), sampled from the first save to the end. Lightning/Accelerate: '+' is over the "
         "peak of the no-checkpoint run.",
-        "- **Noise**: ± is one standard error of the stall estimate, from the spread of the baseline step times. "
-        "A stall smaller than its noise is not distinguishable from zero.",
+        "- **Noise**: plain loop: ± is the standard error of the median of the paired differences, from their "
+        "robust spread (1.4826 x MAD). Lightning/Accelerate (baseline in a separate run): one standard error "
+        "from the spread of the baseline step times. A stall smaller than its noise is not distinguishable "
+        "from zero.",
         "",
     ]
     return "\n".join(md)

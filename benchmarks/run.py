@@ -29,7 +29,7 @@ class Plan:
     warmup: int  # untimed training steps before anything is measured
     every: int  # K: a checkpoint every K steps
     n_ckpt: int  # checkpoints in the timed loop (core, Lightning, Accelerate)
-    base_steps: int  # baseline (no checkpoint) steps in each core-loop task, half before, half after
+    base_steps: int  # steps without checkpoints before the first save (the core loop's no-checkpoint RSS peak)
     io_reps: int  # interleaved repeats for (c) and (d)
     cold_load: bool
     rss_saves: int  # saves in the (e) run
@@ -44,7 +44,7 @@ class Plan:
 
 # Sized for a ~1 s training step on a 2-core box: K=6 steps (~6 s) leaves room for one 1.5 GB checkpoint
 # to persist before the next one, and the whole run fits in ~15 minutes.
-FULL_PLAN = Plan(shape=wl.FULL, warmup=2, every=6, n_ckpt=5, base_steps=16, io_reps=3, cold_load=True,
+FULL_PLAN = Plan(shape=wl.FULL, warmup=2, every=5, n_ckpt=6, base_steps=4, io_reps=3, cold_load=True,
                  rss_saves=20, rss_every=4, task_timeout=420)
 QUICK_PLAN = Plan(shape=wl.QUICK, warmup=1, every=2, n_ckpt=2, base_steps=4, io_reps=1, cold_load=True,
                   rss_saves=3, rss_every=2, task_timeout=120)

@@ -62,6 +62,31 @@ def setup_threads() -> None:
     torch.set_num_threads(TRAIN_THREADS)
 
 
+def tune_malloc() -> bool:
+    """Make glibc keep freed memory for reuse instead of handing it back to the kernel each step.
+
+    Every backward of this model allocates and frees ~300 MB of gradient temporaries (the tied
+    embedding/LM-head weight gradients). With glibc's defaults each of them is a fresh ``mmap`` that is
+    page-faulted and zeroed, then ``munmap``-ed: half the CPU time of a step is kernel time, and step
+    times swing by +-40% from one step to the next, which buries the stalls being measured. This is the
+    problem the PyTorch CPU performance guide solves with jemalloc/tcmalloc; glibc's own switches do
+    the same here (no mmap for large blocks, no trimming of the heap top). Called at the start of the
+    stall-measuring tasks of every peer alike (not in the (c)/(d)/(e) tasks). Returns False off glibc.
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        m_trim_threshold, m_mmap_max = -1, -4  # from <malloc.h>
+        return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
+    except (OSError, AttributeError):
+        return False
+
+
 def make_optimizer(params) -> torch.optim.Optimizer:
     # fused=True: the CPU fused AdamW kernel is ~5x faster than the foreach one at this size, which keeps
     # a step well under ~1 s on 2 cores. Its state (exp_avg, exp_avg_sq, step) is the same as AdamW's.

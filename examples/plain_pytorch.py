@@ -53,9 +53,10 @@ def main() -> None:
                 ckpt.save(state, step=step)
         ckpt.wait()
         print(f"trained to step {args.steps - 1} in {time.perf_counter() - t0:.1f}s, loss {loss.item():.4f}")
-        print(f"{'step':>6} {'blocking ms':>12} {'staging ms':>11} {'persist s':>10} {'MB':>8} {'MB/s':>8}")
+        print(f"{'step':>6} {'blocking ms':>12} {'waited ms':>10} {'staging ms':>11} {'persist s':>10} "
+              f"{'MB':>8} {'MB/s':>8}")
         for s in ckpt.stats:
-            print(f"{s.step:>6} {s.blocking_ms:>12.2f} {s.staging_ms:>11.1f} {s.persist_s:>10.3f} "
+            print(f"{s.step:>6} {s.blocking_ms:>12.2f} {s.waited_ms:>10.2f} {s.staging_ms:>11.1f} {s.persist_s:>10.3f} "
                   f"{s.nbytes / 1e6:>8.2f} {s.throughput_mb_s:>8.0f}")
         print("committed:", [i.name for i in ckpt.list()])
 

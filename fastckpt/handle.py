@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable
@@ -28,12 +29,17 @@ class CheckpointInfo:
 
 @dataclass(slots=True)
 class SaveStats:
-    """Figures of one save. Times are measured from the start of ``save()``."""
+    """Figures of one save. Times are measured from the start of ``save()``.
+
+    ``waited_ms`` is the time callers spent blocked in ``wait_staged`` for this save (the
+    optimizer pre-hook included): the stall the lazy copy cost the training thread.
+    """
 
     step: int
     name: str
     blocking_ms: float = 0.0
     staging_ms: float = 0.0
+    waited_ms: float = 0.0
     persist_s: float = 0.0
     nbytes: int = 0
     skipped: bool = False
@@ -46,6 +52,7 @@ class SaveStats:
         return {
             "blocking_ms": self.blocking_ms,
             "staging_ms": self.staging_ms,
+            "waited_ms": self.waited_ms,
             "persist_s": self.persist_s,
             "nbytes": float(self.nbytes),
             "throughput_mb_s": self.throughput_mb_s,
@@ -68,7 +75,13 @@ class SaveHandle:
 
     def wait_staged(self, timeout: float | None = None) -> None:
         """Block until the host copy is complete: the source tensors may change after this."""
-        if not self._staged.wait(timeout):
+        if not self._staged.is_set():
+            t0 = time.perf_counter()
+            done = self._staged.wait(timeout)
+            self.stats.waited_ms += (time.perf_counter() - t0) * 1e3
+        else:
+            done = True
+        if not done:
             raise TimeoutError(f"checkpoint {self.name!r} was not staged within {timeout}s")
         if self._cuda_events:
             # GPU-side ordering: kernels queued after this point wait for the copy

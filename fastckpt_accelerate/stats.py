@@ -14,6 +14,7 @@ def stats_to_values(stats: Any) -> dict[str, float]:
     return {
         f"{PREFIX}blocking_ms": float(stats.blocking_ms),
         f"{PREFIX}staging_ms": float(stats.staging_ms),
+        f"{PREFIX}waited_ms": float(stats.waited_ms),
         f"{PREFIX}persist_s": float(stats.persist_s),
         f"{PREFIX}nbytes": float(stats.nbytes),
         f"{PREFIX}throughput_mb_s": float(stats.throughput_mb_s),

@@ -200,3 +200,38 @@ def test_plan_is_reused_when_only_names_change(tmp_path) -> None:
             ckpt.save(state, step=step).wait()
             assert_bit_equal(state, ckpt.load(step=step))
         assert ckpt.counters["plans_built"] == 1
+
+
+def test_waited_ms_records_the_stall_of_the_step_hook(tmp_path, monkeypatch) -> None:
+    """stats.waited_ms is the time the optimizer pre-hook spent blocked on this save's lazy copy."""
+    import threading
+
+    import fastckpt.pipeline as pipeline
+
+    release = threading.Event()
+    copying = threading.Event()
+    real_copy = pipeline.copy_entries
+
+    def held_copy(*args, **kwargs):  # the copy thread parks here until the test releases it
+        copying.set()
+        assert release.wait(30)
+        return real_copy(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "copy_entries", held_copy)
+    model = nn.Linear(64, 64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Checkpointer(CheckpointConfig(root=str(tmp_path))) as ckpt:
+        ckpt.watch(opt)
+        h = ckpt.save({"m": model.state_dict()}, step=0)
+        assert copying.wait(30)
+        timer = threading.Timer(0.2, release.set)  # the stall to be measured: at least 200 ms
+        timer.start()
+        model(torch.randn(4, 64)).sum().backward()
+        opt.step()  # pre-hook blocks until the copy is released
+        timer.join()
+        h.wait()
+        waited = h.stats.waited_ms
+        assert waited >= 150, waited
+        opt.step()  # staged already: no further wait is booked
+        assert h.stats.waited_ms == waited
+        assert ckpt.stats[-1].as_dict()["waited_ms"] == waited
