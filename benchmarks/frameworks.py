@@ -8,8 +8,6 @@ final flush (Lightning's ``teardown`` of the checkpoint IO, Accelerate's ``end_t
 """
 from __future__ import annotations
 
-import os
-import time
 from pathlib import Path
 from typing import Any
 

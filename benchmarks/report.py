@@ -491,7 +491,7 @@ def markdown(results: dict[str, Any], s: dict[str, Any], chart_rel: str) -> str:
         md += [
             "## Lightning `Trainer.fit` (issue #3)",
             "",
-            f"`ModelCheckpoint(every_n_train_steps={plan.get('every')}, save_top_k=-1)`, {plan.get('n_ckpt')} "
+            f"`ModelCheckpoint(every_n_train_steps={plan.get('fw_every', plan.get('every'))}, save_top_k=-1)`, {plan.get('fw_n_ckpt', plan.get('n_ckpt'))} "
             "checkpoints per fit; stall = (timed loop - steps x mean baseline step) / checkpoints, the baseline "
             "being a fit without checkpointing run before and after the others. As in the plain loop, the "
             "first checkpoint is taken during the untimed warm-up and finished (the IO drained) before timing "
@@ -507,7 +507,7 @@ def markdown(results: dict[str, Any], s: dict[str, Any], chart_rel: str) -> str:
             "## Accelerate loop (issue #4)",
             "",
             f"`Accelerator(cpu=True, project_config=ProjectConfiguration(automatic_checkpoint_naming=True))`, "
-            f"`accelerator.save_state()` every {plan.get('every')} steps, {plan.get('n_ckpt')} per run; "
+            f"`accelerator.save_state()` every {plan.get('fw_every', plan.get('every'))} steps, {plan.get('fw_n_ckpt', plan.get('n_ckpt'))} per run; "
             "fastckpt via `fastckpt_accelerate.enable(accelerator, CheckpointConfig(root=...))`. One untimed "
             "warm-up `save_state()` (finished) precedes the timed loop for every config. Final flush = "
             "`accelerator.end_training()`, after the timed loop.",
