@@ -289,6 +289,7 @@ def task_core(peer: str, shape: dict, root: str, warmup: int, every: int, n_ckpt
         ckpt_windows.append(now() - tw)
     peak = sampler.stop()
     hwm = vm_hwm() if hwm_reset else None
+    figures = p.figures()
     p.close()
     written = tree_bytes(root_p)
     rmtree(root_p)
@@ -319,6 +320,7 @@ def task_core(peer: str, shape: dict, root: str, warmup: int, every: int, n_ckpt
         "rss_before_saves": base_peak,
         "peak_rss": peak,
         "peak_rss_hwm": hwm,
+        "peer_figures": figures,
     }
     out.update(paired_stall(ckpt_windows, clean_windows))
     return out

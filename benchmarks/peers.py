@@ -54,6 +54,10 @@ class Peer:
     def close(self) -> None:
         self.flush()
 
+    def figures(self) -> dict[str, list[float]]:
+        """The peer's own per-save figures, where it reports any (fastckpt's ``SaveStats``)."""
+        return {}
+
 
 class TorchSave(Peer):
     name = "torch_save"
@@ -164,6 +168,11 @@ class Fastckpt(Peer):
 
     def close(self) -> None:
         self.ckpt.close()
+
+    def figures(self) -> dict[str, list[float]]:
+        stats = self.ckpt.stats[1:]  # the first is the untimed warm-up save
+        return {"waited_ms": [s.waited_ms for s in stats], "staging_ms": [s.staging_ms for s in stats],
+                "persist_s": [s.persist_s for s in stats]}
 
 
 PEERS: dict[str, type[Peer]] = {p.name: p for p in (TorchSave, LightningAsync, DcpDefault, DcpStager, Fastckpt)}

@@ -119,7 +119,8 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
                          "stall_s": r["stall_s"], "noise_s": r["noise_s"], "flush_s": r["flush_s"],
                          "peak_rss": r["peak_rss"], "rss_before": r["rss_before_saves"],
                          "state_bytes": r["state_bytes"], "n_ckpt": r["n_ckpt"], "n_steps": r["n_steps"],
-                         "base_step_s": r["base_step_mean_s"], "bytes_per_ckpt": r["bytes_on_disk_per_ckpt"]})
+                         "base_step_s": r["base_step_mean_s"], "bytes_per_ckpt": r["bytes_on_disk_per_ckpt"],
+                         "figures": r.get("peer_figures") or {}, "stall_mean_s": r.get("stall_mean_s")})
         s["core"] = rows
     if "io" in results:
         s["io"] = results["io"]["result"] if results["io"].get("ok") else {"error": _err(results["io"])}
@@ -420,6 +421,16 @@ def markdown(results: dict[str, Any], s: dict[str, Any], chart_rel: str) -> str:
                     "flush at window end (median)", "peak RSS (+ over the same loop's peak without checkpoints)"], body),
             "",
         ]
+        figs = (fast or {}).get("figures") or {}
+        if figs.get("waited_ms"):
+            md += [
+                f"fastckpt's own figures over these saves (`SaveStats`): the optimizer pre-hook waited "
+                f"{statistics.median(figs['waited_ms']):.1f} ms median (max {max(figs['waited_ms']):.1f} ms) for "
+                f"the lazy copy; staging finished {statistics.median(figs['staging_ms']):.0f} ms and the commit "
+                f"{statistics.median(figs['persist_s']):.2f} s after `save()` (medians). The rest of its stall is "
+                "the training step slowed by the background copy, checksums and writes sharing the machine.",
+                "",
+            ]
     io = s.get("io")
     if io is not None and "error" not in io:
         md += [

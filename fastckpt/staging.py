@@ -123,7 +123,13 @@ class HostArena:
             if not slot.busy and slot.pinned == pin:
                 return slot
         if len(mine) >= self._max_slots_for(plan):
-            return None
+            # An idle slot of the other kind (the state moved between CPU and CUDA with the same
+            # layout) is replaced; otherwise waiting for it to free would wait forever.
+            other = [s for s in mine if not s.busy and s.pinned != pin]
+            if not other:
+                return None
+            self._drop(other[:1])
+            mine.remove(other[0])
         # Other plans' idle buffers are dropped first so memory tracks the live structure.
         self._evict_idle(keep=plan.plan_id)
         slot = self._new_slot(plan, pin)

@@ -77,3 +77,18 @@ def test_copy_overlaps_forward(tmp_path) -> None:
         torch.cuda.synchronize()
         h.wait()
         assert torch.isfinite(y).all()
+
+
+def test_same_layout_moving_from_cpu_to_cuda_replaces_the_idle_slot(tmp_path) -> None:
+    """One plan, first staged unpinned (CPU state), then from CUDA: the idle slot is swapped, no hang."""
+    torch.manual_seed(0)
+    model = nn.Linear(256, 256)
+    cfg = CheckpointConfig(root=str(tmp_path), staging={"slots": 1})
+    with Checkpointer(cfg) as ckpt:
+        ckpt.save({"m": model.state_dict()}, step=0).wait(timeout=60)
+        model.cuda()
+        ref = clone_state({"m": model.state_dict()})
+        ckpt.save({"m": model.state_dict()}, step=1).wait(timeout=60)
+        slots = [s for group in ckpt._arena._slots.values() for s in group]
+        assert len(slots) == 1 and slots[0].pinned
+        assert_bit_equal({"m": {k: v.cpu() for k, v in ref["m"].items()}}, ckpt.load(step=1))
