@@ -271,7 +271,7 @@ def _vs(fast: float | None, other: float | None) -> str:
     if fast is None or other is None:
         return "-"
     if fast <= 0:
-        return "fastckpt <= 0"
+        return "n/a (fastckpt's stall <= 0)"
     return f"{other / fast:.1f}x"
 
 
@@ -335,8 +335,7 @@ def markdown(results: dict[str, Any], s: dict[str, Any], chart_rel: str) -> str:
         f"fastckpt vs its peers, all measured in **one run on one machine** ({meta.get('started', '?')}, "
         f"{meta.get('wall_s', 0) / 60:.1f} min wall).",
         "",
-        "> **Noise warning.** This run was taken on a shared 2-core VM while other engineers were running test "
-        "suites on it (load average "
+        "> **Noise warning.** This run was taken on a shared 2-core VM (load average "
         f"{meta.get('loadavg_start', [0])[0]:.1f} at the start, {meta.get('loadavg_end', [0])[0]:.1f} at the end) and "
         "its virtual disk's write bandwidth swings several-fold from one write to the next. Stalls are differences "
         "of loop times, so every stall is given with its noise (± one standard error, see Methodology). Re-run on "
