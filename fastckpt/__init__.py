@@ -1,6 +1,6 @@
 """fastckpt: nearly free checkpointing for PyTorch training."""
 from .checkpointer import Checkpointer, WatchHandle
-from .config import CheckpointConfig, PersistOptions, RetentionOptions, StagingOptions
+from .config import CheckpointConfig, PersistOptions, RemoteOptions, RetentionOptions, StagingOptions
 from .errors import (
     CheckpointNotFoundError,
     ConfigError,
@@ -23,6 +23,7 @@ __all__ = [
     "StagingOptions",
     "PersistOptions",
     "RetentionOptions",
+    "RemoteOptions",
     "SaveHandle",
     "SaveStats",
     "CheckpointInfo",

@@ -17,11 +17,12 @@ from .catalog import Catalog
 from .codec import dumps_objects
 from .distributed import Coordinator
 from .config import CheckpointConfig
-from .errors import ConfigError, FastCkptError, StateMismatchError
+from .errors import CheckpointNotFoundError, ConfigError, FastCkptError, StateMismatchError, StorageError
 from .handle import CheckpointInfo, SaveHandle, SaveStats
 from .loader import CheckpointReader
 from .pipeline import Job, Pipeline
 from .plan import Planner, flatten
+from .remote import RemoteTier, Upload, _settle
 from .staging import HostArena, Slot
 from .tiers import ShmTier
 from .storage import Storage, open_storage
@@ -54,17 +55,24 @@ class WatchHandle:
 class Checkpointer:
     """Saves nested training state asynchronously; see docs/API.md."""
 
-    def __init__(self, config: CheckpointConfig, *, storage: Storage | None = None, distributed: bool = False,
-                 group: Any = None) -> None:
+    def __init__(self, config: CheckpointConfig, *, storage: Storage | None = None,
+                 remote_storage: Storage | None = None, distributed: bool = False, group: Any = None) -> None:
         """``distributed=True``: every rank of ``group`` (default: world) constructs this together and
-        calls ``save``/``load`` with the same replicated state; the ranks share the copies and writes."""
+        calls ``save``/``load`` with the same replicated state; the ranks share the copies and writes.
+        ``remote_storage``: the remote tier's ``Storage`` (default: opened from ``config.remote``)."""
         self._pipeline: Pipeline | None = None  # set last: close() is safe on a half-built object
+        self._uploader: RemoteTier | None = None
         if not isinstance(config, CheckpointConfig):
             raise ConfigError(f"Checkpointer needs a CheckpointConfig, got {type(config).__name__}")
         self.config = config
         p = config.persist
         self.storage = storage or open_storage(config.root, config.storage_options, direct_io=p.direct_io,
                                                fsync=p.fsync, workers=p.workers)
+        rem = config.remote
+        if remote_storage is None and rem.url is not None:
+            remote_storage = open_storage(rem.url, rem.storage_options, workers=rem.workers)
+        self.remote_storage: Storage | None = remote_storage  # the remote tier, or None
+        self._remote_catalog = Catalog(remote_storage) if remote_storage is not None else None
         self._planner = Planner(p.chunk_bytes)
         st = config.staging
         self._shm = ShmTier(st.shm_dir, self.storage.url) if st.shm else None
@@ -83,6 +91,10 @@ class Checkpointer:
             raise ConfigError("staging.when_busy=skip cannot be used with distributed=True (ranks could disagree); use wait")
         self._pipeline = Pipeline(self.storage, self._arena, p.workers, self._on_commit, self._on_failure,
                                   self._coord)
+        if self._remote_catalog is not None and self._leader:  # rank 0 uploads for everyone
+            self._uploader = RemoteTier(self.storage, self._remote_catalog.storage, self._remote_catalog,
+                                        workers=rem.workers, keep_last=rem.keep_last,
+                                        on_uploaded=self._on_uploaded, on_failed=self._on_upload_failed)
         self._atexit = _exit_flusher(self)
         _register_exit_hook(self._atexit)
         self.recovered: list[SaveHandle] = self._recover() if self._shm is not None else []
@@ -99,7 +111,8 @@ class Checkpointer:
                 slot._keep.append(keep)
                 slot._buffers[shard.index] = buf
             handle = SaveHandle(name=rec.name, step=rec.step, path=rec.dirpath,
-                                stats=SaveStats(step=rec.step, name=rec.name), _on_error_seen=self._mark_seen)
+                                stats=SaveStats(step=rec.step, name=rec.name), _on_error_seen=self._mark_seen,
+                                _upload=Future() if self._uploader is not None else None)
             job = Job(handle, rec.plan, slot, [], rec.keys, rec.numpy, rec.tree, rec.objects, rec.dirpath,
                       time.perf_counter(), uid=rec.uid)
             with self._lock:
@@ -144,6 +157,8 @@ class Checkpointer:
         slot = self._arena.acquire(plan, pin, block=self.config.staging.when_busy == "wait")
         if slot is None:
             return self._skipped(handle, t0)
+        if self._uploader is not None:
+            handle._upload = Future()
         job = Job(handle, plan, slot, flat.tensors, flat.keys, flat.numpy, flat.tree, objects, dirpath, t0)
         if self._coord is not None:
             job.uid = self._coord.next_uid()
@@ -214,16 +229,28 @@ class Checkpointer:
             h.wait_staged()
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until every pending save is committed; raises a background error once."""
+        """Block until every pending save is committed (and uploaded, with a remote tier); raises a
+        background error once."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             pending = list(self._pending)
         wait_futures([h._durable for h in pending], timeout)
+        uploader, pipeline = self._uploader, self._pipeline
+        if uploader is not None:
+            wait_futures(uploader.pending_futures(), _remaining(deadline))
+            if pipeline is not None and self.config.retention.keep_last is not None:
+                # local retention that finished uploads queued on the committer has run once this returns
+                wait_futures([pipeline.run_in_order(lambda: None)], _remaining(deadline))
         self._raise_pending()
 
     # ---- background callbacks (committer thread) -----------------------------------
 
     def _on_commit(self, job: Job, info: CheckpointInfo) -> None:
         self._catalog.committed(info)
+        if self._uploader is not None:  # queued before leaving _pending: retention never sees it unprotected
+            if job.handle._upload is None:
+                job.handle._upload = Future()
+            self._uploader.submit(info.name, info.path, job.handle._upload, job.handle)
         with self._lock:
             self._drop_pending(job.handle)
             self.stats.append(job.handle.stats)
@@ -235,6 +262,23 @@ class Checkpointer:
             if not job.reported:
                 self._errors.append((job.handle, err))
             self._drop_pending(job.handle)
+        if job.handle._upload is not None:
+            _settle(job.handle._upload, exc=err)  # never committed locally: nothing to upload
+
+    # ---- remote tier callbacks (upload thread) ---------------------------------------
+
+    def _on_uploaded(self, up: Upload, info: CheckpointInfo) -> None:
+        pipeline = self._pipeline
+        if pipeline is not None and self.config.retention.keep_last is not None:
+            # local copies kept only because their upload was pending may go now (on the committer,
+            # in order with saves and deletions)
+            pipeline.run_in_order(self._apply_retention)
+
+    def _on_upload_failed(self, up: Upload, err: FastCkptError) -> None:
+        log.error("fastckpt: %s", err)
+        if up.handle is not None:  # Checkpointer.upload(name) reports through its own future only
+            with self._lock:
+                self._errors.append((up.handle, err))
 
     def _drop_pending(self, handle: SaveHandle) -> None:
         if handle in self._pending:
@@ -257,9 +301,29 @@ class Checkpointer:
     # ---- committed checkpoints -----------------------------------------------------
 
     def list(self) -> list[CheckpointInfo]:
-        """Committed checkpoints under ``root``, oldest step first."""
+        """Committed checkpoints under ``root`` and on the remote tier (by name, the local copy first),
+        oldest step first."""
         self._check_open()
-        return self._catalog.list()
+        return self._committed()[0]
+
+    def _committed(self) -> tuple[list[CheckpointInfo], set[str]]:
+        """The union of both tiers, and the names committed locally."""
+        local = self._catalog.list()
+        names = {i.name for i in local}
+        if self._remote_catalog is None:
+            return local, names
+        try:
+            remote = self._remote_catalog.list()
+        except FastCkptError as e:
+            url = self._remote_catalog.storage.url
+            if not local:  # resuming from scratch because the remote is down would silently lose the run
+                raise StorageError(f"cannot list the remote tier at {url} and {self.storage.url} holds no "
+                                   f"checkpoint: {e}. Check remote.url, remote.storage_options and the network") from e
+            log.warning("fastckpt: cannot list the remote tier at %s, using the local checkpoints only: %s", url, e)
+            return local, names
+        union = {i.name: i for i in remote}
+        union.update((i.name, i) for i in local)
+        return sorted(union.values(), key=lambda i: (i.step, i.name)), names
 
     def latest(self) -> int | None:
         """Newest committed step, or None."""
@@ -267,16 +331,42 @@ class Checkpointer:
         return infos[-1].step if infos else None
 
     def exists(self, name: str) -> bool:
-        """Whether a checkpoint named ``name`` is committed."""
-        return self._catalog.info(self._check_name(name)) is not None
+        """Whether a checkpoint named ``name`` is committed (locally or on the remote tier)."""
+        name = self._check_name(name)
+        if self._catalog.info(name) is not None:
+            return True
+        return self._remote_catalog is not None and self._remote_catalog.info(name) is not None
 
     def reader(self, step: int | None = None, *, name: str | None = None) -> CheckpointReader:
-        """A reader for one committed checkpoint (the latest by default)."""
+        """A reader for one committed checkpoint (the latest by default); the local copy when there is
+        one, else the remote tier's."""
         self._check_open()
-        target = self._check_name(name) if name is not None else self._catalog.resolve(step)
-        return CheckpointReader(self.storage, self.storage.join(self.storage.url, target),
+        storage, target = self._locate(step, name)
+        return CheckpointReader(storage, storage.join(storage.url, target),
                                 verify=self.config.persist.verify_on_load, workers=self.config.persist.workers,
                                 allowed_classes=self.config.allowed_classes, coord=self._coord)
+
+    def _locate(self, step: int | None, name: str | None) -> tuple[Storage, str]:
+        remote = self._remote_catalog
+        if remote is None:
+            return self.storage, self._check_name(name) if name is not None else self._catalog.resolve(step)
+        if name is not None:
+            name = self._check_name(name)
+            if self._catalog.info(name) is not None:
+                return self.storage, name
+            if remote.info(name) is not None:
+                return remote.storage, name
+            raise CheckpointNotFoundError(f"no committed checkpoint {name!r} under {self.storage.url} or on the "
+                                          f"remote tier at {remote.storage.url}; list them with Checkpointer.list()")
+        infos, local = self._committed()
+        if step is not None:
+            infos = [i for i in infos if i.step == step]
+        if not infos:
+            what = f"at step {step}" if step is not None else "at all"
+            raise CheckpointNotFoundError(f"no committed checkpoint {what} under {self.storage.url} or on the "
+                                          f"remote tier at {remote.storage.url}")
+        target = infos[-1].name
+        return (self.storage if target in local else remote.storage), target
 
     def load(self, step: int | None = None, *, name: str | None = None, map_location: Any = None) -> Any:
         """Rebuild a saved state (the latest committed by default); tensors on CPU unless ``map_location``."""
@@ -287,19 +377,67 @@ class Checkpointer:
         return self.reader(step, name=name).load_into(target)
 
     def delete(self, name: str) -> Future:
-        """Delete a committed checkpoint after every save submitted before this call."""
+        """Delete a committed checkpoint (both copies, with a remote tier) after every save (and upload)
+        submitted before this call."""
         self._check_open()
         name = self._check_name(name)
         if not self._leader:
             done: Future = Future()
             done.set_result(None)  # rank 0 deletes for everyone
             return done
-        return self._pipeline.run_in_order(lambda: self._catalog.delete(name))  # type: ignore[union-attr]
+        uploader = self._uploader
+        if uploader is None:
+            return self._pipeline.run_in_order(lambda: self._catalog.delete(name))  # type: ignore[union-attr]
+        both: Future = Future()
+
+        def local() -> None:  # on the committer, behind the saves; then on the upload thread, behind the uploads
+            try:
+                self._catalog.delete(name)
+                failed = None
+            except BaseException as e:  # noqa: BLE001 - the remote copy is still deleted, then this is raised
+                failed = e
+
+            def remote() -> None:
+                uploader.catalog.delete(name)
+                if failed is not None:
+                    raise failed
+
+            uploader.run_in_order(remote, both)
+
+        self._pipeline.run_in_order(local)  # type: ignore[union-attr]
+        return both
+
+    def upload(self, name: str) -> Future:
+        """Upload the locally committed checkpoint ``name`` to the remote tier (again), after every save
+        submitted before this call: the retry after an upload failure, or for a checkpoint committed by a
+        process that died before uploading it. The ``Future`` resolves to the remote ``CheckpointInfo``;
+        its error is raised only through it."""
+        self._check_open()
+        name = self._check_name(name)
+        done: Future = Future()
+        if self._remote_catalog is None:
+            raise ConfigError("Checkpointer.upload() needs a remote tier: set remote.url in the config")
+        uploader = self._uploader
+        if uploader is None:
+            done.set_result(None)  # rank 0 uploads for everyone
+            return done
+
+        def submit() -> None:
+            info = self._catalog.info(name)
+            if info is None:
+                raise CheckpointNotFoundError(f"no committed checkpoint {name!r} under {self.storage.url} to upload")
+            uploader.submit(name, info.path, done)
+
+        queued = self._pipeline.run_in_order(submit)  # type: ignore[union-attr]
+        queued.add_done_callback(lambda f: f.exception() is not None and _settle(done, exc=f.exception()))
+        return done
 
     def _apply_retention(self) -> None:
         if self._leader:
             with self._lock:
                 pending = {h.name for h in self._pending}
+            if self._uploader is not None:
+                pending |= self._uploader.pending_names()  # never delete what is still being uploaded
             self._catalog.retain(self.config.retention, pending)
 
     # ---- lifecycle -----------------------------------------------------------------
@@ -329,12 +467,19 @@ class Checkpointer:
         pipeline, self._pipeline = getattr(self, "_pipeline", None), None
         if pipeline is None:
             return
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             pending = list(self._pending)
         wait_futures([h._durable for h in pending], timeout)
         for wh in self._hooks:
             wh.remove()
         pipeline.close()
+        uploader = self._uploader
+        if uploader is not None:
+            uploader.close(_remaining(deadline))  # flush the uploads (bounded), then stop its threads
+            if self.config.retention.keep_last is not None:
+                self._apply_retention()  # what was kept only for a pending upload
+            self._uploader = None
         self._arena.close()
         self._raise_pending()
 
@@ -356,6 +501,10 @@ class Checkpointer:
                 self.close()
             except Exception:  # noqa: BLE001 - nothing can be raised from __del__
                 pass
+
+
+def _remaining(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 def _register_exit_hook(hook: Any) -> None:
@@ -382,7 +531,7 @@ def _exit_flusher(ckpt: Checkpointer) -> Any:
         obj = ref()
         if obj is None or obj._pipeline is None:
             return
-        n = len(obj._pending)
+        n = len(obj._pending) + (len(obj._uploader.pending_futures()) if obj._uploader is not None else 0)
         if n:
             log.warning("fastckpt: interpreter exiting, flushing %d pending checkpoint(s) (up to %.0fs)", n, _EXIT_FLUSH_S)
         try:

@@ -19,6 +19,7 @@ __all__ = [
     "StagingOptions",
     "PersistOptions",
     "RetentionOptions",
+    "RemoteOptions",
 ]
 
 _MODES = ("lazy", "eager")
@@ -107,10 +108,43 @@ class RetentionOptions:
         _check_int("retention.", "keep_every_n_steps", self.keep_every_n_steps, 1, allow_none=True)
 
 
+_LOCAL_SCHEMES = ("file", "local")
+
+
+@dataclass(kw_only=True, slots=True)
+class RemoteOptions:
+    """The remote tier: every checkpoint committed under ``root`` is then uploaded here in the background."""
+
+    url: str | None = None
+    """fsspec URL of the remote copy (``s3://bucket/run1``, ``memory://x``); null disables the tier."""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    """Passed to the remote fsspec filesystem (credentials, ``client_kwargs.endpoint_url``...)."""
+    workers: int = 4
+    """Files uploaded at once."""
+    keep_last: int | None = None
+    """Keep the newest N checkpoints on the remote (null keeps all); ``retention`` governs ``root``."""
+
+    def __post_init__(self) -> None:
+        if self.url is not None:
+            if not isinstance(self.url, str) or not self.url.strip():
+                raise ConfigError(f"remote.url must be an fsspec URL such as s3://bucket/run or null, got {self.url!r}")
+            scheme = self.url.split("://", 1)[0].lower() if "://" in self.url else ""
+            if not scheme or scheme in _LOCAL_SCHEMES:
+                raise ConfigError(
+                    f"remote.url must be an fsspec URL with a remote scheme (s3://bucket/run, gs://..., memory://...), "
+                    f"not a local path; got {self.url!r}. Local checkpoints go to root")
+        if not isinstance(self.storage_options, Mapping):
+            raise ConfigError(f"remote.storage_options must be a mapping, got {type(self.storage_options).__name__}")
+        self.storage_options = dict(self.storage_options)
+        _check_int("remote.", "workers", self.workers, 1)
+        _check_int("remote.", "keep_last", self.keep_last, 1, allow_none=True)
+
+
 _SECTIONS: dict[str, type] = {
     "staging": StagingOptions,
     "persist": PersistOptions,
     "retention": RetentionOptions,
+    "remote": RemoteOptions,
 }
 
 
@@ -125,6 +159,7 @@ class CheckpointConfig:
     staging: StagingOptions = field(default_factory=StagingOptions)
     persist: PersistOptions = field(default_factory=PersistOptions)
     retention: RetentionOptions = field(default_factory=RetentionOptions)
+    remote: RemoteOptions = field(default_factory=RemoteOptions)
     allowed_classes: list[str] = field(default_factory=list)
     """Extra ``module.QualName`` classes the safe loader may rebuild (non-plain leaves)."""
 
@@ -146,6 +181,9 @@ class CheckpointConfig:
                 setattr(self, name, _build_section(name, cls, value))
             elif not isinstance(value, cls):
                 raise ConfigError(f"{name} must be a mapping or {cls.__name__}, got {type(value).__name__}")
+        if self.remote.url is not None and _same_place(self.remote.url, self.root):
+            raise ConfigError(f"remote.url must differ from root (both are {self.root!r}): the remote tier is a "
+                              "second copy; set remote.url to another location or null")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "CheckpointConfig":
@@ -212,6 +250,10 @@ def config_mapping(source: "CheckpointConfig | Mapping[str, Any] | str | Path | 
         return dict(loaded)
     raise ConfigError(f"a fastckpt config is a CheckpointConfig, a mapping, a YAML path or None; "
                       f"got {type(source).__name__}")
+
+
+def _same_place(a: str, b: str) -> bool:
+    return a.strip().rstrip("/") == b.strip().rstrip("/")
 
 
 def _build_section(name: str, cls: type, data: Mapping[str, Any]) -> Any:

@@ -61,7 +61,7 @@ class SaveStats:
 
 @dataclass(eq=False)
 class SaveHandle:
-    """Returned by ``Checkpointer.save``. ``wait_staged`` then ``wait``."""
+    """Returned by ``Checkpointer.save``. ``wait_staged`` then ``wait`` (then ``wait_uploaded`` with a remote tier)."""
 
     name: str
     step: int
@@ -72,6 +72,7 @@ class SaveHandle:
     _cuda_events: list = field(default_factory=list)
     _durable: Future = field(default_factory=Future)
     _on_error_seen: Callable[["SaveHandle"], None] | None = None
+    _upload: Future | None = None  # set when this save is also uploaded to the remote tier
 
     def wait_staged(self, timeout: float | None = None) -> None:
         """Block until the host copy is complete: the source tensors may change after this."""
@@ -106,6 +107,30 @@ class SaveHandle:
     def done(self) -> bool:
         """Whether the save finished, successfully or not."""
         return self._durable.done()
+
+    def wait_uploaded(self, timeout: float | None = None) -> CheckpointInfo | None:
+        """Block until the remote copy is committed; returns its ``CheckpointInfo``.
+
+        Raises the local or the upload error (and marks it reported). Without a remote
+        tier (or on ranks other than 0) this is ``wait()``.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        info = self.wait(timeout)
+        if self._upload is None:
+            return info
+        try:
+            return self._upload.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        except FastCkptError:
+            if self._on_error_seen is not None:
+                self._on_error_seen(self)
+            raise
+
+    def uploaded(self) -> bool:
+        """Whether ``wait_uploaded()`` would return now without raising (non-blocking)."""
+        for fut in (self._durable, self._upload):
+            if fut is not None and (not fut.done() or fut.cancelled() or fut.exception() is not None):
+                return False
+        return True
 
     def add_done_callback(self, fn: Callable[["SaveHandle"], None]) -> None:
         """Call ``fn(handle)`` after commit or failure, on the committer thread (or now if done)."""

@@ -161,14 +161,17 @@ class LocalStorage:
         except (OSError, EOFError) as e:
             raise _wrap("reading", path, e) from e
 
-    def map_file(self, path: str, size: int) -> tuple[mmap.mmap, memoryview]:
-        """Map ``path`` copy-on-write: tensors view the page cache, no read copy (local loads)."""
+    def map_file(self, path: str, size: int, readahead: bool = True) -> tuple[mmap.mmap, memoryview]:
+        """Map ``path`` copy-on-write: tensors view the page cache, no read copy (local loads).
+
+        ``readahead=False`` maps without starting to read (the remote tier maps files long before it reads them).
+        """
         try:
             with open(path, "rb") as f:
                 mm = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except (OSError, ValueError) as e:
             raise _wrap("mapping", path, e) from e
-        if hasattr(mmap, "MADV_WILLNEED"):
+        if readahead and hasattr(mmap, "MADV_WILLNEED"):
             mm.madvise(mmap.MADV_WILLNEED)  # start readahead of the whole file now
         return mm, memoryview(mm)
 
