@@ -27,7 +27,7 @@ from typing import Any, Callable
 from accelerate import Accelerator
 
 import fastckpt.errors as errors
-from fastckpt import CheckpointConfig, Checkpointer, is_checkpoint, load_checkpoint
+from fastckpt import CheckpointConfig, Checkpointer, RemoteOptions, is_checkpoint, load_checkpoint
 from fastckpt.errors import CheckpointNotFoundError, ConfigError, FastCkptError, IntegrityError
 
 from . import naming
@@ -208,8 +208,11 @@ class FastAccelerateCheckpointing:
             else:
                 # Explicit output_dir folders elsewhere: same settings, but retention (total_limit) only
                 # applies to the automatic checkpoints under the configured root.
+                # Nor is the remote tier theirs: remote.url mirrors the configured root only, so an explicit
+                # folder's checkpoint could never shadow (or be shadowed by) an automatic one of the same name.
                 retention = replace(self.config.retention, keep_last=None, keep_every_n_steps=None)
-                checkpointer = Checkpointer(replace(self.config, root=root, retention=retention))
+                checkpointer = Checkpointer(replace(self.config, root=root, retention=retention,
+                                                    remote=RemoteOptions()))
             self._checkpointers[root] = checkpointer
             self._watchers[root] = OptimizerWatcher(checkpointer)
         return self._checkpointers[root]
@@ -257,6 +260,9 @@ class FastAccelerateCheckpointing:
         return path
 
     def _storage_options(self, path: str) -> dict | None:
+        remote = self.config.remote
+        if remote.url is not None and _under(path, remote.url):
+            return dict(remote.storage_options)  # a checkpoint only the remote tier still holds
         return dict(self.config.storage_options or {}) if naming.is_url(path) else None
 
     # ----------------------------------------------------------------- plumbing
@@ -339,3 +345,9 @@ def _close_at_exit(ref: "weakref.ref[FastAccelerateCheckpointing]") -> None:
 def _looks_like_accelerate(path: str) -> bool:
     names = os.listdir(path)
     return any(n.startswith(("random_states_", "optimizer", "model", "pytorch_model")) for n in names)
+
+
+def _under(path: str, url: str) -> bool:
+    """Whether ``path`` is ``url`` or inside it (URLs compared as strings, trailing slashes ignored)."""
+    base = url.rstrip("/")
+    return path.rstrip("/") == base or path.startswith(base + "/")

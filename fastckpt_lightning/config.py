@@ -15,6 +15,7 @@ from typing import Any, Optional, Union
 
 from fastckpt import CheckpointConfig
 from fastckpt.config import config_mapping
+from fastckpt.errors import ConfigError
 
 ConfigSource = Union[CheckpointConfig, str, os.PathLike, Mapping[str, Any], None]
 
@@ -35,7 +36,16 @@ def build_config(source: ConfigSource, **overrides: Any) -> tuple[CheckpointConf
     user_root = base.get("root")
     base["root"] = str(user_root) if user_root is not None else _PLACEHOLDER_ROOT
     base = _without_retention(base)
-    return CheckpointConfig.from_dict(base), (str(user_root) if user_root is not None else None)
+    config = CheckpointConfig.from_dict(base)
+    if config.remote.url is not None:
+        # ModelCheckpoint's folder also holds the pointer files (`last.ckpt`, `epoch=...ckpt`) that name the
+        # data; a remote copy of the data alone could not be resumed from with ckpt_path="last".
+        raise ConfigError(
+            f"remote.url={config.remote.url!r}: FastCheckpointIO does not use the remote tier. Point "
+            "ModelCheckpoint(dirpath='s3://bucket/run') at the bucket instead (saves stay asynchronous, and "
+            "pointers and data live together), or set remote.url: null for Lightning"
+        )
+    return config, (str(user_root) if user_root is not None else None)
 
 
 def for_directory(config: CheckpointConfig, dirpath: str) -> CheckpointConfig:

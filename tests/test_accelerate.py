@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import uuid
 import random
 import threading
 
@@ -15,7 +17,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import fastckpt_accelerate
 from accelerate_testing import GatedStorage, Setup, assert_same, clone, make_accelerator, reset_accelerate
-from fastckpt import load_checkpoint
+from fastckpt import CheckpointConfig, Checkpointer, load_checkpoint
 from fastckpt.errors import CheckpointNotFoundError, ConfigError, FastCkptError, IntegrityError
 
 pytestmark = pytest.mark.timeout(120)
@@ -381,3 +383,47 @@ def test_rng_states_round_trip_exactly():
     restore_rng_states(states)
     got = (torch.rand(3), np.random.rand(3), random.random())
     assert torch.equal(expected[0], got[0]) and np.array_equal(expected[1], got[1]) and expected[2] == got[2]
+
+
+def test_remote_tier_resumes_after_the_project_dir_is_lost(tmp_path, closing):
+    """With remote.url, automatic checkpoints are uploaded; a new machine (empty project dir) resumes from them."""
+    url = f"memory://fastckpt-accelerate-{uuid.uuid4().hex}"
+    acc = make_accelerator(tmp_path / "run", total_limit=1)
+    checkpointing = enable(acc, closing, {"remote": {"url": url}})
+    setup = Setup(acc)
+    snapshots = []
+    for _ in range(3):
+        setup.step()
+        snapshots.append(setup.snapshot())
+        acc.save_state()
+    checkpointing.wait()  # committed locally and uploaded
+    acc.end_training()
+    assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["checkpoint_2"]  # total_limit: local only
+    with Checkpointer(CheckpointConfig(root=url)) as remote:
+        assert [i.name for i in remote.list()] == ["checkpoint_0", "checkpoint_1", "checkpoint_2"]
+
+    shutil.rmtree(tmp_path / "run")  # the machine is gone
+    acc2 = make_accelerator(tmp_path / "run", total_limit=1)
+    enable(acc2, closing, {"remote": {"url": url}})
+    setup2 = Setup(acc2, seed=123)
+    path = acc2.load_state()
+    assert path.startswith("memory://") and path.endswith("/checkpoint_2")
+    assert_same(snapshots[2], setup2.snapshot())
+    assert acc2.save_iteration == 3
+    assert acc2.save_state().endswith("checkpoint_3")
+
+
+def test_remote_tier_mirrors_only_the_configured_root(tmp_path, closing):
+    url = f"memory://fastckpt-accelerate-{uuid.uuid4().hex}"
+    acc = make_accelerator(tmp_path, automatic=False)
+    checkpointing = enable(acc, closing, {"root": str(tmp_path / "root"), "remote": {"url": url}})
+    setup = Setup(acc)
+    setup.step()
+    acc.save_state(str(tmp_path / "root" / "mirrored"))
+    acc.save_state(str(tmp_path / "elsewhere"))  # not under root: neither its retention nor its remote copy
+    checkpointing.wait()
+    with Checkpointer(CheckpointConfig(root=url)) as remote:
+        assert [i.name for i in remote.list()] == ["mirrored"]
+    elsewhere, mirrored = load_checkpoint(str(tmp_path / "elsewhere")), load_checkpoint(f"{url}/mirrored")
+    elsewhere.pop("fastckpt_accelerate"), mirrored.pop("fastckpt_accelerate")  # the iteration differs
+    assert_same(elsewhere, mirrored)

@@ -344,6 +344,9 @@ def test_construction_from_yaml_config_or_keywords(tmp_path):
         FastCheckpointIO(retention={"keep_last": 2})
     with pytest.raises(ConfigError, match="staging"):
         FastCheckpointIO(staging={"mode": "sometimes"})
+    # the shared YAML may carry a remote tier; Lightning cannot resume from it, so it is refused, not ignored
+    with pytest.raises(ConfigError, match=r"remote\.url.*ModelCheckpoint\(dirpath='s3://"):
+        FastCheckpointIO({"root": str(tmp_path), "remote": {"url": "memory://backup"}})
 
 
 def test_resumes_from_a_plain_torch_checkpoint(tmp_path):
