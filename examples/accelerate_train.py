@@ -65,6 +65,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--resume", action="store_true", help="load_state() the newest checkpoint first")
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--dump", help="write the final state to FILE.rank{i}.pt")
+    parser.add_argument("--shared-writes", choices=["auto", "on", "off"], default="auto",
+                        help="with several processes, each writes its share of a checkpoint (auto: when it can)")
     return parser.parse_args()
 
 
@@ -100,7 +102,8 @@ def main() -> None:
         # One shuffling seed for all processes (their shards must come from one permutation).
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=0),
     )
-    checkpointing = fastckpt_accelerate.enable(accelerator, fastckpt_config(args))
+    shared = {"auto": None, "on": True, "off": False}[args.shared_writes]
+    checkpointing = fastckpt_accelerate.enable(accelerator, fastckpt_config(args), shared_writes=shared)
     set_seed(0, device_specific=True)  # per-process RNG streams (dropout); DDP syncs the initial weights
 
     dataset = make_data()
@@ -154,6 +157,10 @@ def main() -> None:
             f"final loss {progress.losses[-1]:.5f}; {len(blocking)} saves, "
             f"save() blocked {np.median(blocking):.2f} ms (median), persisted in {np.median(persist):.3f} s (median)"
         )
+    if checkpointing.stats:  # with shared writes every process wrote a share of each checkpoint
+        written = sum(s.written_bytes for s in checkpointing.stats)
+        print(f"process {accelerator.process_index} wrote {written} bytes in {len(checkpointing.stats)} saves",
+              flush=True)
     if args.dump:
         dump_final_state(args.dump, accelerator, model, optimizer, scheduler, progress)
     accelerator.end_training()

@@ -33,6 +33,8 @@ class SaveStats:
 
     ``waited_ms`` is the time callers spent blocked in ``wait_staged`` for this save (the
     optimizer pre-hook included): the stall the lazy copy cost the training thread.
+    ``nbytes`` is the size of the whole checkpoint (known on the committing rank); ``written_bytes``
+    what this process wrote (all of it, unless ``distributed=True`` ranks share the writes).
     """
 
     step: int
@@ -42,6 +44,7 @@ class SaveStats:
     waited_ms: float = 0.0
     persist_s: float = 0.0
     nbytes: int = 0
+    written_bytes: int = 0
     skipped: bool = False
 
     @property
@@ -55,6 +58,7 @@ class SaveStats:
             "waited_ms": self.waited_ms,
             "persist_s": self.persist_s,
             "nbytes": float(self.nbytes),
+            "written_bytes": float(self.written_bytes),
             "throughput_mb_s": self.throughput_mb_s,
         }
 

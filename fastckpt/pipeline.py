@@ -208,6 +208,7 @@ class Pipeline:
     def _finish(self, job: Job) -> None:
         try:
             results = self._written(job)
+            job.handle.stats.written_bytes = sum(r[1].size for r in results)  # this rank's share
             if self._coord is None:
                 info = self._commit(job, results)
             else:

@@ -3,9 +3,13 @@
 Save, on every process (Accelerate already requires every process to call ``save_state``):
 
 1. pick the target (``checkpoint_{iteration}`` under the root, or the given ``output_dir``);
-2. gather every process's RNG and dataloader states to the main process (one small collective);
-3. the main process hands the whole state to ``Checkpointer.save``, which returns in milliseconds: tensors
-   are copied in the background, and the watched optimizers' ``step()`` waits until they are;
+2. gather every process's RNG and dataloader states to every process (one small collective);
+3. hand the whole state to ``Checkpointer.save``, which returns in milliseconds: tensors are copied in the
+   background, and the watched optimizers' ``step()`` waits until they are. With DDP and storage every
+   process can write (``distributed.can_share_writes``), every process does this with a distributed
+   ``Checkpointer``: the replicated parameters and optimizer state are split between the processes, each
+   copies and writes its part, and rank 0 commits; state the forward pass changes (BatchNorm buffers) and
+   the non-tensor values are rank 0's, as with Accelerate. Otherwise the main process saves everything;
 4. ``project_configuration.iteration`` advances, as in Accelerate.
 
 Load: the main process picks the checkpoint (after letting pending saves commit), every process reads it
@@ -28,10 +32,10 @@ from accelerate import Accelerator
 
 import fastckpt.errors as errors
 from fastckpt import CheckpointConfig, Checkpointer, RemoteOptions, is_checkpoint, load_checkpoint
-from fastckpt.errors import CheckpointNotFoundError, ConfigError, FastCkptError, IntegrityError
+from fastckpt.errors import CheckpointNotFoundError, ConfigError, FastCkptError, IntegrityError, StateMismatchError
 
 from . import naming
-from .distributed import all_gather, broadcast_from_main
+from .distributed import all_gather, broadcast_from_main, can_share_writes
 from .state import capture_process_state, capture_state, read_meta, restore_process_state, restore_state
 from .stats import StatsLogger
 from .watcher import OptimizerWatcher
@@ -49,6 +53,7 @@ class FastAccelerateCheckpointing:
         *,
         storage: Any = None,
         log_stats: bool = False,
+        shared_writes: bool | None = None,
         original_load_state: Callable[..., Any] | None = None,
     ) -> None:
         self._closed = True  # until construction succeeds, so close() is safe on a half-built object
@@ -63,7 +68,17 @@ class FastAccelerateCheckpointing:
         self._in_flight: list[Any] = []  # SaveHandles not known to be finished (pruned at each save)
         self._last_handle: Any | None = None
         self.save_state_ms: list[float] = []
-        if accelerator.is_main_process:
+        possible = can_share_writes(accelerator, self.root)
+        if shared_writes and not possible:
+            raise ConfigError(
+                f"shared_writes=True, but the processes cannot share the writes under {self.root}: that needs "
+                "several processes (torch.distributed initialized), and a root every process can write for rank 0 "
+                "to commit (an s3:// URL, or a local path with every process on one node); pass shared_writes=None"
+            )
+        self.shared_writes = possible if shared_writes is None else bool(shared_writes)
+        if self.shared_writes and storage is not None:
+            raise ConfigError("storage= injects one process's Storage; it cannot be combined with shared_writes")
+        if accelerator.is_main_process or self.shared_writes:
             self._checkpointer_for(self.root)
         self._closed = False
         # A script that ends without end_training() must still commit its last checkpoints. A weak
@@ -74,7 +89,8 @@ class FastAccelerateCheckpointing:
 
     @property
     def checkpointer(self) -> Checkpointer | None:
-        """The Checkpointer of the configured root; None on processes other than the main one."""
+        """The Checkpointer of the configured root; None on processes other than the main one unless
+        ``shared_writes``."""
         return self._checkpointers.get(self.root)
 
     @property
@@ -84,7 +100,8 @@ class FastAccelerateCheckpointing:
 
     @property
     def stats(self) -> list[Any]:
-        """``SaveStats`` of every finished save (main process; empty elsewhere)."""
+        """``SaveStats`` of every finished save (each process's own part with ``shared_writes``; else the main
+        process's, and empty elsewhere)."""
         return [s for ckpt in self._checkpointers.values() for s in ckpt.stats]
 
     @property
@@ -110,11 +127,21 @@ class FastAccelerateCheckpointing:
         )
         checked.raise_shared(gathered[0]["error"])
         iteration = self._accelerator.project_configuration.iteration
-        if self._accelerator.is_main_process:
+        shared = self._shares(target.root)
+        if self._accelerator.is_main_process or shared:
             checkpointer = self._checkpointer_for(target.root)
             self._watchers[target.root].sync(self._accelerator._optimizers)
             state = capture_state(self._accelerator, iteration, [g["process"] for g in gathered])
-            handle = checkpointer.save(state, step=iteration, name=target.name)
+            try:
+                handle = checkpointer.save(state, step=iteration, name=target.name)
+            except StateMismatchError as e:
+                if not shared:
+                    raise
+                raise StateMismatchError(
+                    f"{e}. The processes share the writes of each checkpoint (shared_writes), so every process "
+                    "must hold state of the same shapes; enable(..., shared_writes=False) lets the main "
+                    "process save its own state alone, as Accelerate does"
+                ) from e
             self._in_flight = [h for h in self._in_flight if not h.done()] + [handle]
             self._last_handle = handle
         self._accelerator.project_configuration.iteration = iteration + 1
@@ -201,10 +228,15 @@ class FastAccelerateCheckpointing:
                 "accelerator.project_configuration.iteration past it"
             )
 
+    def _shares(self, root: str) -> bool:
+        """Whether every process writes its part of the checkpoints under ``root`` (the same on every process)."""
+        return self.shared_writes and (root == self.root or can_share_writes(self._accelerator, root))
+
     def _checkpointer_for(self, root: str) -> Checkpointer:
+        """The Checkpointer of ``root``; when ``_shares(root)`` every process must call this together."""
         if root not in self._checkpointers:
             if root == self.root:
-                checkpointer = Checkpointer(self.config, storage=self._storage)
+                checkpointer = Checkpointer(self.config, storage=self._storage, distributed=self.shared_writes)
             else:
                 # Explicit output_dir folders elsewhere: same settings, but retention (total_limit) only
                 # applies to the automatic checkpoints under the configured root.
@@ -212,7 +244,7 @@ class FastAccelerateCheckpointing:
                 # folder's checkpoint could never shadow (or be shadowed by) an automatic one of the same name.
                 retention = replace(self.config.retention, keep_last=None, keep_every_n_steps=None)
                 checkpointer = Checkpointer(replace(self.config, root=root, retention=retention,
-                                                    remote=RemoteOptions()))
+                                                    remote=RemoteOptions()), distributed=self._shares(root))
             self._checkpointers[root] = checkpointer
             self._watchers[root] = OptimizerWatcher(checkpointer)
         return self._checkpointers[root]

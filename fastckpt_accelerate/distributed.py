@@ -1,11 +1,13 @@
-"""The two small collectives a save or load needs, on the training process group, from the calling thread.
+"""The two small collectives a save or load needs, on the training process group, from the calling thread,
+and the test of whether the processes may share the writes of one checkpoint.
 
-They carry a few kilobytes (RNG and dataloader states, a checkpoint path), and every process reaches them
-from ``save_state``/``load_state``, which Accelerate already requires every process to call.
+The collectives carry a few kilobytes (RNG and dataloader states, a checkpoint path), and every process
+reaches them from ``save_state``/``load_state``, which Accelerate already requires every process to call.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any, TypeVar
 
 import torch.distributed as dist
@@ -35,3 +37,18 @@ def broadcast_from_main(accelerator: Accelerator, obj: T) -> T:
     box: list[Any] = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def can_share_writes(accelerator: Accelerator, root: str) -> bool:
+    """Whether every process can write its part of a checkpoint under ``root`` for rank 0 to commit.
+
+    True for an object store (``s3://``...) and for a local path when every process runs on this node
+    (torchrun's ``LOCAL_WORLD_SIZE`` equals the world size). Not for node-local disks of several nodes
+    (rank 0 would commit files it cannot see), nor for ``memory://``, which is private to each process.
+    """
+    if not is_distributed(accelerator):
+        return False
+    if "://" in root and not root.startswith("file://"):
+        return not root.startswith("memory://")
+    local_world = os.environ.get("LOCAL_WORLD_SIZE")
+    return local_world is not None and int(local_world) == accelerator.num_processes

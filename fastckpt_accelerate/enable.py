@@ -34,12 +34,16 @@ def enable(
     *,
     storage: Any = None,
     log_stats: bool = False,
+    shared_writes: bool | None = None,
 ) -> FastAccelerateCheckpointing:
     """Make ``accelerator.save_state()`` asynchronous and fastckpt-backed; call right after creating it.
 
     ``config`` is a fastckpt YAML path, a dict, a ``CheckpointConfig``, or None; a missing ``root`` means
     ``{project_dir}/checkpoints``. ``storage`` injects a ``fastckpt.Storage`` (tests). With ``log_stats``
     each save's stats go to ``accelerator.log`` at the next save, ``wait()`` or ``end_training()``.
+    ``shared_writes``: with DDP, every process copies and writes its share of each checkpoint (rank 0
+    commits); ``None`` (default) does so when every process can write the root (one node, or an object
+    store), ``False`` lets the main process write everything, as Accelerate does.
     """
     if accelerator.distributed_type in _UNSUPPORTED:
         raise ConfigError(
@@ -54,6 +58,7 @@ def enable(
         resolve_config(config, accelerator),
         storage=storage,
         log_stats=log_stats,
+        shared_writes=shared_writes,
         original_load_state=type(accelerator).load_state.__get__(accelerator),
     )
     _install(accelerator, checkpointing)

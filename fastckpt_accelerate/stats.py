@@ -17,6 +17,7 @@ def stats_to_values(stats: Any) -> dict[str, float]:
         f"{PREFIX}waited_ms": float(stats.waited_ms),
         f"{PREFIX}persist_s": float(stats.persist_s),
         f"{PREFIX}nbytes": float(stats.nbytes),
+        f"{PREFIX}written_bytes": float(stats.written_bytes),
         f"{PREFIX}throughput_mb_s": float(stats.throughput_mb_s),
     }
 

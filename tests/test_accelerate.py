@@ -427,3 +427,11 @@ def test_remote_tier_mirrors_only_the_configured_root(tmp_path, closing):
     elsewhere, mirrored = load_checkpoint(str(tmp_path / "elsewhere")), load_checkpoint(f"{url}/mirrored")
     elsewhere.pop("fastckpt_accelerate"), mirrored.pop("fastckpt_accelerate")  # the iteration differs
     assert_same(elsewhere, mirrored)
+
+
+def test_shared_writes_needs_several_processes_and_shared_storage(tmp_path, closing):
+    acc = make_accelerator(tmp_path)
+    with pytest.raises(ConfigError, match=r"shared_writes=True.*several processes"):
+        fastckpt_accelerate.enable(acc, shared_writes=True)
+    checkpointing = enable(acc, closing)  # the default on one process: the main process writes everything
+    assert checkpointing.shared_writes is False

@@ -3,11 +3,14 @@
 Each scenario trains N steps with ``save_state`` every step, once without interruption and once stopped
 after step K (leaving without ``end_training``: the exit hook must commit the pending checkpoint) and
 resumed in a new process. Weights, optimizer, scheduler, RNG, loss history and ``iteration`` must match.
+On two processes the uninterrupted run writes from the main process only and the other from both
+processes (shared writes), so the two paths are checked against each other.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -42,7 +45,11 @@ def run_example(args: list[str], num_processes: int, cwd: Path) -> str:
 
 def scenario(tmp_path: Path, num_processes: int) -> None:
     common = ["--steps", str(STEPS), "--save-every", "1", "--total-limit", "3"]
-    run_example(["--project-dir", "straight", *common, "--dump", "straight"], num_processes, tmp_path)
+    # The uninterrupted run saves from the main process alone (as Accelerate does); the interrupted and
+    # resumed runs let the processes share the writes (the default on one node). Both must end alike.
+    straight = ["--project-dir", "straight", *common, "--dump", "straight", "--shared-writes", "off"]
+    output = run_example(straight, num_processes, tmp_path)
+    assert "process 0 wrote" in output and "process 1 wrote" not in output
     run_example(["--project-dir", "resumed", *common, "--stop-after", str(STOP_AFTER)], num_processes, tmp_path)
     checkpoints = tmp_path / "resumed" / "checkpoints"
     # The last save was pending when the script returned: the exit hook committed it.
@@ -51,9 +58,12 @@ def scenario(tmp_path: Path, num_processes: int) -> None:
     output = run_example(resume_args, num_processes, tmp_path)
     assert f"resumed from {checkpoints / f'checkpoint_{STOP_AFTER - 1}'}" in output
     assert sorted(os.listdir(checkpoints)) == [f"checkpoint_{i}" for i in range(STEPS - 3, STEPS)]
+    written = {int(r): int(n) for r, n in re.findall(r"process (\d+) wrote (\d+) bytes", output)}
+    assert sorted(written) == list(range(num_processes)), output  # every process wrote a share
+    assert all(n > 0 for n in written.values()), written
 
     last = load_checkpoint(str(checkpoints / f"checkpoint_{STEPS - 1}"))
-    assert len(last["processes"]) == num_processes  # every rank's RNG, in the one checkpoint rank 0 wrote
+    assert len(last["processes"]) == num_processes  # every rank's RNG, in the one checkpoint
     assert last["fastckpt_accelerate"]["num_processes"] == num_processes
     for rank in range(num_processes):
         straight = torch.load(tmp_path / f"straight.rank{rank}.pt", weights_only=False)
@@ -78,5 +88,5 @@ def test_resume_in_a_new_process_is_bit_exact(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_two_process_launch_saves_once_and_resumes_every_rank_exactly(tmp_path):
+def test_two_process_launch_shares_the_writes_and_resumes_every_rank_exactly(tmp_path):
     scenario(tmp_path, num_processes=2)
