@@ -98,6 +98,7 @@ class Checkpointer:
         self._atexit = _exit_flusher(self)
         _register_exit_hook(self._atexit)
         self.recovered: list[SaveHandle] = self._recover() if self._shm is not None else []
+        self.resumed_uploads: list[SaveHandle] = self._resume_uploads() if self._uploader is not None else []
 
     def _recover(self) -> list[SaveHandle]:
         """Persist snapshots that a crashed process had staged in shared memory."""
@@ -118,6 +119,34 @@ class Checkpointer:
             with self._lock:
                 self._pending.append(handle)
             self._pipeline.submit_recovered(job)  # type: ignore[union-attr]
+            handles.append(handle)
+        return handles
+
+    def _resume_uploads(self) -> list[SaveHandle]:
+        """Upload the local checkpoints a previous process committed but never uploaded (it died, or its
+        uploads failed): those newer than the newest remote one. Older local ones missing remotely were
+        pruned there by ``remote.keep_last``, or predate the tier; ``upload(name)`` sends them."""
+        assert self._uploader is not None and self._remote_catalog is not None
+        try:
+            remote = self._remote_catalog.list()
+        except FastCkptError as e:
+            log.warning("fastckpt: cannot list the remote tier at %s, so local checkpoints that were never "
+                        "uploaded are not resumed now (Checkpointer.upload(name) sends one): %s",
+                        self._remote_catalog.storage.url, e)
+            return []
+        newest = max((i.step for i in remote), default=None)
+        handles = []
+        for info in self._catalog.list():
+            if newest is not None and info.step <= newest:
+                continue
+            log.warning("fastckpt: checkpoint %r (step %d) is committed under %s but not on the remote tier; "
+                        "uploading it now", info.name, info.step, self.storage.url)
+            handle = SaveHandle(name=info.name, step=info.step, path=info.path,
+                                stats=SaveStats(step=info.step, name=info.name, nbytes=info.nbytes),
+                                _on_error_seen=self._mark_seen, _upload=Future())
+            handle._staged.set()
+            handle._durable.set_result(info)  # committed locally long ago: only the upload is pending
+            self._uploader.submit(info.name, info.path, handle._upload, handle)
             handles.append(handle)
         return handles
 

@@ -3,7 +3,12 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import uuid
 from pathlib import Path
@@ -13,8 +18,10 @@ import torch
 from torch import nn
 
 from fastckpt import CheckpointConfig, Checkpointer, CheckpointInfo, StorageError
-from fastckpt.storage import Storage, open_storage
+from fastckpt.storage import LocalStorage, Storage, open_storage
 from tests.helpers import FaultyStorage, GatedStorage, assert_bit_equal, clone_state
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _state(v: float) -> dict:
@@ -388,3 +395,73 @@ def test_distributed_rank0_uploads_every_ranks_files(tmp_path, s3_root) -> None:
     remote = {"url": s3_root.url, "storage_options": s3_root.storage_options}
     with Checkpointer(CheckpointConfig(root=str(tmp_path / "fresh"), remote=remote)) as ckpt:
         assert_bit_equal(model.state_dict(), ckpt.load(step=7))
+
+
+# ---- 9. uploads a dead process never finished -----------------------------------------------------
+
+_CHILD = textwrap.dedent("""
+    import sys, torch
+    from fastckpt import CheckpointConfig, Checkpointer
+    from fastckpt.storage import LocalStorage
+    from tests.helpers import GatedStorage
+    from tests.test_remote_tier import _state
+    root, remote_dir = sys.argv[1], sys.argv[2]
+    hung = GatedStorage(LocalStorage(remote_dir))  # the network hangs: no upload ever finishes
+    ck = Checkpointer(CheckpointConfig(root=root, persist={"chunk_bytes": 65536}), remote_storage=hung)
+    for step in (1, 2):
+        ck.save(_state(float(step)), step=step).wait()
+    hung.entered.wait()
+    print("COMMITTED", flush=True)
+    sys.stdin.read()  # until killed
+""")
+
+
+def test_uploads_left_by_a_killed_process_resume_in_the_next_one(tmp_path) -> None:
+    root, remote_dir = tmp_path / "local", tmp_path / "remote"
+    remote_dir.mkdir()
+    proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(root), str(remote_dir)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert proc.stdout.readline().strip() == "COMMITTED"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        proc.kill()
+    remote = LocalStorage(str(remote_dir))
+    assert not list(remote_dir.rglob("manifest.json"))  # nothing reached the remote tier
+    cfg = CheckpointConfig(root=str(root), persist={"chunk_bytes": 65536})
+    with Checkpointer(cfg, remote_storage=remote) as ckpt:
+        assert [h.step for h in ckpt.resumed_uploads] == [1, 2]
+        for h in ckpt.resumed_uploads:
+            assert h.wait_uploaded().path == _remote_dir(remote, h.name)
+            _assert_same_copy(root, remote, h.name)
+    shutil.rmtree(root)  # the machine is lost: the remote copies are complete
+    with Checkpointer(cfg, remote_storage=remote) as ckpt:
+        assert ckpt.resumed_uploads == [] and ckpt.latest() == 2
+        assert_bit_equal(_state(2.0), ckpt.load())
+
+
+def test_only_checkpoints_newer_than_the_remote_ones_are_resumed(tmp_path, memory_remote) -> None:
+    cfg = _cfg(tmp_path, {"url": memory_remote, "keep_last": 1})
+    with Checkpointer(cfg) as ckpt:
+        for step in (1, 2):
+            ckpt.save(_state(float(step)), step=step)
+        ckpt.wait()
+    faulty = FaultyStorage(open_storage(memory_remote), fail_on=1)
+    with Checkpointer(cfg, remote_storage=faulty) as ckpt:  # step 3 commits locally, its upload fails
+        ckpt.save(_state(3.0), step=3).wait()
+        with pytest.raises(StorageError, match="step-000000003"):
+            ckpt.wait()
+    faulty.fail_on = 1  # the resumed upload fails too: raised at the next wait, once
+    faulty.writes = 0
+    with Checkpointer(cfg, remote_storage=faulty) as ckpt:
+        # step 1 was pruned remotely by keep_last, not lost: only step 3 is newer than the remote's step 2
+        assert [h.step for h in ckpt.resumed_uploads] == [3]
+        with pytest.raises(StorageError, match="step-000000003"):
+            ckpt.wait()
+        ckpt.wait()
+    with Checkpointer(cfg) as ckpt:
+        assert [h.step for h in ckpt.resumed_uploads] == [3]
+        ckpt.wait()
+    with Checkpointer(CheckpointConfig(root=memory_remote)) as remote_only:
+        assert [i.name for i in remote_only.list()] == ["step-000000003"]  # keep_last=1 there
