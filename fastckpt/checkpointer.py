@@ -115,7 +115,7 @@ class Checkpointer:
                                 stats=SaveStats(step=rec.step, name=rec.name), _on_error_seen=self._mark_seen,
                                 _upload=Future() if self._uploader is not None else None)
             job = Job(handle, rec.plan, slot, [], rec.keys, rec.numpy, rec.tree, rec.objects, rec.dirpath,
-                      time.perf_counter(), uid=rec.uid)
+                      time.perf_counter(), uid=rec.uid, dtensors=rec.dtensors)
             with self._lock:
                 self._pending.append(handle)
             self._pipeline.submit_recovered(job)  # type: ignore[union-attr]
@@ -175,6 +175,13 @@ class Checkpointer:
         except TypeError as e:
             raise StateMismatchError(f"cannot checkpoint this state: {e}") from e
         objects = dumps_objects(flat.objects, self.config.allowed_classes) if flat.objects else None
+        if self._coord is None:
+            for rec in flat.dtensors:
+                if rec.layout.mesh_size > 1:
+                    raise ConfigError(
+                        f"DTensor {rec.key!r} is sharded over {rec.layout.mesh_size} ranks, and this Checkpointer "
+                        "saves alone; construct it with distributed=True on every rank (each then writes its own "
+                        "blocks)")
         lazy_ptrs = self._lazy_ptrs()
         plan = self._planner.plan(flat, lambda t: t.data_ptr() in lazy_ptrs)
         if self._coord is not None:
@@ -188,7 +195,8 @@ class Checkpointer:
             return self._skipped(handle, t0)
         if self._uploader is not None:
             handle._upload = Future()
-        job = Job(handle, plan, slot, flat.tensors, flat.keys, flat.numpy, flat.tree, objects, dirpath, t0)
+        job = Job(handle, plan, slot, flat.tensors, flat.keys, flat.numpy, flat.tree, objects, dirpath, t0,
+                  dtensors=[rec.as_json() for rec in flat.dtensors])
         if self._coord is not None:
             job.uid = self._coord.next_uid()
         if pin:
@@ -239,9 +247,9 @@ class Checkpointer:
         ptrs: set[int] = set()
         for opt in list(self._watched):
             for group in opt.param_groups:
-                ptrs.update(p.data_ptr() for p in group["params"])
+                ptrs.update(_address(p) for p in group["params"])
             for st in opt.state.values():
-                ptrs.update(v.data_ptr() for v in st.values() if isinstance(v, torch.Tensor))
+                ptrs.update(_address(v) for v in st.values() if isinstance(v, torch.Tensor))
         ptrs.discard(0)
         return ptrs
 
@@ -530,6 +538,12 @@ class Checkpointer:
                 self.close()
             except Exception:  # noqa: BLE001 - nothing can be raised from __del__
                 pass
+
+
+def _address(t: torch.Tensor) -> int:
+    """Where ``t``'s data starts; a DTensor's (FSDP2 parameter, its optimizer state) is its local block's."""
+    local = getattr(t, "_local_tensor", None)
+    return (local if isinstance(local, torch.Tensor) else t).data_ptr()
 
 
 def _remaining(deadline: float | None) -> float | None:

@@ -12,8 +12,12 @@ with the model's collectives:
 2. rank 0 writes the metadata and the manifest (the commit) if every rank succeeded;
 3. rank 0 broadcasts the outcome, so every rank's handle resolves the same way.
 
+DTensor blocks (FSDP2, tensor parallelism) are the exception to the balance: each is
+written by the rank that holds it (see ``fastckpt.dtensor``).
+
 Loading reads each file once: its owner reads and verifies it, then broadcasts the
-bytes to the other ranks.
+bytes to the other ranks. Loading into DTensors reads, on each rank, only the
+blocks that overlap its own.
 """
 from __future__ import annotations
 
@@ -82,18 +86,30 @@ class Coordinator:
             raise StateMismatchError(
                 "ranks passed states with different structures to save(); with distributed=True every rank "
                 "must save the same replicated state (per-rank state belongs in a separate checkpoint)")
+        # DTensor blocks are written by the rank that holds them (shards with an owner).
         # Eager tensors (BatchNorm buffers, unwatched state) may differ between ranks; DDP
         # treats rank 0's as the truth (broadcast_buffers), so rank 0 writes all of them.
-        # Only optimizer-managed tensors, identical on every rank, are spread out.
-        eager = [s for s in plan.shards if not s.lazy]
-        lazy = [s for s in plan.shards if s.lazy]
+        # Only optimizer-managed replicated tensors, identical on every rank, are spread out.
+        fixed = [s for s in plan.shards if s.owner >= 0]
+        eager = [s for s in plan.shards if not s.lazy and s.owner < 0]
+        lazy = [s for s in plan.shards if s.lazy and s.owner < 0]
+        mine = {s.index for s in fixed if self._group_rank(s.owner) == self.rank}
         owners = balance([sum(s.nbytes for s in eager)] + [s.nbytes for s in lazy], self.world)
         rank0 = owners[0]  # the ranks are symmetric: relabel so the eager bundle lands on rank 0
         relabel = {rank0: 0, 0: rank0}
-        mine = {s.index for s in eager} if self.rank == 0 else set()
+        mine |= {s.index for s in eager} if self.rank == 0 else set()
         mine |= {s.index for s, r in zip(lazy, owners[1:]) if relabel.get(r, r) == self.rank}
         plan.owned = mine
         self._checked.add(plan.plan_id)
+
+    def _group_rank(self, global_rank: int) -> int:
+        """The rank in this Checkpointer's group of a DTensor block's owner."""
+        try:
+            return dist.get_group_rank(self.group, global_rank)
+        except ValueError as e:
+            raise ConfigError(f"a DTensor block is held by rank {global_rank}, which is not in this Checkpointer's "
+                              "process group; construct the Checkpointer over a group that spans the DTensor's "
+                              "mesh") from e
 
     # ---- commit protocol (committer thread) --------------------------------------------
 

@@ -8,7 +8,9 @@ A checkpoint is a directory ``<root>/<name>/`` holding:
 * ``meta.<uid>.json``: the tree (structure and plain leaves) and the tensor table;
 * ``objects.<uid>.pt``: optional, non-plain leaves for torch's weights_only loader;
 * ``manifest.json``: written last; lists every file with its size and CRC32C. Its
-  presence is the commit.
+  presence is the commit. Version 2 marks a checkpoint holding DTensor blocks
+  (``dtensors`` in the meta file), which a version-1 reader must not load as
+  plain tensors; every other checkpoint is version 1.
 
 File names carry a per-save ``uid`` so that re-saving under the same name never
 overwrites bytes the current manifest still points to.
@@ -40,7 +42,8 @@ __all__ = [
 ]
 
 FORMAT = "fastckpt"
-VERSION = 1
+VERSION = 2  # the newest this code writes and reads
+VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 ALIGN = 4096
 
@@ -80,11 +83,11 @@ def shard_header(shard: Shard, step: int, keys: list[str]) -> bytes:
 
 
 def build_manifest(name: str, step: int, files: list[FileRecord], meta_file: str, nbytes: int,
-                   user: dict[str, Any] | None = None) -> bytes:
+                   user: dict[str, Any] | None = None, version: int = 1) -> bytes:
     """The manifest JSON. ``files`` must list every file of the checkpoint, meta included."""
     doc = {
         "format": FORMAT,
-        "version": VERSION,
+        "version": version,
         "name": name,
         "step": step,
         "created": time.time(),
@@ -104,8 +107,9 @@ def parse_manifest(data: bytes, source: str) -> dict[str, Any]:
         raise IntegrityError(f"{source}: manifest is not valid JSON ({e}); the file is corrupt or foreign") from e
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise IntegrityError(f"{source}: not a fastckpt manifest (format field is {doc.get('format') if isinstance(doc, dict) else None!r})")
-    if doc.get("version") != VERSION:
-        raise IntegrityError(f"{source}: manifest version {doc.get('version')!r} is not supported (this fastckpt reads {VERSION}); upgrade fastckpt")
+    if doc.get("version") not in VERSIONS:
+        raise IntegrityError(f"{source}: manifest version {doc.get('version')!r} is not supported (this fastckpt "
+                             f"reads {', '.join(map(str, VERSIONS))}); upgrade fastckpt")
     for field in ("name", "step", "meta", "files"):
         if field not in doc:
             raise IntegrityError(f"{source}: manifest lacks the {field!r} field")

@@ -3,15 +3,22 @@
 Every file is checked against the manifest (size, then CRC32C) before a byte of
 it is used. A CRC mismatch is localised with the per-tensor checksums so the
 error names the tensor as well as the file.
+
+A DTensor was saved as blocks (``fastckpt.dtensor``): ``load`` puts them together
+into one full tensor; ``load_into`` copies into each target the regions of the
+blocks that overlap it, so a target DTensor of any mesh or placement gets its own
+block (resharding), and on each rank only the files holding such blocks are read.
 """
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch
 
+from . import dtensor as dt
 from .checksum import crc32c
 from .codec import decode_tree, loads_objects
 from .errors import CheckpointNotFoundError, IntegrityError, StateMismatchError
@@ -22,6 +29,17 @@ from .storage import Storage
 __all__ = ["CheckpointReader", "load_checkpoint", "is_checkpoint"]
 
 _OWN_STORAGE_BELOW = 1 << 20  # bytes; see _materialize
+
+
+@dataclass
+class _DTensor:
+    """A saved DTensor: its global shape and the table entries of its blocks, with their offsets."""
+
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    entries: list[int]
+    offsets: list[tuple[int, ...]]
 
 
 @dataclass
@@ -78,6 +96,30 @@ class CheckpointReader:
         for e in self.entries:
             if e.file not in self.manifest["files"]:
                 raise IntegrityError(f"{meta_name}: tensor {e.key!r} points at {e.file!r}, which the manifest does not list")
+        self.dtensors = self._parse_dtensors(storage.join(dirpath, meta_name))
+        self._blocks = {i for d in self.dtensors for i in d.entries}
+
+    def _parse_dtensors(self, source: str) -> list[_DTensor]:
+        """The DTensor records, checked: blocks in bounds, of the right dtype, covering the tensor exactly."""
+        out = []
+        try:
+            for rec in self.meta.get("dtensors") or []:
+                d = _DTensor(rec["key"], _dtype(rec["dtype"], source), tuple(rec["shape"]), [int(i) for i in rec["entries"]],
+                             [tuple(int(o) for o in off) for off in rec["offsets"]])
+                covered = 0
+                for i, off in zip(d.entries, d.offsets, strict=True):
+                    e = self.entries[i]
+                    if e.dtype != d.dtype or len(off) != len(d.shape) or any(
+                            o < 0 or o + n > full for o, n, full in zip(off, e.shape, d.shape)):
+                        raise ValueError(f"block {e.key!r} ({e.dtype}, {list(e.shape)} at {list(off)}) does not fit "
+                                         f"{d.dtype} {list(d.shape)}")
+                    covered += _numel(e.shape)
+                if covered != _numel(d.shape):
+                    raise ValueError(f"its blocks hold {covered} of its {_numel(d.shape)} elements")
+                out.append(d)
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            raise IntegrityError(f"{source}: malformed DTensor record ({e}); the file is corrupt or foreign") from e
+        return out
 
     # ---- files -------------------------------------------------------------------
 
@@ -147,26 +189,35 @@ class CheckpointReader:
             files.setdefault(e.file, []).append(e)
         return files
 
-    def _for_each_file(self, fn: Callable[[torch.Tensor, list[_Entry]], None]) -> None:
-        """Read (and verify) every shard file, then hand its buffer and entries to ``fn``."""
+    def _for_each_file(self, fn: Callable[[torch.Tensor, list[_Entry]], None],
+                       private: set[str] | None = None) -> None:
+        """Read (and verify) shard files, then hand each buffer and its entries to ``fn``.
+
+        Every file by default (collectively, when distributed). With ``private``, files of DTensor
+        blocks are read only if named there, by this rank alone (each rank needs other blocks).
+        """
         files = self._by_file()
+        shared = sorted(files)
+        if private is not None:
+            shared = [n for n in shared if not any(e.index in self._blocks for e in files[n])]
         if self.coord is not None:
-            names = sorted(files)
-            sizes = [int(self.manifest["files"][n]["size"]) for n in names]
-            buffers = self.coord.share_files(names, sizes, self._read_file)
-            for name in names:
+            sizes = [int(self.manifest["files"][n]["size"]) for n in shared]
+            buffers = self.coord.share_files(shared, sizes, self._read_file)
+            for name in shared:
                 fn(buffers[name], files[name])
-            return
+            local = sorted(private or ())
+        else:
+            local = sorted(set(shared) | (private or set()))
 
         def one(name: str) -> None:
             fn(self._read_file(name), files[name])
 
-        if self.workers <= 1 or len(files) <= 1:
-            for name in files:
+        if self.workers <= 1 or len(local) <= 1:
+            for name in local:
                 one(name)
             return
-        with ThreadPoolExecutor(min(self.workers, len(files)), thread_name_prefix="fastckpt-load") as pool:
-            for f in [pool.submit(one, n) for n in files]:
+        with ThreadPoolExecutor(min(self.workers, len(local)), thread_name_prefix="fastckpt-load") as pool:
+            for f in [pool.submit(one, n) for n in local]:
                 f.result()
 
     # ---- public ------------------------------------------------------------------
@@ -184,6 +235,12 @@ class CheckpointReader:
         for e in self.entries:
             if e.nbytes == 0:
                 tensors[e.index] = self._materialize(None, e, map_location)
+        for d in self.dtensors:  # the tree refers to a DTensor by its first block: put the whole there
+            blocks = [tensors[i] for i in d.entries]
+            full = torch.empty(d.shape, dtype=d.dtype, device=blocks[0].device)
+            for block, off in zip(blocks, d.offsets):
+                full[_region(off, block.shape)] = block
+            tensors[d.entries[0]] = full
         return decode_tree(self.meta["tree"], tensors, objects)
 
     def _materialize(self, buf: torch.Tensor | None, e: _Entry, map_location: Any) -> Any:
@@ -213,39 +270,84 @@ class CheckpointReader:
         from .plan import flatten
 
         flat = flatten(target)
-        wanted = dict(zip(flat.keys, flat.tensors))
-        by_key = {e.key: e for e in self.entries}
-        missing = [k for k in wanted if k not in by_key]
+        block_keys = {flat.keys[i] for rec in flat.dtensors for i in rec.entries}
+        wanted: dict[str, Any] = {k: t for k, t in zip(flat.keys, flat.tensors) if k not in block_keys}
+        wanted.update((rec.key, rec.tensor) for rec in flat.dtensors)  # DTensor targets, by their own key
+        saved: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {
+            e.key: (e.dtype, e.shape) for e in self.entries if e.index not in self._blocks}
+        saved.update((d.key, (d.dtype, d.shape)) for d in self.dtensors)
+        missing = [k for k in wanted if k not in saved]
         if missing:
             raise StateMismatchError(
                 f"{self.dirpath}: target tensor(s) {missing[:5]} are not in the checkpoint; the model/optimizer "
                 "structure differs from the saved one")
         for key, t in wanted.items():
-            e = by_key[key]
-            if tuple(t.shape) != e.shape or t.dtype != e.dtype:
+            dtype, shape = saved[key]
+            if tuple(t.shape) != shape or t.dtype != dtype:
                 raise StateMismatchError(
-                    f"{self.dirpath}: tensor {key!r} is {e.dtype} {list(e.shape)} in the checkpoint but "
+                    f"{self.dirpath}: tensor {key!r} is {dtype} {list(shape)} in the checkpoint but "
                     f"{t.dtype} {list(t.shape)} in the target")
+        # Where each saved tensor goes: (target, region of the target's own data it covers, in global offsets).
+        # A plain saved tensor is one block at offset 0; a DTensor target holds only its local block.
+        regions = {key: dt.local_region(t) for key, t in wanted.items()}
+        place: dict[int, tuple[str, tuple[int, ...]]] = {}
+        for e in self.entries:
+            if e.index not in self._blocks:
+                place[e.index] = (e.key, (0,) * len(e.shape))
+        for d in self.dtensors:
+            for i, off in zip(d.entries, d.offsets):
+                place[i] = (d.key, off)
+        private = {self.entries[i].file for d in self.dtensors for i, off in zip(d.entries, d.offsets)
+                   if d.key not in wanted or dt.overlap(off, self.entries[i].shape, *regions[d.key]) is not None}
         objects = self._objects()
         out: list[Any] = [None] * len(self.entries)
+        fresh: dict[str, torch.Tensor] = {}  # DTensors the target lacks: loaded whole
 
         def read(buf: torch.Tensor, entries: list[_Entry]) -> None:
             for e in entries:
                 src = self._materialize(buf, e, None)
-                dst = wanted.get(e.key)
+                key, off = place[e.index]
+                dst = wanted.get(key)
                 if dst is None:
-                    out[e.index] = src
+                    if e.index in self._blocks:
+                        d = next(d for d in self.dtensors if d.key == key)
+                        with self._fresh_lock:
+                            full = fresh.setdefault(key, torch.empty(d.shape, dtype=d.dtype))
+                        full[_region(off, e.shape)] = src
+                    else:
+                        out[e.index] = src
                     continue
-                with torch.no_grad():
-                    dst.copy_(torch.from_numpy(src) if e.numpy else src)
-                out[e.index] = dst.numpy() if e.numpy else dst
+                if e.numpy:
+                    src = torch.from_numpy(src)
+                local = dst._local_tensor if dt.is_dtensor(dst) else dst
+                hit = dt.overlap(off, e.shape, *regions[key])
+                if hit is not None:
+                    with torch.no_grad():
+                        local[hit[1]].copy_(src[hit[0]])
 
-        self._for_each_file(read)
+        self._fresh_lock = threading.Lock()
+        self._for_each_file(read, private if self.dtensors else None)
         for e in self.entries:
-            if out[e.index] is None:  # zero-size tensors live in no file
-                dst = wanted.get(e.key)
-                out[e.index] = dst if dst is not None else self._materialize(None, e, None)
+            key, _ = place[e.index]
+            if key in wanted:
+                dst = wanted[key]
+                out[e.index] = dst.numpy() if e.numpy else dst
+            elif out[e.index] is None and e.index not in self._blocks:  # zero-size tensors live in no file
+                out[e.index] = self._materialize(None, e, None)
+        for key, full in fresh.items():
+            out[next(d for d in self.dtensors if d.key == key).entries[0]] = full
         return decode_tree(self.meta["tree"], out, objects)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _region(offsets: tuple[int, ...], shape: Any) -> tuple[slice, ...]:
+    return tuple(slice(o, o + n) for o, n in zip(offsets, shape))
 
 
 def _map(t: torch.Tensor, map_location: Any) -> torch.Tensor:

@@ -71,6 +71,7 @@ class Job:
     error: BaseException | None = None
     reported: bool = False  # the error was already raised from save() itself
     shard_events: dict[int, Any] = field(default_factory=dict)
+    dtensors: list[dict[str, Any]] = field(default_factory=list)  # DTensorRecord.as_json() of each DTensor leaf
 
 
 class Pipeline:
@@ -304,14 +305,18 @@ class Pipeline:
             obj_name = f"objects.{job.uid}.pt"
             st.write_file(st.join(job.dirpath, obj_name), [memoryview(job.objects)])
             files.append(FileRecord(obj_name, len(job.objects), crc32c(job.objects)))
-        meta = json.dumps({"tree": job.tree, "tensors": table,
-                           "objects": f"objects.{job.uid}.pt" if job.objects is not None else None}).encode()
+        doc: dict[str, Any] = {"tree": job.tree, "tensors": table,
+                               "objects": f"objects.{job.uid}.pt" if job.objects is not None else None}
+        if job.dtensors:
+            doc["dtensors"] = job.dtensors
+        meta = json.dumps(doc).encode()
         meta_name = f"meta.{job.uid}.json"
         st.write_file(st.join(job.dirpath, meta_name), [memoryview(meta)])
         files.append(FileRecord(meta_name, len(meta), crc32c(meta)))
         old = self._old_files(job.dirpath)
         nbytes = sum(f.size for f in files)
-        manifest = build_manifest(job.handle.name, job.handle.step, files, meta_name, nbytes)
+        manifest = build_manifest(job.handle.name, job.handle.step, files, meta_name, nbytes,
+                                  version=2 if job.dtensors else 1)
         st.write_atomic(st.join(job.dirpath, MANIFEST), manifest)  # <- the commit point
         job.handle.stats.nbytes = nbytes
         for name in old - {f.name for f in files}:  # bytes of the checkpoint this one replaced

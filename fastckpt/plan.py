@@ -1,9 +1,13 @@
 """Flatten a nested state into a tensor table and a JSON tree, and plan its file layout.
 
 The plan (which tensor goes to which shard file at which offset) depends only on
-the tensors' names, dtypes, shapes and copy class, so it is cached: a training
-loop that saves the same structure every N steps plans once and reuses the host
-buffers that belong to the plan.
+the tensors' dtypes, shapes, copy class and owning rank, so it is cached: a
+training loop that saves the same structure every N steps plans once and reuses
+the host buffers that belong to the plan.
+
+A DTensor leaf becomes one table entry per block of its mesh (``fastckpt.dtensor``),
+every rank's blocks included, so all ranks plan alike; blocks of other ranks are
+``meta`` tensors here (shape and dtype only) and are staged and written by their owner.
 """
 from __future__ import annotations
 
@@ -14,9 +18,10 @@ from typing import Any, Callable
 
 import torch
 
+from . import dtensor as dt
 from .codec import encode_tree
 
-__all__ = ["TensorEntry", "Shard", "Plan", "FlatState", "flatten", "Planner", "st_dtype"]
+__all__ = ["TensorEntry", "Shard", "Plan", "FlatState", "DTensorRecord", "flatten", "Planner", "st_dtype"]
 
 # safetensors dtype names; dtypes safetensors cannot name are stored as raw U8 bytes
 # with the real dtype kept in fastckpt's metadata, so plain readers still see bytes.
@@ -45,6 +50,7 @@ class TensorEntry:
     lazy: bool
     shard: int = -1
     offset: int = 0
+    owner: int = -1  # global rank that writes it (DTensor blocks); -1: shared out by the Coordinator
 
 
 @dataclass(slots=True)
@@ -55,6 +61,7 @@ class Shard:
     entries: list[TensorEntry] = field(default_factory=list)
     nbytes: int = 0
     lazy: bool = False
+    owner: int = -1
 
 
 @dataclass(slots=True)
@@ -74,6 +81,22 @@ class Plan:
 
 
 @dataclass(slots=True)
+class DTensorRecord:
+    """A DTensor leaf: its table entries (one per block) and where each block sits in the global tensor."""
+
+    key: str
+    layout: dt.Layout
+    entries: list[int]  # table indices, in layout.chunks order; the tree refers to entries[0]
+    mesh_ranks: list[int]
+    tensor: Any = None  # the DTensor itself (load_into's target); never serialized
+
+    def as_json(self) -> dict[str, Any]:
+        return {"key": self.key, "dtype": str(self.layout.dtype).removeprefix("torch."),
+                "shape": list(self.layout.shape), "entries": self.entries,
+                "offsets": [list(c.offsets) for c in self.layout.chunks]}
+
+
+@dataclass(slots=True)
 class FlatState:
     """What ``flatten`` returns: unique tensors in table order, the JSON tree, pickled-object leaves."""
 
@@ -82,6 +105,9 @@ class FlatState:
     keys: list[str]
     numpy: list[bool]
     objects: list[Any]
+    owners: list[int] = field(default_factory=list)  # per entry; -1 unless a DTensor block
+    lazy_src: list[torch.Tensor] = field(default_factory=list)  # what decides the copy class (a block: its local tensor)
+    dtensors: list[DTensorRecord] = field(default_factory=list)
 
 
 def _key(path: tuple) -> str:
@@ -90,14 +116,27 @@ def _key(path: tuple) -> str:
 
 def flatten(state: Any) -> FlatState:
     """Walk ``state`` once; identical tensor views (tied weights) get one table entry."""
-    tensors: list[torch.Tensor] = []
-    keys: list[str] = []
-    numpy: list[bool] = []
+    flat = FlatState(tree=None, tensors=[], keys=[], numpy=[], objects=[])
     seen: dict[tuple, int] = {}
     used: set[str] = set()
-    objects: list[Any] = []
+
+    def unique(key: str) -> str:
+        while key in used:  # keys from different containers may print alike
+            key += "#"
+        used.add(key)
+        return key
+
+    def add(t: torch.Tensor, key: str, is_numpy: bool, owner: int = -1, lazy_src: torch.Tensor | None = None) -> int:
+        flat.tensors.append(t)
+        flat.keys.append(key)
+        flat.numpy.append(is_numpy)
+        flat.owners.append(owner)
+        flat.lazy_src.append(t if lazy_src is None else lazy_src)
+        return len(flat.tensors) - 1
 
     def on_tensor(path: tuple, t: torch.Tensor, is_numpy: bool) -> int:
+        if dt.is_dtensor(t):
+            return on_dtensor(path, t)
         if t.layout is not torch.strided:
             raise TypeError(f"tensor at {_key(path)!r} has layout {t.layout}; only strided tensors are supported")
         ident = None
@@ -106,35 +145,61 @@ def flatten(state: Any) -> FlatState:
             ident = (ptr, t.shape, t.stride(), t.dtype, t.is_cuda)
             if ident in seen:
                 return seen[ident]
-        key = _key(path)
-        while key in used:  # keys from different containers may print alike
-            key += "#"
-        used.add(key)
-        tensors.append(t)
-        keys.append(key)
-        numpy.append(is_numpy)
+        index = add(t, unique(_key(path)), is_numpy)
         if ident is not None:
-            seen[ident] = len(tensors) - 1
-        return len(tensors) - 1
+            seen[ident] = index
+        return index
 
-    tree = encode_tree(state, on_tensor, objects)
-    return FlatState(tree=tree, tensors=tensors, keys=keys, numpy=numpy, objects=objects)
+    def on_dtensor(path: tuple, t: Any) -> int:
+        local = t._local_tensor
+        ident = ("dtensor", local.data_ptr(), tuple(t.shape), t.dtype, tuple(t.placements), id(t.device_mesh))
+        if local.data_ptr() and ident in seen:  # a tied DTensor
+            return seen[ident]
+        key = unique(_key(path))
+        layout = dt.layout_of(t, key)
+        me = _global_rank()
+        record = DTensorRecord(key, layout, [], [int(r) for r in t.device_mesh.mesh.flatten().tolist()], t)
+        for chunk in layout.chunks:
+            if chunk.owner == me:
+                if tuple(local.shape) != chunk.shape:
+                    raise TypeError(f"DTensor {key!r}: the local tensor is {list(local.shape)}, but its placements "
+                                    f"give this rank a block of {list(chunk.shape)}")
+                block = local
+            else:  # another rank writes it: shape and dtype only
+                block = torch.empty(chunk.shape, dtype=t.dtype, device="meta")
+            where = ",".join(map(str, chunk.offsets))
+            record.entries.append(add(block, f"{key}#dtensor@{where}", False, chunk.owner, local))
+        flat.dtensors.append(record)
+        seen[ident] = record.entries[0]
+        return record.entries[0]
+
+    flat.tree = encode_tree(state, on_tensor, flat.objects)
+    return flat
+
+
+def _global_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _build_plan(key: tuple, entries: list[TensorEntry], chunk_bytes: int) -> Plan:
     # Eager tensors go first so that save() fills the leading shards and the copy
     # thread owns whole trailing shards; within a shard, wider dtypes first keeps
     # every offset aligned to its element size with no holes (safetensors forbids holes).
-    order = sorted(entries, key=lambda e: (e.lazy, e.index))
+    # DTensor blocks are grouped by the rank that writes them: a shard file has one writer.
+    order = sorted(entries, key=lambda e: (e.lazy, e.owner, e.index))
     shards: list[Shard] = []
     current = Shard(index=0)
     for e in order:
-        if current.entries and (current.nbytes + e.nbytes > chunk_bytes or current.lazy != e.lazy):
+        if current.entries and (current.nbytes + e.nbytes > chunk_bytes or current.lazy != e.lazy
+                                or current.owner != e.owner):
             shards.append(current)
             current = Shard(index=len(shards))
         current.entries.append(e)
         current.nbytes += e.nbytes
         current.lazy = e.lazy
+        current.owner = e.owner
     if current.entries:
         shards.append(current)
     placed: list[TensorEntry | None] = [None] * len(entries)
@@ -142,7 +207,7 @@ def _build_plan(key: tuple, entries: list[TensorEntry], chunk_bytes: int) -> Pla
         offset = 0
         laid = []
         for e in sorted(shard.entries, key=lambda e: (-e.dtype.itemsize, e.index)):
-            p = TensorEntry(e.index, e.dtype, e.shape, e.nbytes, e.lazy, shard.index, offset)
+            p = TensorEntry(e.index, e.dtype, e.shape, e.nbytes, e.lazy, shard.index, offset, e.owner)
             placed[e.index] = p
             laid.append(p)
             offset += e.nbytes
@@ -162,18 +227,18 @@ class Planner:
 
     def plan(self, flat: FlatState, is_lazy: Callable[[torch.Tensor], bool]) -> Plan:
         """Return the cached plan for this structure, building it on the first sight."""
-        lazy = [(not n) and is_lazy(t) for t, n in zip(flat.tensors, flat.numpy)]
+        lazy = [(not n) and is_lazy(src) for src, n in zip(flat.lazy_src, flat.numpy)]
         # Names are not part of the key: a state whose keys change every save (Lightning's
         # best_k_models is keyed by file path) still reuses one plan and one set of buffers.
-        key = tuple((t.dtype, tuple(t.shape), lz) for t, lz in zip(flat.tensors, lazy))
+        key = tuple((t.dtype, tuple(t.shape), lz, o) for t, lz, o in zip(flat.tensors, lazy, flat.owners))
         with self._lock:
             plan = self._cache.get(key)
             if plan is not None:
                 self._cache.move_to_end(key)
                 return plan
             entries = [
-                TensorEntry(i, t.dtype, tuple(t.shape), t.numel() * t.element_size(), lz)
-                for i, (t, lz) in enumerate(zip(flat.tensors, lazy))
+                TensorEntry(i, t.dtype, tuple(t.shape), t.numel() * t.element_size(), lz, owner=o)
+                for i, (t, lz, o) in enumerate(zip(flat.tensors, lazy, flat.owners))
             ]
             plan = _build_plan(key, entries, self._chunk_bytes)
             self.plans_built += 1

@@ -45,6 +45,7 @@ class StagedRecord:
     keys: list[str]
     numpy: list[bool]
     plan: Plan
+    dtensors: list[dict[str, Any]]
 
 
 def _alive(pid: int) -> bool:
@@ -96,6 +97,7 @@ class ShmTier:
             "entries": [[str(e.dtype).removeprefix("torch."), list(e.shape), e.nbytes, e.lazy, e.shard, e.offset]
                         for e in plan.entries],
             "shards": [[s.index, s.nbytes, s.lazy] for s in plan.shards],
+            "dtensors": job.dtensors,
         }
         tmp = os.path.join(slot_dir, RECORD + ".tmp")
         with open(tmp, "w") as f:
@@ -145,4 +147,4 @@ def _parse(path: str, doc: dict[str, Any]) -> StagedRecord:
     plan = Plan(key=("recovered", path), entries=entries, shards=shards, total_bytes=sum(s.nbytes for s in shards))
     objects = base64.b64decode(doc["objects"]) if doc["objects"] is not None else None
     return StagedRecord(path, doc["name"], int(doc["step"]), doc["uid"], doc["dirpath"], doc["tree"], objects,
-                        list(doc["keys"]), list(doc["numpy"]), plan)
+                        list(doc["keys"]), list(doc["numpy"]), plan, list(doc.get("dtensors") or []))

@@ -1,0 +1,113 @@
+"""DTensor geometry: which rank holds which block of a sharded tensor.
+
+A ``DTensor`` (FSDP2's parameters and optimizer state, tensor parallelism) is
+saved as the blocks ("chunks") its ranks hold, each written once, by the lowest
+rank that holds it (replicas on ``Replicate`` mesh dims are not written twice).
+Every rank computes the layout of *every* rank from the global shape, the mesh
+and the placements alone, so all ranks build the same plan with no
+communication, and a reader can put any block anywhere: loading reassembles
+full tensors, or copies just the overlapping regions into DTensors of another
+mesh or placement (resharding).
+
+``Partial`` placements (pending reductions) hold no block of the tensor, and
+``_StridedShard`` (FSDP over tensor parallelism) interleaves blocks in a way
+this layout does not describe: both are refused with an error saying what to do.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .errors import StateMismatchError
+
+__all__ = ["Chunk", "Layout", "is_dtensor", "layout_of", "local_region", "overlap"]
+
+try:
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+except ImportError:  # pragma: no cover - torch built without distributed
+    DTensor = None  # type: ignore[assignment,misc]
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One block of a global tensor: where it starts, its shape, and the rank that writes it."""
+
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    owner: int  # global rank
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """How one DTensor is split over its mesh."""
+
+    shape: tuple[int, ...]  # global
+    dtype: torch.dtype
+    chunks: tuple[Chunk, ...]  # distinct blocks, in mesh order
+    mesh_size: int
+
+
+def is_dtensor(t: Any) -> bool:
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def _check_placements(t: Any, key: str) -> None:
+    for p in t.placements:
+        if isinstance(p, Partial):
+            raise StateMismatchError(
+                f"DTensor {key!r} has a Partial placement (a pending reduction), which holds no block of the "
+                f"tensor; call .redistribute(placements=[Replicate()]) or .full_tensor() on it before saving")
+        if not (isinstance(p, Replicate) or type(p) is Shard):  # _StridedShard subclasses Shard
+            raise StateMismatchError(
+                f"DTensor {key!r} has placement {p!r}; fastckpt saves Shard(dim) and Replicate() placements "
+                f"(FSDP2 and 1-D/2-D sharding). For FSDP over tensor parallelism (_StridedShard), save "
+                f".full_tensor() or redistribute to plain Shard placements first")
+
+
+def layout_of(t: Any, key: str) -> Layout:
+    """The chunks of every rank of ``t``'s mesh (the same on every rank)."""
+    _check_placements(t, key)
+    mesh = t.device_mesh
+    ranks = mesh.mesh  # global rank at each mesh coordinate
+    shape = tuple(t.shape)
+    chunks: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
+    for coord in itertools.product(*(range(n) for n in ranks.shape)):
+        local_shape, offsets = _compute_local_shape_and_global_offset(shape, tuple(ranks.shape), list(coord),
+                                                                      t.placements)
+        block = (tuple(int(o) for o in offsets), tuple(int(s) for s in local_shape))
+        rank = int(ranks[coord])
+        if block not in chunks or rank < chunks[block]:
+            chunks[block] = rank  # replicas: the lowest rank writes
+    ordered = tuple(Chunk(offsets=o, shape=s, owner=r) for (o, s), r in chunks.items())
+    return Layout(shape=shape, dtype=t.dtype, chunks=ordered, mesh_size=int(ranks.numel()))
+
+
+def local_region(t: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(offsets, shape) of the block of ``t`` this rank holds; a plain tensor holds all of itself."""
+    if not is_dtensor(t):
+        return (0,) * t.dim(), tuple(t.shape)
+    _check_placements(t, "target")
+    coord = t.device_mesh.get_coordinate()
+    if coord is None:
+        raise StateMismatchError("load_into: a target DTensor's mesh does not include this rank")
+    shape, offsets = _compute_local_shape_and_global_offset(tuple(t.shape), tuple(t.device_mesh.mesh.shape),
+                                                            list(coord), t.placements)
+    return tuple(int(o) for o in offsets), tuple(int(s) for s in shape)
+
+
+def overlap(a_off: tuple[int, ...], a_shape: tuple[int, ...], b_off: tuple[int, ...],
+            b_shape: tuple[int, ...]) -> tuple[tuple[slice, ...], tuple[slice, ...]] | None:
+    """Slices into block a and block b selecting their common region, or None if they do not meet."""
+    sa, sb = [], []
+    for ao, an, bo, bn in zip(a_off, a_shape, b_off, b_shape):
+        lo, hi = max(ao, bo), min(ao + an, bo + bn)
+        if lo >= hi:
+            return None
+        sa.append(slice(lo - ao, hi - ao))
+        sb.append(slice(lo - bo, hi - bo))
+    return tuple(sa), tuple(sb)
