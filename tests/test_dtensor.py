@@ -105,6 +105,13 @@ def _fsdp_save_and_reshard(rank: int, world: int, root: str, out: str) -> None:
         assert_bit_equal(ref["model"], _full(model.state_dict()))
         assert_bit_equal(ref["optim"]["state"], _full(opt.state_dict()["state"]))
 
+        # a replicated DTensor (HSDP's replica dim) is one block, written once by rank 0
+        rep = distribute_tensor(torch.arange(6.0), mesh, [Replicate()])
+        ckpt.save({"r": rep}, step=3).wait()
+        reader = ckpt.reader(step=3)
+        assert [d.offsets for d in reader.dtensors] == [[(0,)]] and len(reader.entries) == 1
+        assert torch.equal(ckpt.load(step=3)["r"], torch.arange(6.0))
+
         with pytest.raises(StateMismatchError, match="Partial"):
             ckpt.save({"p": DTensor.from_local(torch.ones(4), mesh, [Partial()])}, step=9)
     with Checkpointer(cfg) as alone, pytest.raises(ConfigError, match="distributed=True"):
