@@ -345,6 +345,9 @@ def markdown(results: dict[str, Any], s: dict[str, Any], chart_rel: str) -> str:
         "",
         "```bash",
         "pip install torch==2.13.0 && pip install -e '.[bench]'   # CPU torch first; then lightning, accelerate, matplotlib, psutil",
+        "# the other peers; --no-deps: their declared requirements would replace the CPU torch wheel",
+        "pip install --no-deps torchsnapshot-nightly==2024.7.26 dlrover==0.6.1 bytecheckpoint==0.0.2 aiofiles \\",
+        "    nest_asyncio pyre-extensions typing-inspect mypy-extensions 'importlib_metadata<8' zipp",
         f"{meta.get('command', 'python -m benchmarks.run')}",
         "```",
         "",
@@ -548,6 +551,15 @@ def markdown(results: dict[str, Any], s: dict[str, Any], chart_rel: str) -> str:
         "use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=False))`: the staging future is "
         "awaited right before `optimizer.step()`, the previous upload before the next save. DCP runs without a "
         "process group (`no_dist=True`): torch 2.13's `async_save` does not need `init_process_group`. "
+        "torchsnapshot (`torchsnapshot-nightly` 2024.7.26) `Snapshot.async_take` stages synchronously in the call "
+        "and writes on its own event loop; the previous snapshot is awaited before the next one; a one-rank gloo "
+        "group serves its store. DLRover Flash Checkpoint (0.6.1) `DdpCheckpointer.save_checkpoint(..., "
+        "StorageType.DISK)` copies into shared memory in the call and persists in its saver process (started "
+        "in-process outside `dlrover-run`); flush = its tracker file names the step, polled every 10 ms (its "
+        "`wait_latest_checkpoint` sleeps 3 s between polls); it never persists step 0, so its steps are shifted "
+        "by one. ByteCheckpoint (0.0.2) `bytecheckpoint.save(..., framework=\"ddp\", fast_saving=True)` takes the "
+        "model and optimizer objects and stages in the call; flush = its completion callback; one-rank gloo "
+        "group. DataStates-LLM is not on PyPI and is not measured. "
         "fastckpt: `ckpt.watch(optimizer)` (lazy mode, default config: 2 slots, 2 I/O workers, O_DIRECT, fsync); "
         "no wait in the loop; its optimizer pre-hook waits for staging.",
         "- **save() blocks**: wall time of the save call alone (state dicts built before it), median over the "

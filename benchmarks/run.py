@@ -132,6 +132,11 @@ def run_all(plan: Plan, workdir: Path, isolate: bool, sections: tuple[str, ...],
     if "core" in sections:
         results["core"] = {}
         for name in peer_names:
+            missing = peers.PEERS[name].missing()
+            if missing is not None:
+                log(f"core loop: {name}: skipped, {missing}")
+                results["core"][name] = {"ok": False, "skipped": True, "error": missing}
+                continue
             results["core"][name] = run(f"core loop: {name}", "core",
                                         dict(peer=name, shape=shape, root=ck, warmup=plan.warmup,
                                              every=plan.every, n_ckpt=plan.n_ckpt, base_steps=plan.base_steps))

@@ -38,6 +38,9 @@ def test_quick_benchmark_run_writes_report(tmp_path: Path) -> None:
     # The harness itself must work for every peer; the integrations under development may report
     # "n/a (error: ...)" instead, which the report must then show.
     for name, r in res["core"].items():
+        if r.get("skipped"):  # an optional peer that is not installed here: the report says how to install it
+            assert "not installed" in r["error"] or "fresh process" in r["error"], r["error"]
+            continue
         assert r["ok"], (name, r.get("error"))
     assert res["io"]["ok"], res["io"].get("error")
     assert res["rss"]["ok"], res["rss"].get("error")
