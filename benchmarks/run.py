@@ -181,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.from_json:
         results = json.loads(Path(args.from_json).read_text())
         out = Path(args.out) if args.out else REPO / "BENCHMARKS.md"
-        chart = Path(args.chart) if args.chart else REPO / "benchmarks" / "results.png"
+        chart_default = REPO / "benchmarks" / "results.png" if args.out is None else out.with_suffix(".png")
+        chart = Path(args.chart) if args.chart else chart_default
         summary = report.summarize(results)
         report.chart(summary, chart)
         out.write_text(report.markdown(results, summary, chart_rel=os.path.relpath(chart, out.parent)))
