@@ -227,6 +227,73 @@ class Trainer:
         return wl.make_state(self.model, self.opt, step)
 
 
+def zeroed_like(obj: Any) -> Any:
+    """Same structure as ``obj`` with every tensor replaced by zeros (a template for in-place loaders)."""
+    if isinstance(obj, torch.Tensor):
+        return torch.zeros_like(obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, zeroed_like(v)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(zeroed_like(v) for v in obj)
+    return obj
+
+
+def first_difference(want: Any, got: Any, path: str = "") -> str | None:
+    """None if ``got`` equals ``want`` bit for bit (tensors: dtype, shape, bytes), else where it differs."""
+    if isinstance(want, torch.Tensor):
+        if not isinstance(got, torch.Tensor):
+            return f"{path}: {type(got).__name__} instead of a tensor"
+        if got.dtype != want.dtype or got.shape != want.shape:
+            return f"{path}: {got.dtype}{tuple(got.shape)} instead of {want.dtype}{tuple(want.shape)}"
+        if not torch.equal(got.detach().cpu().reshape(-1).view(torch.uint8),
+                           want.detach().cpu().reshape(-1).view(torch.uint8)):
+            return f"{path}: values differ"
+        return None
+    if isinstance(want, dict):
+        if not isinstance(got, dict):
+            return f"{path}: {type(got).__name__} instead of a dict"
+        if set(got) != set(want):
+            return f"{path}: keys {sorted(map(str, set(got) ^ set(want)))[:5]} differ"
+        for k in want:
+            d = first_difference(want[k], got[k], f"{path}/{k}")
+            if d:
+                return d
+        return None
+    if isinstance(want, (list, tuple)):
+        if not isinstance(got, (list, tuple)) or len(got) != len(want):
+            return f"{path}: {type(got).__name__} of another length"
+        for i, (w, g) in enumerate(zip(want, got)):
+            d = first_difference(w, g, f"{path}/{i}")
+            if d:
+                return d
+        return None
+    return None if got == want else f"{path}: {got!r} instead of {want!r}"
+
+
+def roundtrip(p: peers_mod.Peer, tr: "Trainer", step: int) -> dict[str, Any]:
+    """After the timed loop: save the current state once more, wait for it, restore it with the peer's own
+    loader (into a zeroed template) and compare bit for bit. No training step in between, so the live state
+    is the reference."""
+    state = tr.state(step)
+    out: dict[str, Any] = {"step": step}
+    try:
+        t0 = now()
+        p.save(state, step)
+        p.flush()
+        out["save_flush_s"] = now() - t0
+        t0 = now()
+        loaded = p.load(step, zeroed_like(state))
+        out["load_s"] = now() - t0
+    except NotImplementedError:
+        return {**out, "checked": False}
+    except Exception as e:  # noqa: BLE001 - a failed restore is a finding, reported, not a crash
+        return {**out, "checked": True, "bit_exact": False, "error": f"{type(e).__name__}: {e}"}
+    diff = first_difference(state, loaded)
+    del loaded
+    gc.collect()
+    return {**out, "checked": True, "bit_exact": diff is None, "diff": diff}
+
+
 def task_core(peer: str, shape: dict, root: str, warmup: int, every: int, n_ckpt: int,
               base_steps: int) -> dict[str, Any]:
     """(a), (b) and peak RSS for one peer, in one process.
@@ -290,8 +357,9 @@ def task_core(peer: str, shape: dict, root: str, warmup: int, every: int, n_ckpt
     peak = sampler.stop()
     hwm = vm_hwm() if hwm_reset else None
     figures = p.figures()
+    written = tree_bytes(root_p)  # every checkpoint is complete: each window ends with the peer's flush
+    restore = roundtrip(p, tr, step)
     p.close()
-    written = tree_bytes(root_p)
     rmtree(root_p)
     clean_windows = [sum(w) for w in clean]
     clean_steps = [s for w in clean for s in w]
@@ -321,6 +389,7 @@ def task_core(peer: str, shape: dict, root: str, warmup: int, every: int, n_ckpt
         "peak_rss": peak,
         "peak_rss_hwm": hwm,
         "peer_figures": figures,
+        "restore": restore,
     }
     out.update(paired_stall(ckpt_windows, clean_windows))
     return out

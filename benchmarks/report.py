@@ -47,6 +47,17 @@ def machine_info(workdir: Path, disk: dict[str, str]) -> dict[str, Any]:
             versions[mod] = __import__(mod).__version__
         except Exception:  # noqa: BLE001
             versions[mod] = "not installed"
+    from importlib import metadata
+
+    for dists in (("torchsnapshot-nightly", "torchsnapshot"), ("dlrover",), ("bytecheckpoint",)):
+        for dist in dists:  # distribution metadata only: importing these is slow and noisy
+            try:
+                versions[dist] = metadata.version(dist)
+                break
+            except metadata.PackageNotFoundError:
+                continue
+        else:
+            versions[dists[-1]] = "not installed"
     usage = psutil.disk_usage(str(workdir))
     return {
         "cpu": _cpu_model(),
@@ -68,6 +79,8 @@ def machine_info(workdir: Path, disk: dict[str, str]) -> dict[str, Any]:
 def _err(res: dict[str, Any] | None) -> str:
     if res is None:
         return "not run"
+    if res.get("skipped"):
+        return f"skipped: {res['skipped']}"
     return f"n/a (error: {res.get('error', '?')})"
 
 
@@ -111,7 +124,8 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
         for name, res in results["core"].items():
             label = peers.LABELS[name]
             if not res.get("ok"):
-                rows.append({"key": name, "label": label, "ok": False, "error": _err(res)})
+                rows.append({"key": name, "label": label, "ok": False, "error": _err(res),
+                             "skipped": res.get("skipped")})
                 continue
             r = res["result"]
             rows.append({"key": name, "label": label, "ok": True, "block_s": r["save_block_median_s"],
@@ -120,7 +134,8 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
                          "peak_rss": r["peak_rss"], "rss_before": r["rss_before_saves"],
                          "state_bytes": r["state_bytes"], "n_ckpt": r["n_ckpt"], "n_steps": r["n_steps"],
                          "base_step_s": r["base_step_mean_s"], "bytes_per_ckpt": r["bytes_on_disk_per_ckpt"],
-                         "figures": r.get("peer_figures") or {}, "stall_mean_s": r.get("stall_mean_s")})
+                         "figures": r.get("peer_figures") or {}, "stall_mean_s": r.get("stall_mean_s"),
+                         "restore": r.get("restore")})
         s["core"] = rows
     if "io" in results:
         s["io"] = results["io"]["result"] if results["io"].get("ok") else {"error": _err(results["io"])}
@@ -293,6 +308,17 @@ def _rss_cell(row: dict[str, Any]) -> str:
     return f"{_gb(row['peak_rss'])} (+{_gb(row['peak_rss'] - row['rss_before'])})"
 
 
+def _restore_cell(row: dict[str, Any]) -> str:
+    rt = row.get("restore")
+    if not rt or not rt.get("checked"):
+        return "-"
+    if rt.get("error"):
+        return f"**FAILED**: {rt['error'][:200]}"
+    if not rt.get("bit_exact"):
+        return f"**MISMATCH** at {rt.get('diff')}"
+    return f"bit-exact (load {_s(rt.get('load_s'))})"
+
+
 def _fw_table(rows: list[dict[str, Any]]) -> str:
     fast = _row(rows, "fastckpt")
     fstall = fast.get("stall_s") if fast and fast.get("ok") else None
@@ -345,14 +371,14 @@ def markdown(results: dict[str, Any], s: dict[str, Any], chart_rel: str) -> str:
         "",
         "```bash",
         "pip install torch==2.13.0 && pip install -e '.[bench]'   # CPU torch first; then lightning, accelerate, matplotlib, psutil",
-        "# the other peers; --no-deps: their declared requirements would replace the CPU torch wheel",
-        "pip install --no-deps torchsnapshot-nightly==2024.7.26 dlrover==0.6.1 bytecheckpoint==0.0.2 aiofiles \\",
-        "    nest_asyncio pyre-extensions typing-inspect mypy-extensions 'importlib_metadata<8' zipp",
+        "pip install -e '.[bench-peers]'                # optional peers: torchsnapshot-nightly, dlrover",
+        "pip install --no-deps bytecheckpoint==0.0.2    # optional peer; --no-deps: it pins torch<=2.5, grpcio, protobuf",
         f"{meta.get('command', 'python -m benchmarks.run')}",
         "```",
         "",
         "`python -m benchmarks.run --quick` is the smoke test (tiny model, ~20 s; run by "
-        "`tests/test_benchmarks_smoke.py`). `--only io,core,rss,lightning,accelerate` and `--peers ...` select "
+        "`tests/test_benchmarks_smoke.py`). A peer whose package is missing is skipped and named below the plain-loop "
+        "table. `--only io,core,rss,lightning,accelerate` and `--peers ...` select "
         "parts; `--workdir DIR` puts the checkpoints on another disk (default `bench_out/`, refused on tmpfs); "
         "`--from-json benchmarks/results.json` re-renders this report without measuring. Stall verdicts are "
         "three-way: met only if fastckpt's stall plus its noise beats the target against the reference minus "
@@ -405,11 +431,13 @@ def markdown(results: dict[str, Any], s: dict[str, Any], chart_rel: str) -> str:
         body = []
         for r in rows:
             if not r["ok"]:
-                body.append([r["label"], r["error"], "", "", "", ""])
+                body.append([r["label"], r["error"], "", "", "", "", ""])
                 continue
             body.append([r["label"], _ms(r["block_s"]), _pm(r),
                          "1.0x" if r["key"] == "fastckpt" else _vs(fstall, r["stall_s"]), _s(r["flush_s"]),
-                         _rss_cell(r)])
+                         _rss_cell(r), _restore_cell(r)])
+        not_measured = [f"{r['label']} ({r['skipped']})" for r in rows if r.get("skipped")]
+        not_measured += [f"{name} ({why})" for name, why in peers.NOT_MEASURED.items()]
         md += [
             "## Plain training loop (issue #2: a, b, peak RSS)",
             "",
@@ -420,9 +448,16 @@ def markdown(results: dict[str, Any], s: dict[str, Any], chart_rel: str) -> str:
             "the peer's flush at its end.",
             "",
             _table(["peer", "save() blocks (median)", "per-ckpt stall ± noise", "stall / fastckpt's",
-                    "flush at window end (median)", "peak RSS (+ over the same loop's peak without checkpoints)"], body),
+                    "flush at window end (median)", "peak RSS (+ over the same loop's peak without checkpoints)",
+                    "restore (own loader, after the loop)"], body),
+            "",
+            "Restore: after the timed loop each peer saves the live state once more, waits for it, loads it back "
+            "with its own loader (into zeroed tensors where the loader works in place) and compares every tensor "
+            "byte for byte and every other value with the state it saved (untimed, not part of the figures above).",
             "",
         ]
+        if not_measured:
+            md += ["**Peers not measured in this run**: " + "; ".join(not_measured) + ".", ""]
         figs = (fast or {}).get("figures") or {}
         if figs.get("waited_ms"):
             md += [
@@ -551,15 +586,21 @@ def markdown(results: dict[str, Any], s: dict[str, Any], chart_rel: str) -> str:
         "use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=False))`: the staging future is "
         "awaited right before `optimizer.step()`, the previous upload before the next save. DCP runs without a "
         "process group (`no_dist=True`): torch 2.13's `async_save` does not need `init_process_group`. "
-        "torchsnapshot (`torchsnapshot-nightly` 2024.7.26) `Snapshot.async_take` stages synchronously in the call "
-        "and writes on its own event loop; the previous snapshot is awaited before the next one; a one-rank gloo "
-        "group serves its store. DLRover Flash Checkpoint (0.6.1) `DdpCheckpointer.save_checkpoint(..., "
-        "StorageType.DISK)` copies into shared memory in the call and persists in its saver process (started "
-        "in-process outside `dlrover-run`); flush = its tracker file names the step, polled every 10 ms (its "
-        "`wait_latest_checkpoint` sleeps 3 s between polls); it never persists step 0, so its steps are shifted "
-        "by one. ByteCheckpoint (0.0.2) `bytecheckpoint.save(..., framework=\"ddp\", fast_saving=True)` takes the "
-        "model and optimizer objects and stages in the call; flush = its completion callback; one-rank gloo "
-        "group. DataStates-LLM is not on PyPI and is not measured. "
+        "torchsnapshot `Snapshot.async_take(path, {'state': StateDict(state)})` returns once every tensor is staged "
+        "(CPU tensors cloned), so nothing is awaited before the step; the previous `PendingSnapshot.wait()` before "
+        "the next save; it runs in a gloo process group of one (without one it bootstraps a TCPStore, which fails "
+        "on this IPv4-only VM); no fsync. DLRover Flash Checkpoint `DdpCheckpointer.save_checkpoint(step + 1, "
+        "state, path, StorageType.DISK)` copies the state into shared memory inside the call; a saver process (the "
+        "elastic agent's job under `dlrover-run`; here a spawned process running the agent's "
+        "`AsyncCheckpointSaver.start_async_saving_ckpt()`, with `ROLE_NAME=dlrover-trainer` as the agent sets for "
+        "its workers) `torch.save`s it from there, no fsync of the data file; the previous checkpoint is awaited "
+        "before the next save (its saver would otherwise skip the new one while it holds the shared memory), "
+        "completion being the step written to `dlrover_latest.txt`, polled every 5 ms (DLRover's own "
+        "`wait_latest_checkpoint` polls every 3 s); step + 1 because its saver ignores step 0. ByteCheckpoint "
+        "`bytecheckpoint.save(..., framework='ddp', fast_saving=True, callback=...)` clones the tensors inside the "
+        "call and writes with fsync on its I/O thread; the callback (tracker file written) is awaited before the "
+        "next save; gloo process group of one; its first save per process (the untimed warm-up) is synchronous "
+        "and starts its gRPC coordinator process. "
         "fastckpt: `ckpt.watch(optimizer)` (lazy mode, default config: 2 slots, 2 I/O workers, O_DIRECT, fsync); "
         "no wait in the loop; its optimizer pre-hook waits for staging.",
         "- **save() blocks**: wall time of the save call alone (state dicts built before it), median over the "
@@ -623,7 +664,7 @@ def chart(s: dict[str, Any], path: Path) -> None:
     def colors_for(keys: list[str]) -> list[str]:
         return [fast_color if k == "fastckpt" else peer_color for k in keys]
 
-    core = [r for r in s.get("core") or []]
+    core = [r for r in s.get("core") or [] if not r.get("skipped")]  # skipped peers: named in the report
     if core:
         keys = [r["key"] for r in core]
         labels = [r["label"] for r in core]
