@@ -301,7 +301,9 @@ class CheckpointReader:
                    if d.key not in wanted or dt.overlap(off, self.entries[i].shape, *regions[d.key]) is not None}
         objects = self._objects()
         out: list[Any] = [None] * len(self.entries)
+        saved_dt = {d.key: d for d in self.dtensors}
         fresh: dict[str, torch.Tensor] = {}  # DTensors the target lacks: loaded whole
+        fresh_lock = threading.Lock()  # files are read on several threads
 
         def read(buf: torch.Tensor, entries: list[_Entry]) -> None:
             for e in entries:
@@ -310,8 +312,8 @@ class CheckpointReader:
                 dst = wanted.get(key)
                 if dst is None:
                     if e.index in self._blocks:
-                        d = next(d for d in self.dtensors if d.key == key)
-                        with self._fresh_lock:
+                        d = saved_dt[key]
+                        with fresh_lock:
                             full = fresh.setdefault(key, torch.empty(d.shape, dtype=d.dtype))
                         full[_region(off, e.shape)] = src
                     else:
@@ -325,7 +327,6 @@ class CheckpointReader:
                     with torch.no_grad():
                         local[hit[1]].copy_(src[hit[0]])
 
-        self._fresh_lock = threading.Lock()
         self._for_each_file(read, private if self.dtensors else None)
         for e in self.entries:
             key, _ = place[e.index]
@@ -335,7 +336,7 @@ class CheckpointReader:
             elif out[e.index] is None and e.index not in self._blocks:  # zero-size tensors live in no file
                 out[e.index] = self._materialize(None, e, None)
         for key, full in fresh.items():
-            out[next(d for d in self.dtensors if d.key == key).entries[0]] = full
+            out[saved_dt[key].entries[0]] = full
         return decode_tree(self.meta["tree"], out, objects)
 
 

@@ -147,8 +147,9 @@ def test_fsdp2_save_is_bit_exact_and_reshards_on_load(fsdp_run) -> None:
     with Checkpointer(CheckpointConfig(root=str(root))) as ckpt:  # one process, no torch.distributed
         assert_bit_equal(ref, ckpt.load(step=1))
         target = {"model": {k: torch.full_like(v, -1.0) for k, v in ref["model"].items()}}
-        ckpt.load_into(target, step=1)  # plain full tensors: every block lands in its place
+        restored = ckpt.load_into(target, step=1)  # plain full tensors: every block lands in its place
         assert_bit_equal(ref["model"], target["model"])
+        assert_bit_equal(ref["optim"], restored["optim"])  # what the target lacks is reassembled fresh
 
 
 def test_dtensor_blocks_are_plain_safetensors(fsdp_run) -> None:
