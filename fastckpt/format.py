@@ -42,8 +42,8 @@ __all__ = [
 ]
 
 FORMAT = "fastckpt"
-VERSION = 2  # the newest this code writes and reads
-VERSIONS = (1, 2)
+VERSION = 2  # the newest this code writes (only with DTensor blocks; see build_manifest) and reads
+VERSIONS = tuple(range(1, VERSION + 1))
 MANIFEST = "manifest.json"
 ALIGN = 4096
 

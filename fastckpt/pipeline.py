@@ -27,7 +27,7 @@ import torch
 
 from .checksum import combine, crc32c
 from .errors import FastCkptError, StorageError
-from .format import MANIFEST, FileRecord, build_manifest, parse_manifest, shard_file_name, shard_header
+from .format import MANIFEST, VERSION, FileRecord, build_manifest, parse_manifest, shard_file_name, shard_header
 from .handle import CheckpointInfo, SaveHandle
 from .plan import Plan, Shard
 from .staging import HostArena, Slot, copy_entries
@@ -316,7 +316,7 @@ class Pipeline:
         old = self._old_files(job.dirpath)
         nbytes = sum(f.size for f in files)
         manifest = build_manifest(job.handle.name, job.handle.step, files, meta_name, nbytes,
-                                  version=2 if job.dtensors else 1)
+                                  version=VERSION if job.dtensors else 1)
         st.write_atomic(st.join(job.dirpath, MANIFEST), manifest)  # <- the commit point
         job.handle.stats.nbytes = nbytes
         for name in old - {f.name for f in files}:  # bytes of the checkpoint this one replaced

@@ -13,6 +13,8 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 from accelerate import Accelerator
 
+from .naming import is_url
+
 T = TypeVar("T")
 
 
@@ -48,7 +50,7 @@ def can_share_writes(accelerator: Accelerator, root: str) -> bool:
     """
     if not is_distributed(accelerator):
         return False
-    if "://" in root and not root.startswith("file://"):
+    if is_url(root):
         return not root.startswith("memory://")
     local_world = os.environ.get("LOCAL_WORLD_SIZE")
     return local_world is not None and int(local_world) == accelerator.num_processes
