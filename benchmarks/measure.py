@@ -294,6 +294,16 @@ def roundtrip(p: peers_mod.Peer, tr: "Trainer", step: int) -> dict[str, Any]:
     return {**out, "checked": True, "bit_exact": diff is None, "diff": diff}
 
 
+def task_calibrate(shape: dict, warmup: int, steps: int) -> dict[str, Any]:
+    """The plain loop's step time on this machine, with no checkpointing (run.py sizes K and the window count
+    from it). Same allocator setting and thread count as the stall-measuring tasks."""
+    wl.tune_malloc()
+    tr = Trainer(wl.Shape(**shape))
+    tr.timed_steps(warmup)
+    ts = tr.timed_steps(steps)
+    return {"step_s": statistics.median(ts), "steps_s": ts}
+
+
 def task_core(peer: str, shape: dict, root: str, warmup: int, every: int, n_ckpt: int,
               base_steps: int) -> dict[str, Any]:
     """(a), (b) and peak RSS for one peer, in one process.

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shlex
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,19 +38,38 @@ class Plan:
     rss_saves: int  # saves in the (e) run
     rss_every: int  # steps between the (e) run's saves
     task_timeout: int  # seconds per subprocess
+    # Plain loop sized from this machine's step time (a calibration task measures it first): K is the
+    # smallest number of steps that lasts ``window_s`` (at most ``every``), and the number of checkpointed
+    # windows grows from ``n_ckpt`` up to ``max_n_ckpt`` to fill ``core_budget_s`` of timed windows per peer.
+    # A window's noise grows with sqrt(K) and the estimate's shrinks with sqrt(windows), so on a slow machine
+    # shorter windows and more of them measure the same stall far more precisely in the same time.
+    window_s: float | None = None
+    core_budget_s: float | None = None
+    max_n_ckpt: int = 16
+    step_s: float | None = None  # the calibrated step time, once known
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["shape"] = self.shape.to_dict()
         return d
 
+    def calibrated(self, step_s: float) -> "Plan":
+        """This plan with ``every`` and ``n_ckpt`` sized for a plain-loop step of ``step_s`` seconds."""
+        if self.window_s is None or step_s <= 0:
+            return replace(self, step_s=step_s)
+        every = min(self.every, max(3, math.ceil(self.window_s / step_s)))
+        n_ckpt = self.n_ckpt
+        if self.core_budget_s is not None:
+            n_ckpt = min(self.max_n_ckpt, max(n_ckpt, int(self.core_budget_s // (2 * every * step_s))))
+        return replace(self, every=every, n_ckpt=n_ckpt, step_s=step_s)
 
-# Sized for a ~0.6 s training step on a 2-core box. Plain loop: K=12 steps (~7 s) is longer than the
-# slowest asynchronous peer needs to persist one 1.5 GB checkpoint on this disk, so the stall measures what
-# a checkpoint costs the loop, not whether the peer keeps up with a very high checkpoint rate (at K=5 DCP's
-# flush alone was ~4 s). Lightning/Accelerate keep K=6.
+
+# Plain loop: a window of at least 8 s (K <= 12 steps) is longer than the slowest asynchronous peer needs
+# to persist one 1.5 GB checkpoint on the 2-core benchmark box (every peer's flush was ~0 at 5.3 s windows;
+# at 3 s windows DCP's flush alone was ~4 s), so the stall measures what a checkpoint costs the loop, not
+# whether the peer keeps up with a very high checkpoint rate. Lightning/Accelerate keep K=6.
 FULL_PLAN = Plan(shape=wl.FULL, warmup=2, every=12, n_ckpt=6, fw_every=6, fw_n_ckpt=5, base_steps=4, io_reps=3,
-                 cold_load=True, rss_saves=20, rss_every=4, task_timeout=480)
+                 cold_load=True, rss_saves=20, rss_every=4, task_timeout=600, window_s=8.0, core_budget_s=150.0)
 QUICK_PLAN = Plan(shape=wl.QUICK, warmup=1, every=2, n_ckpt=2, fw_every=2, fw_n_ckpt=2, base_steps=4, io_reps=1,
                   cold_load=True, rss_saves=3, rss_every=2, task_timeout=120)
 
@@ -125,6 +145,14 @@ def run_all(plan: Plan, workdir: Path, isolate: bool, sections: tuple[str, ...],
     run = Runner(workdir, isolate, plan.task_timeout)
     shape = plan.shape.to_dict()
     ck = str(workdir / "ckpt")
+    if "core" in sections and plan.window_s is not None:
+        cal = run("calibrate: plain-loop step time", "calibrate", dict(shape=shape, warmup=plan.warmup, steps=6))
+        if cal["ok"]:
+            plan = plan.calibrated(cal["result"]["step_s"])
+            log(f"calibrated: step {plan.step_s:.2f}s -> a checkpoint every K={plan.every} steps, "
+                f"{plan.n_ckpt} checkpointed windows per peer")
+        else:
+            log(f"calibration failed ({cal['error']}); keeping K={plan.every}, {plan.n_ckpt} windows")
     results: dict[str, Any] = {"plan": plan.to_dict()}
     if "io" in sections:
         results["io"] = run("io: durable commit + load", "io",

@@ -15,6 +15,7 @@ def _tasks() -> dict[str, Callable[..., dict[str, Any]]]:
     from . import frameworks, measure
 
     return {
+        "calibrate": measure.task_calibrate,
         "core": measure.task_core,
         "io": measure.task_io,
         "rss": measure.task_rss,

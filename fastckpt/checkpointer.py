@@ -90,10 +90,10 @@ class Checkpointer:
             # ranks deciding to skip independently would leave the commit protocol waiting on each other
             raise ConfigError("staging.when_busy=skip cannot be used with distributed=True (ranks could disagree); use wait")
         self._pipeline = Pipeline(self.storage, self._arena, p.workers, self._on_commit, self._on_failure,
-                                  self._coord)
+                                  self._coord, priority=p.priority)
         if self._remote_catalog is not None and self._leader:  # rank 0 uploads for everyone
             self._uploader = RemoteTier(self.storage, self._remote_catalog.storage, self._remote_catalog,
-                                        workers=rem.workers, keep_last=rem.keep_last,
+                                        workers=rem.workers, keep_last=rem.keep_last, priority=p.priority,
                                         on_uploaded=self._on_uploaded, on_failed=self._on_upload_failed)
         self._atexit = _exit_flusher(self)
         _register_exit_hook(self._atexit)

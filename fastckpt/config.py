@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .errors import ConfigError
+from .priority import PRIORITIES
 
 __all__ = [
     "CheckpointConfig",
@@ -83,6 +84,9 @@ class PersistOptions:
     """O_DIRECT for local writes: ``auto`` tries it and falls back, ``on`` requires it, ``off``."""
     fsync: bool = True
     """fsync data files and the directory before the manifest commits."""
+    priority: str = "idle"
+    """CPU priority of the I/O, commit and upload threads: ``idle`` (SCHED_IDLE: only CPU time training
+    leaves over), ``low`` (nice 19) or ``normal``. The copy thread always runs at normal priority."""
 
     def __post_init__(self) -> None:
         _check_int("persist.", "workers", self.workers, 1)
@@ -92,6 +96,7 @@ class PersistOptions:
         _check_choice("persist.", "direct_io", self.direct_io, _DIRECT_IO)
         if not isinstance(self.fsync, bool):
             raise ConfigError(f"persist.fsync must be true or false, got {self.fsync!r}")
+        _check_choice("persist.", "priority", self.priority, PRIORITIES)
 
 
 @dataclass(kw_only=True, slots=True)

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import logging
 import queue
 import threading
 import time
 import uuid
+from functools import partial
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -30,6 +30,7 @@ from .errors import FastCkptError, StorageError
 from .format import MANIFEST, VERSION, FileRecord, build_manifest, parse_manifest, shard_file_name, shard_header
 from .handle import CheckpointInfo, SaveHandle
 from .plan import Plan, Shard
+from .priority import lower_this_thread
 from .staging import HostArena, Slot, copy_entries
 from .distributed import Coordinator
 from .storage import Storage, aligned_buffer
@@ -39,15 +40,6 @@ __all__ = ["Job", "Pipeline"]
 
 log = logging.getLogger("fastckpt")
 _ids = itertools.count(1)
-_BACKGROUND_NICE = 10
-
-
-def _background() -> None:
-    """Lower this thread's CPU priority: when cores are scarce, training steps win over checksums and I/O."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _BACKGROUND_NICE)
-    except (AttributeError, OSError):  # not Linux, or not permitted: run at normal priority
-        pass
 
 
 @dataclass(eq=False)
@@ -79,14 +71,17 @@ class Pipeline:
 
     def __init__(self, storage: Storage, arena: HostArena, workers: int,
                  on_commit: Callable[[Job, CheckpointInfo], None],
-                 on_failure: Callable[[Job, FastCkptError], None], coord: Coordinator | None = None) -> None:
+                 on_failure: Callable[[Job, FastCkptError], None], coord: Coordinator | None = None,
+                 priority: str = "idle") -> None:
         self.storage = storage
+        self._priority = priority
         self._coord = coord
         self._arena = arena
         self._on_commit = on_commit
         self._on_failure = on_failure
         n = next(_ids)  # several Checkpointers may live in one process
-        self._io = ThreadPoolExecutor(workers, thread_name_prefix=f"fastckpt-io-{n}", initializer=_background)
+        self._io = ThreadPoolExecutor(workers, thread_name_prefix=f"fastckpt-io-{n}",
+                                      initializer=partial(lower_this_thread, priority))
         self._copy_q: queue.Queue[Job | None] = queue.Queue()
         self._commit_q: queue.Queue[Any] = queue.Queue()
         self._copier = threading.Thread(target=self._copy_loop, name=f"fastckpt-copy-{n}", daemon=True)
@@ -192,7 +187,7 @@ class Pipeline:
     # ---- committer -----------------------------------------------------------------
 
     def _commit_loop(self) -> None:
-        _background()
+        lower_this_thread(self._priority)
         while True:
             item = self._commit_q.get()
             if item is None:

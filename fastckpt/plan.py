@@ -142,7 +142,8 @@ def flatten(state: Any) -> FlatState:
         ident = None
         ptr = t.data_ptr()
         if ptr and not is_numpy:  # identical views of one memory (tied weights) share an entry
-            ident = (ptr, t.shape, t.stride(), t.dtype, t.is_cuda)
+            # x and x.conj() (or a neg view) share memory but not values: the lazy bits are part of the identity.
+            ident = (ptr, t.shape, t.stride(), t.dtype, t.is_cuda, t.is_conj(), t.is_neg())
             if ident in seen:
                 return seen[ident]
         index = add(t, unique(_key(path)), is_numpy)

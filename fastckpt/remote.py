@@ -27,6 +27,7 @@ import logging
 import mmap
 import queue
 import threading
+from functools import partial
 import time
 from concurrent.futures import FIRST_EXCEPTION, Future, InvalidStateError, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
@@ -38,7 +39,7 @@ from .config import RetentionOptions
 from .errors import FastCkptError, IntegrityError, StorageError
 from .format import MANIFEST, parse_manifest
 from .handle import CheckpointInfo, SaveHandle
-from .pipeline import _background
+from .priority import lower_this_thread
 from .storage import Storage
 
 __all__ = ["RemoteTier", "Upload"]
@@ -76,7 +77,7 @@ class RemoteTier:
     """Owns the upload thread and its workers for one ``Checkpointer`` (on rank 0)."""
 
     def __init__(self, local: Storage, remote: Storage, catalog: Catalog, *, workers: int, keep_last: int | None,
-                 on_uploaded: Callable[[Upload, CheckpointInfo], None],
+                 priority: str = "idle", on_uploaded: Callable[[Upload, CheckpointInfo], None],
                  on_failed: Callable[[Upload, FastCkptError], None]) -> None:
         self.local = local
         self.remote = remote
@@ -84,6 +85,7 @@ class RemoteTier:
         self._keep = RetentionOptions(keep_last=keep_last)
         self._on_uploaded = on_uploaded
         self._on_failed = on_failed
+        self._priority = priority
         self._lock = threading.Lock()
         self._pending: dict[Upload, None] = {}  # queued or running, in submission order
         self._names: collections.Counter[str] = collections.Counter()
@@ -91,7 +93,8 @@ class RemoteTier:
         self._abort: str | None = None
         self._orphans: dict[str, set[str]] = {}  # remote dir -> files a failed upload could not remove
         n = next(_ids)
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix=f"fastckpt-up-{n}", initializer=_background)
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix=f"fastckpt-up-{n}",
+                                        initializer=partial(lower_this_thread, priority))
         self._q: queue.Queue[Any] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name=f"fastckpt-upload-{n}", daemon=True)
         self._thread.start()
@@ -155,7 +158,7 @@ class RemoteTier:
     # ---- upload thread ----------------------------------------------------------------
 
     def _loop(self) -> None:
-        _background()
+        lower_this_thread(self._priority)
         while True:
             item = self._q.get()
             if item is None:

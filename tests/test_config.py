@@ -31,6 +31,7 @@ retention: {keep_last: 3, keep_every_n_steps: 100}
     ({"root": "/x", "persist": {"workers": "2"}}, "persist.workers", ">= 1"),
     ({"root": "/x", "persist": {"direct_io": "yes"}}, "persist.direct_io", "auto, on, off"),
     ({"root": "/x", "persist": {"verify_on_load": "no"}}, "persist.verify_on_load", "true or false"),
+    ({"root": "/x", "persist": {"priority": "high"}}, "persist.priority", "idle, low, normal"),
     ({"root": "/x", "retention": {"keep_last": -1}}, "retention.keep_last", "null"),
     ({"root": "/x", "staging": {"slot": 2}}, "staging.slot", "allowed"),
     ({"root": "/x", "bogus": 1}, "bogus", "allowed top-level"),

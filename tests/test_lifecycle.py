@@ -79,3 +79,25 @@ def test_core_import_pulls_in_no_integration() -> None:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                        env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
     assert r.returncode == 0, f"core import pulled in {r.stdout.strip()} {r.stderr[-500:]}"
+
+
+def _policy(tid: int) -> tuple[int, int]:
+    return os.sched_getscheduler(tid), os.getpriority(os.PRIO_PROCESS, tid)
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="per-thread scheduling policies are Linux-only")
+@pytest.mark.parametrize("priority", ["idle", "low", "normal"])
+def test_background_threads_run_at_the_configured_priority(tmp_path, priority: str) -> None:
+    """persist.priority reaches the kernel for the I/O and commit threads; the copy thread, which the next
+    optimizer step waits for, keeps the training thread's priority."""
+    main = _policy(threading.get_native_id())
+    before = {t.native_id for t in threading.enumerate()}
+    cfg = CheckpointConfig.from_dict({"root": str(tmp_path), "persist": {"priority": priority}})
+    with Checkpointer(cfg) as ckpt:
+        ckpt.save({"x": torch.ones(1 << 16)}, step=1).wait()  # the I/O pool starts its threads lazily
+        # "fastckpt-copy-3", "fastckpt-commit-3", "fastckpt-io-3_0" -> kind
+        got = {t.name.rsplit("-", 1)[0]: _policy(t.native_id) for t in threading.enumerate()
+               if t.name.startswith("fastckpt-") and t.native_id not in before}
+    want = {"idle": (os.SCHED_IDLE, main[1]), "low": (os.SCHED_OTHER, 19), "normal": main}[priority]
+    assert got["fastckpt-io"] == want and got["fastckpt-commit"] == want, got
+    assert got["fastckpt-copy"] == main, got

@@ -159,3 +159,16 @@ def test_local_write_modes_round_trip(tmp_path, direct_io: str) -> None:
         assert_bit_equal(state, ckpt.load())
     shard = next((tmp_path / "c" / "step-000000001").glob("shard-*"))
     assert os.path.getsize(shard) % 4096 != 0  # the tail really was unaligned
+
+
+def test_views_whose_memory_is_not_their_values(backend: Backend) -> None:
+    """Contiguous host tensors are staged as raw bytes; conj/neg views (lazy bits over untouched memory) and
+    strided views must still be saved as the values they show."""
+    z = torch.randn(5, dtype=torch.complex64, generator=torch.Generator().manual_seed(3))
+    state = {"conj": z.conj(), "neg": z.conj().imag, "strided": torch.arange(12.0).view(3, 4).t(), "plain": z}
+    assert state["conj"].is_conj() and state["neg"].is_neg() and not state["strided"].is_contiguous()
+    ref = {k: v.resolve_conj().resolve_neg().contiguous().clone() for k, v in state.items()}
+    with Checkpointer(backend.config()) as ckpt:
+        ckpt.save(state, step=1).wait()
+        loaded = ckpt.load()
+    assert_bit_equal(ref, {k: v.resolve_conj().resolve_neg() for k, v in loaded.items()})
