@@ -445,7 +445,12 @@ def markdown(results: dict[str, Any], s: dict[str, Any], chart_rel: str) -> str:
             f"interleaved with {plan.get('n_ckpt', 0) + 1} clean ones in one process; clean step time "
             f"{_s(_mean_base(rows))} (mean over all peers). Stall = median over checkpoints of (checkpointed "
             "window - mean of the two neighbouring clean windows); the window includes save(), the K steps and "
-            "the peer's flush at its end.",
+            "the peer's flush at its end." + (
+                f" K and the number of windows come from a calibration run of the plain loop on this machine "
+                f"(step {_s(plan['step_s'])}): K is the fewest steps lasting {plan.get('window_s'):g} s (at most "
+                f"12), and the windows fill about {plan.get('core_budget_s'):g} s per peer, since a window's noise "
+                "grows with the square root of K and the estimate's shrinks with the square root of the number of "
+                "windows." if plan.get("step_s") and plan.get("window_s") else ""),
             "",
             _table(["peer", "save() blocks (median)", "per-ckpt stall ± noise", "stall / fastckpt's",
                     "flush at window end (median)", "peak RSS (+ over the same loop's peak without checkpoints)",
