@@ -18,8 +18,8 @@ import queue
 import threading
 import time
 import uuid
-from functools import partial
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from dataclasses import dataclass, field
 from typing import Any, Callable
 

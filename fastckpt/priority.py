@@ -14,9 +14,9 @@ ask the kernel to run them only on CPU time that training leaves over:
 The copy thread is not lowered: the next ``optimizer.step()`` waits for it, so
 starving it would turn overlap into a stall.
 
-Where the platform or permissions refuse (not Linux, a seccomp profile), the thread
-keeps its priority and a debug line says so: priority is an optimisation, never a
-reason to fail a checkpoint.
+Where the platform has no ``SCHED_IDLE``, ``idle`` falls back to ``low``. Where the OS
+refuses (a seccomp profile, no per-thread priorities), the thread keeps its priority and
+a debug line says so: priority is an optimisation, never a reason to fail a checkpoint.
 """
 from __future__ import annotations
 
@@ -32,18 +32,16 @@ PRIORITIES = ("idle", "low", "normal")
 _LOW_NICE = 19
 
 
-def lower_this_thread(priority: str) -> bool:
-    """Called by a background thread on itself: apply ``priority``; False if the OS refused it."""
+def lower_this_thread(priority: str) -> None:
+    """Called by a background thread on itself: apply ``priority`` (one of ``PRIORITIES``)."""
     if priority == "normal":
-        return True
+        return
     try:
         if priority == "idle" and hasattr(os, "SCHED_IDLE"):
             # pid 0 is the calling thread (Linux schedules threads, not processes).
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         else:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _LOW_NICE)
-        return True
     except (AttributeError, OSError) as e:
         log.debug("fastckpt: could not lower the priority of %s to %s: %s",
                   threading.current_thread().name, priority, e)
-        return False

@@ -27,11 +27,11 @@ import logging
 import mmap
 import queue
 import threading
-from functools import partial
 import time
 from concurrent.futures import FIRST_EXCEPTION, Future, InvalidStateError, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable
 
 from .catalog import Catalog

@@ -212,9 +212,9 @@ def entry_view(buf: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
 
 
 def _plain_bytes(t: torch.Tensor) -> bool:
-    """Whether ``t``'s memory is exactly its values, back to back, in host memory."""
-    return t.device.type == "cpu" and t.layout == torch.strided and t.is_contiguous() \
-        and not t.is_conj() and not t.is_neg()
+    """Whether ``t``'s memory is exactly its values, back to back, in host memory (``flatten`` has
+    already refused every layout but strided)."""
+    return t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
 
 
 def copy_entries(buf: torch.Tensor, entries: Iterable[TensorEntry], tensors: list[torch.Tensor],
