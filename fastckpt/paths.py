@@ -1,0 +1,53 @@
+"""Names read from disk or shared memory are hostile until checked.
+
+Every file name that comes out of a manifest, a meta file, a pointer, a header or a
+shared-memory record goes through ``plain_name`` before it is joined to a root, and
+every path rebuilt from such a record goes through ``confine``. One checker used
+everywhere beats a check in each caller: a ``../..`` entry in a planted manifest must
+never make ``load()`` read, ``delete()`` remove, or the uploader send a file outside the
+checkpoint.
+"""
+from __future__ import annotations
+
+import os
+import posixpath
+
+from .errors import UnsafeCheckpointError
+
+__all__ = ["plain_name", "confine", "is_plain_name"]
+
+_FORBIDDEN = ("/", "\\", "\x00")
+
+
+def is_plain_name(name: object) -> bool:
+    """Whether ``name`` is one path component: a non-empty str without separators, NUL, ``.`` or ``..``."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and not any(c in name for c in _FORBIDDEN)
+            and len(name) <= 255)
+
+
+def plain_name(name: object, what: str, source: str) -> str:
+    """Return ``name`` if it is a plain file name; else raise ``UnsafeCheckpointError`` naming ``source``.
+
+    ``what`` says which field held it ("shard file", "meta file"), ``source`` the file it was read from.
+    """
+    if not is_plain_name(name):
+        raise UnsafeCheckpointError(
+            f"{source}: the {what} name {name!r} is not a plain file name (it has a path separator, '..', or is "
+            "empty); refusing to touch anything outside the checkpoint. The file was tampered with or is not a "
+            "fastckpt file: restore it from a good copy or delete the checkpoint")
+    return name  # type: ignore[return-value]
+
+
+def confine(root: str, path: str, what: str) -> str:
+    """Return ``path`` if it lies strictly under ``root`` (lexically, and through symlinks for local paths)."""
+    if "://" in root or "://" in path:
+        r = root.split("://", 1)[-1].rstrip("/")
+        p = posixpath.normpath(path.split("://", 1)[-1])
+        inside = p.startswith(r + "/") and ".." not in p.split("/")
+    else:
+        r = os.path.realpath(root)
+        p = os.path.realpath(path)
+        inside = p.startswith(r.rstrip(os.sep) + os.sep)
+    if not inside:
+        raise UnsafeCheckpointError(f"{what} {path!r} lies outside {root!r}; refusing to use it")
+    return path
