@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
+import fnmatch
 import logging
 import re
 import threading
@@ -24,6 +26,7 @@ from .pipeline import Job, Pipeline
 from .plan import Planner, flatten
 from .remote import RemoteTier, Upload, _settle
 from .staging import HostArena, Slot
+from .streams import CopyStreams, cuda_devices, gpu_wait
 from .tiers import ShmTier
 from .storage import Storage, open_storage
 
@@ -83,7 +86,7 @@ class Checkpointer:
         self._pending: list[SaveHandle] = []
         self._errors: list[tuple[SaveHandle, FastCkptError]] = []
         self._catalog = Catalog(self.storage)
-        self._copy_stream: Any = None
+        self._streams = CopyStreams()  # per-device copy streams, created on the first CUDA save
         self.stats: list[SaveStats] = []
         self._coord = Coordinator(group) if distributed else None
         if self._coord is not None and st.when_busy == "skip":
@@ -162,8 +165,10 @@ class Checkpointer:
         self._hooks.append(wh)
         return wh
 
-    def save(self, state: Any, step: int, *, name: str | None = None) -> SaveHandle:
-        """Snapshot ``state``; returns once eager tensors are copied (milliseconds)."""
+    def save(self, state: Any, step: int, *, name: str | None = None, eager: Any = ()) -> SaveHandle:
+        """Snapshot ``state``; returns once eager tensors are copied (milliseconds). ``eager``: tensors, or
+        fnmatch patterns of their keys, to copy inside ``save()`` even though a watched optimizer owns them
+        (written in place before the next ``step()``: an embedding's ``max_norm``, an EMA swap)."""
         t0 = time.perf_counter()
         self._check_open()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -182,15 +187,18 @@ class Checkpointer:
                         f"DTensor {rec.key!r} is sharded over {rec.layout.mesh_size} ranks, and this Checkpointer "
                         "saves alone; construct it with distributed=True on every rank (each then writes its own "
                         "blocks)")
-        lazy_ptrs = self._lazy_ptrs()
+        lazy_ptrs = self._lazy_ptrs() - _eager_ptrs(flat, eager)
         plan = self._planner.plan(flat, lambda t: t.data_ptr() in lazy_ptrs)
         if self._coord is not None:
             self._coord.assign(plan)
-        pin = any(t.is_cuda for t in flat.tensors)
+        devices = cuda_devices(flat.tensors)
+        pin = bool(devices)
         dirpath = self.storage.join(self.storage.url, name)
         stats = SaveStats(step=step, name=name)
         handle = SaveHandle(name=name, step=step, path=dirpath, stats=stats, _on_error_seen=self._mark_seen)
-        slot = self._arena.acquire(plan, pin, block=self.config.staging.when_busy == "wait")
+        # new pinned buffers are registered under the state's device: no stray context on GPU 0
+        with torch.cuda.device(devices[0]) if pin else contextlib.nullcontext():
+            slot = self._arena.acquire(plan, pin, block=self.config.staging.when_busy == "wait")
         if slot is None:
             return self._skipped(handle, t0)
         if self._uploader is not None:
@@ -200,7 +208,12 @@ class Checkpointer:
         if self._coord is not None:
             job.uid = self._coord.next_uid()
         if pin:
-            self._prepare_cuda(job)
+            try:
+                job.cuda = self._streams.prepare(devices)
+            except BaseException as e:
+                self._arena.release(slot)  # nothing was queued on it
+                raise FastCkptError(f"preparing the CUDA copies of checkpoint {name!r} on devices {devices} "
+                                    f"failed: {e}") from e
         with self._lock:
             self._pending.append(handle)
         try:
@@ -209,24 +222,16 @@ class Checkpointer:
             job.error, job.reported = e, True  # the committer cleans up and frees the slot
             self._pipeline.submit(job, [])  # type: ignore[union-attr]
             raise FastCkptError(f"staging checkpoint {name!r} failed: {e}") from e
-        if pin:  # the next forward (BatchNorm stats) must not overwrite what the copy reads
-            for ev in job.shard_events.values():
-                torch.cuda.current_stream().wait_event(ev)
+        events = [(d, ev) for (_, d), ev in job.shard_events.items()]
+        if events:  # the next forward (BatchNorm stats) on each device must not overwrite what the copy reads
+            gpu_wait(events)
         lazy = plan.mine([s for s in plan.shards if s.lazy])
         if not lazy:
-            stats.staging_ms = (time.perf_counter() - t0) * 1e3
-            handle._cuda_events = list(job.shard_events.values())
+            stats.staging_ms = (time.perf_counter() - t0) * 1e3  # CUDA: replaced when the copies are seen done
+            handle._cuda_events = events
         self._pipeline.submit(job, lazy)  # type: ignore[union-attr]
         stats.blocking_ms = (time.perf_counter() - t0) * 1e3
         return handle
-
-    def _prepare_cuda(self, job: Job) -> None:
-        if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream()
-        job.copy_stream = self._copy_stream
-        job.cuda_ready = torch.cuda.Event()
-        job.cuda_ready.record(torch.cuda.current_stream())
-        self._copy_stream.wait_event(job.cuda_ready)
 
     def _skipped(self, handle: SaveHandle, t0: float) -> SaveHandle:
         log.warning("fastckpt: skipped checkpoint %r (step %d): all %d staging slots are busy (when_busy=skip)",
@@ -258,12 +263,12 @@ class Checkpointer:
         with self._lock:
             return [h.name for h in self._pending]
 
-    def wait_staged(self) -> None:
-        """Block until every pending snapshot is in host memory (call before mutating)."""
+    def wait_staged(self, *, host: bool = False) -> None:
+        """Block until every pending snapshot's copies are queued; see ``SaveHandle.wait_staged``."""
         with self._lock:
             pending = list(self._pending)
         for h in pending:
-            h.wait_staged()
+            h.wait_staged(host=host)
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every pending save is committed (and uploaded, with a remote tier); raises a
@@ -410,8 +415,10 @@ class Checkpointer:
         return self.reader(step, name=name).load(map_location)
 
     def load_into(self, target: Any, step: int | None = None, *, name: str | None = None) -> Any:
-        """Copy a saved state into ``target``'s tensors in place."""
-        return self.reader(step, name=name).load_into(target)
+        """Copy a saved state into ``target``'s tensors in place (after pending lazy copies have read them)."""
+        reader = self.reader(step, name=name)
+        self.wait_staged()
+        return reader.load_into(target)
 
     def delete(self, name: str) -> Future:
         """Delete a committed checkpoint (both copies, with a remote tier) after every save (and upload)
@@ -544,6 +551,21 @@ def _address(t: torch.Tensor) -> int:
     """Where ``t``'s data starts; a DTensor's (FSDP2 parameter, its optimizer state) is its local block's."""
     local = getattr(t, "_local_tensor", None)
     return (local if isinstance(local, torch.Tensor) else t).data_ptr()
+
+
+def _eager_ptrs(flat: Any, eager: Any) -> set[int]:
+    """Addresses of the tensors ``save(eager=...)`` names: tensors, or fnmatch patterns of flattened keys."""
+    if isinstance(eager, (str, torch.Tensor)):
+        eager = [eager]
+    patterns = [e for e in eager if isinstance(e, str)]
+    ptrs = {_address(t) for t in eager if isinstance(t, torch.Tensor)}
+    bad = [e for e in eager if not isinstance(e, (str, torch.Tensor))]
+    if bad:
+        raise ConfigError(f"save(eager=...) takes tensors or key patterns (str), got {type(bad[0]).__name__}")
+    if patterns:
+        ptrs.update(_address(src) for key, src in zip(flat.keys, flat.lazy_src)
+                    if any(fnmatch.fnmatchcase(key, p) for p in patterns))
+    return ptrs
 
 
 def _remaining(deadline: float | None) -> float | None:

@@ -8,9 +8,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable
 
-import torch
-
 from .errors import FastCkptError
+from .streams import gpu_wait, host_wait, pending
 
 __all__ = ["SaveHandle", "SaveStats", "CheckpointInfo"]
 
@@ -33,6 +32,8 @@ class SaveStats:
 
     ``waited_ms`` is the time callers spent blocked in ``wait_staged`` for this save (the
     optimizer pre-hook included): the stall the lazy copy cost the training thread.
+    ``staging_ms`` is when the host copy was complete. On CUDA the copies are asynchronous and it
+    is when an I/O worker saw the last one done: an upper bound, later if the workers were busy.
     ``nbytes`` is the size of the whole checkpoint (known on the committing rank); ``written_bytes``
     what this process wrote (all of it, unless ``distributed=True`` ranks share the writes).
     """
@@ -73,13 +74,18 @@ class SaveHandle:
     stats: SaveStats
     skipped: bool = False
     _staged: threading.Event = field(default_factory=threading.Event)
-    _cuda_events: list = field(default_factory=list)
+    _cuda_events: list = field(default_factory=list)  # (device, event) of each queued device-to-host copy
     _durable: Future = field(default_factory=Future)
     _on_error_seen: Callable[["SaveHandle"], None] | None = None
     _upload: Future | None = None  # set when this save is also uploaded to the remote tier
 
-    def wait_staged(self, timeout: float | None = None) -> None:
-        """Block until the host copy is complete: the source tensors may change after this."""
+    def wait_staged(self, timeout: float | None = None, *, host: bool = False) -> None:
+        """Block until the copies are queued: the source tensors may change after this (see docs/API.md).
+
+        On CUDA the copies may still run: later work on each source device's *current stream* is
+        ordered after them, without blocking the host; other streams are not. ``host=True`` also
+        blocks until they are done (the host buffers are complete), which orders every stream.
+        """
         if not self._staged.is_set():
             t0 = time.perf_counter()
             done = self._staged.wait(timeout)
@@ -89,11 +95,12 @@ class SaveHandle:
         if not done:
             raise TimeoutError(f"checkpoint {self.name!r} was not staged within {timeout}s")
         if self._cuda_events:
-            # GPU-side ordering: kernels queued after this point wait for the copy
-            # without blocking the host.
-            stream = torch.cuda.current_stream()
-            for ev in self._cuda_events:
-                stream.wait_event(ev)
+            if host:
+                host_wait(self._cuda_events)
+            else:  # GPU-side ordering: kernels queued next on each device wait, the host does not
+                gpu_wait(self._cuda_events)
+            # every optimizer step calls this for every pending save: finished copies need no wait again
+            self._cuda_events = pending(self._cuda_events)
 
     def staged(self) -> bool:
         """Whether staging finished (non-blocking)."""

@@ -32,6 +32,7 @@ from .handle import CheckpointInfo, SaveHandle
 from .plan import Plan, Shard
 from .priority import lower_this_thread
 from .staging import HostArena, Slot, copy_entries
+from .streams import CudaCopy, host_wait, record_done, shard_events
 from .distributed import Coordinator
 from .storage import Storage, aligned_buffer
 from .tiers import ShmTier
@@ -49,7 +50,7 @@ class Job:
     handle: SaveHandle
     plan: Plan
     slot: Slot
-    tensors: list[torch.Tensor]
+    tensors: list[torch.Tensor | None]  # a source is dropped once its copy is queued (GPU memory)
     keys: list[str]
     numpy: list[bool]
     tree: Any
@@ -58,11 +59,11 @@ class Job:
     t0: float
     uid: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     writes: list[Future] = field(default_factory=list)
-    cuda_ready: Any = None  # event on the caller's stream at save() time
-    copy_stream: Any = None
+    cuda: CudaCopy | None = None  # per-device streams and ready events, when any tensor is on CUDA
     error: BaseException | None = None
     reported: bool = False  # the error was already raised from save() itself
-    shard_events: dict[int, Any] = field(default_factory=dict)
+    shard_events: dict[tuple[int, int], Any] = field(default_factory=dict)  # (shard, device) -> copied event
+    copied_at: dict[int, float] = field(default_factory=dict)  # shard -> when its CUDA copies were seen done
     dtensors: list[dict[str, Any]] = field(default_factory=list)  # DTensorRecord.as_json() of each DTensor leaf
 
 
@@ -93,9 +94,9 @@ class Pipeline:
     # ---- called by the Checkpointer on the training thread -------------------------
 
     def stage_now(self, job: Job, shards: list[Shard]) -> None:
-        """Copy ``shards`` synchronously (eager tensors) and queue their writes."""
+        """Copy ``shards`` now (eager tensors; CUDA ones are queued on the eager streams) and queue their writes."""
         for shard in shards:
-            self._copy_shard(job, shard)
+            self._copy_shard(job, shard, job.cuda.eager if job.cuda is not None else None)
 
     def submit(self, job: Job, lazy: list[Shard]) -> None:
         """Queue ``job``: the copy thread stages ``lazy`` shards, then the committer commits."""
@@ -140,32 +141,33 @@ class Pipeline:
                 return
             job, shards = item  # type: ignore[misc]
             try:
-                if job.cuda_ready is not None:
-                    job.copy_stream.wait_event(job.cuda_ready)
+                if job.cuda is not None:
+                    job.cuda.begin_lazy()
                 for shard in shards:
-                    self._copy_shard(job, shard)
+                    self._copy_shard(job, shard, job.cuda.lazy if job.cuda is not None else None)
             except BaseException as e:  # noqa: BLE001 - reported through the job
                 job.error = e
             finally:
-                job.handle._cuda_events = list(job.shard_events.values())
-                job.handle.stats.staging_ms = (time.perf_counter() - job.t0) * 1e3
+                job.handle._cuda_events = [(d, ev) for (_, d), ev in job.shard_events.items()]
+                if job.cuda is None:  # CUDA copies are only queued here: timed when seen done (_write_shard)
+                    job.handle.stats.staging_ms = (time.perf_counter() - job.t0) * 1e3
                 job.handle._staged.set()
 
-    def _copy_shard(self, job: Job, shard: Shard) -> None:
+    def _copy_shard(self, job: Job, shard: Shard, streams: dict[int, Any] | None) -> None:
         buf = job.slot.buffer(shard)
-        copy_entries(buf, shard.entries, job.tensors, job.copy_stream)
-        if job.copy_stream is not None and any(job.tensors[e.index].is_cuda for e in shard.entries):
-            ev = torch.cuda.Event()
-            ev.record(job.copy_stream)
-            job.shard_events[shard.index] = ev
+        for d in copy_entries(buf, shard.entries, job.tensors, streams):
+            job.shard_events[(shard.index, d)] = record_done(streams[d])  # type: ignore[index]
+        for e in shard.entries:
+            job.tensors[e.index] = None  # queued (record_stream keeps a CUDA source's memory): drop it now
         job.writes.append(self._io.submit(self._write_shard, job, shard))
 
     # ---- I/O workers -----------------------------------------------------------------
 
     def _write_shard(self, job: Job, shard: Shard) -> tuple[int, FileRecord, list[int]]:
-        ev = job.shard_events.get(shard.index)
-        if ev is not None:
-            ev.synchronize()
+        events = shard_events(job.shard_events, shard.index)
+        if events:
+            host_wait(events)  # blocking events: this worker sleeps until the DMA has filled the buffer
+            job.copied_at[shard.index] = time.perf_counter()
         buf = job.slot.held(shard)
         header = shard_header(shard, job.handle.step, job.keys)
         crc = crc32c(header)
@@ -217,8 +219,7 @@ class Pipeline:
                     self._commit_together(job, [], e)
                 except BaseException:  # noqa: BLE001 - the local error ``e`` is the one to raise
                     pass
-            for ev in job.shard_events.values():
-                ev.synchronize()  # never recycle a buffer a DMA may still be writing
+            host_wait((d, ev) for (_, d), ev in job.shard_events.items())  # never recycle a buffer a DMA may still be writing
             for f in job.writes:
                 if not f.done():
                     f.exception()
@@ -242,10 +243,12 @@ class Pipeline:
         if job.error is not None:
             raise job.error
         if job.slot.dir is not None and not job.slot.recovered:
-            for ev in job.shard_events.values():
-                ev.synchronize()
+            host_wait((d, ev) for (_, d), ev in job.shard_events.items())
             ShmTier.write_record(job.slot.dir, job)  # from here a crash loses nothing staged
-        return [f.result() for f in job.writes]
+        results = [f.result() for f in job.writes]
+        if job.copied_at:  # CUDA: staged when the last copy was seen done, not when it was queued
+            job.handle.stats.staging_ms = (max(job.copied_at.values()) - job.t0) * 1e3
+        return results
 
     def _commit_together(self, job: Job, results: list[Any], error: BaseException | None) -> CheckpointInfo:
         """The distributed commit: gather to rank 0, rank 0 commits, everyone learns the verdict."""

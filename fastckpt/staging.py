@@ -6,8 +6,10 @@ saves never overlap holds a single copy of the state. When ``max_host_bytes`` is
 smaller than the state, one slot streams the shards through a ring of chunk
 buffers that writers hand back, so staging memory stays bounded.
 
-Buffers are page-aligned (``mmap``) on CPU so writers can use O_DIRECT, and pinned
-on CUDA so device-to-host copies run asynchronously on a side stream.
+Buffers are page-aligned, exact-size ``mmap`` regions so writers can use O_DIRECT. On
+CUDA they are also page-locked with ``cudaHostRegister`` (shared-memory ones too), so
+device-to-host copies run asynchronously on a side stream. Not ``torch.empty(pin_memory=True)``:
+the caching host allocator rounds every buffer up to a power of two and keeps it after close.
 """
 from __future__ import annotations
 
@@ -15,26 +17,53 @@ import ctypes
 import mmap
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 import torch
 
+from .errors import FastCkptError
 from .plan import Plan, Shard, TensorEntry
 
 if TYPE_CHECKING:
     from .tiers import ShmTier
 
-__all__ = ["HostArena", "Slot", "copy_entries", "entry_view"]
+__all__ = ["HostArena", "Pinned", "Slot", "copy_entries", "entry_view"]
+
+
+_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every device's context, not only the current one
+
+
+class Pinned:
+    """Keeps ``mm`` page-locked for CUDA (``cudaHostRegister``) until ``release()`` or collection."""
+
+    def __init__(self, mm: mmap.mmap, buf: torch.Tensor, what: str) -> None:
+        self.mm = mm
+        self._ptr = buf.data_ptr()
+        err = int(torch.cuda.cudart().cudaHostRegister(self._ptr, len(mm), _HOST_REGISTER_PORTABLE))
+        if err != 0:
+            self._ptr = 0
+            raise FastCkptError(f"cannot page-lock {len(mm)} bytes of {what} for CUDA copies (cudaHostRegister "
+                                f"error {err}); lower staging.max_host_bytes, or set staging.shm=false if it is on")
+
+    def release(self) -> None:
+        """Called when the arena drops the buffer: unlock it before it is unmapped."""
+        ptr, self._ptr = self._ptr, 0
+        if ptr:
+            torch.cuda.cudart().cudaHostUnregister(ptr)
+
+    def __del__(self) -> None:
+        try:
+            self.release()
+        except Exception:  # noqa: BLE001 - interpreter shutdown: the process frees it anyway
+            pass
 
 
 def _alloc(nbytes: int, pin: bool) -> tuple[object, torch.Tensor]:
-    if pin:
-        t = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=True)
-        return t, t
     # Page-aligned and zero-filled lazily by the kernel. No MADV_HUGEPAGE: with THP defrag
     # set to "madvise", first touches can stall in direct compaction.
     mm = mmap.mmap(-1, max(nbytes, 1))
-    return mm, torch.frombuffer(mm, dtype=torch.uint8)
+    buf = torch.frombuffer(mm, dtype=torch.uint8)
+    return (Pinned(mm, buf, "host staging memory") if pin else mm), buf
 
 
 @dataclass(eq=False)
@@ -160,10 +189,12 @@ class HostArena:
                 slot._keep.append(keep)
                 slot._free.append(buf)
                 self._count(biggest)
-        elif self._shm is not None and not pin:
+        elif self._shm is not None:
             slot.dir = self._shm.new_slot_dir()
             for shard in shards:
                 keep, buf = self._shm.alloc(slot.dir, shard.index, shard.nbytes)
+                if pin:  # crash recovery in GPU training: the shm mapping itself takes the async copies
+                    keep = Pinned(keep, buf, f"shared memory under {slot.dir}")  # type: ignore[arg-type]
                 slot._keep.append(keep)
                 slot._buffers[shard.index] = buf
                 self._count(shard.nbytes)
@@ -192,6 +223,9 @@ class HostArena:
 
     def _drop(self, slots: list[Slot]) -> None:
         for slot in slots:
+            for keep in slot._keep:
+                if isinstance(keep, Pinned):
+                    keep.release()
             if slot.dir is not None and self._shm is not None:
                 self._shm.remove(slot.dir)
 
@@ -217,13 +251,15 @@ def _plain_bytes(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
 
 
-def copy_entries(buf: torch.Tensor, entries: Iterable[TensorEntry], tensors: list[torch.Tensor],
-                 stream: "torch.cuda.Stream | None" = None) -> None:
-    """Copy each entry's source tensor into ``buf``. CUDA sources copy asynchronously on ``stream``."""
+def copy_entries(buf: torch.Tensor, entries: Iterable[TensorEntry], tensors: list[torch.Tensor | None],
+                 streams: Mapping[int, Any] | None = None) -> set[int]:
+    """Copy each entry's source tensor into ``buf``. A CUDA source copies asynchronously on the stream of
+    its own device in ``streams``; returns those devices (their copies are in flight)."""
+    queued: set[int] = set()
     for e in entries:
         if e.nbytes == 0:
             continue
-        src = tensors[e.index].detach()
+        src = tensors[e.index].detach()  # type: ignore[union-attr]
         if _plain_bytes(src):
             # libc memmove (GIL released) runs at about twice the bandwidth of a single-threaded
             # Tensor.copy_ on the hosts we measured, and the copy thread's time is what training
@@ -235,8 +271,21 @@ def copy_entries(buf: torch.Tensor, entries: Iterable[TensorEntry], tensors: lis
             ctypes.memmove(buf.data_ptr() + e.offset, src.data_ptr(), e.nbytes)
             continue
         dst = entry_view(buf, e)
-        if src.is_cuda and stream is not None:
-            with torch.cuda.stream(stream):
-                dst.copy_(src, non_blocking=True)
+        if src.is_cuda and streams is not None:
+            _copy_async(dst, src, streams[src.device.index])
+            queued.add(src.device.index)
         else:
             dst.copy_(src)
+    return queued
+
+
+def _copy_async(dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
+    """Queue ``src`` -> ``dst`` (pinned host) on ``stream``, which belongs to ``src``'s device."""
+    with torch.cuda.device(src.device.index), torch.cuda.stream(stream):
+        # The allocator may hand src's memory to another stream once the caller frees it; the copy
+        # stream still reads it, so the block is kept until that stream's queued work is done.
+        src.record_stream(stream)
+        # A conj/neg view would be fixed up by copy_ with conj_physical_()/neg_() on the host
+        # destination, on the CPU, while the DMA is still writing it. Resolve on the device instead.
+        src = src.resolve_conj().resolve_neg()
+        dst.copy_(src, non_blocking=True)

@@ -1,0 +1,123 @@
+"""CUDA streams and events of the device-to-host copies, kept per device.
+
+A CUDA stream and an event belong to one device, and a kernel queued on a stream of
+another device is not ordered with them. So everything here is keyed by device index:
+each device whose tensors a save copies gets its own copy streams, its own ready event
+(recorded on that device's current stream when ``save()`` is called) and its own
+"copied" event per shard. Waits are queued on the current stream *of the event's
+device*, never on the calling thread's current device.
+
+Nothing here runs without a CUDA tensor in the state: on CPU-only machines the
+``CudaCopy`` of a job is ``None`` and these functions are never called.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+
+__all__ = ["CopyStreams", "CudaCopy", "cuda_devices", "gpu_wait", "host_wait", "pending", "record_done", "shard_events"]
+
+# One copy's "done" event: ``blocking`` makes ``synchronize()`` sleep in the driver instead
+# of spinning a core (an I/O worker may wait on it for the whole copy).
+_DONE_FLAGS = {"blocking": True}
+
+
+def cuda_devices(tensors: Iterable[torch.Tensor]) -> list[int]:
+    """The CUDA device indices ``tensors`` live on, sorted (empty on a CPU-only state)."""
+    return sorted({t.device.index for t in tensors if t.is_cuda})
+
+
+class CopyStreams:
+    """One stream for lazy copies and one high-priority stream for eager copies, per device.
+
+    Owned by a ``Checkpointer``; streams are created on first use, on their own device. Eager
+    copies (inside ``save()``) get their own stream so they never queue behind the previous
+    save's lazy copies, and a high priority so the training stream does not starve them.
+    """
+
+    def __init__(self) -> None:
+        self._lazy: dict[int, Any] = {}
+        self._eager: dict[int, Any] = {}
+
+    def lazy(self, device: int) -> Any:
+        """Called by ``save()``: the lazy copy stream of ``device``."""
+        if device not in self._lazy:
+            self._lazy[device] = torch.cuda.Stream(device=device)
+        return self._lazy[device]
+
+    def eager(self, device: int) -> Any:
+        """Called by ``save()``: the eager copy stream of ``device`` (lower number = higher priority)."""
+        if device not in self._eager:
+            high = torch.cuda.Stream.priority_range()[1]
+            self._eager[device] = torch.cuda.Stream(device=device, priority=high)
+        return self._eager[device]
+
+    def prepare(self, devices: list[int]) -> "CudaCopy":
+        """Called by ``save()`` on the training thread: a job's streams and ready events.
+
+        Each ready event marks where ``save()`` was called on that device's current stream:
+        the copies of that device wait for it (the state they read is computed by then).
+        """
+        ready = {}
+        for d in devices:
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(d))
+            ready[d] = ev
+        job = CudaCopy(devices=devices, ready=ready, eager={d: self.eager(d) for d in devices},
+                       lazy={d: self.lazy(d) for d in devices})
+        for d in devices:
+            job.eager[d].wait_event(ready[d])  # host-side non-blocking
+        return job
+
+
+@dataclass(eq=False)
+class CudaCopy:
+    """One save's CUDA bookkeeping: made by ``save()``, read by the copy thread."""
+
+    devices: list[int]
+    ready: dict[int, Any]
+    eager: dict[int, Any]
+    lazy: dict[int, Any]
+    lazy_waited: bool = False
+
+    def begin_lazy(self) -> None:
+        """Called by the copy thread before its first lazy copy of this job."""
+        # Like DataLoader's pin-memory thread: a thread whose current device is unset would
+        # open a stray context on GPU 0 at its first CUDA call.
+        torch.cuda.set_device(self.devices[0])
+        if not self.lazy_waited:
+            for d in self.devices:
+                self.lazy[d].wait_event(self.ready[d])
+            self.lazy_waited = True
+
+
+def record_done(stream: Any) -> Any:
+    """A blocking event recorded on ``stream``: set once every copy queued there so far is done."""
+    ev = torch.cuda.Event(**_DONE_FLAGS)
+    ev.record(stream)
+    return ev
+
+
+def shard_events(events: dict[tuple[int, int], Any], shard: int) -> list[tuple[int, Any]]:
+    """``(device, event)`` pairs of one shard, from a job's ``(shard, device) -> event`` table."""
+    return [(d, ev) for (s, d), ev in list(events.items()) if s == shard]
+
+
+def host_wait(pairs: Iterable[tuple[int, Any]]) -> None:
+    """Block this thread until each event completed (under its own device, so no stray context)."""
+    for d, ev in pairs:
+        with torch.cuda.device(d):
+            ev.synchronize()
+
+
+def gpu_wait(pairs: Iterable[tuple[int, Any]]) -> None:
+    """Make work queued next on each event's device's current stream wait for it (host does not block)."""
+    for d, ev in pairs:
+        torch.cuda.current_stream(d).wait_event(ev)
+
+
+def pending(pairs: Iterable[tuple[int, Any]]) -> list[tuple[int, Any]]:
+    """The pairs whose event has not completed: completed ones need no further wait."""
+    return [(d, ev) for d, ev in pairs if not ev.query()]
