@@ -26,7 +26,7 @@ from .pipeline import Job, Pipeline
 from .plan import Planner, flatten
 from .remote import RemoteTier, Upload, _settle
 from .staging import HostArena, Slot
-from .streams import CopyStreams, cuda_devices, gpu_wait
+from .streams import CopyStreams, CudaCopy, cuda_devices, gpu_wait
 from .tiers import ShmTier
 from .storage import Storage, open_storage
 
@@ -196,6 +196,7 @@ class Checkpointer:
         dirpath = self.storage.join(self.storage.url, name)
         stats = SaveStats(step=step, name=name)
         handle = SaveHandle(name=name, step=step, path=dirpath, stats=stats, _on_error_seen=self._mark_seen)
+        cuda = self._prepare_cuda(name, devices) if pin else None  # before a slot is taken: a failure holds none
         # new pinned buffers are registered under the state's device: no stray context on GPU 0
         with torch.cuda.device(devices[0]) if pin else contextlib.nullcontext():
             slot = self._arena.acquire(plan, pin, block=self.config.staging.when_busy == "wait")
@@ -207,13 +208,9 @@ class Checkpointer:
                   dtensors=[rec.as_json() for rec in flat.dtensors])
         if self._coord is not None:
             job.uid = self._coord.next_uid()
-        if pin:
-            try:
-                job.cuda = self._streams.prepare(devices)
-            except BaseException as e:
-                self._arena.release(slot)  # nothing was queued on it
-                raise FastCkptError(f"preparing the CUDA copies of checkpoint {name!r} on devices {devices} "
-                                    f"failed: {e}") from e
+        if cuda is not None:
+            job.cuda = cuda
+            job.devices = [str(t.device) for t in flat.tensors]  # the saved locations map_location's dict keys name
         with self._lock:
             self._pending.append(handle)
         try:
@@ -232,6 +229,14 @@ class Checkpointer:
         self._pipeline.submit(job, lazy)  # type: ignore[union-attr]
         stats.blocking_ms = (time.perf_counter() - t0) * 1e3
         return handle
+
+    def _prepare_cuda(self, name: str, devices: list[int]) -> CudaCopy:
+        """Streams and ready events of each device the state lives on (recorded now, on the caller's streams)."""
+        try:
+            return self._streams.prepare(devices)
+        except Exception as e:
+            raise FastCkptError(f"preparing the CUDA copies of checkpoint {name!r} on devices {devices} failed: "
+                                f"{e}") from e
 
     def _skipped(self, handle: SaveHandle, t0: float) -> SaveHandle:
         log.warning("fastckpt: skipped checkpoint %r (step %d): all %d staging slots are busy (when_busy=skip)",

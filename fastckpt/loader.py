@@ -23,6 +23,7 @@ from .checksum import crc32c
 from .codec import decode_tree, loads_objects
 from .errors import CheckpointNotFoundError, IntegrityError, StateMismatchError
 from .format import MANIFEST, parse_manifest, parse_meta
+from .maplocation import placer, saved_location
 from .staging import _alloc
 from .storage import Storage
 
@@ -223,18 +224,24 @@ class CheckpointReader:
     # ---- public ------------------------------------------------------------------
 
     def load(self, map_location: Any = None) -> Any:
-        """Rebuild the saved tree. Tensors land on ``map_location`` (default: CPU)."""
+        """Rebuild the saved tree. Tensors land on ``map_location`` (default: CPU; see fastckpt.maplocation)."""
+        place = placer(map_location)  # on this thread: "cuda" is the caller's current device
         objects = self._objects()
         tensors: list[Any] = [None] * len(self.entries)
 
         def read(buf: torch.Tensor, entries: list[_Entry]) -> None:
             for e in entries:
-                tensors[e.index] = self._materialize(buf, e, map_location)
+                tensors[e.index] = self._materialize(buf, e, None)
 
         self._for_each_file(read)
         for e in self.entries:
             if e.nbytes == 0:
-                tensors[e.index] = self._materialize(None, e, map_location)
+                tensors[e.index] = self._materialize(None, e, None)
+        if place is not None:  # here, not in the read threads: a callable runs on the caller's thread
+            source = self.storage.join(self.dirpath, self.manifest["meta"])
+            for e in self.entries:
+                if not e.numpy:
+                    tensors[e.index] = place(tensors[e.index], saved_location(self.meta["tensors"][e.index], source))
         for d in self.dtensors:  # the tree refers to a DTensor by its first block: put the whole there
             blocks = [tensors[i] for i in d.entries]
             full = torch.empty(d.shape, dtype=d.dtype, device=blocks[0].device)
@@ -257,7 +264,7 @@ class CheckpointReader:
         if e.numpy:
             return t.numpy()
         if map_location is not None:
-            t = _map(t, map_location)
+            t = placer(map_location)(t, saved_location(self.meta["tensors"][e.index], self.dirpath))  # type: ignore[misc]
         return t
 
     def load_into(self, target: Any) -> Any:
@@ -349,14 +356,6 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def _region(offsets: tuple[int, ...], shape: Any) -> tuple[slice, ...]:
     return tuple(slice(o, o + n) for o, n in zip(offsets, shape))
-
-
-def _map(t: torch.Tensor, map_location: Any) -> torch.Tensor:
-    if callable(map_location):
-        return map_location(t, "cpu")
-    if isinstance(map_location, dict):
-        return t.to(map_location.get("cpu", "cpu"))
-    return t.to(map_location)
 
 
 def _split(path: str) -> str:

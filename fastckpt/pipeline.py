@@ -60,6 +60,7 @@ class Job:
     uid: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     writes: list[Future] = field(default_factory=list)
     cuda: CudaCopy | None = None  # per-device streams and ready events, when any tensor is on CUDA
+    devices: list[str] = field(default_factory=list)  # each tensor's device (CUDA saves): map_location's key
     error: BaseException | None = None
     reported: bool = False  # the error was already raised from save() itself
     shard_events: dict[tuple[int, int], Any] = field(default_factory=dict)  # (shard, device) -> copied event
@@ -296,6 +297,7 @@ class Pipeline:
                 "key": job.keys[e.index], "dtype": str(e.dtype).removeprefix("torch."), "shape": list(e.shape),
                 "file": shard_file_name(e.shard, job.uid), "offset": header_len[e.shard] + e.offset,
                 "nbytes": e.nbytes, "crc32c": crcs[e.index], "numpy": job.numpy[e.index],
+                **({"device": job.devices[e.index]} if job.devices and job.devices[e.index] != "cpu" else {}),
             }
             for e in job.plan.entries
         ]

@@ -160,6 +160,8 @@ class FastAccelerateCheckpointing:
         state = self._read(path)
         meta = read_meta(state, path)
         kwargs.pop("map_location", None)  # tensors load on CPU; load_state_dict moves them to each parameter
+        for ckpt in list(self._checkpointers.values()):  # restore_state writes parameters lazy copies may read
+            ckpt.wait_staged()
         restore_state(self._accelerator, state, path, **kwargs)
         if not restore_process_state(self._accelerator, state):
             logger.warning("%s has no RNG/dataloader state for process %d", path, self._accelerator.process_index)

@@ -48,6 +48,13 @@ class FastCheckpointCallback(Callback):
         # Not torch's step pre-hook: Lightning passes a closure, and that hook fires before training_step.
         self._plugin.wait_staged()
 
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Callbacks that run next may write parameters in place (an EMA swap): lazy copies first."""
+        self._plugin.wait_staged()
+
+    on_test_start = on_validation_start
+    on_predict_start = on_validation_start
+
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Finish copies before callbacks like SWA overwrite weights and the strategy moves the model to CPU."""
         self._plugin.wait_staged()

@@ -168,6 +168,7 @@ class FastCheckpointIO(CheckpointIO):
         """Read a checkpoint (pointer, core folder or torch file). Called on every rank when resuming."""
         # Fabric may load right after saving: let this process's pending pointers appear first.
         self._publisher.drain()
+        self.wait_staged()  # the caller writes what it loads into parameters that lazy copies may still read
         # `weights_only` needs no handling: the core rebuilds objects only through torch's weights_only unpickler.
         return read_checkpoint(
             os.fspath(path),
