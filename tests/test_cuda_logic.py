@@ -331,3 +331,29 @@ def test_pinned_buffers_are_exact_registered_and_released(tmp_path, monkeypatch,
     arena.release(slot)
     arena.close()
     assert sorted(cudart.unregistered) == sorted(cudart.registered)
+
+
+def test_lightning_in_place_write_at_validation_start_comes_after_the_lazy_copy(tmp_path) -> None:
+    """A callback that writes parameters in place when validation starts (loading EMA weights) runs after
+    the save at the epoch's last step, with no optimizer step between: the plugin's callback must wait first."""
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+    from tests.lightning_support import GatedIO, RecordAfterStep, ResumableBatches, TinyModule, make_trainer
+
+    class Validated(TinyModule):
+        def validation_step(self, batch, batch_idx):
+            return nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+    class LoadEmaAtValidation(Callback):
+        def on_validation_start(self, trainer, pl_module) -> None:
+            with torch.no_grad():
+                for p in pl_module.parameters():
+                    p.mul_(0.5)
+
+    plugin = GatedIO()  # lazy copies held until the training thread first waits for them
+    recorder = RecordAfterStep()
+    saves = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1)
+    trainer = make_trainer([recorder, saves, LoadEmaAtValidation()], plugin, max_epochs=1)
+    trainer.fit(Validated(), train_dataloaders=ResumableBatches(), val_dataloaders=ResumableBatches())
+    saved = plugin.load_checkpoint(str(tmp_path / "epoch=0-step=4.ckpt"))
+    assert_bit_equal({k: saved[k] for k in ("state_dict", "optimizer_states")}, recorder.by_step[4])
