@@ -22,6 +22,9 @@ __all__ = ["CopyStreams", "CudaCopy", "cuda_devices", "gpu_wait", "host_wait", "
 # One copy's "done" event: ``blocking`` makes ``synchronize()`` sleep in the driver instead
 # of spinning a core (an I/O worker may wait on it for the whole copy).
 _DONE_FLAGS = {"blocking": True}
+# Lower is higher. torch maps a priority past the device's range to the nearest valid one, so this
+# is the highest the device offers (torch.cuda.Stream's documented clamping).
+_HIGHEST_PRIORITY = -64
 
 
 def cuda_devices(tensors: Iterable[torch.Tensor]) -> list[int]:
@@ -50,8 +53,7 @@ class CopyStreams:
     def eager(self, device: int) -> Any:
         """Called by ``save()``: the eager copy stream of ``device`` (lower number = higher priority)."""
         if device not in self._eager:
-            high = torch.cuda.Stream.priority_range()[1]
-            self._eager[device] = torch.cuda.Stream(device=device, priority=high)
+            self._eager[device] = torch.cuda.Stream(device=device, priority=_HIGHEST_PRIORITY)
         return self._eager[device]
 
     def prepare(self, devices: list[int]) -> "CudaCopy":
@@ -120,4 +122,9 @@ def gpu_wait(pairs: Iterable[tuple[int, Any]]) -> None:
 
 def pending(pairs: Iterable[tuple[int, Any]]) -> list[tuple[int, Any]]:
     """The pairs whose event has not completed: completed ones need no further wait."""
-    return [(d, ev) for d, ev in pairs if not ev.query()]
+    left = []
+    for d, ev in pairs:
+        with torch.cuda.device(d):
+            if not ev.query():
+                left.append((d, ev))
+    return left

@@ -230,10 +230,6 @@ class FakeStream:
     def wait_event(self, ev) -> None:
         self.waited.append(ev)
 
-    @staticmethod
-    def priority_range():
-        return (0, -5)
-
 
 class FakeCuda:
     """Stands in for the few torch.cuda entry points the bookkeeping calls."""
@@ -280,7 +276,7 @@ def test_copy_streams_and_ready_events_are_per_device(monkeypatch) -> None:
     for d in (0, 2):
         assert job.ready[d].recorded is fake.current_streams[d]  # each device's own compute stream
         assert job.eager[d].device == d and job.lazy[d].device == d
-        assert job.eager[d].priority == -5 and job.lazy[d].priority == 0
+        assert job.eager[d].priority < job.lazy[d].priority == 0  # eager copies: a higher priority
         assert job.eager[d].waited == [job.ready[d]]
         assert job.eager[d] is not job.lazy[d]
     job.begin_lazy()
