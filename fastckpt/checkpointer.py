@@ -165,10 +165,14 @@ class Checkpointer:
         self._hooks.append(wh)
         return wh
 
-    def save(self, state: Any, step: int, *, name: str | None = None, eager: Any = ()) -> SaveHandle:
-        """Snapshot ``state``; returns once eager tensors are copied (milliseconds). ``eager``: tensors, or
-        fnmatch patterns of their keys, to copy inside ``save()`` even though a watched optimizer owns them
-        (written in place before the next ``step()``: an embedding's ``max_norm``, an EMA swap)."""
+    def save(self, state: Any, step: int, *, name: str | None = None, eager: Any = (), lazy: Any = ()) -> SaveHandle:
+        """Snapshot ``state``; returns once eager tensors are copied (milliseconds).
+
+        ``eager``: tensors, or fnmatch patterns of their keys, copied inside ``save()`` even though a
+        watched optimizer owns them (written in place before the next ``step()``: an embedding's
+        ``max_norm``, an EMA swap). ``lazy``: tensors nothing writes before the next ``step()`` although
+        no watched optimizer owns them (frozen or LoRA base weights), copied in the background too.
+        """
         t0 = time.perf_counter()
         self._check_open()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -187,7 +191,7 @@ class Checkpointer:
                         f"DTensor {rec.key!r} is sharded over {rec.layout.mesh_size} ranks, and this Checkpointer "
                         "saves alone; construct it with distributed=True on every rank (each then writes its own "
                         "blocks)")
-        lazy_ptrs = self._lazy_ptrs() - _eager_ptrs(flat, eager)
+        lazy_ptrs = self._lazy_ptrs(_named_ptrs(flat, lazy, "lazy"), _named_ptrs(flat, eager, "eager"))
         plan = self._planner.plan(flat, lambda t: t.data_ptr() in lazy_ptrs)
         if self._coord is not None:
             self._coord.assign(plan)
@@ -249,9 +253,9 @@ class Checkpointer:
         self.stats.append(handle.stats)
         return handle
 
-    def _lazy_ptrs(self) -> set[int]:
+    def _lazy_ptrs(self, also: set[int], never: set[int]) -> set[int]:
         if self.config.staging.mode != "lazy":
-            return set()
+            return set()  # eager mode: save(lazy=...) is ignored too
         # Addresses, not tensor objects: state_dict() hands out detached aliases. A tensor is
         # lazy only if it starts exactly where a watched param/state tensor starts.
         ptrs: set[int] = set()
@@ -261,7 +265,7 @@ class Checkpointer:
             for st in opt.state.values():
                 ptrs.update(_address(v) for v in st.values() if isinstance(v, torch.Tensor))
         ptrs.discard(0)
-        return ptrs
+        return (ptrs | also) - never
 
     def pending_names(self) -> list[str]:
         """Names of saves submitted but not yet committed or failed, oldest first."""
@@ -558,15 +562,16 @@ def _address(t: torch.Tensor) -> int:
     return (local if isinstance(local, torch.Tensor) else t).data_ptr()
 
 
-def _eager_ptrs(flat: Any, eager: Any) -> set[int]:
-    """Addresses of the tensors ``save(eager=...)`` names: tensors, or fnmatch patterns of flattened keys."""
-    if isinstance(eager, (str, torch.Tensor)):
-        eager = [eager]
-    patterns = [e for e in eager if isinstance(e, str)]
-    ptrs = {_address(t) for t in eager if isinstance(t, torch.Tensor)}
-    bad = [e for e in eager if not isinstance(e, (str, torch.Tensor))]
+def _named_ptrs(flat: Any, names: Any, what: str) -> set[int]:
+    """Addresses of the tensors ``save(eager=/lazy=...)`` names: tensors, or fnmatch patterns of flattened keys."""
+    if isinstance(names, (str, torch.Tensor)):
+        names = [names]
+    names = list(names)
+    patterns = [e for e in names if isinstance(e, str)]
+    ptrs = {_address(t) for t in names if isinstance(t, torch.Tensor)}
+    bad = [e for e in names if not isinstance(e, (str, torch.Tensor))]
     if bad:
-        raise ConfigError(f"save(eager=...) takes tensors or key patterns (str), got {type(bad[0]).__name__}")
+        raise ConfigError(f"save({what}=...) takes tensors or key patterns (str), got {type(bad[0]).__name__}")
     if patterns:
         ptrs.update(_address(src) for key, src in zip(flat.keys, flat.lazy_src)
                     if any(fnmatch.fnmatchcase(key, p) for p in patterns))

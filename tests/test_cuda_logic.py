@@ -353,3 +353,22 @@ def test_lightning_in_place_write_at_validation_start_comes_after_the_lazy_copy(
     trainer.fit(Validated(), train_dataloaders=ResumableBatches(), val_dataloaders=ResumableBatches())
     saved = plugin.load_checkpoint(str(tmp_path / "epoch=0-step=4.ckpt"))
     assert_bit_equal({k: saved[k] for k in ("state_dict", "optimizer_states")}, recorder.by_step[4])
+
+
+def test_named_frozen_tensors_are_copied_lazily(tmp_path, copy_gate) -> None:
+    """save(lazy=...) moves tensors no optimizer owns (frozen base weights) out of save() into the copy thread."""
+    torch.manual_seed(0)
+    frozen, head = nn.Linear(32, 32), nn.Linear(32, 4)
+    opt = torch.optim.SGD(head.parameters(), lr=0.1)
+    with Checkpointer(CheckpointConfig(root=str(tmp_path))) as ckpt:
+        ckpt.watch(opt)
+        state = {"base": frozen.state_dict(), "head": head.state_dict()}
+        ref = clone_state(state)
+        h = ckpt.save(state, step=1, lazy=["base/*"])
+        with torch.no_grad():  # only to observe when the copy ran: a frozen weight is never written like this
+            frozen.weight.add_(1)
+        copy_gate.set()
+        h.wait(timeout=60)
+        loaded = ckpt.load()
+    assert torch.equal(loaded["base"]["weight"], ref["base"]["weight"] + 1), "copied inside save(), not lazily"
+    assert_bit_equal(ref["head"], loaded["head"])
