@@ -103,8 +103,8 @@ def copy_gate(monkeypatch):
     real = pipeline_mod.copy_entries
 
     def gated(*args, **kwargs):
-        if threading.current_thread().name.startswith("fastckpt-copy"):
-            gate.wait()
+        if threading.current_thread().name.startswith("fastckpt-copy") and not gate.wait(timeout=60):
+            raise TimeoutError("test gate never opened")  # a failing test must not hang close()
         return real(*args, **kwargs)
 
     monkeypatch.setattr(pipeline_mod, "copy_entries", gated)
