@@ -231,6 +231,10 @@ class CheckpointReader:
             tensors[d.entries[0]] = full
         return self._decode(tensors, objects)
 
+    def check_structure(self) -> None:
+        """Rebuild the tree around placeholders, reading no tensor bytes; ``fastckpt verify`` calls this."""
+        self._decode([None] * len(self.entries), self._objects())
+
     def _decode(self, tensors: list[Any], objects: list[Any]) -> Any:
         """Rebuild the tree; a malformed tree (a crafted meta file) is an IntegrityError naming the file."""
         try:

@@ -12,6 +12,7 @@ from typing import Any
 from .checksum import crc32c
 from .codec import loads_objects
 from .errors import FastCkptError, IntegrityError
+from .loader import CheckpointReader
 from .format import MANIFEST, check_shard_header, parse_manifest, parse_meta
 from .paths import confine
 from .storage import Storage
@@ -46,6 +47,11 @@ def verify_checkpoint(storage: Storage, dirpath: str) -> tuple[dict[str, Any] | 
                 loads_objects(data, [], storage.join(dirpath, name))
             except FastCkptError as e:
                 problems.append(str(e))
+    if not problems:  # the files are sound: now the structure (DTensor records, the tree) as a load sees it
+        try:
+            CheckpointReader(storage, dirpath, verify=False).check_structure()
+        except FastCkptError as e:
+            problems.append(str(e))
     return manifest, problems
 
 
