@@ -24,12 +24,8 @@ from .codec import decode_tree, loads_objects
 from .errors import CheckpointNotFoundError, FastCkptError, IntegrityError, StateMismatchError
 from .format import MANIFEST, check_shard_header, checkpoint_dir, parse_manifest, parse_meta
 from .paths import confine
-from .staging import _alloc
-from .storage import Storage
-from .table import TableEntry as _Entry
-from .table import numel as _numel
-from .table import parse_dtype as _dtype
-from .table import parse_table
+from .storage import Storage, aligned_buffer
+from .table import TableEntry, numel, parse_dtype, parse_table
 
 __all__ = ["CheckpointReader", "load_checkpoint", "is_checkpoint"]
 
@@ -84,7 +80,7 @@ class CheckpointReader:
         out = []
         try:
             for rec in self.meta.get("dtensors") or []:
-                d = _DTensor(rec["key"], _dtype(rec["dtype"], source), tuple(rec["shape"]), [int(i) for i in rec["entries"]],
+                d = _DTensor(rec["key"], parse_dtype(rec["dtype"], source), tuple(rec["shape"]), [int(i) for i in rec["entries"]],
                              [tuple(int(o) for o in off) for off in rec["offsets"]])
                 if (any(type(n) is not int or n < 0 for n in d.shape) or len(set(d.entries)) != len(d.entries)
                         or not all(0 <= i < len(self.entries) for i in d.entries)):
@@ -96,9 +92,9 @@ class CheckpointReader:
                             o < 0 or o + n > full for o, n, full in zip(off, e.shape, d.shape)):
                         raise ValueError(f"block {e.key!r} ({e.dtype}, {list(e.shape)} at {list(off)}) does not fit "
                                          f"{d.dtype} {list(d.shape)}")
-                    covered += _numel(e.shape)
-                if covered != _numel(d.shape):
-                    raise ValueError(f"its blocks hold {covered} of its {_numel(d.shape)} elements")
+                    covered += numel(e.shape)
+                if covered != numel(d.shape):
+                    raise ValueError(f"its blocks hold {covered} of its {numel(d.shape)} elements")
                 out.append(d)
         except (KeyError, TypeError, ValueError, IndexError) as e:
             raise IntegrityError(f"{source}: malformed DTensor record ({e}); the file is corrupt or foreign") from e
@@ -147,8 +143,8 @@ class CheckpointReader:
             keep, view = mapper(path, rec["size"])
             buf = torch.frombuffer(keep, dtype=torch.uint8)
         else:
-            keep, buf = _alloc(rec["size"], pin=False)
-            view = memoryview(buf.numpy())[: rec["size"]]
+            keep, view = aligned_buffer(rec["size"])
+            buf = torch.frombuffer(keep, dtype=torch.uint8)
             self.storage.read_into(path, 0, view)
         if self.verify:
             actual = crc32c(view)
@@ -171,13 +167,13 @@ class CheckpointReader:
             return []
         return loads_objects(self._read_small(name), self.allowed, self.storage.join(self.dirpath, name))
 
-    def _by_file(self) -> dict[str, list[_Entry]]:
-        files: dict[str, list[_Entry]] = {}
+    def _by_file(self) -> dict[str, list[TableEntry]]:
+        files: dict[str, list[TableEntry]] = {}
         for e in self.entries:
             files.setdefault(e.file, []).append(e)
         return files
 
-    def _for_each_file(self, fn: Callable[[torch.Tensor, list[_Entry]], None],
+    def _for_each_file(self, fn: Callable[[torch.Tensor, list[TableEntry]], None],
                        private: set[str] | None = None) -> None:
         """Read (and verify) shard files, then hand each buffer and its entries to ``fn``.
 
@@ -215,7 +211,7 @@ class CheckpointReader:
         objects = self._objects()
         tensors: list[Any] = [None] * len(self.entries)
 
-        def read(buf: torch.Tensor, entries: list[_Entry]) -> None:
+        def read(buf: torch.Tensor, entries: list[TableEntry]) -> None:
             for e in entries:
                 tensors[e.index] = self._materialize(buf, e, map_location)
 
@@ -245,7 +241,7 @@ class CheckpointReader:
             raise IntegrityError(f"{self.storage.join(self.dirpath, self.manifest['meta'])}: malformed tree "
                                  f"({type(e).__name__}: {str(e)[:200]}); the file is corrupt or crafted") from e
 
-    def _materialize(self, buf: torch.Tensor | None, e: _Entry, map_location: Any) -> Any:
+    def _materialize(self, buf: torch.Tensor | None, e: TableEntry, map_location: Any) -> Any:
         if buf is None or e.nbytes == 0:
             t = torch.empty(e.shape, dtype=e.dtype)
         else:
@@ -307,7 +303,7 @@ class CheckpointReader:
         fresh: dict[str, torch.Tensor] = {}  # DTensors the target lacks: loaded whole
         fresh_lock = threading.Lock()  # files are read on several threads
 
-        def read(buf: torch.Tensor, entries: list[_Entry]) -> None:
+        def read(buf: torch.Tensor, entries: list[TableEntry]) -> None:
             for e in entries:
                 src = self._materialize(buf, e, None)
                 key, off = place[e.index]

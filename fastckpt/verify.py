@@ -12,8 +12,8 @@ from typing import Any
 from .checksum import crc32c
 from .codec import loads_objects
 from .errors import FastCkptError, IntegrityError
-from .loader import CheckpointReader
 from .format import MANIFEST, check_shard_header, parse_manifest, parse_meta
+from .loader import CheckpointReader
 from .paths import confine
 from .storage import Storage
 from .table import TableEntry, check_table
