@@ -479,6 +479,36 @@ def test_a_lightning_pointer_part_symlinked_outside_is_refused(tmp_path) -> None
         plugin.teardown()
 
 
+def test_a_lightning_part_with_a_dotdot_meta_name_is_refused(tmp_path) -> None:
+    from fastckpt_lightning import FastCheckpointIO
+    from fastckpt_lightning.pointer import Pointer
+
+    dirpath = tmp_path / "ckpts"
+    with Checkpointer(CheckpointConfig(root=str(dirpath))) as ckpt:
+        ckpt.save({"state_dict": {"w": torch.ones(3)}}, step=7, name="last.ckpt.state-1.fastckpt").wait()
+    c = Ckpt(dirpath / "last.ckpt.state-1.fastckpt")
+    c.manifest["meta"] = _move_outside(c, c.meta_name, tmp_path / "elsewhere")
+    c.write_manifest()
+    (dirpath / "last.ckpt").write_bytes(Pointer(("last.ckpt.state-1.fastckpt",), 7).to_bytes())
+    plugin = FastCheckpointIO()
+    try:
+        with pytest.raises(UnsafeCheckpointError, match=r"\.\./elsewhere"):
+            plugin.load_checkpoint(str(dirpath / "last.ckpt"))
+    finally:
+        plugin.teardown()
+
+
+def test_a_crafted_last_pointer_does_not_stop_finding_the_newest(tmp_path, caplog) -> None:
+    from fastckpt_lightning.model_checkpoint import find_last_checkpoint
+    from fastckpt_lightning.pointer import Pointer
+
+    tmp_path.joinpath("last.ckpt").write_bytes(Pointer(("a.fastckpt",), 3).to_bytes())
+    tmp_path.joinpath("last-v1.ckpt").write_bytes(Pointer(("x",), 9).to_bytes().replace(b'"x"', b'"../../etc"'))
+    with caplog.at_level(logging.WARNING, logger="fastckpt"):
+        assert find_last_checkpoint(str(tmp_path)) == str(tmp_path / "last.ckpt")
+    assert "last-v1.ckpt" in caplog.text
+
+
 # ---- 12: Accelerate folders never run pickled code unless the user opts in --------------
 
 
