@@ -8,6 +8,7 @@ here, with ``verify_on_load`` on or off: bounds checks are not checksums.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 from typing import Any
 
 import torch
@@ -18,6 +19,10 @@ from .paths import plain_name
 __all__ = ["TableEntry", "parse_table", "check_table", "parse_dtype", "numel", "MAX_DIMS"]
 
 MAX_DIMS = 64  # torch's own limit on tensor dimensions
+# dtypes whose bytes cannot be viewed or copied as a plain tensor (quantized, sub-byte): a table naming
+# one would fail deep inside torch with an unnamed error, and no fastckpt writer produces them.
+_UNLOADABLE = frozenset({"bit", "qint8", "qint32", "quint8", "quint4x2", "quint2x4"}
+                        | {f"{sign}int{bits}" for sign in ("", "u") for bits in range(1, 8)})
 _CRC_LIMIT = 1 << 32
 
 
@@ -46,7 +51,8 @@ def numel(shape: tuple[int, ...]) -> int:
 
 def parse_dtype(name: object, source: str) -> torch.dtype:
     """The torch dtype called ``name`` (``"float32"``); IntegrityError naming ``source`` otherwise."""
-    dtype = getattr(torch, name, None) if isinstance(name, str) and name.isidentifier() else None
+    known = isinstance(name, str) and name.isidentifier() and name not in _UNLOADABLE
+    dtype = getattr(torch, name, None) if known else None
     if not isinstance(dtype, torch.dtype):
         raise IntegrityError(f"{source}: unknown dtype {name!r:.80}; the file is corrupt or written by a newer torch")
     return dtype
@@ -96,6 +102,8 @@ def _row(index: int, row: Any, files: dict[str, dict[str, int]], source: str) ->
     crc = _int(row.get("crc32c"), "crc32c", where)
     if crc >= _CRC_LIMIT or not isinstance(row.get("numpy", False), bool):
         raise IntegrityError(f"{where}: crc32c {crc} or numpy {row.get('numpy')!r:.20} is out of range")
+    if row.get("numpy") and not _numpy_has(dtype):
+        raise IntegrityError(f"{where}: marked as a numpy array, but numpy has no {dtype}")
     if numel(dims) * dtype.itemsize != nbytes:
         raise IntegrityError(f"{where}: {dtype} {list(dims)} takes {numel(dims) * dtype.itemsize} bytes but the "
                              f"table says {nbytes}; the file is corrupt or crafted")
@@ -104,6 +112,15 @@ def _row(index: int, row: Any, files: dict[str, dict[str, int]], source: str) ->
         raise IntegrityError(f"{where}: bytes [{offset}, {offset + nbytes}) lie past the end of {file!r} "
                              f"({size} bytes by the manifest)")
     return TableEntry(index, row["key"], dtype, dims, file, offset, nbytes, crc, row.get("numpy", False))
+
+
+@cache
+def _numpy_has(dtype: torch.dtype) -> bool:
+    try:
+        torch.empty(0, dtype=dtype).numpy()  # no bytes: asks torch whether numpy has this dtype
+        return True
+    except (TypeError, RuntimeError):
+        return False
 
 
 def _int(value: Any, field: str, where: str) -> int:
