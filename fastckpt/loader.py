@@ -237,7 +237,8 @@ class CheckpointReader:
             return decode_tree(self.meta["tree"], tensors, objects)
         except FastCkptError:
             raise
-        except (ValueError, KeyError, IndexError, TypeError, RecursionError) as e:
+        except (ValueError, KeyError, IndexError, TypeError, RuntimeError, RecursionError) as e:
+            # RuntimeError: torch.device("crafted"); RecursionError is one too, named for clarity.
             raise IntegrityError(f"{self.storage.join(self.dirpath, self.manifest['meta'])}: malformed tree "
                                  f"({type(e).__name__}: {str(e)[:200]}); the file is corrupt or crafted") from e
 

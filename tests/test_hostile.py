@@ -167,6 +167,7 @@ CRAFTED: dict[str, Callable[[Ckpt], None]] = {
     "meta-objects-dotdot": _set("meta.objects", "../../objects.pt"),
     "meta-tree-bad-index": _set("meta.tree", {"D": [["a", {"T": 99}]]}),
     "meta-tree-bad-node": _set("meta.tree", {"Q": 1}),
+    "meta-tree-bad-device": _set("meta.tree", {"D": [["dev", {"dv": "nonsense:99"}]]}),
     "meta-dtensor-bad-block": _set("meta.dtensors", [{"key": "d", "dtype": "float32", "shape": [1 << 40],
                                                       "entries": [-1], "offsets": [[0]]}]),
     # tensor table rows
