@@ -152,7 +152,8 @@ def parse_manifest(data: bytes, source: str) -> dict[str, Any]:
     """
     doc = _json(data, source, "manifest")
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        raise IntegrityError(f"{source}: not a fastckpt manifest (format field is {doc.get('format') if isinstance(doc, dict) else None!r:.80})")
+        found = doc.get("format") if isinstance(doc, dict) else None
+        raise IntegrityError(f"{source}: not a fastckpt manifest (format field is {found!r:.80})")
     if doc.get("version") not in VERSIONS or type(doc.get("version")) is not int:
         raise IntegrityError(f"{source}: manifest version {doc.get('version')!r:.80} is not supported (this fastckpt "
                              f"reads {', '.join(map(str, VERSIONS))}); upgrade fastckpt")
@@ -164,7 +165,8 @@ def parse_manifest(data: bytes, source: str) -> dict[str, Any]:
     _count(doc["step"], "step", source)
     _count(doc.get("nbytes", 0), "nbytes", source)
     if not isinstance(doc["files"], dict) or not isinstance(doc.get("user", {}), dict):
-        raise IntegrityError(f"{source}: fields 'files' and 'user' must be JSON objects; the file is corrupt or foreign")
+        raise IntegrityError(f"{source}: fields 'files' and 'user' must be JSON objects; the file is corrupt "
+                             "or foreign")
     for name, rec in doc["files"].items():
         plain_name(name, "listed file", source)
         if not isinstance(rec, dict):

@@ -142,7 +142,8 @@ CRAFTED: dict[str, Callable[[Ckpt], None]] = {
     # manifests
     "manifest-not-json": _raw_manifest(b"\x00\x01garbage"),
     "manifest-not-utf8": _raw_manifest(b'{"format": "fastckpt\xff\xfe", "version": 1}'),
-    "manifest-deeply-nested": _raw_manifest(b'{"format": "fastckpt", "version": 1, "user": ' + _nested(100_000).encode() + b"}"),
+    "manifest-deeply-nested": _raw_manifest(
+        b'{"format": "fastckpt", "version": 1, "user": ' + _nested(100_000).encode() + b"}"),
     "manifest-is-a-list": _raw_manifest(b'["fastckpt", 1]'),
     "manifest-version-string": _set("manifest.version", "1"),
     "manifest-step-abc": _set("manifest.step", "abc"),
@@ -183,7 +184,8 @@ CRAFTED: dict[str, Callable[[Ckpt], None]] = {
     "row-dtype-not-a-dtype": _set("row.a.dtype", "Tensor"),
     "row-dtype-not-a-name": _set("row.a.dtype", ["float32"]),
     "row-dtype-quantized": _set("row.a.dtype", "qint32"),
-    "row-numpy-without-numpy-dtype": lambda c: (c.row("a").update(dtype="bfloat16", shape=[32], numpy=True), c.commit()),
+    "row-numpy-without-numpy-dtype": lambda c: (c.row("a").update(dtype="bfloat16", shape=[32], numpy=True),
+                                                c.commit()),
     "row-dtype-sub-byte": lambda c: (c.row("a").update(dtype="uint4", shape=[64]), c.commit()),
     "row-shape-vs-nbytes": _set("row.a.shape", [5]),
     "row-shape-absurd-zero-bytes": lambda c: (c.row("a").update(shape=[1 << 50, 1 << 10], nbytes=0), c.commit()),
@@ -455,7 +457,8 @@ def test_a_lightning_pointer_part_outside_dirpath_is_refused(tmp_path) -> None:
         ckpt.save({"state_dict": {"w": torch.ones(3)}}, step=7, name="step-7.fastckpt").wait()
     dirpath = tmp_path / "ckpts"
     dirpath.mkdir()
-    (dirpath / "last.ckpt").write_bytes(Pointer(("x",), 7).to_bytes().replace(b'"x"', b'"../elsewhere/step-7.fastckpt"'))
+    planted = Pointer(("x",), 7).to_bytes().replace(b'"x"', b'"../elsewhere/step-7.fastckpt"')
+    (dirpath / "last.ckpt").write_bytes(planted)
     plugin = FastCheckpointIO()
     try:
         with pytest.raises(UnsafeCheckpointError, match="data folder"):
