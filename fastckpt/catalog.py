@@ -5,13 +5,15 @@ store prefix that lingers after deletion) is invisible.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 
 from .config import RetentionOptions
-from .errors import CheckpointNotFoundError, FastCkptError, IntegrityError
+from .errors import CheckpointNotFoundError, FastCkptError, IntegrityError, StorageError
 from .format import MANIFEST, parse_manifest
 from .handle import CheckpointInfo
+from .paths import confine
 from .storage import Storage
 
 __all__ = ["Catalog"]
@@ -39,17 +41,27 @@ class Catalog:
         return sorted(found.values(), key=lambda i: (i.step, i.name))
 
     def info(self, name: str) -> CheckpointInfo | None:
-        """The committed checkpoint ``name``, read from its manifest, or None."""
+        """The committed checkpoint ``name``, read from its manifest, or None.
+
+        A malformed, crafted or unreadable-as-a-file manifest (or a checkpoint symlinked from outside the
+        root) is skipped with a warning naming it: one bad entry must not stop every resume from the root.
+        """
         path = self.storage.join(self.storage.url, name)
         mpath = self.storage.join(path, MANIFEST)
         try:
+            confine(self.storage.url, path, "checkpoint directory")
             doc = parse_manifest(self.storage.read_bytes(mpath), mpath)
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             return None
         except IntegrityError as e:
             log.warning("fastckpt: ignoring %s: %s", path, e)
             return None
-        return CheckpointInfo(name, int(doc["step"]), path, int(doc.get("nbytes", 0)))
+        except StorageError as e:
+            if getattr(e, "errno", None) not in (errno.EISDIR, errno.ENOTDIR):
+                raise
+            log.warning("fastckpt: ignoring %s: its %s is not a file", path, MANIFEST)
+            return None
+        return CheckpointInfo(name, doc["step"], path, doc.get("nbytes", 0))
 
     def committed(self, info: CheckpointInfo) -> None:
         """Called by the committer right after a manifest lands."""
@@ -67,12 +79,18 @@ class Catalog:
         return infos[-1].name
 
     def delete(self, name: str) -> None:
-        """Remove ``name``: manifest first, so a half-deleted checkpoint is never visible."""
-        path = self.storage.join(self.storage.url, name)
+        """Remove ``name``: manifest first, so a half-deleted checkpoint is never visible.
+
+        Only plain names under the checkpoint directory are deleted (``parse_manifest`` refuses others);
+        a malformed or crafted manifest leaves its listed files to ``delete_tree``, which stays inside.
+        """
+        path = confine(self.storage.url, self.storage.join(self.storage.url, name), "checkpoint directory")
         mpath = self.storage.join(path, MANIFEST)
         try:
             files = list(parse_manifest(self.storage.read_bytes(mpath), mpath)["files"])
-        except (FileNotFoundError, IntegrityError):
+        except (FileNotFoundError, IntegrityError) as e:
+            if isinstance(e, IntegrityError):
+                log.warning("fastckpt: deleting %s without trusting its manifest: %s", path, e)
             files = []
         self.storage.delete(mpath)
         for f in files:

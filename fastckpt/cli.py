@@ -16,14 +16,16 @@ from typing import Sequence
 
 from .config import CheckpointConfig
 from .errors import FastCkptError
-from .loader import CheckpointReader, _split
+from .format import checkpoint_dir
+from .loader import CheckpointReader
 from .storage import open_storage
+from .verify import verify_checkpoint
 
 __all__ = ["main"]
 
 
 def _reader(path: str, options: dict, verify: bool) -> CheckpointReader:
-    storage = open_storage(_split(path), options)
+    storage = open_storage(checkpoint_dir(path), options)
     return CheckpointReader(storage, storage.url, verify=verify)
 
 
@@ -40,13 +42,14 @@ def _cmd_list(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    reader = _reader(args.path, args.storage_options, verify=True)
-    files = reader._by_file()
-    for name in files:
-        reader._read_file(name)  # raises IntegrityError naming file and tensor
-    reader._objects()
-    print(f"OK  {reader.dirpath}: step {reader.step}, {len(reader.manifest['files'])} files, "
-          f"{len(reader.entries)} tensors verified")
+    storage = open_storage(checkpoint_dir(args.path), args.storage_options)
+    manifest, problems = verify_checkpoint(storage, storage.url)
+    for line in problems:  # one line per problem, so that scripts can count and grep them
+        print(f"fastckpt: error: {' '.join(line.split())}", file=sys.stderr)
+    if problems:
+        return 1
+    assert manifest is not None
+    print(f"OK  {storage.url}: step {manifest['step']}, {len(manifest['files'])} files verified")
     return 0
 
 

@@ -21,11 +21,12 @@ import torch
 from . import dtensor as dt
 from .checksum import crc32c
 from .codec import decode_tree, loads_objects
-from .errors import CheckpointNotFoundError, IntegrityError, StateMismatchError
-from .format import MANIFEST, parse_manifest, parse_meta
+from .errors import CheckpointNotFoundError, FastCkptError, IntegrityError, StateMismatchError
+from .format import MANIFEST, check_shard_header, checkpoint_dir, parse_manifest, parse_meta
 from .maplocation import placer, saved_location
-from .staging import _alloc
-from .storage import Storage
+from .paths import confine
+from .storage import Storage, aligned_buffer
+from .table import TableEntry, numel, parse_dtype, parse_table
 
 __all__ = ["CheckpointReader", "load_checkpoint", "is_checkpoint"]
 
@@ -41,26 +42,6 @@ class _DTensor:
     shape: tuple[int, ...]
     entries: list[int]
     offsets: list[tuple[int, ...]]
-
-
-@dataclass
-class _Entry:
-    index: int
-    key: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    file: str
-    offset: int
-    nbytes: int
-    crc: int
-    numpy: bool
-
-
-def _dtype(name: str, source: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise IntegrityError(f"{source}: unknown dtype {name!r}")
-    return dtype
 
 
 class CheckpointReader:
@@ -82,21 +63,16 @@ class CheckpointReader:
                 f"no committed checkpoint at {dirpath}: {MANIFEST} is missing (the save never "
                 "committed, or the path is wrong); list committed ones with Checkpointer.list()") from e
         self.manifest = parse_manifest(raw, mpath)
-        self.step: int = int(self.manifest["step"])
+        self.step: int = self.manifest["step"]
         self.name: str = self.manifest["name"]
         meta_name = self.manifest["meta"]
         self.meta = parse_meta(self._read_small(meta_name), storage.join(dirpath, meta_name))
-        try:
-            self.entries = [
-                _Entry(i, t["key"], _dtype(t["dtype"], meta_name), tuple(t["shape"]), t["file"], int(t["offset"]),
-                       int(t["nbytes"]), int(t["crc32c"]), bool(t.get("numpy")))
-                for i, t in enumerate(self.meta["tensors"])
-            ]
-        except (KeyError, TypeError, ValueError) as e:
-            raise IntegrityError(f"{storage.join(dirpath, meta_name)}: malformed tensor table ({e})") from e
+        # Bounds, sizes and overlaps, before anything is allocated: with verify off too.
+        self.entries = parse_table(self.meta["tensors"], self.manifest["files"], storage.join(dirpath, meta_name))
+        self._first_offset: dict[str, int] = {}  # per shard file: where its first tensor's bytes start
         for e in self.entries:
-            if e.file not in self.manifest["files"]:
-                raise IntegrityError(f"{meta_name}: tensor {e.key!r} points at {e.file!r}, which the manifest does not list")
+            if e.nbytes:
+                self._first_offset[e.file] = min(e.offset, self._first_offset.get(e.file, e.offset))
         self.dtensors = self._parse_dtensors(storage.join(dirpath, meta_name))
         self._blocks = {i for d in self.dtensors for i in d.entries}
 
@@ -105,8 +81,11 @@ class CheckpointReader:
         out = []
         try:
             for rec in self.meta.get("dtensors") or []:
-                d = _DTensor(rec["key"], _dtype(rec["dtype"], source), tuple(rec["shape"]), [int(i) for i in rec["entries"]],
+                d = _DTensor(rec["key"], parse_dtype(rec["dtype"], source), tuple(rec["shape"]), [int(i) for i in rec["entries"]],
                              [tuple(int(o) for o in off) for off in rec["offsets"]])
+                if (any(type(n) is not int or n < 0 for n in d.shape) or len(set(d.entries)) != len(d.entries)
+                        or not all(0 <= i < len(self.entries) for i in d.entries)):
+                    raise ValueError(f"shape {list(d.shape)} or block indices {d.entries[:8]} are out of range")
                 covered = 0
                 for i, off in zip(d.entries, d.offsets, strict=True):
                     e = self.entries[i]
@@ -114,9 +93,9 @@ class CheckpointReader:
                             o < 0 or o + n > full for o, n, full in zip(off, e.shape, d.shape)):
                         raise ValueError(f"block {e.key!r} ({e.dtype}, {list(e.shape)} at {list(off)}) does not fit "
                                          f"{d.dtype} {list(d.shape)}")
-                    covered += _numel(e.shape)
-                if covered != _numel(d.shape):
-                    raise ValueError(f"its blocks hold {covered} of its {_numel(d.shape)} elements")
+                    covered += numel(e.shape)
+                if covered != numel(d.shape):
+                    raise ValueError(f"its blocks hold {covered} of its {numel(d.shape)} elements")
                 out.append(d)
         except (KeyError, TypeError, ValueError, IndexError) as e:
             raise IntegrityError(f"{source}: malformed DTensor record ({e}); the file is corrupt or foreign") from e
@@ -140,9 +119,13 @@ class CheckpointReader:
                 f"{path}: size is {actual} bytes but the manifest says {rec['size']}; the file is truncated "
                 "or was replaced. Load an earlier checkpoint (Checkpointer.list()).")
 
+    def _path(self, name: str) -> str:
+        """The path of the listed file ``name``; a symlink leading out of the checkpoint is refused."""
+        return confine(self.dirpath, self.storage.join(self.dirpath, name), f"{self.dirpath}: file {name!r}")
+
     def _read_small(self, name: str) -> bytes:
         rec = self._expect(name)
-        path = self.storage.join(self.dirpath, name)
+        path = self._path(name)
         self._check_size(path, rec)
         data = self.storage.read_bytes(path)
         if self.verify and crc32c(data) != rec["crc32c"]:
@@ -152,7 +135,7 @@ class CheckpointReader:
 
     def _read_file(self, name: str) -> torch.Tensor:
         rec = self._expect(name)
-        path = self.storage.join(self.dirpath, name)
+        path = self._path(name)
         self._check_size(path, rec)
         mapper = getattr(self.storage, "map_file", None)
         if mapper is not None and rec["size"] > 0:
@@ -161,14 +144,15 @@ class CheckpointReader:
             keep, view = mapper(path, rec["size"])
             buf = torch.frombuffer(keep, dtype=torch.uint8)
         else:
-            keep, buf = _alloc(rec["size"], pin=False)
-            view = memoryview(buf.numpy())[: rec["size"]]
+            keep, view = aligned_buffer(rec["size"])
+            buf = torch.frombuffer(keep, dtype=torch.uint8)
             self.storage.read_into(path, 0, view)
         if self.verify:
             actual = crc32c(view)
             if actual != rec["crc32c"]:
                 raise IntegrityError(f"{path}: checksum mismatch{self._culprit(name, view)}; the file is corrupt. "
                                      "Load an earlier checkpoint (Checkpointer.list()).")
+        check_shard_header(bytes(view[:8]), len(view), self._first_offset.get(name), path)
         buf._fastckpt_keep = keep  # type: ignore[attr-defined]  # the mmap lives as long as the views
         return buf
 
@@ -184,13 +168,13 @@ class CheckpointReader:
             return []
         return loads_objects(self._read_small(name), self.allowed, self.storage.join(self.dirpath, name))
 
-    def _by_file(self) -> dict[str, list[_Entry]]:
-        files: dict[str, list[_Entry]] = {}
+    def _by_file(self) -> dict[str, list[TableEntry]]:
+        files: dict[str, list[TableEntry]] = {}
         for e in self.entries:
             files.setdefault(e.file, []).append(e)
         return files
 
-    def _for_each_file(self, fn: Callable[[torch.Tensor, list[_Entry]], None],
+    def _for_each_file(self, fn: Callable[[torch.Tensor, list[TableEntry]], None],
                        private: set[str] | None = None) -> None:
         """Read (and verify) shard files, then hand each buffer and its entries to ``fn``.
 
@@ -229,7 +213,7 @@ class CheckpointReader:
         objects = self._objects()
         tensors: list[Any] = [None] * len(self.entries)
 
-        def read(buf: torch.Tensor, entries: list[_Entry]) -> None:
+        def read(buf: torch.Tensor, entries: list[TableEntry]) -> None:
             for e in entries:
                 tensors[e.index] = self._materialize(buf, e, None)
 
@@ -248,9 +232,24 @@ class CheckpointReader:
             for block, off in zip(blocks, d.offsets):
                 full[_region(off, block.shape)] = block
             tensors[d.entries[0]] = full
-        return decode_tree(self.meta["tree"], tensors, objects)
+        return self._decode(tensors, objects)
 
-    def _materialize(self, buf: torch.Tensor | None, e: _Entry, map_location: Any) -> Any:
+    def check_structure(self) -> None:
+        """Rebuild the tree around placeholders, reading no tensor bytes; ``fastckpt verify`` calls this."""
+        self._decode([None] * len(self.entries), self._objects())
+
+    def _decode(self, tensors: list[Any], objects: list[Any]) -> Any:
+        """Rebuild the tree; a malformed tree (a crafted meta file) is an IntegrityError naming the file."""
+        try:
+            return decode_tree(self.meta["tree"], tensors, objects)
+        except FastCkptError:
+            raise
+        except (ValueError, KeyError, IndexError, TypeError, RuntimeError, RecursionError) as e:
+            # RuntimeError: torch.device("crafted"); RecursionError is one too, named for clarity.
+            raise IntegrityError(f"{self.storage.join(self.dirpath, self.manifest['meta'])}: malformed tree "
+                                 f"({type(e).__name__}: {str(e)[:200]}); the file is corrupt or crafted") from e
+
+    def _materialize(self, buf: torch.Tensor | None, e: TableEntry, map_location: Any) -> Any:
         if buf is None or e.nbytes == 0:
             t = torch.empty(e.shape, dtype=e.dtype)
         else:
@@ -312,7 +311,7 @@ class CheckpointReader:
         fresh: dict[str, torch.Tensor] = {}  # DTensors the target lacks: loaded whole
         fresh_lock = threading.Lock()  # files are read on several threads
 
-        def read(buf: torch.Tensor, entries: list[_Entry]) -> None:
+        def read(buf: torch.Tensor, entries: list[TableEntry]) -> None:
             for e in entries:
                 src = self._materialize(buf, e, None)
                 key, off = place[e.index]
@@ -344,23 +343,13 @@ class CheckpointReader:
                 out[e.index] = self._materialize(None, e, None)
         for key, full in fresh.items():
             out[saved_dt[key].entries[0]] = full
-        return decode_tree(self.meta["tree"], out, objects)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+        return self._decode(out, objects)
 
 
 def _region(offsets: tuple[int, ...], shape: Any) -> tuple[slice, ...]:
     return tuple(slice(o, o + n) for o, n in zip(offsets, shape))
 
 
-def _split(path: str) -> str:
-    path = path.rstrip("/")
-    return path[: -len(MANIFEST) - 1] if path.endswith("/" + MANIFEST) else path
 
 
 def load_checkpoint(path: str, *, map_location: Any = None, storage_options: dict | None = None,
@@ -368,7 +357,7 @@ def load_checkpoint(path: str, *, map_location: Any = None, storage_options: dic
     """Load one checkpoint directory (local path or URL) without a Checkpointer."""
     from .storage import open_storage
 
-    storage = open_storage(_split(path), storage_options)
+    storage = open_storage(checkpoint_dir(path), storage_options)
     return CheckpointReader(storage, storage.url, verify=verify, allowed_classes=allowed_classes).load(map_location)
 
 
@@ -376,5 +365,5 @@ def is_checkpoint(path: str, storage_options: dict | None = None) -> bool:
     """Whether ``path`` holds a committed checkpoint (its manifest exists)."""
     from .storage import open_storage
 
-    storage = open_storage(_split(path), storage_options)
+    storage = open_storage(checkpoint_dir(path), storage_options)
     return storage.exists(storage.join(storage.url, MANIFEST))

@@ -39,6 +39,7 @@ from .config import RetentionOptions
 from .errors import FastCkptError, IntegrityError, StorageError
 from .format import MANIFEST, parse_manifest
 from .handle import CheckpointInfo, SaveHandle
+from .paths import confine
 from .priority import lower_this_thread
 from .storage import Storage
 
@@ -233,7 +234,12 @@ class RemoteTier:
             if size == 0:
                 up.maps[name] = (None, memoryview(b""))
             else:
-                up.maps[name] = mapper(st.join(up.src, name), size, readahead=False)
+                up.maps[name] = mapper(self._source(up, name), size, readahead=False)
+
+    def _source(self, up: Upload, name: str) -> str:
+        """The local path of the listed file ``name`` (a plain name: ``parse_manifest`` checked it). A symlink
+        planted in the checkpoint that leads outside is refused: it would upload that file to the bucket."""
+        return confine(up.src, self.local.join(up.src, name), f"{up.src}: file {name!r} to upload")
 
     def _upload(self, up: Upload) -> CheckpointInfo:
         rs = self.remote
@@ -279,7 +285,7 @@ class RemoteTier:
             if hasattr(mmap, "MADV_SEQUENTIAL") and mapped[0] is not None:
                 mapped[0].madvise(mmap.MADV_SEQUENTIAL)  # aggressive readahead; pages may go once sent
         else:
-            view = memoryview(self.local.read_bytes(self.local.join(up.src, name)))
+            view = memoryview(self.local.read_bytes(self._source(up, name)))
             if len(view) != size:
                 raise IntegrityError(f"{self.local.join(up.src, name)} has {len(view)} bytes, its manifest says {size}")
         self.remote.write_file(self.remote.join(dst, name), [view])

@@ -36,6 +36,7 @@ from fastckpt.errors import CheckpointNotFoundError, ConfigError, FastCkptError,
 
 from . import naming
 from .distributed import all_gather, broadcast_from_main, can_share_writes
+from .foreign import load_accelerate_folder
 from .state import capture_process_state, capture_state, read_meta, restore_process_state, restore_state
 from .stats import StatsLogger
 from .watcher import OptimizerWatcher
@@ -55,6 +56,7 @@ class FastAccelerateCheckpointing:
         log_stats: bool = False,
         shared_writes: bool | None = None,
         original_load_state: Callable[..., Any] | None = None,
+        allow_unsafe_pickle: bool = False,
     ) -> None:
         self._closed = True  # until construction succeeds, so close() is safe on a half-built object
         self._accelerator = accelerator
@@ -62,6 +64,7 @@ class FastAccelerateCheckpointing:
         self.root = naming.normalize(config.root)
         self._storage = storage
         self._original_load_state = original_load_state
+        self.allow_unsafe_pickle = bool(allow_unsafe_pickle)  # see foreign.py: Accelerate folders' pickles
         self._checkpointers: dict[str, Checkpointer] = {}
         self._watchers: dict[str, OptimizerWatcher] = {}
         self._stats_logger = StatsLogger(accelerator) if log_stats else None
@@ -287,7 +290,7 @@ class FastAccelerateCheckpointing:
                 "finished) and not a folder written by Accelerate's save_state"
             )
         assert self._original_load_state is not None
-        self._original_load_state(path, load_kwargs, **kwargs)
+        load_accelerate_folder(self._original_load_state, path, load_kwargs, self.allow_unsafe_pickle, **kwargs)
         iteration = naming.iteration_from_name(os.path.basename(path))
         if iteration is not None:
             self._accelerator.project_configuration.iteration = iteration + 1

@@ -35,6 +35,7 @@ def enable(
     storage: Any = None,
     log_stats: bool = False,
     shared_writes: bool | None = None,
+    allow_unsafe_pickle: bool = False,
 ) -> FastAccelerateCheckpointing:
     """Make ``accelerator.save_state()`` asynchronous and fastckpt-backed; call right after creating it.
 
@@ -44,6 +45,10 @@ def enable(
     ``shared_writes``: with DDP, every process copies and writes its share of each checkpoint (rank 0
     commits); ``None`` (default) does so when every process can write the root (one node, or an object
     store), ``False`` lets the main process write everything, as Accelerate does.
+    ``allow_unsafe_pickle``: ``load_state`` of a folder written by Accelerate itself may unpickle its
+    ``custom_checkpoint_*.pkl`` (and, with ``load_kwargs={"weights_only": False}``, other files) without
+    restriction, as Accelerate does; off by default (such files load with ``weights_only=True``, anything
+    else raises ``UnsafeCheckpointError``). Turn it on only for folders you trust.
     """
     if accelerator.distributed_type in _UNSUPPORTED:
         raise ConfigError(
@@ -60,6 +65,7 @@ def enable(
         log_stats=log_stats,
         shared_writes=shared_writes,
         original_load_state=type(accelerator).load_state.__get__(accelerator),
+        allow_unsafe_pickle=allow_unsafe_pickle,
     )
     _install(accelerator, checkpointing)
     return checkpointing

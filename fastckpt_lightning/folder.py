@@ -16,6 +16,7 @@ is recomputed from the pointers on disk) and no queued pointer will.
 
 from __future__ import annotations
 
+import logging
 import threading
 import uuid
 from collections import Counter
@@ -23,10 +24,13 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from fastckpt import Checkpointer, CheckpointConfig, SaveHandle
+from fastckpt.errors import IntegrityError
 from torch.optim import Optimizer
 
 from fastckpt_lightning.config import for_directory
 from fastckpt_lightning.pointer import DATA_SUFFIX, Pointer, PointerStore
+
+log = logging.getLogger("fastckpt")
 
 CheckpointerFactory = Callable[[CheckpointConfig], Checkpointer]
 
@@ -74,7 +78,7 @@ class CheckpointFolder:
             for handle in handles:
                 # A failed save raises here, so no pointer ever names uncommitted data.
                 handle.wait()
-            previous = self.pointers.read(basename)
+            previous = self._read(basename)
             self.pointers.write(basename, pointer)
         finally:
             self._release(pointer.parts)
@@ -83,7 +87,7 @@ class CheckpointFolder:
 
     def unpublish(self, basename: str) -> None:
         """Delete the pointer ``basename`` and any data only it named. Runs on the publisher thread."""
-        pointer = self.pointers.read(basename)
+        pointer = self._read(basename)
         # Also removes a legacy single-file checkpoint of that name, as TorchCheckpointIO would.
         self.pointers.delete(basename)
         if pointer is not None:
@@ -93,6 +97,14 @@ class CheckpointFolder:
         """Flush and stop the core checkpointer. Idempotent."""
         self.unwatch()
         self.checkpointer.close()
+
+    def _read(self, basename: str) -> Pointer | None:
+        """The pointer about to be replaced or removed; a crafted one is replaced, and names nothing to collect."""
+        try:
+            return self.pointers.read(basename)
+        except IntegrityError as e:
+            log.warning("fastckpt: replacing the malformed pointer %s without collecting its data: %s", basename, e)
+            return None
 
     def _release(self, parts: Iterable[str]) -> None:
         with self._lock:

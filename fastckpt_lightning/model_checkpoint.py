@@ -8,15 +8,19 @@ as a plain function for code that passes an explicit ``ckpt_path``.
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any, Optional
 
 import lightning.pytorch as pl
 from fastckpt import open_storage
+from fastckpt.errors import IntegrityError
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol, get_filesystem
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from fastckpt_lightning.pointer import PointerStore, join_path
+
+log = logging.getLogger("fastckpt")
 
 _LAST = re.compile(rf"^{ModelCheckpoint.CHECKPOINT_NAME_LAST}(-v\d+)?{re.escape(ModelCheckpoint.FILE_EXTENSION)}$")
 
@@ -60,7 +64,11 @@ def find_last_checkpoint(dirpath: str, storage_options: Optional[dict[str, Any]]
     ranked = []
     for name in storage.listdir(storage.url):
         if _LAST.match(name):
-            pointer = pointers.read(name)
+            try:
+                pointer = pointers.read(name)
+            except IntegrityError as e:  # one crafted pointer must not stop the resume
+                log.warning("fastckpt: ignoring %s: %s", name, e)
+                continue
             ranked.append((pointer.step if pointer is not None else -1, name))
     if not ranked:
         return None

@@ -12,13 +12,17 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import posixpath
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from fastckpt import Storage, open_storage
-from fastckpt.errors import StorageError
+from fastckpt.errors import IntegrityError, StorageError
+from fastckpt.paths import plain_name
+
+log = logging.getLogger("fastckpt")
 
 FORMAT = "fastckpt-lightning-pointer"
 VERSION = 1
@@ -43,19 +47,27 @@ class Pointer:
         return json.dumps(body, indent=1).encode("utf-8")
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> Optional[Pointer]:
-        """Parse a pointer, or return None if ``data`` is anything else (a torch file, a stray JSON)."""
+    def from_bytes(cls, data: bytes, source: str = "pointer") -> Optional[Pointer]:
+        """Parse a pointer, or return None if ``data`` is anything else (a torch file, a stray JSON).
+
+        A pointer's parts are joined to its folder to load and to *delete* data, so each must be a plain
+        folder name: a part such as ``../elsewhere/step-7`` raises ``UnsafeCheckpointError`` naming ``source``.
+        """
         if len(data) > MAX_POINTER_BYTES or not data.lstrip().startswith(b"{"):
             return None
         try:
             body = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError):
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
             return None
         if not isinstance(body, dict) or body.get("format") != FORMAT:
             return None
         if body.get("version") != VERSION:
             raise StorageError(f"pointer version {body.get('version')!r} is not supported (expected {VERSION})")
-        return cls(parts=tuple(str(p) for p in body["parts"]), step=int(body.get("step", 0)))
+        parts, step = body.get("parts"), body.get("step", 0)
+        if not isinstance(parts, list) or type(step) is not int:
+            raise IntegrityError(f"{source}: malformed pointer (parts {parts!r:.80}, step {step!r:.20}); delete it or "
+                                 "restore it from a good copy")
+        return cls(parts=tuple(plain_name(p, "data folder", source) for p in parts), step=step)
 
 
 def split_path(path: str) -> tuple[str, str]:
@@ -90,7 +102,7 @@ class PointerStore:
         try:
             if self._storage.size(path) > MAX_POINTER_BYTES:
                 return None
-            return Pointer.from_bytes(self._storage.read_bytes(path))
+            return Pointer.from_bytes(self._storage.read_bytes(path), path)
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             # Deleted between a listing and the read (a rotation in progress), or a folder: not a pointer.
             return None
@@ -113,6 +125,9 @@ class PointerStore:
                 pointer = self.read(name)
             except StorageError:
                 continue  # a sub-folder or an unreadable stray file: it names no data
+            except IntegrityError as e:
+                log.warning("fastckpt: ignoring pointer %s: %s", name, e)  # a crafted one names no data of ours
+                continue
             if pointer is not None:
                 referenced.update(pointer.parts)
         return referenced

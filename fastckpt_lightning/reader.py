@@ -8,6 +8,7 @@ from typing import Any, Optional
 import fastckpt
 from fastckpt import open_storage
 from fastckpt.errors import CheckpointNotFoundError, StateMismatchError
+from fastckpt.paths import confine
 from lightning.fabric.utilities.cloud_io import _load as torch_load
 
 from fastckpt_lightning.pointer import Pointer, join_path, read_pointer, split_path
@@ -56,7 +57,9 @@ def _merge_parts(
     folder, _ = split_path(path)
     merged: dict[str, Any] = {}
     for part in pointer.parts:
-        merged.update(_load_part(join_path(folder, part), map_location, options, allowed))
+        # Parts are plain names (Pointer.from_bytes); a part that is a symlink leading out of dirpath is refused too.
+        part_path = confine(folder, join_path(folder, part), f"{path}: data folder {part!r}")
+        merged.update(_load_part(part_path, map_location, options, allowed))
     return merged
 
 
