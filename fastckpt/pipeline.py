@@ -28,6 +28,7 @@ import torch
 from .checksum import combine, crc32c
 from .errors import FastCkptError, StorageError
 from .format import MANIFEST, VERSION, FileRecord, build_manifest, parse_manifest, shard_file_name, shard_header
+from .guard import VersionGuard
 from .handle import CheckpointInfo, SaveHandle
 from .plan import Plan, Shard
 from .priority import lower_this_thread
@@ -64,6 +65,7 @@ class Job:
     reported: bool = False  # the error was already raised from save() itself
     shard_events: dict[int, Any] = field(default_factory=dict)
     dtensors: list[dict[str, Any]] = field(default_factory=list)  # DTensorRecord.as_json() of each DTensor leaf
+    guard: VersionGuard | None = None  # version counters of the lazy tensors, taken in save()
 
 
 class Pipeline:
@@ -99,6 +101,9 @@ class Pipeline:
 
     def submit(self, job: Job, lazy: list[Shard]) -> None:
         """Queue ``job``: the copy thread stages ``lazy`` shards, then the committer commits."""
+        if lazy:
+            # Still on the training thread inside save(): the counters are those of the snapshot's moment.
+            job.guard = VersionGuard(job.handle.name, job.tensors, job.keys, (e for s in lazy for e in s.entries))
         self._commit_q.put(job)
         if lazy:
             self._copy_q.put((job, lazy))  # type: ignore[arg-type]
@@ -143,7 +148,7 @@ class Pipeline:
                 if job.cuda_ready is not None:
                     job.copy_stream.wait_event(job.cuda_ready)
                 for shard in shards:
-                    self._copy_shard(job, shard)
+                    self._copy_shard(job, shard, job.guard)
             except BaseException as e:  # noqa: BLE001 - reported through the job
                 job.error = e
             finally:
@@ -151,9 +156,9 @@ class Pipeline:
                 job.handle.stats.staging_ms = (time.perf_counter() - job.t0) * 1e3
                 job.handle._staged.set()
 
-    def _copy_shard(self, job: Job, shard: Shard) -> None:
+    def _copy_shard(self, job: Job, shard: Shard, guard: VersionGuard | None = None) -> None:
         buf = job.slot.buffer(shard)
-        copy_entries(buf, shard.entries, job.tensors, job.copy_stream)
+        copy_entries(buf, shard.entries, job.tensors, job.copy_stream, guard)
         if job.copy_stream is not None and any(job.tensors[e.index].is_cuda for e in shard.entries):
             ev = torch.cuda.Event()
             ev.record(job.copy_stream)
