@@ -51,4 +51,6 @@ class VersionGuard:
                 f"{then} to {now}), so this checkpoint would hold values from after save(); it was discarded and "
                 "the previous checkpoint is intact. Watched parameters and optimizer state may change only in "
                 "optimizer.step(): for code that changes them elsewhere (EMA swaps, clamping, weight surgery in "
-                "a callback) set `staging.mode: eager`, or call Checkpointer.wait_staged() before the change")
+                "a callback) set `staging.mode: eager`, or call Checkpointer.wait_staged() before the change. If "
+                "optimizer.step() changed it, the step did not wait: use watch(optimizer) (hook=True) or call "
+                "wait_staged() before step()")
