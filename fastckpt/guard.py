@@ -13,7 +13,7 @@ other processes; on CUDA, kernels enqueued after the copy was enqueued.
 """
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import torch
 
@@ -38,8 +38,18 @@ class VersionGuard:
         self._keys = keys
         self._seen = {e.index: _version(tensors[e.index]) for e in entries}
 
+    def around(self, entries: Iterable[TensorEntry]) -> Iterator[TensorEntry]:
+        """``entries`` for the copy loop, each checked right before it is handed out and right after.
+
+        The copy loop asks for the next entry only once it has copied (on CUDA: queued) the current
+        one, so the second check runs after that copy, with no change to the copy code itself."""
+        for e in entries:
+            self.check(e.index)
+            yield e
+            self.check(e.index)
+
     def check(self, index: int) -> None:
-        """Called by the copy thread right before and right after copying tensor ``index``."""
+        """Raise ``SnapshotMutatedError`` if tensor ``index`` changed in place since ``save()``."""
         then = self._seen.get(index)
         if then is None:
             return

@@ -148,7 +148,7 @@ class Pipeline:
                 if job.cuda_ready is not None:
                     job.copy_stream.wait_event(job.cuda_ready)
                 for shard in shards:
-                    self._copy_shard(job, shard, job.guard)
+                    self._copy_shard(job, shard)
             except BaseException as e:  # noqa: BLE001 - reported through the job
                 job.error = e
             finally:
@@ -156,9 +156,11 @@ class Pipeline:
                 job.handle.stats.staging_ms = (time.perf_counter() - job.t0) * 1e3
                 job.handle._staged.set()
 
-    def _copy_shard(self, job: Job, shard: Shard, guard: VersionGuard | None = None) -> None:
+    def _copy_shard(self, job: Job, shard: Shard) -> None:
         buf = job.slot.buffer(shard)
-        copy_entries(buf, shard.entries, job.tensors, job.copy_stream, guard)
+        # The guard knows only the lazy tensors: eager shards (copied inside save()) pass through unchecked.
+        entries = shard.entries if job.guard is None else job.guard.around(shard.entries)
+        copy_entries(buf, entries, job.tensors, job.copy_stream)
         if job.copy_stream is not None and any(job.tensors[e.index].is_cuda for e in shard.entries):
             ev = torch.cuda.Event()
             ev.record(job.copy_stream)

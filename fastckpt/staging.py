@@ -22,7 +22,6 @@ import torch
 from .plan import Plan, Shard, TensorEntry
 
 if TYPE_CHECKING:
-    from .guard import VersionGuard
     from .tiers import ShmTier
 
 __all__ = ["HostArena", "Slot", "copy_entries", "entry_view"]
@@ -219,34 +218,25 @@ def _plain_bytes(t: torch.Tensor) -> bool:
 
 
 def copy_entries(buf: torch.Tensor, entries: Iterable[TensorEntry], tensors: list[torch.Tensor],
-                 stream: "torch.cuda.Stream | None" = None, guard: "VersionGuard | None" = None) -> None:
-    """Copy each entry's source tensor into ``buf``. CUDA sources copy asynchronously on ``stream``.
-
-    ``guard`` (lazy copies) checks each tensor's version counter right before and right after its copy."""
+                 stream: "torch.cuda.Stream | None" = None) -> None:
+    """Copy each entry's source tensor into ``buf``. CUDA sources copy asynchronously on ``stream``."""
     for e in entries:
         if e.nbytes == 0:
             continue
-        if guard is not None:
-            guard.check(e.index)
-        _copy_one(buf, e, tensors[e.index].detach(), stream)
-        if guard is not None:
-            guard.check(e.index)
-
-
-def _copy_one(buf: torch.Tensor, e: TensorEntry, src: torch.Tensor, stream: "torch.cuda.Stream | None") -> None:
-    if _plain_bytes(src):
-        # libc memmove (GIL released) runs at about twice the bandwidth of a single-threaded
-        # Tensor.copy_ on the hosts we measured, and the copy thread's time is what training
-        # competes with. The slot's buffers never alias a live tensor, and a corrupt offset
-        # is caught by the bounds check below rather than by a stray write.
-        if e.offset + e.nbytes > buf.numel() or src.numel() * src.element_size() != e.nbytes:
-            raise ValueError(f"staging layout mismatch for tensor #{e.index}: the state changed shape "
-                             "while it was being saved")
-        ctypes.memmove(buf.data_ptr() + e.offset, src.data_ptr(), e.nbytes)
-        return
-    dst = entry_view(buf, e)
-    if src.is_cuda and stream is not None:
-        with torch.cuda.stream(stream):
-            dst.copy_(src, non_blocking=True)
-    else:
-        dst.copy_(src)
+        src = tensors[e.index].detach()
+        if _plain_bytes(src):
+            # libc memmove (GIL released) runs at about twice the bandwidth of a single-threaded
+            # Tensor.copy_ on the hosts we measured, and the copy thread's time is what training
+            # competes with. The slot's buffers never alias a live tensor, and a corrupt offset
+            # is caught by the bounds check below rather than by a stray write.
+            if e.offset + e.nbytes > buf.numel() or src.numel() * src.element_size() != e.nbytes:
+                raise ValueError(f"staging layout mismatch for tensor #{e.index}: the state changed shape "
+                                 "while it was being saved")
+            ctypes.memmove(buf.data_ptr() + e.offset, src.data_ptr(), e.nbytes)
+            continue
+        dst = entry_view(buf, e)
+        if src.is_cuda and stream is not None:
+            with torch.cuda.stream(stream):
+                dst.copy_(src, non_blocking=True)
+        else:
+            dst.copy_(src)

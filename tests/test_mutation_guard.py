@@ -145,3 +145,31 @@ def test_no_false_positive_from_the_optimizer_step(tmp_path, kind: str) -> None:
             h.wait()
         for step, ref in enumerate(refs):
             assert_bit_equal(ref, ckpt.load(step))
+
+
+def test_change_landing_during_the_copy_is_caught_after_it(tmp_path, monkeypatch) -> None:
+    """A write that lands while its tensor is being copied (after the check before the copy) fails the save too."""
+    import fastckpt.pipeline as pipeline
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    real_copy = pipeline.copy_entries
+
+    def copy_then_write(buf, entries, tensors, *rest):  # the "concurrent" write, deterministically placed
+        def each():
+            for e in entries:
+                yield e
+                if tensors[e.index].data_ptr() == model["p2"].data_ptr():
+                    with torch.no_grad():
+                        model["p2"].add_(1.0)  # p2 was just copied; its after-copy check must see this
+        real_copy(buf, each(), tensors, *rest)
+
+    monkeypatch.setattr(pipeline, "copy_entries", copy_then_write)
+    ckpt, gated = _setup(tmp_path)
+    gated.gate.set()
+    with ckpt:
+        ckpt.watch(opt)
+        handle = ckpt.save(_state(model, opt), step=1)
+        with pytest.raises(SnapshotMutatedError, match="model/p2"):
+            handle.wait()
+        assert ckpt.list() == []
