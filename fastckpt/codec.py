@@ -14,7 +14,6 @@ import base64
 import importlib
 import io
 import math
-import sys
 from collections import OrderedDict
 from typing import Any, Callable, Iterable, Sequence
 
@@ -22,7 +21,7 @@ import torch
 
 from .errors import StateMismatchError, UnsafeCheckpointError
 
-__all__ = ["encode_tree", "decode_tree", "dumps_objects", "loads_objects", "path_name"]
+__all__ = ["encode_tree", "decode_tree", "dumps_objects", "loads_objects", "path_name", "MAX_NESTING"]
 
 try:  # numpy is optional; torch ships without requiring it
     import numpy as np
@@ -32,6 +31,10 @@ except ImportError:  # pragma: no cover - numpy is present wherever torch is use
 
 _JSON_INT = (-(1 << 63), 1 << 64)  # wider ints travel as hex: json refuses ints of over 4300 decimal digits
 _NUMPY_VALUE_KINDS = "biuf"  # numpy scalar kinds stored as a readable JSON value; others as raw bytes
+# Containers a state may nest. Each adds at most 3 JSON levels ({"D": [[k, v]]}), and loading refuses a
+# meta tree deeper than 200 levels (a crafted file would break the recursive decoder): so save() refuses
+# what load could not read. Real states nest a handful of levels.
+MAX_NESTING = 64
 
 
 def path_name(path: tuple) -> str:
@@ -88,15 +91,10 @@ def encode_tree(
     """Encode ``obj``; ``on_tensor(path, tensor, is_numpy)`` returns the tensor's table index.
 
     Raises ``StateMismatchError`` naming the key path for a value that could not be written or
-    read back (a cycle, a structured numpy scalar, ...): inside save(), never in the background.
+    read back (a cycle, nesting past ``MAX_NESTING``, a structured numpy scalar, ...): inside save(),
+    never in the background.
     ``object_keys`` receives the key path of each pickled leaf appended to ``objects``."""
-    walk = _Encoder(on_tensor, objects, object_keys if object_keys is not None else [])
-    try:
-        return walk.encode(obj, path)
-    except RecursionError as e:
-        raise StateMismatchError(
-            f"cannot checkpoint this state: it is nested deeper than Python's recursion limit "
-            f"({sys.getrecursionlimit()}); flatten the deepest containers") from e
+    return _Encoder(on_tensor, objects, object_keys if object_keys is not None else []).encode(obj, path)
 
 
 class _Encoder:
@@ -131,6 +129,8 @@ class _Encoder:
         if ident in self.active:
             raise _refuse(path, f"this {type(obj).__name__} contains itself (a reference cycle)",
                           "break the cycle before saving (store an index or a name instead of the reference)")
+        if len(self.active) >= MAX_NESTING:  # ``active`` is exactly the containers around this one
+            raise _refuse(path, f"containers are nested more than {MAX_NESTING} deep", "flatten the state")
         self.active.add(ident)
         try:
             return self._container_body(obj, path)

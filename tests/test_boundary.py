@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from fastckpt import Checkpointer, CheckpointConfig, StateMismatchError, UnsafeCheckpointError
+from fastckpt.codec import MAX_NESTING
 from tests.helpers import assert_bit_equal, clone_state
 
 
@@ -105,11 +106,21 @@ def test_self_referencing_dict_is_refused_by_name(ckpt, tmp_path) -> None:
     _assert_refused(ckpt, tmp_path, {"a": a}, StateMismatchError, "'a/self/back'", "cycle")
 
 
+def _nest(depth: int, leaf: object) -> object:
+    for i in range(depth):
+        leaf = [leaf] if i % 2 else {"k": leaf}
+    return leaf
+
+
 def test_too_deep_nesting_is_a_named_error(ckpt, tmp_path) -> None:
-    deep: list = []
-    for _ in range(100_000):
-        deep = [deep]
-    _assert_refused(ckpt, tmp_path, {"deep": deep}, StateMismatchError, "nested deeper")
+    """Deeper than loading accepts (and, at 100000, than Python's recursion limit): refused by path, not RecursionError."""
+    for depth in (MAX_NESTING + 1, 100_000):
+        _assert_refused(ckpt, tmp_path, {"deep": _nest(depth - 1, 1.0)}, StateMismatchError,
+                        "'deep/", f"nested more than {MAX_NESTING} deep")
+
+
+def test_nesting_up_to_the_limit_roundtrips(ckpt) -> None:
+    _roundtrip(ckpt, {"deep": _nest(MAX_NESTING - 1, torch.arange(3))})
 
 
 def test_shared_but_acyclic_containers_are_fine(ckpt) -> None:
