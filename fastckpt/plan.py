@@ -115,6 +115,21 @@ class FlatState:
 _key = path_name
 
 
+def _data_ptr(t: torch.Tensor, path: tuple) -> int:
+    """``t.data_ptr()``; a tensor with elements but no storage (a wrapper subclass) is refused by name."""
+    try:
+        ptr = t.data_ptr()
+    except RuntimeError as e:  # fake and functional tensors raise
+        ptr, err = 0, e
+    else:
+        err = None
+    if ptr == 0 and t.numel() > 0:  # wrapper subclasses (_make_wrapper_subclass) report 0
+        raise StateMismatchError(f"cannot checkpoint the {type(t).__name__} at {_key(path)!r}: it holds no "
+                                 "readable data of its own (a tensor subclass without storage); convert it to a "
+                                 "plain tensor first") from err
+    return ptr
+
+
 def _refuse_tensor(t: torch.Tensor, path: tuple) -> None:
     """Raise ``StateMismatchError`` for a tensor fastckpt cannot store bit-exactly (called inside save())."""
     where = f"cannot checkpoint the tensor at {_key(path)!r}"
@@ -157,11 +172,7 @@ def flatten(state: Any) -> FlatState:
             return on_dtensor(path, t)
         _refuse_tensor(t, path)
         ident = None
-        try:
-            ptr = t.data_ptr()
-        except RuntimeError as e:  # tensor subclasses without storage (fake, functional tensors)
-            raise StateMismatchError(f"cannot checkpoint the {type(t).__name__} at {_key(path)!r}: it has no "
-                                     f"readable data ({e}); convert it to a plain tensor first") from e
+        ptr = _data_ptr(t, path)
         if ptr and not is_numpy:  # identical views of one memory (tied weights) share an entry
             # x and x.conj() (or a neg view) share memory but not values: the lazy bits are part of the identity.
             ident = (ptr, t.shape, t.stride(), t.dtype, t.is_cuda, t.is_conj(), t.is_neg())

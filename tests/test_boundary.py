@@ -246,6 +246,23 @@ def test_unstorable_tensor_is_refused_by_name(ckpt, tmp_path, name: str) -> None
     _assert_refused(ckpt, tmp_path, {"model": {"layer.weight": t}}, StateMismatchError, "'model/layer.weight'", word)
 
 
+class _NoStorage(torch.Tensor):
+    """A wrapper subclass (like torchao's or FSDP's): it has a shape and a dtype but no storage of its own."""
+
+    @staticmethod
+    def __new__(cls, shape):
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=torch.float32)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError(f"{func} is not supported by _NoStorage")
+
+
+def test_tensor_subclass_without_storage_is_refused_by_name(ckpt, tmp_path) -> None:
+    _assert_refused(ckpt, tmp_path, {"model": {"w": _NoStorage((3, 4))}}, StateMismatchError, "'model/w'",
+                    "_NoStorage", "no readable data")
+
+
 # ---- numpy arrays ---------------------------------------------------------------------------
 
 def test_numpy_array_with_negative_strides_roundtrips(ckpt) -> None:
