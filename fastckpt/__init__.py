@@ -6,6 +6,7 @@ from .errors import (
     ConfigError,
     FastCkptError,
     IntegrityError,
+    SnapshotMutatedError,
     StateMismatchError,
     StorageError,
     UnsafeCheckpointError,
@@ -41,4 +42,5 @@ __all__ = [
     "CheckpointNotFoundError",
     "StateMismatchError",
     "UnsafeCheckpointError",
+    "SnapshotMutatedError",
 ]

@@ -183,7 +183,7 @@ class Checkpointer:
             flat = flatten(state)
         except TypeError as e:
             raise StateMismatchError(f"cannot checkpoint this state: {e}") from e
-        objects = dumps_objects(flat.objects, self.config.allowed_classes) if flat.objects else None
+        objects = dumps_objects(flat.objects, self.config.allowed_classes, flat.object_keys) if flat.objects else None
         if self._coord is None:
             for rec in flat.dtensors:
                 if rec.layout.mesh_size > 1:

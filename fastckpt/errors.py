@@ -13,6 +13,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "StateMismatchError",
     "UnsafeCheckpointError",
+    "SnapshotMutatedError",
 ]
 
 
@@ -42,3 +43,7 @@ class StateMismatchError(FastCkptError, ValueError):
 
 class UnsafeCheckpointError(IntegrityError):
     """The checkpoint holds an object that the safe loader refuses to rebuild."""
+
+
+class SnapshotMutatedError(FastCkptError):
+    """A lazily copied tensor changed between ``save()`` and its copy; use ``staging.mode: eager``."""

@@ -28,6 +28,7 @@ import torch
 from .checksum import combine, crc32c
 from .errors import FastCkptError, StorageError
 from .format import MANIFEST, VERSION, FileRecord, build_manifest, parse_manifest, shard_file_name, shard_header
+from .guard import VersionGuard
 from .handle import CheckpointInfo, SaveHandle
 from .plan import Plan, Shard
 from .priority import lower_this_thread
@@ -66,6 +67,7 @@ class Job:
     shard_events: dict[tuple[int, int], Any] = field(default_factory=dict)  # (shard, device) -> copied event
     copied_at: dict[int, float] = field(default_factory=dict)  # shard -> when its CUDA copies were seen done
     dtensors: list[dict[str, Any]] = field(default_factory=list)  # DTensorRecord.as_json() of each DTensor leaf
+    guard: VersionGuard | None = None  # version counters of the lazy tensors, taken in save()
 
 
 class Pipeline:
@@ -101,6 +103,9 @@ class Pipeline:
 
     def submit(self, job: Job, lazy: list[Shard]) -> None:
         """Queue ``job``: the copy thread stages ``lazy`` shards, then the committer commits."""
+        if lazy:
+            # Still on the training thread inside save(): the counters are those of the snapshot's moment.
+            job.guard = VersionGuard(job.handle.name, job.tensors, job.keys, (e for s in lazy for e in s.entries))
         self._commit_q.put(job)
         if lazy:
             self._copy_q.put((job, lazy))  # type: ignore[arg-type]
@@ -156,7 +161,9 @@ class Pipeline:
 
     def _copy_shard(self, job: Job, shard: Shard, streams: dict[int, Any] | None) -> None:
         buf = job.slot.buffer(shard)
-        for d in copy_entries(buf, shard.entries, job.tensors, streams):
+        # The guard knows only the lazy tensors: eager shards (copied inside save()) pass through unchecked.
+        entries = shard.entries if job.guard is None else job.guard.around(shard.entries)
+        for d in copy_entries(buf, entries, job.tensors, streams):
             job.shard_events[(shard.index, d)] = record_done(streams[d])  # type: ignore[index]
         for e in shard.entries:
             job.tensors[e.index] = None  # queued (record_stream keeps a CUDA source's memory): drop it now

@@ -19,7 +19,8 @@ from typing import Any, Callable
 import torch
 
 from . import dtensor as dt
-from .codec import encode_tree
+from .codec import encode_tree, path_name
+from .errors import StateMismatchError
 
 __all__ = ["TensorEntry", "Shard", "Plan", "FlatState", "DTensorRecord", "flatten", "Planner", "st_dtype"]
 
@@ -108,10 +109,42 @@ class FlatState:
     owners: list[int] = field(default_factory=list)  # per entry; -1 unless a DTensor block
     lazy_src: list[torch.Tensor] = field(default_factory=list)  # what decides the copy class (a block: its local tensor)
     dtensors: list[DTensorRecord] = field(default_factory=list)
+    object_keys: list[str] = field(default_factory=list)  # key path of each pickled-object leaf (for errors)
 
 
-def _key(path: tuple) -> str:
-    return "/".join(map(str, path)) or "tensor"
+_key = path_name
+
+
+def _data_ptr(t: torch.Tensor, path: tuple) -> int:
+    """``t.data_ptr()``; a tensor with elements but no storage (a wrapper subclass) is refused by name."""
+    try:
+        ptr = t.data_ptr()
+    except RuntimeError as e:  # fake and functional tensors raise
+        ptr, err = 0, e
+    else:
+        err = None
+    if ptr == 0 and t.numel() > 0:  # wrapper subclasses (_make_wrapper_subclass) report 0
+        raise StateMismatchError(f"cannot checkpoint the {type(t).__name__} at {_key(path)!r}: it holds no "
+                                 "readable data of its own (a tensor subclass without storage); convert it to a "
+                                 "plain tensor first") from err
+    return ptr
+
+
+def _refuse_tensor(t: torch.Tensor, path: tuple) -> None:
+    """Raise ``StateMismatchError`` for a tensor fastckpt cannot store bit-exactly (called inside save())."""
+    where = f"cannot checkpoint the tensor at {_key(path)!r}"
+    if t.is_nested:
+        raise StateMismatchError(f"{where}: it is a nested tensor; save t.unbind() (a list of tensors) or "
+                                 "t.to_padded_tensor(0) instead")
+    if t.layout is not torch.strided:
+        raise StateMismatchError(f"{where}: it has layout {t.layout} and only strided tensors are stored; save "
+                                 "t.to_dense(), or the parts of a sparse tensor (t.indices(), t.values()) as tensors")
+    if t.is_quantized:
+        raise StateMismatchError(f"{where}: it is quantized ({t.dtype}) and its scale and zero point would be lost; "
+                                 "save t.dequantize(), or t.int_repr() with t.q_scale() and t.q_zero_point()")
+    if t.is_meta:
+        raise StateMismatchError(f"{where}: it is a meta tensor and holds no data (a module built on the meta "
+                                 "device); materialize it first (module.to_empty(device=...), then initialize or load)")
 
 
 def flatten(state: Any) -> FlatState:
@@ -137,10 +170,9 @@ def flatten(state: Any) -> FlatState:
     def on_tensor(path: tuple, t: torch.Tensor, is_numpy: bool) -> int:
         if dt.is_dtensor(t):
             return on_dtensor(path, t)
-        if t.layout is not torch.strided:
-            raise TypeError(f"tensor at {_key(path)!r} has layout {t.layout}; only strided tensors are supported")
+        _refuse_tensor(t, path)
         ident = None
-        ptr = t.data_ptr()
+        ptr = _data_ptr(t, path)
         if ptr and not is_numpy:  # identical views of one memory (tied weights) share an entry
             # x and x.conj() (or a neg view) share memory but not values: the lazy bits are part of the identity.
             ident = (ptr, t.shape, t.stride(), t.dtype, t.is_cuda, t.is_conj(), t.is_neg())
@@ -174,7 +206,7 @@ def flatten(state: Any) -> FlatState:
         seen[ident] = record.entries[0]
         return record.entries[0]
 
-    flat.tree = encode_tree(state, on_tensor, flat.objects)
+    flat.tree = encode_tree(state, on_tensor, flat.objects, object_keys=flat.object_keys)
     return flat
 
 

@@ -1,0 +1,175 @@
+"""The lazy-snapshot mutation guard: a watched tensor changed outside optimizer.step() fails that save.
+
+The copy thread is held deterministically: host memory is bounded to two ring buffers, and
+``GatedStorage`` holds the writes that would hand them back, so the trailing shards cannot be
+copied until the test opens the gate. A change made before that lands between save() and the copy.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+import pytest
+import torch
+from torch import nn
+
+from fastckpt import Checkpointer, CheckpointConfig, SnapshotMutatedError
+from fastckpt.storage import open_storage
+from tests.helpers import GatedStorage, assert_bit_equal, clone_state
+
+_N = 1024  # float32 elements: one 4096-byte tensor per shard (the smallest chunk_bytes)
+
+
+def _setup(tmp_path, mode: str = "lazy") -> tuple[Checkpointer, GatedStorage]:
+    inner = GatedStorage(open_storage(str(tmp_path)))
+    cfg = CheckpointConfig(root=str(tmp_path), staging={"mode": mode, "max_host_bytes": 2 * 4 * _N},
+                           persist={"chunk_bytes": 4 * _N})
+    return Checkpointer(cfg, storage=inner), inner
+
+
+def _model() -> nn.ParameterDict:
+    torch.manual_seed(0)
+    return nn.ParameterDict({f"p{i}": nn.Parameter(torch.randn(_N)) for i in range(4)})
+
+
+def _state(model: nn.ParameterDict, opt: torch.optim.Optimizer) -> dict:
+    return {"model": model.state_dict(), "optim": opt.state_dict()}
+
+
+def _step(model: nn.ParameterDict, opt: torch.optim.Optimizer) -> None:
+    opt.zero_grad()
+    sum(p.pow(2).sum() for p in model.values()).backward()
+    opt.step()
+
+
+def _ema_swap(model, opt) -> None:
+    with torch.no_grad():
+        model["p3"].copy_(torch.zeros(_N))  # EMA weights swapped into the model for evaluation
+
+
+def _clamp(model, opt) -> None:
+    with torch.no_grad():
+        model["p3"].clamp_(-0.1, 0.1)
+
+
+def _surgery(model, opt) -> None:
+    with torch.no_grad():
+        model["p3"].mul_(0.5)
+
+
+def _reset_moments(model, opt) -> None:
+    for st in opt.state.values():
+        st["exp_avg"].zero_()  # optimizer state changed by a callback
+
+
+@pytest.mark.parametrize("mutate", [_ema_swap, _clamp, _surgery, _reset_moments],
+                         ids=["ema_swap", "clamp", "weight_surgery", "optimizer_state"])
+def test_change_outside_step_fails_that_checkpoint(tmp_path, mutate: Callable) -> None:
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.1, foreach=True)
+    ckpt, gated = _setup(tmp_path)
+    with ckpt:
+        ckpt.watch(opt)
+        _step(model, opt)
+        gated.gate.set()
+        good = clone_state(_state(model, opt))
+        ckpt.save(_state(model, opt), step=1).wait()
+        gated.gate.clear()
+        _step(model, opt)
+        handle = ckpt.save(_state(model, opt), step=2)
+        mutate(model, opt)  # the copy thread is parked on the ring: this lands before its copy
+        gated.gate.set()
+        with pytest.raises(SnapshotMutatedError) as info:
+            handle.wait()
+        msg = str(info.value)
+        assert "step-000000002" in msg and "staging.mode: eager" in msg
+        assert ("model/p3" in msg) or ("optim/state/" in msg and "exp_avg" in msg), msg
+        assert [i.step for i in ckpt.list()] == [1]  # the failed save left nothing; the good one is intact
+        assert_bit_equal(good, ckpt.load(1))
+        ckpt.save(_state(model, opt), step=3).wait()  # the error was raised once; saving goes on
+        assert [i.step for i in ckpt.list()] == [1, 3]
+
+
+def test_error_is_raised_once_at_the_next_save(tmp_path) -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ckpt, gated = _setup(tmp_path)
+    with ckpt:
+        ckpt.watch(opt)
+        failed = threading.Event()
+        ckpt.save(_state(model, opt), step=1).add_done_callback(lambda _: failed.set())
+        _clamp(model, opt)
+        gated.gate.set()
+        assert failed.wait(30)
+        with pytest.raises(SnapshotMutatedError, match="model/p3"):
+            ckpt.save(_state(model, opt), step=2)
+        ckpt.save(_state(model, opt), step=3).wait()  # raised once: saving goes on
+        assert [i.step for i in ckpt.list()] == [3]
+
+
+def test_eager_mode_allows_the_same_change(tmp_path) -> None:
+    """The documented fix: staging.mode eager copies inside save(), so the change is harmless."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ckpt, gated = _setup(tmp_path, mode="eager")
+    gated.gate.set()  # save() itself stages through the ring, so its writes must flow
+    with ckpt:
+        ckpt.watch(opt)
+        state = _state(model, opt)
+        ref = clone_state(state)
+        handle = ckpt.save(state, step=1)
+        _ema_swap(model, opt)
+        handle.wait()
+        assert_bit_equal(ref, ckpt.load(1))
+
+
+@pytest.mark.parametrize("kind", ["foreach", "forloop", "fused", "sgd_momentum"])
+def test_no_false_positive_from_the_optimizer_step(tmp_path, kind: str) -> None:
+    """The step that runs right after save() waits for the copy: every save commits the values at save()."""
+    model = _model()
+    if kind == "sgd_momentum":
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=True)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1, **{kind: True} if kind != "forloop" else {"foreach": False})
+    ckpt, gated = _setup(tmp_path)
+    gated.gate.set()
+    with ckpt:
+        ckpt.watch(opt)
+        refs, handles = [], []
+        for step in range(6):
+            _step(model, opt)
+            state = _state(model, opt)
+            refs.append(clone_state(state))
+            handles.append(ckpt.save(state, step=step))  # the next _step runs at once; its hook waits
+        for h in handles:
+            h.wait()
+        for step, ref in enumerate(refs):
+            assert_bit_equal(ref, ckpt.load(step))
+
+
+def test_change_landing_during_the_copy_is_caught_after_it(tmp_path, monkeypatch) -> None:
+    """A write that lands while its tensor is being copied (after the check before the copy) fails the save too."""
+    import fastckpt.pipeline as pipeline
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    real_copy = pipeline.copy_entries
+
+    def copy_then_write(buf, entries, tensors, *rest):  # the "concurrent" write, deterministically placed
+        def each():
+            for e in entries:
+                yield e
+                if tensors[e.index].data_ptr() == model["p2"].data_ptr():
+                    with torch.no_grad():
+                        model["p2"].add_(1.0)  # p2 was just copied; its after-copy check must see this
+        real_copy(buf, each(), tensors, *rest)
+
+    monkeypatch.setattr(pipeline, "copy_entries", copy_then_write)
+    ckpt, gated = _setup(tmp_path)
+    gated.gate.set()
+    with ckpt:
+        ckpt.watch(opt)
+        handle = ckpt.save(_state(model, opt), step=1)
+        with pytest.raises(SnapshotMutatedError, match="model/p2"):
+            handle.wait()
+        assert ckpt.list() == []
