@@ -162,7 +162,7 @@ def test_change_landing_during_the_copy_is_caught_after_it(tmp_path, monkeypatch
                 if tensors[e.index].data_ptr() == model["p2"].data_ptr():
                     with torch.no_grad():
                         model["p2"].add_(1.0)  # p2 was just copied; its after-copy check must see this
-        real_copy(buf, each(), tensors, *rest)
+        return real_copy(buf, each(), tensors, *rest)
 
     monkeypatch.setattr(pipeline, "copy_entries", copy_then_write)
     ckpt, gated = _setup(tmp_path)
