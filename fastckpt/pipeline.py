@@ -34,7 +34,7 @@ from .priority import lower_this_thread
 from .staging import HostArena, Slot, copy_entries
 from .distributed import Coordinator
 from .storage import Storage, aligned_buffer
-from .tiers import ShmTier
+from .tiers import ShmTier, staged_crcs
 
 __all__ = ["Job", "Pipeline"]
 
@@ -64,6 +64,7 @@ class Job:
     reported: bool = False  # the error was already raised from save() itself
     shard_events: dict[int, Any] = field(default_factory=dict)
     dtensors: list[dict[str, Any]] = field(default_factory=list)  # DTensorRecord.as_json() of each DTensor leaf
+    staged_crcs: dict[int, list[int]] = field(default_factory=dict)  # shm: per shard, each tensor's CRC32C as staged
 
 
 class Pipeline:
@@ -103,7 +104,7 @@ class Pipeline:
         if lazy:
             self._copy_q.put((job, lazy))  # type: ignore[arg-type]
         else:
-            job.handle._staged.set()
+            self._mark_staged(job)
 
     def submit_recovered(self, job: Job) -> None:
         """Persist a snapshot adopted from shared memory: its bytes are already staged."""
@@ -149,11 +150,24 @@ class Pipeline:
             finally:
                 job.handle._cuda_events = list(job.shard_events.values())
                 job.handle.stats.staging_ms = (time.perf_counter() - job.t0) * 1e3
-                job.handle._staged.set()
+                self._mark_staged(job)
+
+    def _mark_staged(self, job: Job) -> None:
+        """Release ``wait_staged()``; with shared memory, only once the snapshot's record is in place, so
+        every snapshot staged before a crash is recoverable."""
+        shm = self._arena.shm
+        if job.error is None and job.slot.dir is not None and not job.slot.recovered and shm is not None:
+            try:
+                shm.write_record(job)
+            except BaseException as e:  # noqa: BLE001 - reported through the job
+                job.error = e
+        job.handle._staged.set()
 
     def _copy_shard(self, job: Job, shard: Shard) -> None:
         buf = job.slot.buffer(shard)
         copy_entries(buf, shard.entries, job.tensors, job.copy_stream)
+        if job.slot.dir is not None:  # shm: the record carries the checksums of what was staged
+            job.staged_crcs[shard.index] = staged_crcs(buf, shard)
         if job.copy_stream is not None and any(job.tensors[e.index].is_cuda for e in shard.entries):
             ev = torch.cuda.Event()
             ev.record(job.copy_stream)
@@ -171,8 +185,9 @@ class Pipeline:
         crc = crc32c(header)
         data = memoryview(buf.numpy())[: shard.nbytes]
         tensor_crcs = []
-        for e in shard.entries:
-            c = crc32c(data[e.offset: e.offset + e.nbytes])
+        staged = job.staged_crcs.get(shard.index)  # computed once, when the bytes were staged
+        for i, e in enumerate(shard.entries):
+            c = staged[i] if staged is not None else crc32c(data[e.offset: e.offset + e.nbytes])
             tensor_crcs.append(c)
             crc = combine(crc, c, e.nbytes)
         name = shard_file_name(shard.index, job.uid)
@@ -241,10 +256,6 @@ class Pipeline:
         job.handle._staged.wait()
         if job.error is not None:
             raise job.error
-        if job.slot.dir is not None and not job.slot.recovered:
-            for ev in job.shard_events.values():
-                ev.synchronize()
-            ShmTier.write_record(job.slot.dir, job)  # from here a crash loses nothing staged
         return [f.result() for f in job.writes]
 
     def _commit_together(self, job: Job, results: list[Any], error: BaseException | None) -> CheckpointInfo:
