@@ -58,7 +58,7 @@ def _agreed(found: list[tuple[StagedRecord, Slot]], tier: "ShmTier",
     for r, theirs in enumerate(everyone):
         for uid, (name, step) in theirs.items():
             if uid not in mine:
-                log.warning("fastckpt: rank %d staged checkpoint %r (step %d, uid %s) before the crash but this rank "
-                            "(%d) holds no verified part of it: it is discarded on every rank", r, name, step, uid,
-                            coord.rank)
+                log.warning("fastckpt: rank %d staged checkpoint %r (step %d, uid %s) before the crash, but this "
+                            "rank (%d) holds no verified part of it: it is NOT recovered, on any rank", r, name, step,
+                            uid, coord.rank)
     return kept

@@ -7,6 +7,7 @@ ranks) and reports every step whose ``wait_staged()`` returned.
 """
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import os
 import socket
@@ -156,16 +157,21 @@ def fill_shm(conn: Connection, root: str, shm: str) -> None:
 
 
 def recover(conn: Connection, root: str, shm: str, must: list[int], rank: int, world: int, port: int) -> None:
-    """A new rank after the crash: report the recovered steps after checking every checkpoint bit for bit."""
+    """A new rank after the crash: report the recovered and committed steps (each checked bit for bit)
+    and the warnings logged."""
+    warnings: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("fastckpt").addHandler(handler)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
         with Checkpointer(config(root, shm), distributed=True) as ck:
             recovered = [h.step for h in ck.recovered]
             committed = check_committed(ck, must)
         dist.destroy_process_group()
-        conn.send(("ok", recovered, committed))
+        conn.send(("ok", recovered, committed, warnings))
     except BaseException:  # noqa: BLE001 - the parent shows it
-        conn.send(("error", traceback.format_exc(), []))
+        conn.send(("error", traceback.format_exc(), [], warnings))
 
 
 # ---- the parent's side ----------------------------------------------------------------------
