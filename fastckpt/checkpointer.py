@@ -23,8 +23,9 @@ from .loader import CheckpointReader
 from .pipeline import Job, Pipeline
 from .plan import Planner, flatten
 from .remote import RemoteTier, Upload, _settle
-from .staging import HostArena
+from .staging import HostArena, Slot
 from .recovery import recoverable
+from .shm_record import StagedRecord
 from .tiers import ShmTier
 from .storage import Storage, open_storage
 
@@ -109,20 +110,21 @@ class Checkpointer:
     def _recover(self) -> list[SaveHandle]:
         """Persist the snapshots a crashed process had staged in shared memory, and return once they are
         committed (or failed), so that ``latest()`` and ``load()`` already see them."""
-        handles = []
-        for rec, slot in recoverable(self._shm, self._coord):  # type: ignore[arg-type]
-            log.warning("fastckpt: recovering %s, staged in shared memory by a crashed process", rec.label)
-            handle = SaveHandle(name=rec.name, step=rec.step, path=rec.dirpath,
-                                stats=SaveStats(step=rec.step, name=rec.name), _on_error_seen=self._mark_seen,
-                                _upload=Future() if self._uploader is not None else None)
-            job = Job(handle, rec.plan, slot, [], rec.keys, rec.numpy, rec.tree, rec.objects, rec.dirpath,
-                      time.perf_counter(), uid=rec.uid, dtensors=rec.dtensors, staged_crcs=rec.crcs)
-            with self._lock:
-                self._pending.append(handle)
-            self._pipeline.submit_recovered(job)  # type: ignore[union-attr]
-            handles.append(handle)
-        wait_futures([h._durable for h in handles])  # a failure is raised at the next save/wait/close
+        with self._shm.recovering():  # type: ignore[union-attr]
+            handles = [self._submit_recovered(rec, slot) for rec, slot in recoverable(self._shm, self._coord)]  # type: ignore[arg-type]
+            wait_futures([h._durable for h in handles])  # a failure is raised at the next save/wait/close
         return handles
+
+    def _submit_recovered(self, rec: StagedRecord, slot: Slot) -> SaveHandle:
+        log.warning("fastckpt: recovering %s, staged in shared memory by a crashed process", rec.label)
+        handle = SaveHandle(name=rec.name, step=rec.step, path=rec.dirpath, stats=SaveStats(step=rec.step, name=rec.name),
+                            _on_error_seen=self._mark_seen, _upload=Future() if self._uploader is not None else None)
+        job = Job(handle, rec.plan, slot, [], rec.keys, rec.numpy, rec.tree, rec.objects, rec.dirpath,
+                  time.perf_counter(), uid=rec.uid, dtensors=rec.dtensors, staged_crcs=rec.crcs)
+        with self._lock:
+            self._pending.append(handle)
+        self._pipeline.submit_recovered(job)  # type: ignore[union-attr]
+        return handle
 
     def _resume_uploads(self) -> list[SaveHandle]:
         """Upload the local checkpoints a previous process committed but never uploaded (it died, or its

@@ -18,7 +18,9 @@ fault with SIGBUS and kill training.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import hashlib
 import logging
 import mmap
@@ -27,7 +29,7 @@ import re
 import shutil
 import stat
 import uuid
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -44,6 +46,7 @@ log = logging.getLogger("fastckpt")
 
 _OWNER_RE = re.compile(r"^(\d+)-(\d+)-([0-9a-f]{8})$")
 _MAX_RECORD_BYTES = 256 << 20  # a record holds names and the tree, never tensor bytes
+_LOCK = "recovery.lock"
 
 
 def _start_time(pid: int) -> int | None:
@@ -66,9 +69,8 @@ def _start_time(pid: int) -> int | None:
     return 0
 
 
-def _owner_alive(token: str) -> bool:
-    m = _OWNER_RE.match(token)
-    assert m is not None
+def _owner_alive(m: re.Match) -> bool:
+    """Whether the process that owns a folder (its name matched by ``_OWNER_RE``) still runs."""
     return _start_time(int(m.group(1))) == int(m.group(2))
 
 
@@ -89,7 +91,7 @@ class ShmTier:
                  join: Callable[..., str] = os.path.join) -> None:
         """``join`` is the root's ``Storage.join``: a record's checkpoint folder is rebuilt with it."""
         digest = hashlib.sha1(root_url.encode()).hexdigest()[:16]
-        self.root, self._join = root_url, join
+        self.root, self._join, self.shm_dir = root_url, join, shm_dir
         self.base = os.path.join(shm_dir, f"fastckpt-{digest}" + (f"-rank{rank}" if distributed else ""))
         self.rank, self.world = rank, world
         pid = os.getpid()
@@ -110,8 +112,7 @@ class ShmTier:
                                "(a writable tmpfs), or set staging.shm: false") from e
         return path
 
-    @staticmethod
-    def alloc(slot_dir: str, index: int, nbytes: int) -> tuple[object, torch.Tensor]:
+    def alloc(self, slot_dir: str, index: int, nbytes: int) -> tuple[object, torch.Tensor]:
         """A shared, file-backed buffer that survives the process, its pages reserved now."""
         path = os.path.join(slot_dir, _buffer_name(index))
         size = max(nbytes, 1)
@@ -120,7 +121,8 @@ class ShmTier:
             os.ftruncate(fd, size)
             # A sparse tmpfs file faults in pages on first write; on a full tmpfs that fault is
             # SIGBUS in the copy. Reserving them here turns it into ENOSPC, raised by save().
-            os.posix_fallocate(fd, 0, size)
+            if hasattr(os, "posix_fallocate"):  # Linux; elsewhere the sparse file stays
+                os.posix_fallocate(fd, 0, size)
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED)
         except OSError as e:
             os.close(fd)
@@ -128,8 +130,8 @@ class ShmTier:
             hint = " (the tmpfs is full)" if e.errno in (errno.ENOSPC, errno.ENOMEM) else ""
             raise StorageError(
                 f"cannot reserve {size} bytes of shared memory for staging buffer {path}{hint}: {e}. Free space "
-                f"under {os.path.dirname(os.path.dirname(os.path.dirname(slot_dir)))}, enlarge it (mount -o "
-                "remount,size=...), or set staging.shm: false") from e
+                f"under {self.shm_dir} (staging.shm_dir), enlarge it (mount -o remount,size=...), or set "
+                "staging.shm: false") from e
         os.close(fd)
         return mm, torch.frombuffer(mm, dtype=torch.uint8)
 
@@ -168,16 +170,34 @@ class ShmTier:
 
     # ---- what dead owners left ----------------------------------------------------------
 
+    @contextlib.contextmanager
+    def recovering(self) -> Iterator[None]:
+        """Held by a ``Checkpointer`` while it recovers: two processes starting at once on one root (and
+        rank) never both adopt a snapshot. The kernel drops the lock if the holder dies."""
+        try:
+            os.makedirs(self.base, exist_ok=True)
+            fd = os.open(os.path.join(self.base, _LOCK), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        except OSError as e:
+            raise StorageError(f"cannot open the shared-memory namespace {self.base}: {e}. Check staging.shm_dir "
+                               "(a writable tmpfs), or set staging.shm: false") from e
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
     def orphans(self) -> list[StagedRecord]:
         """Validated records left by dead owners, oldest step first. A bad record is discarded with a
         warning naming it; folders of dead owners with no record (staging never finished) are removed."""
         found: list[StagedRecord] = []
         for owner in _listdir(self.base):
             path = os.path.join(self.base, owner)
-            if not _OWNER_RE.match(owner) or os.path.islink(path):
-                log.warning("fastckpt: ignoring %s: not a shared-memory staging folder of fastckpt", path)
+            m = _OWNER_RE.match(owner)
+            if m is None or os.path.islink(path):
+                if owner != _LOCK:
+                    log.warning("fastckpt: ignoring %s: not a shared-memory staging folder of fastckpt", path)
                 continue
-            if owner == self.owner or _owner_alive(owner):
+            if owner == self.owner or _owner_alive(m):
                 continue  # a live Checkpointer (in this process or another) still owns it
             for slot in _listdir(path):
                 rec = self._adopt(owner, os.path.join(path, slot))

@@ -7,6 +7,7 @@ import logging
 import os
 import shutil
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
@@ -126,6 +127,27 @@ def test_a_dead_owner_whose_pid_was_reused_is_recovered(dirs) -> None:
     _orphan(root, shm)  # its pid is ours, its start time is not: a different, dead process
     with Checkpointer(kids.config(str(root), str(shm))) as ck:
         assert [h.step for h in ck.recovered] == [5]
+        kids.check_committed(ck, [5])
+
+
+def test_two_processes_starting_at_once_recover_a_snapshot_once(dirs) -> None:
+    root, shm = dirs
+    _orphan(root, shm)
+    start = threading.Barrier(2)
+    found: list[list[int]] = []
+
+    def restart() -> None:
+        start.wait()
+        with Checkpointer(kids.config(str(root), str(shm))) as ck:
+            found.append([h.step for h in ck.recovered])
+
+    threads = [threading.Thread(target=restart, name=f"restart-{i}") for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(found) == [[], [5]], found
+    with Checkpointer(kids.config(str(root), str(shm))) as ck:
         kids.check_committed(ck, [5])
 
 
