@@ -105,20 +105,24 @@ class Checkpointer:
     def _shm_tier(self) -> ShmTier:
         coord = self._coord  # one namespace per root and rank: ranks sharing a machine never mix records
         return ShmTier(self.config.staging.shm_dir, self.storage.url, join=self.storage.join,
-                       rank=coord.rank if coord else 0, world=coord.world if coord else 1, distributed=coord is not None)
+                       rank=coord.rank if coord else 0, world=coord.world if coord else 1,
+                       distributed=coord is not None)
 
     def _recover(self) -> list[SaveHandle]:
         """Persist the snapshots a crashed process had staged in shared memory, and return once they are
         committed (or failed), so that ``latest()`` and ``load()`` already see them."""
-        with self._shm.recovering():  # type: ignore[union-attr]
-            handles = [self._submit_recovered(rec, slot) for rec, slot in recoverable(self._shm, self._coord)]  # type: ignore[arg-type]
+        shm = self._shm
+        assert shm is not None
+        with shm.recovering():
+            handles = [self._submit_recovered(rec, slot) for rec, slot in recoverable(shm, self._coord)]
             wait_futures([h._durable for h in handles])  # a failure is raised at the next save/wait/close
         return handles
 
     def _submit_recovered(self, rec: StagedRecord, slot: Slot) -> SaveHandle:
         log.warning("fastckpt: recovering %s, staged in shared memory by a crashed process", rec.label)
-        handle = SaveHandle(name=rec.name, step=rec.step, path=rec.dirpath, stats=SaveStats(step=rec.step, name=rec.name),
-                            _on_error_seen=self._mark_seen, _upload=Future() if self._uploader is not None else None)
+        handle = SaveHandle(name=rec.name, step=rec.step, path=rec.dirpath,
+                            stats=SaveStats(step=rec.step, name=rec.name), _on_error_seen=self._mark_seen,
+                            _upload=Future() if self._uploader is not None else None)
         job = Job(handle, rec.plan, slot, [], rec.keys, rec.numpy, rec.tree, rec.objects, rec.dirpath,
                   time.perf_counter(), uid=rec.uid, dtensors=rec.dtensors, staged_crcs=rec.crcs)
         with self._lock:

@@ -36,7 +36,8 @@ def _crash(base: Path, trial: int, world: int) -> tuple[Path, Path, list[int], s
     root, shm = base / f"trial{trial}" / "ckpts", base / f"trial{trial}" / "shm"
     shm.mkdir(parents=True)
     stuck_at, kill_after, empty_root = _scenario(trial)
-    what = f"trial {trial}: disk hangs from step {stuck_at}, SIGKILL after step {kill_after}, root emptied: {empty_root}"
+    what = (f"trial {trial}: disk hangs from step {stuck_at}, SIGKILL after step {kill_after}, "
+            f"root emptied: {empty_root}")
     port = kids.free_port()
     ranks = [kids.start(kids.train, str(root), str(shm), STEPS, stuck_at, r, world, port) for r in range(world)]
     try:
