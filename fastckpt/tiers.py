@@ -47,6 +47,7 @@ log = logging.getLogger("fastckpt")
 _OWNER_RE = re.compile(r"^(\d+)-(\d+)-([0-9a-f]{8})$")
 _MAX_RECORD_BYTES = 256 << 20  # a record holds names and the tree, never tensor bytes
 _LOCK = "recovery.lock"
+_ALIVE = "alive.lock"
 
 
 def _start_time(pid: int) -> int | None:
@@ -69,9 +70,21 @@ def _start_time(pid: int) -> int | None:
     return 0
 
 
-def _owner_alive(m: re.Match) -> bool:
-    """Whether the process that owns a folder (its name matched by ``_OWNER_RE``) still runs."""
-    return _start_time(int(m.group(1))) == int(m.group(2))
+def _lock_held(owner_dir: str) -> bool:
+    """Whether another process holds the owner's ``alive.lock``. POSIX record locks die with their
+    process (SIGKILL included), are not inherited by forked children (DataLoader workers), and
+    work across pid namespaces sharing one tmpfs, where pids say nothing."""
+    try:
+        fd = os.open(os.path.join(owner_dir, _ALIVE), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False  # no lock file: the owner died before it could stage anything
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)  # releases the lock if we just took it from a dead owner
 
 
 def _buffer_name(index: int) -> str:
@@ -94,10 +107,27 @@ class ShmTier:
         self.root, self._join, self.shm_dir = root_url, join, shm_dir
         self.base = os.path.join(shm_dir, f"fastckpt-{digest}" + (f"-rank{rank}" if distributed else ""))
         self.rank, self.world = rank, world
-        pid = os.getpid()
-        self.owner = f"{pid}-{_start_time(pid) or 0}-{uuid.uuid4().hex[:8]}"
+        self._me = (os.getpid(), _start_time(os.getpid()) or 0)
+        self.owner = f"{self._me[0]}-{self._me[1]}-{uuid.uuid4().hex[:8]}"
         self.dir = os.path.join(self.base, self.owner)
         self._count = 0
+        self._alive_fd: int | None = None
+
+    def _claim(self) -> None:
+        """Create this owner's folder holding a locked ``alive.lock``. It is built under a temporary name
+        and renamed into place, so no scanner ever sees the folder without its lock."""
+        tmp = os.path.join(self.base, f".new-{self.owner}")
+        os.makedirs(tmp)
+        fd = os.open(os.path.join(tmp, _ALIVE), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.rename(tmp, self.dir)
+        self._alive_fd = fd
+
+    def _owner_alive(self, m: re.Match, path: str) -> bool:
+        """Whether the owner of ``path`` (its name matched by ``_OWNER_RE``) still runs."""
+        if (int(m.group(1)), int(m.group(2))) == self._me:
+            return True  # this process; opening its lock file would drop its lock (POSIX semantics)
+        return _lock_held(path)
 
     # ---- this process's slots -------------------------------------------------------
 
@@ -106,6 +136,8 @@ class ShmTier:
         self._count += 1
         path = os.path.join(self.dir, f"slot-{self._count}")
         try:
+            if self._alive_fd is None:
+                self._claim()
             os.makedirs(path)
         except OSError as e:
             raise StorageError(f"cannot create the shared-memory staging folder {path}: {e}. Check staging.shm_dir "
@@ -116,7 +148,10 @@ class ShmTier:
         """A shared, file-backed buffer that survives the process, its pages reserved now."""
         path = os.path.join(slot_dir, _buffer_name(index))
         size = max(nbytes, 1)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except OSError as e:
+            raise self._no_room(path, size, e) from e
         try:
             os.ftruncate(fd, size)
             # A sparse tmpfs file faults in pages on first write; on a full tmpfs that fault is
@@ -125,15 +160,17 @@ class ShmTier:
                 os.posix_fallocate(fd, 0, size)
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED)
         except OSError as e:
-            os.close(fd)
             _unlink(path)
-            hint = " (the tmpfs is full)" if e.errno in (errno.ENOSPC, errno.ENOMEM) else ""
-            raise StorageError(
-                f"cannot reserve {size} bytes of shared memory for staging buffer {path}{hint}: {e}. Free space "
-                f"under {self.shm_dir} (staging.shm_dir), enlarge it (mount -o remount,size=...), or set "
-                "staging.shm: false") from e
-        os.close(fd)
+            raise self._no_room(path, size, e) from e
+        finally:
+            os.close(fd)
         return mm, torch.frombuffer(mm, dtype=torch.uint8)
+
+    def _no_room(self, path: str, size: int, e: OSError) -> StorageError:
+        hint = " (the tmpfs is full)" if e.errno in (errno.ENOSPC, errno.ENOMEM) else ""
+        return StorageError(
+            f"cannot reserve {size} bytes of shared memory for staging buffer {path}{hint}: {e}. Free space under "
+            f"{self.shm_dir} (staging.shm_dir), enlarge it (mount -o remount,size=...), or set staging.shm: false")
 
     def write_record(self, job: Any) -> None:
         """Called by the thread that finished staging ``job``, before ``wait_staged()`` returns: from now
@@ -159,14 +196,16 @@ class ShmTier:
     def remove(slot_dir: str) -> None:
         """Drop a slot folder (its buffers are unmapped when the arena lets go of them)."""
         shutil.rmtree(slot_dir, ignore_errors=True)
-        try:
-            os.rmdir(os.path.dirname(slot_dir))  # the owner's folder, once its last slot is gone
-        except OSError:
-            pass
 
     def close(self) -> None:
-        """Called by the arena's ``close``: this process's folder goes."""
+        """Called by the arena's ``close``: this process's folder goes, and so do dead owners' folders
+        emptied by recovery."""
         shutil.rmtree(self.dir, ignore_errors=True)
+        if self._alive_fd is not None:
+            os.close(self._alive_fd)
+            self._alive_fd = None
+        for _, path in self._dead_owners():
+            _sweep(path)
 
     # ---- what dead owners left ----------------------------------------------------------
 
@@ -190,24 +229,24 @@ class ShmTier:
         """Validated records left by dead owners, oldest step first. A bad record is discarded with a
         warning naming it; folders of dead owners with no record (staging never finished) are removed."""
         found: list[StagedRecord] = []
+        for owner, path in self._dead_owners():
+            for slot in _listdir(path):
+                rec = self._adopt(owner, os.path.join(path, slot)) if slot != _ALIVE else None
+                if rec is not None:
+                    found.append(rec)
+            _sweep(path)
+        return sorted(found, key=lambda r: (r.step, r.uid))
+
+    def _dead_owners(self) -> Iterator[tuple[str, str]]:
         for owner in _listdir(self.base):
             path = os.path.join(self.base, owner)
             m = _OWNER_RE.match(owner)
             if m is None or os.path.islink(path):
-                if owner != _LOCK:
+                if owner != _LOCK and not owner.startswith(".new-"):  # a lock, or an owner being created
                     log.warning("fastckpt: ignoring %s: not a shared-memory staging folder of fastckpt", path)
                 continue
-            if owner == self.owner or _owner_alive(m):
-                continue  # a live Checkpointer (in this process or another) still owns it
-            for slot in _listdir(path):
-                rec = self._adopt(owner, os.path.join(path, slot))
-                if rec is not None:
-                    found.append(rec)
-            try:
-                os.rmdir(path)
-            except OSError:
-                pass
-        return sorted(found, key=lambda r: (r.step, r.uid))
+            if owner != self.owner and not self._owner_alive(m, path):
+                yield owner, path
 
     def _adopt(self, owner: str, slot_dir: str) -> StagedRecord | None:
         source = os.path.join(slot_dir, RECORD)
@@ -282,6 +321,16 @@ def _read_record(path: str) -> bytes | None:
             return f.read()
     finally:
         os.close(fd)
+
+
+def _sweep(owner_dir: str) -> None:
+    """Remove a dead owner's folder once no slot is left in it."""
+    if set(_listdir(owner_dir)) <= {_ALIVE}:
+        _unlink(os.path.join(owner_dir, _ALIVE))
+        try:
+            os.rmdir(owner_dir)
+        except OSError:
+            pass
 
 
 def _listdir(path: str) -> list[str]:
