@@ -144,8 +144,9 @@ class Checkpointer:
             return []
         newest = max((i.step for i in remote), default=None)
         handles = []
+        recovered = {h.name for h in self.recovered}  # their uploads were queued when they committed
         for info in self._catalog.list():
-            if newest is not None and info.step <= newest:
+            if (newest is not None and info.step <= newest) or info.name in recovered:
                 continue
             log.warning("fastckpt: checkpoint %r (step %d) is committed under %s but not on the remote tier; "
                         "uploading it now", info.name, info.step, self.storage.url)

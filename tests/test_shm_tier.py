@@ -2,18 +2,21 @@
 what is damaged, planted or someone else's is never adopted."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import shutil
 import subprocess
 import threading
+import uuid
 from pathlib import Path
 
 import pytest
 import torch
 
 from fastckpt import CheckpointConfig, Checkpointer, StorageError
+from fastckpt.config import RemoteOptions
 from fastckpt.storage import open_storage
 from tests import shm_children as kids
 from tests.helpers import GatedStorage, assert_bit_equal
@@ -93,6 +96,22 @@ def test_a_live_owner_is_never_adopted(dirs) -> None:
     with Checkpointer(kids.config(str(root), str(shm))) as ck:
         assert [h.step for h in ck.recovered] == [1, 2]
         assert_bit_equal(kids.expected(2), ck.load(name="step-000000002"))
+
+
+def test_a_recovered_snapshot_is_uploaded_once(dirs) -> None:
+    root, shm = dirs
+    _crash(root, shm, steps=3, stuck_at=2)
+    remote = f"memory://fastckpt-shm-{uuid.uuid4().hex[:12]}"
+    gated = GatedStorage(open_storage(remote))  # uploads wait until the constructor has returned
+    cfg = dataclasses.replace(kids.config(str(root), str(shm)), remote=RemoteOptions(url=remote))
+    with Checkpointer(cfg, remote_storage=gated) as ck:
+        assert [h.step for h in ck.recovered] == [2, 3]
+        assert [h.step for h in ck.resumed_uploads] == [1], "recovered snapshots are queued as they commit"
+        gated.gate.set()
+        for h in ck.recovered + ck.resumed_uploads:
+            h.wait_uploaded()
+    with Checkpointer(CheckpointConfig(root=remote)) as far:
+        assert kids.check_committed(far, [1, 2, 3]) == [1, 2, 3]
 
 
 class _FailAfterGate(GatedStorage):
