@@ -166,12 +166,14 @@ class Pipeline:
     def _copy_shard(self, job: Job, shard: Shard) -> None:
         buf = job.slot.buffer(shard)
         copy_entries(buf, shard.entries, job.tensors, job.copy_stream)
-        if job.slot.dir is not None:  # shm: the record carries the checksums of what was staged
-            job.staged_crcs[shard.index] = staged_crcs(buf, shard)
         if job.copy_stream is not None and any(job.tensors[e.index].is_cuda for e in shard.entries):
             ev = torch.cuda.Event()
             ev.record(job.copy_stream)
             job.shard_events[shard.index] = ev
+        if job.slot.dir is not None:  # shm: the record carries the checksums of what was staged
+            if shard.index in job.shard_events:
+                job.shard_events[shard.index].synchronize()  # the bytes must have landed first
+            job.staged_crcs[shard.index] = staged_crcs(buf, shard)
         job.writes.append(self._io.submit(self._write_shard, job, shard))
 
     # ---- I/O workers -----------------------------------------------------------------
