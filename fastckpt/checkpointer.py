@@ -27,6 +27,8 @@ from .plan import Planner, flatten
 from .remote import RemoteTier, Upload, _settle
 from .staging import HostArena, Slot
 from .streams import CopyStreams, CudaCopy, cuda_devices, gpu_wait
+from .recovery import recoverable
+from .shm_record import StagedRecord
 from .tiers import ShmTier
 from .storage import Storage, open_storage
 
@@ -78,7 +80,11 @@ class Checkpointer:
         self._remote_catalog = Catalog(remote_storage) if remote_storage is not None else None
         self._planner = Planner(p.chunk_bytes)
         st = config.staging
-        self._shm = ShmTier(st.shm_dir, self.storage.url) if st.shm else None
+        self._coord = Coordinator(group) if distributed else None
+        if self._coord is not None and st.when_busy == "skip":
+            # ranks deciding to skip independently would leave the commit protocol waiting on each other
+            raise ConfigError("staging.when_busy=skip cannot be used with distributed=True (ranks could disagree); use wait")
+        self._shm = self._shm_tier() if st.shm else None
         self._arena = HostArena(st.slots, st.max_host_bytes, self._shm)
         self._watched: weakref.WeakSet = weakref.WeakSet()
         self._hooks: list[WatchHandle] = []
@@ -88,10 +94,6 @@ class Checkpointer:
         self._catalog = Catalog(self.storage)
         self._streams = CopyStreams()  # per-device copy streams, created on the first CUDA save
         self.stats: list[SaveStats] = []
-        self._coord = Coordinator(group) if distributed else None
-        if self._coord is not None and st.when_busy == "skip":
-            # ranks deciding to skip independently would leave the commit protocol waiting on each other
-            raise ConfigError("staging.when_busy=skip cannot be used with distributed=True (ranks could disagree); use wait")
         self._pipeline = Pipeline(self.storage, self._arena, p.workers, self._on_commit, self._on_failure,
                                   self._coord, priority=p.priority)
         if self._remote_catalog is not None and self._leader:  # rank 0 uploads for everyone
@@ -103,27 +105,33 @@ class Checkpointer:
         self.recovered: list[SaveHandle] = self._recover() if self._shm is not None else []
         self.resumed_uploads: list[SaveHandle] = self._resume_uploads() if self._uploader is not None else []
 
+    def _shm_tier(self) -> ShmTier:
+        coord = self._coord  # one namespace per root and rank: ranks sharing a machine never mix records
+        return ShmTier(self.config.staging.shm_dir, self.storage.url, join=self.storage.join,
+                       rank=coord.rank if coord else 0, world=coord.world if coord else 1,
+                       distributed=coord is not None)
+
     def _recover(self) -> list[SaveHandle]:
-        """Persist snapshots that a crashed process had staged in shared memory."""
-        handles = []
-        for rec in self._shm.orphans():  # type: ignore[union-attr]
-            log.warning("fastckpt: recovering checkpoint %r (step %d) staged in shared memory by a crashed "
-                        "process", rec.name, rec.step)
-            slot = Slot(plan=rec.plan, ring=False, pinned=False, dir=rec.dir, recovered=True)
-            for shard in rec.plan.shards:
-                keep, buf = ShmTier.alloc(rec.dir, shard.index, shard.nbytes)
-                slot._keep.append(keep)
-                slot._buffers[shard.index] = buf
-            handle = SaveHandle(name=rec.name, step=rec.step, path=rec.dirpath,
-                                stats=SaveStats(step=rec.step, name=rec.name), _on_error_seen=self._mark_seen,
-                                _upload=Future() if self._uploader is not None else None)
-            job = Job(handle, rec.plan, slot, [], rec.keys, rec.numpy, rec.tree, rec.objects, rec.dirpath,
-                      time.perf_counter(), uid=rec.uid, dtensors=rec.dtensors)
-            with self._lock:
-                self._pending.append(handle)
-            self._pipeline.submit_recovered(job)  # type: ignore[union-attr]
-            handles.append(handle)
+        """Persist the snapshots a crashed process had staged in shared memory, and return once they are
+        committed (or failed), so that ``latest()`` and ``load()`` already see them."""
+        shm = self._shm
+        assert shm is not None
+        with shm.recovering():
+            handles = [self._submit_recovered(rec, slot) for rec, slot in recoverable(shm, self._coord)]
+            wait_futures([h._durable for h in handles])  # a failure is raised at the next save/wait/close
         return handles
+
+    def _submit_recovered(self, rec: StagedRecord, slot: Slot) -> SaveHandle:
+        log.warning("fastckpt: recovering %s, staged in shared memory by a crashed process", rec.label)
+        handle = SaveHandle(name=rec.name, step=rec.step, path=rec.dirpath,
+                            stats=SaveStats(step=rec.step, name=rec.name), _on_error_seen=self._mark_seen,
+                            _upload=Future() if self._uploader is not None else None)
+        job = Job(handle, rec.plan, slot, [], rec.keys, rec.numpy, rec.tree, rec.objects, rec.dirpath,
+                  time.perf_counter(), uid=rec.uid, dtensors=rec.dtensors, staged_crcs=rec.crcs)
+        with self._lock:
+            self._pending.append(handle)
+        self._pipeline.submit_recovered(job)  # type: ignore[union-attr]
+        return handle
 
     def _resume_uploads(self) -> list[SaveHandle]:
         """Upload the local checkpoints a previous process committed but never uploaded (it died, or its
@@ -139,8 +147,9 @@ class Checkpointer:
             return []
         newest = max((i.step for i in remote), default=None)
         handles = []
+        recovered = {h.name for h in self.recovered}  # their uploads were queued when they committed
         for info in self._catalog.list():
-            if newest is not None and info.step <= newest:
+            if (newest is not None and info.step <= newest) or info.name in recovered:
                 continue
             log.warning("fastckpt: checkpoint %r (step %d) is committed under %s but not on the remote tier; "
                         "uploading it now", info.name, info.step, self.storage.url)

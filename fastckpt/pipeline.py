@@ -36,7 +36,7 @@ from .staging import HostArena, Slot, copy_entries
 from .streams import CudaCopy, host_wait, record_done, shard_events
 from .distributed import Coordinator
 from .storage import Storage, aligned_buffer
-from .tiers import ShmTier
+from .tiers import ShmTier, staged_crcs
 
 __all__ = ["Job", "Pipeline"]
 
@@ -68,6 +68,7 @@ class Job:
     copied_at: dict[int, float] = field(default_factory=dict)  # shard -> when its CUDA copies were seen done
     dtensors: list[dict[str, Any]] = field(default_factory=list)  # DTensorRecord.as_json() of each DTensor leaf
     guard: VersionGuard | None = None  # version counters of the lazy tensors, taken in save()
+    staged_crcs: dict[int, list[int]] = field(default_factory=dict)  # shm: per shard, each tensor's CRC32C as staged
 
 
 class Pipeline:
@@ -110,7 +111,7 @@ class Pipeline:
         if lazy:
             self._copy_q.put((job, lazy))  # type: ignore[arg-type]
         else:
-            job.handle._staged.set()
+            self._mark_staged(job)
 
     def submit_recovered(self, job: Job) -> None:
         """Persist a snapshot adopted from shared memory: its bytes are already staged."""
@@ -157,7 +158,18 @@ class Pipeline:
                 job.handle._cuda_events = [(d, ev) for (_, d), ev in job.shard_events.items()]
                 if job.cuda is None:  # CUDA copies are only queued here: timed when seen done (_write_shard)
                     job.handle.stats.staging_ms = (time.perf_counter() - job.t0) * 1e3
-                job.handle._staged.set()
+                self._mark_staged(job)
+
+    def _mark_staged(self, job: Job) -> None:
+        """Release ``wait_staged()``; with shared memory, only once the snapshot's record is in place, so
+        every snapshot staged before a crash is recoverable."""
+        shm = self._arena.shm
+        if job.error is None and job.slot.dir is not None and not job.slot.recovered and shm is not None:
+            try:
+                shm.write_record(job)
+            except BaseException as e:  # noqa: BLE001 - reported through the job
+                job.error = e
+        job.handle._staged.set()
 
     def _copy_shard(self, job: Job, shard: Shard, streams: dict[int, Any] | None) -> None:
         buf = job.slot.buffer(shard)
@@ -167,6 +179,9 @@ class Pipeline:
             job.shard_events[(shard.index, d)] = record_done(streams[d])  # type: ignore[index]
         for e in shard.entries:
             job.tensors[e.index] = None  # queued (record_stream keeps a CUDA source's memory): drop it now
+        if job.slot.dir is not None:  # shm: the record carries the checksums of what was staged
+            host_wait(shard_events(job.shard_events, shard.index))  # the bytes must have landed first
+            job.staged_crcs[shard.index] = staged_crcs(buf, shard)
         job.writes.append(self._io.submit(self._write_shard, job, shard))
 
     # ---- I/O workers -----------------------------------------------------------------
@@ -181,8 +196,9 @@ class Pipeline:
         crc = crc32c(header)
         data = memoryview(buf.numpy())[: shard.nbytes]
         tensor_crcs = []
-        for e in shard.entries:
-            c = crc32c(data[e.offset: e.offset + e.nbytes])
+        staged = job.staged_crcs.get(shard.index)  # computed once, when the bytes were staged
+        for i, e in enumerate(shard.entries):
+            c = staged[i] if staged is not None else crc32c(data[e.offset: e.offset + e.nbytes])
             tensor_crcs.append(c)
             crc = combine(crc, c, e.nbytes)
         name = shard_file_name(shard.index, job.uid)
@@ -250,9 +266,6 @@ class Pipeline:
         job.handle._staged.wait()
         if job.error is not None:
             raise job.error
-        if job.slot.dir is not None and not job.slot.recovered:
-            host_wait((d, ev) for (_, d), ev in job.shard_events.items())
-            ShmTier.write_record(job.slot.dir, job)  # from here a crash loses nothing staged
         results = [f.result() for f in job.writes]
         if job.copied_at:  # CUDA: staged when the last copy was seen done, not when it was queued
             job.handle.stats.staging_ms = (max(job.copied_at.values()) - job.t0) * 1e3

@@ -191,13 +191,17 @@ class HostArena:
                 self._count(biggest)
         elif self._shm is not None:
             slot.dir = self._shm.new_slot_dir()
-            for shard in shards:
-                keep, buf = self._shm.alloc(slot.dir, shard.index, shard.nbytes)
-                if pin:  # crash recovery in GPU training: the shm mapping itself takes the async copies
-                    keep = Pinned(keep, buf, f"shared memory under {slot.dir}")  # type: ignore[arg-type]
-                slot._keep.append(keep)
-                slot._buffers[shard.index] = buf
-                self._count(shard.nbytes)
+            try:
+                for shard in shards:
+                    keep, buf = self._shm.alloc(slot.dir, shard.index, shard.nbytes)
+                    if pin:  # crash recovery in GPU training: the shm mapping itself takes the async copies
+                        keep = Pinned(keep, buf, f"shared memory under {slot.dir}")  # type: ignore[arg-type]
+                    slot._keep.append(keep)
+                    slot._buffers[shard.index] = buf
+                    self._count(shard.nbytes)
+            except BaseException:
+                self._shm.remove(slot.dir)  # a full tmpfs: give back what was reserved
+                raise
         else:
             for shard in shards:
                 keep, buf = _alloc(shard.nbytes, pin)
@@ -229,12 +233,19 @@ class HostArena:
             if slot.dir is not None and self._shm is not None:
                 self._shm.remove(slot.dir)
 
+    @property
+    def shm(self) -> "ShmTier | None":
+        """The shared-memory tier backing the slots, if any (the pipeline writes its records)."""
+        return self._shm
+
     def close(self) -> None:
         """Drop every buffer (called by ``Checkpointer.close``)."""
         with self._cond:
             for slots in self._slots.values():
                 self._drop(slots)
             self._slots.clear()
+        if self._shm is not None:
+            self._shm.close()
 
 
 def entry_view(buf: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
