@@ -1,8 +1,8 @@
 """``Checkpointer``: save() -> SaveHandle, load(), latest(), retention, close()."""
 from __future__ import annotations
 
-import atexit
 import logging
+import os
 import re
 import threading
 import time
@@ -18,6 +18,7 @@ from .codec import dumps_objects
 from .distributed import Coordinator
 from .config import CheckpointConfig
 from .errors import CheckpointNotFoundError, ConfigError, FastCkptError, StateMismatchError, StorageError
+from .exithook import register_exit_hook
 from .handle import CheckpointInfo, SaveHandle, SaveStats
 from .loader import CheckpointReader
 from .pipeline import Job, Pipeline
@@ -62,6 +63,7 @@ class Checkpointer:
         ``remote_storage``: the remote tier's ``Storage`` (default: opened from ``config.remote``)."""
         self._pipeline: Pipeline | None = None  # set last: close() is safe on a half-built object
         self._uploader: RemoteTier | None = None
+        self._owner_pid = os.getpid()  # a fork()ed child inherits this object but none of its threads
         if not isinstance(config, CheckpointConfig):
             raise ConfigError(f"Checkpointer needs a CheckpointConfig, got {type(config).__name__}")
         self.config = config
@@ -96,7 +98,7 @@ class Checkpointer:
                                         workers=rem.workers, keep_last=rem.keep_last, priority=p.priority,
                                         on_uploaded=self._on_uploaded, on_failed=self._on_upload_failed)
         self._atexit = _exit_flusher(self)
-        _register_exit_hook(self._atexit)
+        register_exit_hook(self._atexit)
         self.recovered: list[SaveHandle] = self._recover() if self._shm is not None else []
         self.resumed_uploads: list[SaveHandle] = self._resume_uploads() if self._uploader is not None else []
 
@@ -260,6 +262,8 @@ class Checkpointer:
 
     def wait_staged(self) -> None:
         """Block until every pending snapshot is in host memory (call before mutating)."""
+        if not self._in_owner():
+            return  # a fork()ed child: the parent's copies are not this process's to wait for
         with self._lock:
             pending = list(self._pending)
         for h in pending:
@@ -268,6 +272,8 @@ class Checkpointer:
     def wait(self, timeout: float | None = None) -> None:
         """Block until every pending save is committed (and uploaded, with a remote tier); raises a
         background error once."""
+        if not self._in_owner():
+            return  # a fork()ed child: the parent's saves are not this process's to wait for
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             pending = list(self._pending)
@@ -492,6 +498,12 @@ class Checkpointer:
     def _check_open(self) -> None:
         if self._pipeline is None:
             raise FastCkptError("this Checkpointer is closed; create a new one")
+        if not self._in_owner():
+            raise FastCkptError(f"this Checkpointer belongs to process {self._owner_pid}; a fork()ed child (pid "
+                                f"{os.getpid()}) has none of its threads: create a new Checkpointer in the child")
+
+    def _in_owner(self) -> bool:
+        return getattr(self, "_owner_pid", None) in (None, os.getpid())
 
     @staticmethod
     def _check_name(name: str) -> str:
@@ -504,6 +516,8 @@ class Checkpointer:
         pipeline, self._pipeline = getattr(self, "_pipeline", None), None
         if pipeline is None:
             return
+        if not self._in_owner():
+            return  # a fork()ed child only forgets the parent's saves: flushing them would wait forever
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             pending = list(self._pending)
@@ -548,23 +562,6 @@ def _address(t: torch.Tensor) -> int:
 
 def _remaining(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
-
-
-def _register_exit_hook(hook: Any) -> None:
-    """Run ``hook`` at exit while our I/O executor still accepts work.
-
-    ``atexit`` handlers run after threading's exit hooks, and one of those shuts down every
-    ``concurrent.futures`` executor, so a lazy copy still pending would fail to queue its
-    writes. ``threading._register_atexit`` hooks run newest first, before that one.
-    """
-    register = getattr(threading, "_register_atexit", None)
-    if register is not None:
-        try:
-            register(hook)
-            return
-        except RuntimeError:  # shutdown already started
-            pass
-    atexit.register(hook)
 
 
 def _exit_flusher(ckpt: Checkpointer) -> Any:
