@@ -66,6 +66,7 @@ class Checkpointer:
         self._owner_pid = os.getpid()  # a fork()ed child inherits this object but none of its threads
         if not isinstance(config, CheckpointConfig):
             raise ConfigError(f"Checkpointer needs a CheckpointConfig, got {type(config).__name__}")
+        config.freeze()  # read again after construction: a field changed now would leave us inconsistent
         self.config = config
         p = config.persist
         self.storage = storage or open_storage(config.root, config.storage_options, direct_io=p.direct_io,
