@@ -19,6 +19,8 @@ from .distributed import Coordinator
 from .config import CheckpointConfig
 from .errors import CheckpointNotFoundError, ConfigError, FastCkptError, StateMismatchError, StorageError
 from .exithook import register_exit_hook
+from .gc import collect
+from .lock import RootLock
 from .handle import CheckpointInfo, SaveHandle, SaveStats
 from .loader import CheckpointReader
 from .pipeline import Job, Pipeline
@@ -64,6 +66,7 @@ class Checkpointer:
         self._pipeline: Pipeline | None = None  # set last: close() is safe on a half-built object
         self._uploader: RemoteTier | None = None
         self._owner_pid = os.getpid()  # a fork()ed child inherits this object but none of its threads
+        self._root_lock: RootLock | None = None
         if not isinstance(config, CheckpointConfig):
             raise ConfigError(f"Checkpointer needs a CheckpointConfig, got {type(config).__name__}")
         config.freeze()  # read again after construction: a field changed now would leave us inconsistent
@@ -94,6 +97,9 @@ class Checkpointer:
             raise ConfigError("staging.when_busy=skip cannot be used with distributed=True (ranks could disagree); use wait")
         self._pipeline = Pipeline(self.storage, self._arena, p.workers, self._on_commit, self._on_failure,
                                   self._coord, priority=p.priority)
+        self._root_lock = RootLock.for_root(self.storage.url) if self._leader else None  # rank 0 writes for all
+        if self._coord is not None:
+            self._claim_root_together()
         if self._remote_catalog is not None and self._leader:  # rank 0 uploads for everyone
             self._uploader = RemoteTier(self.storage, self._remote_catalog.storage, self._remote_catalog,
                                         workers=rem.workers, keep_last=rem.keep_last, priority=p.priority,
@@ -102,11 +108,49 @@ class Checkpointer:
         register_exit_hook(self._atexit)
         self.recovered: list[SaveHandle] = self._recover() if self._shm is not None else []
         self.resumed_uploads: list[SaveHandle] = self._resume_uploads() if self._uploader is not None else []
+        self.removed_orphans: list[str] = self._remove_orphans()  # after _recover: its saves are pending
+
+    def _claim_root(self) -> None:
+        """Before this Checkpointer's first write: become the root's only writer, or raise naming the holder."""
+        if self._root_lock is not None and not self._root_lock.held:
+            self._root_lock.acquire()
+
+    def _claim_root_together(self) -> None:
+        """Distributed: rank 0 claims the root at construction, and every rank learns whether it could."""
+        assert self._coord is not None
+        failed = None
+        try:
+            self._claim_root()
+        except StorageError as e:
+            failed = e
+        verdict = self._coord.outcome(None if failed is None else str(failed))
+        if failed is not None:
+            raise failed
+        if verdict is not None:
+            raise StorageError(f"rank 0: {verdict}")
+
+    def _remove_orphans(self) -> list[str]:
+        """Remove folders of saves that died uncommitted (``fastckpt.gc``); only when no live writer can own them."""
+        grace, lock = self.config.orphan_grace_s, self._root_lock
+        if grace is None or not self._leader:
+            return []
+        held = lock is None or lock.held
+        try:
+            if not held and (not os.path.isdir(lock.root) or not lock.try_acquire()):  # type: ignore[union-attr]
+                return []  # no root yet, or another live writer holds it: its folders may be in progress
+            return collect(self.storage, grace, protected=lambda name: name in self.pending_names())
+        except (OSError, FastCkptError) as e:  # housekeeping: never fail a Checkpointer over it
+            log.warning("fastckpt: uncommitted folders under %s were not collected: %s", self.storage.url, e)
+            return []
+        finally:
+            if not held:
+                lock.release()  # type: ignore[union-attr]  # readers never keep the root: the first save claims it
 
     def _recover(self) -> list[SaveHandle]:
         """Persist snapshots that a crashed process had staged in shared memory."""
         handles = []
         for rec in self._shm.orphans():  # type: ignore[union-attr]
+            self._claim_root()  # persisting it writes into the root
             log.warning("fastckpt: recovering checkpoint %r (step %d) staged in shared memory by a crashed "
                         "process", rec.name, rec.step)
             slot = Slot(plan=rec.plan, ring=False, pinned=False, dir=rec.dir, recovered=True)
@@ -173,6 +217,7 @@ class Checkpointer:
             raise ConfigError(f"save(step=...) must be a non-negative int, got {step!r}")
         name = self._check_name(name if name is not None else f"step-{step:09d}")
         self._raise_pending()
+        self._claim_root()
         try:
             flat = flatten(state)
         except TypeError as e:
@@ -429,6 +474,7 @@ class Checkpointer:
             done: Future = Future()
             done.set_result(None)  # rank 0 deletes for everyone
             return done
+        self._claim_root()
         uploader = self._uploader
         if uploader is None:
             return self._pipeline.run_in_order(lambda: self._catalog.delete(name))  # type: ignore[union-attr]
@@ -533,6 +579,8 @@ class Checkpointer:
                 self._apply_retention()  # what was kept only for a pending upload
             self._uploader = None
         self._arena.close()
+        if self._root_lock is not None:
+            self._root_lock.release()  # after the last commit and retention: the next writer may start
         self._raise_pending()
 
     def __enter__(self) -> "Checkpointer":

@@ -213,6 +213,10 @@ class CheckpointConfig(_Freezable):
     remote: RemoteOptions = field(default_factory=RemoteOptions)
     allowed_classes: list[str] = field(default_factory=list)
     """Extra ``module.QualName`` classes the safe loader may rebuild (non-plain leaves)."""
+    orphan_grace_s: float | None = 3600.0
+    """A folder left under ``root`` by a save that died before its commit is removed by the next Checkpointer
+    (and ``fastckpt gc``) once nothing in it changed for this long and, on a local root, no live writer holds
+    the root; null never removes them (see fastckpt/gc.py)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.root, Path):
@@ -226,6 +230,9 @@ class CheckpointConfig(_Freezable):
                 isinstance(c, str) and "." in c for c in self.allowed_classes):
             raise ConfigError(f"allowed_classes must be a list of 'module.QualName' strings, got {self.allowed_classes!r}")
         self.allowed_classes = list(self.allowed_classes)
+        g = self.orphan_grace_s
+        if g is not None and (isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 <= g < float("inf")):
+            raise ConfigError(f"orphan_grace_s must be a number of seconds >= 0 or null, got {g!r}")
         for name, cls in _SECTIONS.items():
             value = getattr(self, name)
             if isinstance(value, Mapping):
