@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from fastckpt import CheckpointConfig, Checkpointer, ConfigError, StorageError
+from fastckpt.cli import main as cli_main
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -161,19 +162,128 @@ def test_two_checkpointers_of_one_process_cannot_both_write_a_root(tmp_path) -> 
         third.save({"x": torch.ones(2)}, step=2).wait(timeout=60)
 
 
-def test_forked_child_does_not_keep_the_lock(tmp_path) -> None:
-    """A fork()ed child that outlives its parent's Checkpointer must not keep the root locked."""
-    ckpt = Checkpointer(CheckpointConfig(root=str(tmp_path)))
-    ckpt.save({"x": torch.ones(2)}, step=1).wait(timeout=60)
-    ctx = multiprocessing.get_context("fork")
-    release = ctx.Event()
-    child = ctx.Process(target=release.wait, args=(120,), name="lingering-child")
-    child.start()
+def test_forked_child_does_not_keep_the_lock_of_a_killed_parent(tmp_path) -> None:
+    """A fork()ed child (a DataLoader worker) outliving its SIGKILLed parent must not keep the root locked."""
+    script = textwrap.dedent("""
+        import os, sys, torch
+        from fastckpt import Checkpointer, CheckpointConfig
+        ck = Checkpointer(CheckpointConfig(root=sys.argv[1]))
+        ck.save({"x": torch.ones(2)}, step=1).wait(timeout=60)  # holds the root lock from here
+        child = os.fork()
+        if child == 0:
+            sys.stdin.read()  # lingers until the test closes stdin
+            os._exit(0)
+        print("ready", child, flush=True)
+        sys.stdin.read()  # until SIGKILL
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], cwd=REPO, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
-        ckpt.close()  # the parent lets go while the child still runs
-        with Checkpointer(CheckpointConfig(root=str(tmp_path))) as again:
-            again.save({"x": torch.ones(2)}, step=2).wait(timeout=60)
+        child = int(parent.stdout.readline().split()[1])
+        parent.kill()
+        parent.wait(timeout=60)
+        os.kill(child, 0)  # the child is still alive (raises if not)
+        with Checkpointer(CheckpointConfig(root=str(tmp_path))) as ckpt:
+            ckpt.save({"x": torch.ones(2)}, step=2).wait(timeout=60)
+            assert [i.step for i in ckpt.list()] == [1, 2]
     finally:
-        release.set()
-        child.join(60)
-    assert child.exitcode == 0
+        parent.stdin.close()  # the child's stdin too: it exits
+        if parent.poll() is None:
+            parent.kill()
+
+
+# ---- garbage: folders of saves that died uncommitted --------------------------------------------------------
+
+
+def _age(folder: Path, seconds: float) -> None:
+    """Backdate every file in ``folder`` (what the grace period measures) by ``seconds``."""
+    for f in folder.iterdir():
+        st = f.stat()
+        os.utime(f, (st.st_atime - seconds, st.st_mtime - seconds))
+
+
+def test_killed_save_and_killed_retention_delete_are_collected(tmp_path, writers) -> None:
+    killed_save = tmp_path / "save"
+    writers(killed_save, "save").kill()  # died writing step 2
+    dead = killed_save / "step-000000002"
+    assert dead.is_dir() and "manifest.json" not in os.listdir(dead) and os.listdir(dead)
+
+    killed_delete = tmp_path / "delete"
+    writers(killed_delete, "delete").kill()  # died deleting step 1 (retention), after its manifest went
+    half = killed_delete / "step-000000001"
+    assert half.is_dir() and "manifest.json" not in os.listdir(half) and os.listdir(half)
+
+    # within the grace period (default: an hour) nothing is proven dead
+    with Checkpointer(CheckpointConfig(root=str(killed_save))) as ckpt:
+        assert ckpt.removed_orphans == [] and dead.is_dir()
+    _age(dead, 3601)
+    with Checkpointer(CheckpointConfig(root=str(killed_save))) as ckpt:
+        assert ckpt.removed_orphans == [str(dead)] and not dead.exists()
+    _assert_step1_intact(killed_save)  # the good checkpoint is untouched
+
+    with Checkpointer(CheckpointConfig(root=str(killed_delete), orphan_grace_s=0)) as ckpt:
+        assert ckpt.removed_orphans == [str(half)] and not half.exists()
+        assert [i.step for i in ckpt.list()] == [2]
+        assert torch.equal(ckpt.load(2)["w"], STATE["w"])
+
+
+def test_a_live_writers_folder_is_never_collected(tmp_path, writers) -> None:
+    live = writers(tmp_path, "save")  # alive, holding the root, stuck in the middle of step 2
+    folder = tmp_path / "step-000000002"
+    _age(folder, 7200)  # even a folder that looks old: the lock proves its writer is alive
+    with Checkpointer(CheckpointConfig(root=str(tmp_path), orphan_grace_s=0)) as ckpt:
+        assert ckpt.removed_orphans == [] and folder.is_dir()
+    assert cli_main(["gc", str(tmp_path), "--grace-s", "0"]) == 1  # refused: names the live holder
+    assert folder.is_dir()
+    live.kill()
+    assert cli_main(["gc", str(tmp_path), "--grace-s", "0", "--dry-run"]) == 0 and folder.is_dir()
+    assert cli_main(["gc", str(tmp_path), "--grace-s", "0"]) == 0 and not folder.exists()
+    _assert_step1_intact(tmp_path)
+
+
+def test_folders_that_are_not_fastckpt_saves_are_never_collected(tmp_path) -> None:
+    with Checkpointer(CheckpointConfig(root=str(tmp_path))) as ckpt:
+        ckpt.save(STATE, step=1).wait(timeout=60)
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "events.out").write_text("user data")
+    (tmp_path / "mixed").mkdir()
+    (tmp_path / "mixed" / "shard-00000.0123456789ab.safetensors").write_bytes(b"x")
+    (tmp_path / "mixed" / "notes.txt").write_text("user data")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "pointer.ckpt").write_text("a file, not a folder")
+    for folder in ("logs", "mixed"):
+        _age(tmp_path / folder, 7200)
+    with Checkpointer(CheckpointConfig(root=str(tmp_path), orphan_grace_s=0)) as ckpt:
+        assert ckpt.removed_orphans == []
+    assert sorted(os.listdir(tmp_path)) == [".fastckpt.lock", "empty", "logs", "mixed", "pointer.ckpt",
+                                            "step-000000001"]
+    _assert_step1_intact(tmp_path)
+
+
+def test_orphan_grace_is_validated() -> None:
+    for bad in (-1, "1h", True, float("inf")):
+        with pytest.raises(ConfigError, match="orphan_grace_s"):
+            CheckpointConfig(root="/x", orphan_grace_s=bad)
+    assert CheckpointConfig(root="/x").orphan_grace_s == 3600
+    assert CheckpointConfig.from_dict({"root": "/x", "orphan_grace_s": None}).orphan_grace_s is None
+
+
+def test_object_store_orphans_are_collected_by_age_only(s3_root) -> None:
+    """No locks on S3: a fresh uncommitted folder (a live writer elsewhere) is kept; an old one goes."""
+    import fsspec
+
+    fs = fsspec.filesystem("s3", **s3_root.storage_options)
+    base = s3_root.url.removeprefix("s3://")
+    cfg = CheckpointConfig(root=s3_root.url, storage_options=s3_root.storage_options)
+    with Checkpointer(cfg) as ckpt:
+        ckpt.save(STATE, step=1).wait(timeout=120)
+    fs.pipe(f"{base}/step-000000002/shard-00000.0123456789ab.safetensors", b"partial")  # another host, mid-save
+    with Checkpointer(cfg) as ckpt:
+        assert ckpt.removed_orphans == []
+    assert fs.exists(f"{base}/step-000000002/shard-00000.0123456789ab.safetensors")
+    with Checkpointer(dataclasses.replace(cfg, orphan_grace_s=0)) as ckpt:  # older than the grace: dead
+        assert ckpt.removed_orphans == [f"{s3_root.url}/step-000000002"]
+        assert [i.step for i in ckpt.list()] == [1]
+        assert torch.equal(ckpt.load(1)["b"], STATE["b"])
+    fs.invalidate_cache()
+    assert not fs.exists(f"{base}/step-000000002/shard-00000.0123456789ab.safetensors")
