@@ -9,7 +9,7 @@ import time
 import weakref
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -24,6 +24,7 @@ from .lock import RootLock
 from .handle import CheckpointInfo, SaveHandle, SaveStats
 from .loader import CheckpointReader
 from .pipeline import Job, Pipeline
+from .reread import read_consistently
 from .plan import Planner, flatten
 from .remote import RemoteTier, Upload, _settle
 from .staging import HostArena, Slot
@@ -431,9 +432,21 @@ class Checkpointer:
         one, else the remote tier's."""
         self._check_open()
         storage, target = self._locate(step, name)
-        return CheckpointReader(storage, storage.join(storage.url, target),
-                                verify=self.config.persist.verify_on_load, workers=self.config.persist.workers,
-                                allowed_classes=self.config.allowed_classes, coord=self._coord)
+        return self._open_reader(storage, storage.join(storage.url, target))
+
+    def _open_reader(self, storage: Storage, dirpath: str) -> CheckpointReader:
+        return CheckpointReader(storage, dirpath, verify=self.config.persist.verify_on_load,
+                                workers=self.config.persist.workers, allowed_classes=self.config.allowed_classes,
+                                coord=self._coord)
+
+    def _read(self, step: int | None, name: str | None, use: Callable[[CheckpointReader], Any]) -> Any:
+        """``use`` a reader of the checkpoint; read again if a re-save of its name replaced it meanwhile."""
+        self._check_open()
+        storage, target = self._locate(step, name)
+        dirpath = storage.join(storage.url, target)
+        if self._coord is not None:  # the ranks read together: one retrying alone would hang the others
+            return use(self._open_reader(storage, dirpath))
+        return read_consistently(storage, dirpath, lambda: use(self._open_reader(storage, dirpath)))
 
     def _locate(self, step: int | None, name: str | None) -> tuple[Storage, str]:
         remote = self._remote_catalog
@@ -459,11 +472,11 @@ class Checkpointer:
 
     def load(self, step: int | None = None, *, name: str | None = None, map_location: Any = None) -> Any:
         """Rebuild a saved state (the latest committed by default); tensors on CPU unless ``map_location``."""
-        return self.reader(step, name=name).load(map_location)
+        return self._read(step, name, lambda reader: reader.load(map_location))
 
     def load_into(self, target: Any, step: int | None = None, *, name: str | None = None) -> Any:
         """Copy a saved state into ``target``'s tensors in place."""
-        return self.reader(step, name=name).load_into(target)
+        return self._read(step, name, lambda reader: reader.load_into(target))
 
     def delete(self, name: str) -> Future:
         """Delete a committed checkpoint (both copies, with a remote tier) after every save (and upload)

@@ -10,13 +10,17 @@ import re
 import subprocess
 import sys
 import textwrap
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 
-from fastckpt import CheckpointConfig, Checkpointer, ConfigError, StorageError
+from fastckpt import CheckpointConfig, Checkpointer, ConfigError, IntegrityError, StorageError
 from fastckpt.cli import main as cli_main
+from fastckpt.storage import LocalStorage
+from tests.helpers import WrappedStorage
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -287,3 +291,46 @@ def test_object_store_orphans_are_collected_by_age_only(s3_root) -> None:
         assert torch.equal(ckpt.load(1)["b"], STATE["b"])
     fs.invalidate_cache()
     assert not fs.exists(f"{base}/step-000000002/shard-00000.0123456789ab.safetensors")
+
+
+# ---- a load racing a re-save of the same name ------------------------------------------------------------------
+
+
+class PausingStorage(WrappedStorage):
+    """Pauses the first size check of a shard file (the reader holds the old manifest) until ``go``."""
+
+    def __init__(self, inner) -> None:
+        super().__init__(inner)
+        self.reached = threading.Event()
+        self.go = threading.Event()
+
+    def size(self, path: str) -> int:
+        if path.endswith(".safetensors") and not self.reached.is_set():
+            self.reached.set()
+            assert self.go.wait(60)
+        return self.inner.size(path)
+
+
+def test_load_racing_a_resave_of_the_same_name_reads_the_new_checkpoint(tmp_path) -> None:
+    old = {"w": torch.randn(256), "b": torch.randn(8)}
+    new = {"w": torch.randn(256), "b": torch.randn(8)}
+    with Checkpointer(CheckpointConfig(root=str(tmp_path))) as writer:
+        writer.save(old, step=1, name="latest").wait(timeout=60)
+        storage = PausingStorage(LocalStorage(str(tmp_path)))
+        with Checkpointer(CheckpointConfig(root=str(tmp_path)), storage=storage) as reader:
+            with ThreadPoolExecutor(1, thread_name_prefix="test-loader") as pool:
+                loading = pool.submit(reader.load, name="latest")
+                assert storage.reached.wait(60)  # the reader read the old manifest and is about to read a shard
+                writer.save(new, step=2, name="latest").wait(timeout=60)  # replaces it and removes the old files
+                storage.go.set()
+                loaded = loading.result(timeout=60)
+    assert torch.equal(loaded["w"], new["w"]) and torch.equal(loaded["b"], new["b"])
+
+
+def test_a_damaged_checkpoint_is_still_reported(tmp_path) -> None:
+    with Checkpointer(CheckpointConfig(root=str(tmp_path))) as ckpt:
+        ckpt.save(STATE, step=1).wait(timeout=60)
+        shard = next((tmp_path / "step-000000001").glob("*.safetensors"))
+        shard.unlink()
+        with pytest.raises(IntegrityError, match="missing; the checkpoint is damaged"):
+            ckpt.load()
