@@ -147,3 +147,37 @@ def test_os_fork_child_interpreter_exit_is_prompt(tmp_path) -> None:
     assert "flushing" not in r.stderr  # only the parent flushes, and it closed explicitly
     with Checkpointer(CheckpointConfig(root=str(tmp_path))) as ckpt:
         assert torch.equal(ckpt.load()["w"], torch.full((32,), 5.0))
+
+
+def test_accelerate_exit_hook_does_not_run_in_a_forked_child(tmp_path) -> None:
+    """Accelerate's own exit hook (close at exit) must not flush the parent's pending save_state in a child."""
+    pytest.importorskip("accelerate")
+    import fastckpt_accelerate
+    from accelerate_testing import GatedStorage as AccGatedStorage
+    from accelerate_testing import Setup, make_accelerator, reset_accelerate
+
+    acc = make_accelerator(tmp_path)
+    storage = AccGatedStorage(str(tmp_path / "checkpoints"))
+    checkpointing = fastckpt_accelerate.enable(acc, None, storage=storage)
+    try:
+        setup = Setup(acc)
+        setup.step()
+        storage.gate.clear()
+        acc.save_state()
+        assert storage.write_started.wait(30)
+        child = _fork.Process(target=_child_that_returns, name="fork-child-accelerate")
+        child.start()
+        child.join(_CHILD_EXIT_BOUND_S)
+        try:
+            assert child.exitcode == 0, "the fork()ed child hung in Accelerate's exit hook"
+        finally:
+            if child.exitcode is None:
+                child.kill()
+                child.join()
+        storage.gate.set()
+        checkpointing.wait()
+        assert checkpointing.checkpointer.exists("checkpoint_0")
+    finally:
+        storage.gate.set()
+        checkpointing.close()
+        reset_accelerate()
