@@ -19,7 +19,7 @@ from .distributed import Coordinator
 from .config import CheckpointConfig
 from .errors import CheckpointNotFoundError, ConfigError, FastCkptError, StateMismatchError, StorageError
 from .exithook import register_exit_hook
-from .gc import collect
+from .gc import collect_unowned
 from .lock import RootLock
 from .handle import CheckpointInfo, SaveHandle, SaveStats
 from .loader import CheckpointReader
@@ -109,7 +109,10 @@ class Checkpointer:
         register_exit_hook(self._atexit)
         self.recovered: list[SaveHandle] = self._recover() if self._shm is not None else []
         self.resumed_uploads: list[SaveHandle] = self._resume_uploads() if self._uploader is not None else []
-        self.removed_orphans: list[str] = self._remove_orphans()  # after _recover: its saves are pending
+        grace = config.orphan_grace_s
+        self.removed_orphans: list[str] = (  # after _recover: the saves it resumes are pending, so protected
+            collect_unowned(self.storage, self._root_lock, grace, lambda name: name in self.pending_names())
+            if grace is not None and self._leader else [])
 
     def _claim_root(self) -> None:
         """Before this Checkpointer's first write: become the root's only writer, or raise naming the holder."""
@@ -129,23 +132,6 @@ class Checkpointer:
             raise failed
         if verdict is not None:
             raise StorageError(f"rank 0: {verdict}")
-
-    def _remove_orphans(self) -> list[str]:
-        """Remove folders of saves that died uncommitted (``fastckpt.gc``); only when no live writer can own them."""
-        grace, lock = self.config.orphan_grace_s, self._root_lock
-        if grace is None or not self._leader:
-            return []
-        held = lock is None or lock.held
-        try:
-            if not held and (not os.path.isdir(lock.root) or not lock.try_acquire()):  # type: ignore[union-attr]
-                return []  # no root yet, or another live writer holds it: its folders may be in progress
-            return collect(self.storage, grace, protected=lambda name: name in self.pending_names())
-        except (OSError, FastCkptError) as e:  # housekeeping: never fail a Checkpointer over it
-            log.warning("fastckpt: uncommitted folders under %s were not collected: %s", self.storage.url, e)
-            return []
-        finally:
-            if not held:
-                lock.release()  # type: ignore[union-attr]  # readers never keep the root: the first save claims it
 
     def _recover(self) -> list[SaveHandle]:
         """Persist snapshots that a crashed process had staged in shared memory."""

@@ -17,16 +17,18 @@ process is still writing it:
 from __future__ import annotations
 
 import logging
+import os
 import re
 import time
 from typing import Callable
 
-from .errors import StorageError
+from .errors import FastCkptError, StorageError
+from .lock import RootLock
 from .format import MANIFEST
 from .paths import is_plain_name
 from .storage import Storage
 
-__all__ = ["collect"]
+__all__ = ["collect", "collect_unowned"]
 
 log = logging.getLogger("fastckpt")
 
@@ -61,6 +63,28 @@ def collect(storage: Storage, grace_s: float, *, protected: Callable[[str], bool
                     "gone", "would remove" if dry_run else "removed", path, MANIFEST, age)
         removed.append(path)
     return removed
+
+
+def collect_unowned(storage: Storage, lock: RootLock | None, grace_s: float,
+                    protected: Callable[[str], bool]) -> list[str]:
+    """At construction of a ``Checkpointer``: ``collect`` if no live writer holds the root.
+
+    The lock is taken only for the sweep unless already held: a Checkpointer that only reads never keeps it.
+    Housekeeping never fails a Checkpointer: problems are logged.
+    """
+    held = lock is None or lock.held
+    try:
+        if not held and (not os.path.isdir(lock.root) or not lock.try_acquire()):  # type: ignore[union-attr]
+            return []  # no root yet, or a live writer holds it: its folders may be in progress
+        return collect(storage, grace_s, protected=protected)
+    except OSError as e:  # a read-only root (a reader): nothing of ours to collect
+        log.info("fastckpt: uncommitted folders under %s were not collected: %s", storage.url, e)
+    except FastCkptError as e:
+        log.warning("fastckpt: uncommitted folders under %s were not collected: %s", storage.url, e)
+    finally:
+        if not held:
+            lock.release()  # type: ignore[union-attr]
+    return []
 
 
 def _dead_for(storage: Storage, path: str, modified: Callable[[str], float], now: float) -> float | None:

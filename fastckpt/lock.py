@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import socket
+import threading
 import weakref
 
 from .errors import StorageError
@@ -41,6 +42,7 @@ class RootLock:
         self.root = root
         self.path = os.path.join(root, LOCK_NAME)
         self._fd: int | None = None
+        self._mutex = threading.Lock()  # save() and delete() may claim from two threads at once
         self.supported = True  # False on filesystems without flock (then nothing is proven)
 
     @staticmethod
@@ -57,6 +59,10 @@ class RootLock:
 
     def try_acquire(self) -> bool:
         """Take the lock if it is free (idempotent); False if another process (or object) holds it."""
+        with self._mutex:
+            return self._try_acquire()
+
+    def _try_acquire(self) -> bool:
         if self._fd is not None or not self.supported:
             return True
         os.makedirs(self.root, exist_ok=True)
@@ -102,7 +108,8 @@ class RootLock:
 
     def release(self) -> None:
         """Called by ``Checkpointer.close``; idempotent."""
-        fd, self._fd = self._fd, None
+        with self._mutex:
+            fd, self._fd = self._fd, None
         if fd is not None:
             try:
                 fcntl.flock(fd, fcntl.LOCK_UN)
