@@ -20,6 +20,7 @@ import torch
 from fastckpt import CheckpointConfig, Checkpointer, ConfigError, IntegrityError, StorageError
 from fastckpt.cli import main as cli_main
 from fastckpt.storage import LocalStorage
+from tests.dist_launcher import run_ranks
 from tests.helpers import WrappedStorage
 
 REPO = Path(__file__).resolve().parents[1]
@@ -334,3 +335,29 @@ def test_a_damaged_checkpoint_is_still_reported(tmp_path) -> None:
         shard.unlink()
         with pytest.raises(IntegrityError, match="missing; the checkpoint is damaged"):
             ckpt.load()
+
+
+# ---- distributed ranks share one root; rank 0 holds the lock for all ------------------------------------------
+
+
+def _ranks_are_refused(rank: int, world: int, root: str, holder: int) -> None:
+    with pytest.raises(StorageError, match=rf"{'rank 0: ' if rank else ''}checkpoint root .* in use .*pid {holder}"):
+        Checkpointer(CheckpointConfig(root=root), distributed=True)
+
+
+def _ranks_write_together(rank: int, world: int, root: str) -> None:
+    state = {"w": torch.arange(4096, dtype=torch.float32), "b": torch.arange(4096, dtype=torch.float32) * 2}
+    with Checkpointer(CheckpointConfig(root=root), distributed=True) as ckpt:  # rank 1 never competes for the lock
+        ckpt.save(state, step=3).wait(timeout=120)
+        loaded = ckpt.load(3)
+        assert torch.equal(loaded["w"], state["w"]) and torch.equal(loaded["b"], state["b"])
+
+
+@pytest.mark.slow
+def test_distributed_ranks_share_a_root_and_are_refused_together(tmp_path, writers) -> None:
+    holder = writers(tmp_path, "hold")
+    run_ranks(_ranks_are_refused, 2, str(tmp_path), holder.pid)  # every rank raises: none hangs
+    holder.close_checkpointer()
+    run_ranks(_ranks_write_together, 2, str(tmp_path))
+    with Checkpointer(CheckpointConfig(root=str(tmp_path))) as ckpt:
+        assert [i.step for i in ckpt.list()] == [1, 3]
