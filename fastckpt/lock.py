@@ -124,7 +124,8 @@ class RootLock:
 
     def _unsupported(self, e: OSError) -> None:
         self.supported = False
-        log.warning("fastckpt: %s does not support file locks (%s); two writers of this root are not detected", self.root, e)
+        log.warning("fastckpt: %s does not support file locks (%s); two writers of this root are not detected",
+                    self.root, e)
 
 
 def _forget_in_child() -> None:
