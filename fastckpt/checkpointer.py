@@ -9,7 +9,7 @@ import time
 import weakref
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -19,7 +19,7 @@ from .distributed import Coordinator
 from .config import CheckpointConfig
 from .errors import CheckpointNotFoundError, ConfigError, FastCkptError, StateMismatchError, StorageError
 from .exithook import register_exit_hook
-from .gc import collect_unowned
+from .gc import collect_quietly
 from .lock import RootLock
 from .handle import CheckpointInfo, SaveHandle, SaveStats
 from .loader import CheckpointReader
@@ -68,6 +68,8 @@ class Checkpointer:
         self._uploader: RemoteTier | None = None
         self._owner_pid = os.getpid()  # a fork()ed child inherits this object but none of its threads
         self._root_lock: RootLock | None = None
+        self._claimed = False  # whether this Checkpointer wrote (or is about to write) its root
+        self.removed_orphans: list[str] = []  # folders of dead saves removed at the first write
         if not isinstance(config, CheckpointConfig):
             raise ConfigError(f"Checkpointer needs a CheckpointConfig, got {type(config).__name__}")
         config.freeze()  # read again after construction: a field changed now would leave us inconsistent
@@ -109,15 +111,19 @@ class Checkpointer:
         register_exit_hook(self._atexit)
         self.recovered: list[SaveHandle] = self._recover() if self._shm is not None else []
         self.resumed_uploads: list[SaveHandle] = self._resume_uploads() if self._uploader is not None else []
-        grace = config.orphan_grace_s
-        self.removed_orphans: list[str] = (  # after _recover: the saves it resumes are pending, so protected
-            collect_unowned(self.storage, self._root_lock, grace, lambda name: name in self.pending_names())
-            if grace is not None and self._leader else [])
 
-    def _claim_root(self) -> None:
-        """Before this Checkpointer's first write: become the root's only writer, or raise naming the holder."""
-        if self._root_lock is not None and not self._root_lock.held:
+    def _claim_root(self, protect: Iterable[str] = ()) -> None:
+        """Before this Checkpointer's first write: become the root's only writer (or raise naming the holder),
+        then remove what dead writers left (``fastckpt.gc``); never the folders named in ``protect``."""
+        if self._claimed or not self._leader:
+            return
+        if self._root_lock is not None:
             self._root_lock.acquire()
+        self._claimed = True
+        grace, keep = self.config.orphan_grace_s, set(protect)
+        if grace is not None:  # under the lock: no live writer can be starting a save in what is removed
+            self.removed_orphans = collect_quietly(self.storage, grace,
+                                                   lambda name: name in keep or name in self.pending_names())
 
     def _claim_root_together(self) -> None:
         """Distributed: rank 0 claims the root at construction, and every rank learns whether it could."""
@@ -136,8 +142,10 @@ class Checkpointer:
     def _recover(self) -> list[SaveHandle]:
         """Persist snapshots that a crashed process had staged in shared memory."""
         handles = []
-        for rec in self._shm.orphans():  # type: ignore[union-attr]
-            self._claim_root()  # persisting it writes into the root
+        records = self._shm.orphans()  # type: ignore[union-attr]
+        if records:
+            self._claim_root({rec.name for rec in records})  # persisting them writes into the root
+        for rec in records:
             log.warning("fastckpt: recovering checkpoint %r (step %d) staged in shared memory by a crashed "
                         "process", rec.name, rec.step)
             slot = Slot(plan=rec.plan, ring=False, pinned=False, dir=rec.dir, recovered=True)
@@ -204,7 +212,6 @@ class Checkpointer:
             raise ConfigError(f"save(step=...) must be a non-negative int, got {step!r}")
         name = self._check_name(name if name is not None else f"step-{step:09d}")
         self._raise_pending()
-        self._claim_root()
         try:
             flat = flatten(state)
         except TypeError as e:
@@ -217,6 +224,9 @@ class Checkpointer:
                         f"DTensor {rec.key!r} is sharded over {rec.layout.mesh_size} ranks, and this Checkpointer "
                         "saves alone; construct it with distributed=True on every rank (each then writes its own "
                         "blocks)")
+        # After the checks of the arguments, before anything is written: a dead folder of this very name (a
+        # resumed run re-saving the step it died in) is removed first, so none of its files outlive the commit.
+        self._claim_root()
         lazy_ptrs = self._lazy_ptrs()
         plan = self._planner.plan(flat, lambda t: t.data_ptr() in lazy_ptrs)
         if self._coord is not None:

@@ -9,26 +9,27 @@ process is still writing it:
   objects, a manifest being committed): a folder with anything else is not ours;
 * it is not a save of this process (pending or being recovered from shared memory);
 * on a local root, the caller holds the root lock (``fastckpt.lock``): every live writer
-  of the root holds it while it writes, so nobody else is writing now;
-* nothing in it changed for ``retention.orphan_grace_s`` seconds. This is the only proof
+  of the root holds it from its first write on, so nobody else is writing now. A
+  ``Checkpointer`` collects once it takes the lock (its first save or delete; distributed:
+  at construction), never as a mere reader: a reader holding the lock even briefly could
+  refuse a trainer's first save;
+* nothing in it changed for ``orphan_grace_s`` seconds. This is the only proof
   on object stores, which have no locks: a writer on another host (or another rank, whose
   files precede the commit) keeps touching its folder while the save runs.
 """
 from __future__ import annotations
 
 import logging
-import os
 import re
 import time
 from typing import Callable
 
 from .errors import FastCkptError, StorageError
-from .lock import RootLock
 from .format import MANIFEST
 from .paths import is_plain_name
 from .storage import Storage
 
-__all__ = ["collect", "collect_unowned"]
+__all__ = ["collect", "collect_quietly"]
 
 log = logging.getLogger("fastckpt")
 
@@ -65,26 +66,13 @@ def collect(storage: Storage, grace_s: float, *, protected: Callable[[str], bool
     return removed
 
 
-def collect_unowned(storage: Storage, lock: RootLock | None, grace_s: float,
-                    protected: Callable[[str], bool]) -> list[str]:
-    """At construction of a ``Checkpointer``: ``collect`` if no live writer holds the root.
-
-    The lock is taken only for the sweep unless already held: a Checkpointer that only reads never keeps it.
-    Housekeeping never fails a Checkpointer: problems are logged.
-    """
-    held = lock is None or lock.held
+def collect_quietly(storage: Storage, grace_s: float, protected: Callable[[str], bool]) -> list[str]:
+    """``collect`` for a ``Checkpointer``'s first write: housekeeping never fails a save, problems are logged."""
     try:
-        if not held and (not os.path.isdir(lock.root) or not lock.try_acquire()):  # type: ignore[union-attr]
-            return []  # no root yet, or a live writer holds it: its folders may be in progress
         return collect(storage, grace_s, protected=protected)
-    except OSError as e:  # a read-only root (a reader): nothing of ours to collect
-        log.info("fastckpt: uncommitted folders under %s were not collected: %s", storage.url, e)
-    except FastCkptError as e:
+    except (OSError, FastCkptError) as e:
         log.warning("fastckpt: uncommitted folders under %s were not collected: %s", storage.url, e)
-    finally:
-        if not held:
-            lock.release()  # type: ignore[union-attr]
-    return []
+        return []
 
 
 def _dead_for(storage: Storage, path: str, modified: Callable[[str], float], now: float) -> float | None:

@@ -104,7 +104,7 @@ class RootLock:
                 info = json.loads(f.read() or b"{}")
             return f"pid {int(info['pid'])} on host {info.get('host', '?')}"
         except (OSError, ValueError, KeyError, TypeError):
-            return "a process that has not written its pid yet"
+            return "a process that took it a moment ago and has not written its pid yet"
 
     def release(self) -> None:
         """Called by ``Checkpointer.close``; idempotent."""

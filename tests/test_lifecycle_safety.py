@@ -217,18 +217,40 @@ def test_killed_save_and_killed_retention_delete_are_collected(tmp_path, writers
     half = killed_delete / "step-000000001"
     assert half.is_dir() and "manifest.json" not in os.listdir(half) and os.listdir(half)
 
+    # a new Checkpointer collects at its first write (it then holds the root); a mere reader never does
+    with Checkpointer(CheckpointConfig(root=str(killed_save), orphan_grace_s=0)) as reader:
+        assert reader.latest() == 1 and reader.removed_orphans == [] and dead.is_dir()
     # within the grace period (default: an hour) nothing is proven dead
     with Checkpointer(CheckpointConfig(root=str(killed_save))) as ckpt:
+        ckpt.save(STATE, step=3).wait(timeout=60)
         assert ckpt.removed_orphans == [] and dead.is_dir()
     _age(dead, 3601)
     with Checkpointer(CheckpointConfig(root=str(killed_save))) as ckpt:
+        ckpt.save(STATE, step=4).wait(timeout=60)
         assert ckpt.removed_orphans == [str(dead)] and not dead.exists()
-    _assert_step1_intact(killed_save)  # the good checkpoint is untouched
+    with Checkpointer(CheckpointConfig(root=str(killed_save))) as ckpt:  # the good checkpoints are untouched
+        assert [i.step for i in ckpt.list()] == [1, 3, 4]
+        assert torch.equal(ckpt.load(1)["w"], STATE["w"]) and torch.equal(ckpt.load(1)["b"], STATE["b"])
 
     with Checkpointer(CheckpointConfig(root=str(killed_delete), orphan_grace_s=0)) as ckpt:
+        ckpt.delete("step-000000002").result(timeout=60)  # a delete is a first write too
         assert ckpt.removed_orphans == [str(half)] and not half.exists()
-        assert [i.step for i in ckpt.list()] == [2]
-        assert torch.equal(ckpt.load(2)["w"], STATE["w"])
+        assert ckpt.list() == []
+
+
+def test_a_resave_of_a_dead_folders_name_leaves_none_of_its_files(tmp_path, writers) -> None:
+    """Resuming re-saves the step a killed run died in: the dead files go first, the new save commits alone."""
+    writers(tmp_path, "save").kill()  # died writing step 2
+    dead = tmp_path / "step-000000002"
+    _age(dead, 7200)
+    new = {"w": torch.full((4096,), 9.0), "b": torch.full((4096,), 8.0)}
+    with Checkpointer(CheckpointConfig(root=str(tmp_path), orphan_grace_s=0)) as ckpt:
+        ckpt.save(new, step=2).wait(timeout=60)
+        assert ckpt.removed_orphans == [str(dead)]
+        loaded = ckpt.load(2)
+        assert torch.equal(loaded["w"], new["w"]) and torch.equal(loaded["b"], new["b"])
+        listed = set(ckpt.reader(2).manifest["files"]) | {"manifest.json"}
+    assert set(os.listdir(dead)) == listed  # no file of the dead save is left in the committed folder
 
 
 def test_a_live_writers_folder_is_never_collected(tmp_path, writers) -> None:
@@ -236,6 +258,8 @@ def test_a_live_writers_folder_is_never_collected(tmp_path, writers) -> None:
     folder = tmp_path / "step-000000002"
     _age(folder, 7200)  # even a folder that looks old: the lock proves its writer is alive
     with Checkpointer(CheckpointConfig(root=str(tmp_path), orphan_grace_s=0)) as ckpt:
+        with pytest.raises(StorageError, match=f"pid {live.pid}"):
+            ckpt.save(STATE, step=3)
         assert ckpt.removed_orphans == [] and folder.is_dir()
     assert cli_main(["gc", str(tmp_path), "--grace-s", "0"]) == 1  # refused: names the live holder
     assert folder.is_dir()
@@ -258,7 +282,9 @@ def test_folders_that_are_not_fastckpt_saves_are_never_collected(tmp_path) -> No
     for folder in ("logs", "mixed"):
         _age(tmp_path / folder, 7200)
     with Checkpointer(CheckpointConfig(root=str(tmp_path), orphan_grace_s=0)) as ckpt:
+        ckpt.delete("step-000000001").result(timeout=60)
         assert ckpt.removed_orphans == []
+        ckpt.save(STATE, step=1).wait(timeout=60)
     assert sorted(os.listdir(tmp_path)) == [".fastckpt.lock", "empty", "logs", "mixed", "pointer.ckpt",
                                             "step-000000001"]
     _assert_step1_intact(tmp_path)
@@ -283,11 +309,13 @@ def test_object_store_orphans_are_collected_by_age_only(s3_root) -> None:
         ckpt.save(STATE, step=1).wait(timeout=120)
     fs.pipe(f"{base}/step-000000002/shard-00000.0123456789ab.safetensors", b"partial")  # another host, mid-save
     with Checkpointer(cfg) as ckpt:
+        ckpt.save(STATE, step=3).wait(timeout=120)
         assert ckpt.removed_orphans == []
     assert fs.exists(f"{base}/step-000000002/shard-00000.0123456789ab.safetensors")
     with Checkpointer(dataclasses.replace(cfg, orphan_grace_s=0)) as ckpt:  # older than the grace: dead
+        ckpt.save(STATE, step=4).wait(timeout=120)
         assert ckpt.removed_orphans == [f"{s3_root.url}/step-000000002"]
-        assert [i.step for i in ckpt.list()] == [1]
+        assert [i.step for i in ckpt.list()] == [1, 3, 4]
         assert torch.equal(ckpt.load(1)["b"], STATE["b"])
     fs.invalidate_cache()
     assert not fs.exists(f"{base}/step-000000002/shard-00000.0123456789ab.safetensors")
