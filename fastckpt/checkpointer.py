@@ -1,17 +1,17 @@
 """``Checkpointer``: save() -> SaveHandle, load(), latest(), retention, close()."""
 from __future__ import annotations
 
-import atexit
 import contextlib
 import fnmatch
 import logging
+import os
 import re
 import threading
 import time
 import weakref
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
-from typing import Any
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -20,9 +20,13 @@ from .codec import dumps_objects
 from .distributed import Coordinator
 from .config import CheckpointConfig
 from .errors import CheckpointNotFoundError, ConfigError, FastCkptError, StateMismatchError, StorageError
+from .exithook import register_exit_hook
+from .gc import collect_quietly
+from .lock import RootLock
 from .handle import CheckpointInfo, SaveHandle, SaveStats
 from .loader import CheckpointReader
 from .pipeline import Job, Pipeline
+from .reread import read_consistently
 from .plan import Planner, flatten
 from .remote import RemoteTier, Upload, _settle
 from .staging import HostArena, Slot
@@ -67,8 +71,13 @@ class Checkpointer:
         ``remote_storage``: the remote tier's ``Storage`` (default: opened from ``config.remote``)."""
         self._pipeline: Pipeline | None = None  # set last: close() is safe on a half-built object
         self._uploader: RemoteTier | None = None
+        self._owner_pid = os.getpid()  # a fork()ed child inherits this object but none of its threads
+        self._root_lock: RootLock | None = None
+        self._claimed = False  # whether this Checkpointer wrote (or is about to write) its root
+        self.removed_orphans: list[str] = []  # folders of dead saves removed at the first write
         if not isinstance(config, CheckpointConfig):
             raise ConfigError(f"Checkpointer needs a CheckpointConfig, got {type(config).__name__}")
+        config.freeze()  # read again after construction: a field changed now would leave us inconsistent
         self.config = config
         p = config.persist
         self.storage = storage or open_storage(config.root, config.storage_options, direct_io=p.direct_io,
@@ -96,14 +105,44 @@ class Checkpointer:
         self.stats: list[SaveStats] = []
         self._pipeline = Pipeline(self.storage, self._arena, p.workers, self._on_commit, self._on_failure,
                                   self._coord, priority=p.priority)
+        self._root_lock = RootLock.for_root(self.storage.url) if self._leader else None  # rank 0 writes for all
+        if self._coord is not None:
+            self._claim_root_together()
         if self._remote_catalog is not None and self._leader:  # rank 0 uploads for everyone
             self._uploader = RemoteTier(self.storage, self._remote_catalog.storage, self._remote_catalog,
                                         workers=rem.workers, keep_last=rem.keep_last, priority=p.priority,
                                         on_uploaded=self._on_uploaded, on_failed=self._on_upload_failed)
         self._atexit = _exit_flusher(self)
-        _register_exit_hook(self._atexit)
+        register_exit_hook(self._atexit)
         self.recovered: list[SaveHandle] = self._recover() if self._shm is not None else []
         self.resumed_uploads: list[SaveHandle] = self._resume_uploads() if self._uploader is not None else []
+
+    def _claim_root(self, protect: Iterable[str] = ()) -> None:
+        """Before this Checkpointer's first write: become the root's only writer (or raise naming the holder),
+        then remove what dead writers left (``fastckpt.gc``); never the folders named in ``protect``."""
+        if self._claimed or not self._leader:
+            return
+        if self._root_lock is not None:
+            self._root_lock.acquire()
+        self._claimed = True
+        grace, keep = self.config.orphan_grace_s, set(protect)
+        if grace is not None:  # under the lock: no live writer can be starting a save in what is removed
+            self.removed_orphans = collect_quietly(self.storage, grace,
+                                                   lambda name: name in keep or name in self.pending_names())
+
+    def _claim_root_together(self) -> None:
+        """Distributed: rank 0 claims the root at construction, and every rank learns whether it could."""
+        assert self._coord is not None
+        failed = None
+        try:
+            self._claim_root()
+        except StorageError as e:
+            failed = e
+        verdict = self._coord.outcome(None if failed is None else str(failed))
+        if failed is not None:
+            raise failed
+        if verdict is not None:
+            raise StorageError(f"rank 0: {verdict}")
 
     def _shm_tier(self) -> ShmTier:
         coord = self._coord  # one namespace per root and rank: ranks sharing a machine never mix records
@@ -117,7 +156,10 @@ class Checkpointer:
         shm = self._shm
         assert shm is not None
         with shm.recovering():
-            handles = [self._submit_recovered(rec, slot) for rec, slot in recoverable(shm, self._coord)]
+            found = list(recoverable(shm, self._coord))
+            if found:
+                self._claim_root({rec.name for rec, _ in found})  # persisting them writes into the root
+            handles = [self._submit_recovered(rec, slot) for rec, slot in found]
             wait_futures([h._durable for h in handles])  # a failure is raised at the next save/wait/close
         return handles
 
@@ -200,6 +242,9 @@ class Checkpointer:
                         f"DTensor {rec.key!r} is sharded over {rec.layout.mesh_size} ranks, and this Checkpointer "
                         "saves alone; construct it with distributed=True on every rank (each then writes its own "
                         "blocks)")
+        # After the checks of the arguments, before anything is written: a dead folder of this very name (a
+        # resumed run re-saving the step it died in) is removed first, so none of its files outlive the commit.
+        self._claim_root()
         lazy_ptrs = self._lazy_ptrs(_named_ptrs(flat, lazy, "lazy"), _named_ptrs(flat, eager, "eager"))
         plan = self._planner.plan(flat, lambda t: t.data_ptr() in lazy_ptrs)
         if self._coord is not None:
@@ -283,6 +328,8 @@ class Checkpointer:
 
     def wait_staged(self, *, host: bool = False) -> None:
         """Block until every pending snapshot's copies are queued; see ``SaveHandle.wait_staged``."""
+        if not self._in_owner():
+            return  # a fork()ed child: the parent's copies are not this process's to wait for
         with self._lock:
             pending = list(self._pending)
         for h in pending:
@@ -291,6 +338,8 @@ class Checkpointer:
     def wait(self, timeout: float | None = None) -> None:
         """Block until every pending save is committed (and uploaded, with a remote tier); raises a
         background error once."""
+        if not self._in_owner():
+            return  # a fork()ed child: the parent's saves are not this process's to wait for
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             pending = list(self._pending)
@@ -402,9 +451,21 @@ class Checkpointer:
         one, else the remote tier's."""
         self._check_open()
         storage, target = self._locate(step, name)
-        return CheckpointReader(storage, storage.join(storage.url, target),
-                                verify=self.config.persist.verify_on_load, workers=self.config.persist.workers,
-                                allowed_classes=self.config.allowed_classes, coord=self._coord)
+        return self._open_reader(storage, storage.join(storage.url, target))
+
+    def _open_reader(self, storage: Storage, dirpath: str) -> CheckpointReader:
+        return CheckpointReader(storage, dirpath, verify=self.config.persist.verify_on_load,
+                                workers=self.config.persist.workers, allowed_classes=self.config.allowed_classes,
+                                coord=self._coord)
+
+    def _read(self, step: int | None, name: str | None, use: Callable[[CheckpointReader], Any]) -> Any:
+        """``use`` a reader of the checkpoint; read again if a re-save of its name replaced it meanwhile."""
+        self._check_open()
+        storage, target = self._locate(step, name)
+        dirpath = storage.join(storage.url, target)
+        if self._coord is not None:  # the ranks read together: one retrying alone would hang the others
+            return use(self._open_reader(storage, dirpath))
+        return read_consistently(storage, dirpath, lambda: use(self._open_reader(storage, dirpath)))
 
     def _locate(self, step: int | None, name: str | None) -> tuple[Storage, str]:
         remote = self._remote_catalog
@@ -430,13 +491,16 @@ class Checkpointer:
 
     def load(self, step: int | None = None, *, name: str | None = None, map_location: Any = None) -> Any:
         """Rebuild a saved state (the latest committed by default); tensors on CPU unless ``map_location``."""
-        return self.reader(step, name=name).load(map_location)
+        return self._read(step, name, lambda reader: reader.load(map_location))
 
     def load_into(self, target: Any, step: int | None = None, *, name: str | None = None) -> Any:
         """Copy a saved state into ``target``'s tensors in place (after pending lazy copies have read them)."""
-        reader = self.reader(step, name=name)
-        self.wait_staged()
-        return reader.load_into(target)
+
+        def into(reader: CheckpointReader) -> Any:
+            self.wait_staged()
+            return reader.load_into(target)
+
+        return self._read(step, name, into)
 
     def delete(self, name: str) -> Future:
         """Delete a committed checkpoint (both copies, with a remote tier) after every save (and upload)
@@ -447,6 +511,7 @@ class Checkpointer:
             done: Future = Future()
             done.set_result(None)  # rank 0 deletes for everyone
             return done
+        self._claim_root()
         uploader = self._uploader
         if uploader is None:
             return self._pipeline.run_in_order(lambda: self._catalog.delete(name))  # type: ignore[union-attr]
@@ -517,6 +582,12 @@ class Checkpointer:
     def _check_open(self) -> None:
         if self._pipeline is None:
             raise FastCkptError("this Checkpointer is closed; create a new one")
+        if not self._in_owner():
+            raise FastCkptError(f"this Checkpointer belongs to process {self._owner_pid}; a fork()ed child (pid "
+                                f"{os.getpid()}) has none of its threads: create a new Checkpointer in the child")
+
+    def _in_owner(self) -> bool:
+        return getattr(self, "_owner_pid", None) in (None, os.getpid())
 
     @staticmethod
     def _check_name(name: str) -> str:
@@ -529,6 +600,8 @@ class Checkpointer:
         pipeline, self._pipeline = getattr(self, "_pipeline", None), None
         if pipeline is None:
             return
+        if not self._in_owner():
+            return  # a fork()ed child only forgets the parent's saves: flushing them would wait forever
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             pending = list(self._pending)
@@ -543,6 +616,8 @@ class Checkpointer:
                 self._apply_retention()  # what was kept only for a pending upload
             self._uploader = None
         self._arena.close()
+        if self._root_lock is not None:
+            self._root_lock.release()  # after the last commit and retention: the next writer may start
         self._raise_pending()
 
     def __enter__(self) -> "Checkpointer":
@@ -589,23 +664,6 @@ def _named_ptrs(flat: Any, names: Any, what: str) -> set[int]:
 
 def _remaining(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
-
-
-def _register_exit_hook(hook: Any) -> None:
-    """Run ``hook`` at exit while our I/O executor still accepts work.
-
-    ``atexit`` handlers run after threading's exit hooks, and one of those shuts down every
-    ``concurrent.futures`` executor, so a lazy copy still pending would fail to queue its
-    writes. ``threading._register_atexit`` hooks run newest first, before that one.
-    """
-    register = getattr(threading, "_register_atexit", None)
-    if register is not None:
-        try:
-            register(hook)
-            return
-        except RuntimeError:  # shutdown already started
-            pass
-    atexit.register(hook)
 
 
 def _exit_flusher(ckpt: Checkpointer) -> Any:

@@ -3,6 +3,8 @@
     fastckpt list ROOT                  committed checkpoints under ROOT
     fastckpt verify PATH                check every file's size and CRC32C
     fastckpt inspect PATH               the tensor table of one checkpoint
+    fastckpt gc ROOT [--grace-s S] [--dry-run]
+                                        remove folders of saves that died uncommitted
 
 ROOT/PATH may be local paths or URLs; ``--storage-options '{"key": ...}'`` passes
 fsspec options (JSON).
@@ -11,11 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Sequence
 
 from .config import CheckpointConfig
-from .errors import FastCkptError
+from .errors import CheckpointNotFoundError, FastCkptError
 from .format import checkpoint_dir
 from .loader import CheckpointReader
 from .storage import open_storage
@@ -61,6 +64,35 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_gc(args: argparse.Namespace) -> int:
+    from .gc import collect
+    from .lock import RootLock
+
+    storage = open_storage(args.root, args.storage_options)
+    lock = RootLock.for_root(storage.url)
+    if lock is not None:
+        if not os.path.isdir(lock.root):
+            raise CheckpointNotFoundError(f"no checkpoint root at {lock.root}; check the path")
+        lock.acquire()  # refuses while a live Checkpointer writes this root: its folders may be in progress
+    try:
+        removed = collect(storage, args.grace_s, dry_run=args.dry_run)
+    finally:
+        if lock is not None:
+            lock.release()
+    for path in removed:
+        print(f"{'would remove' if args.dry_run else 'removed'}  {path}")
+    if not removed:
+        print(f"no uncommitted folder older than {args.grace_s:.0f} s under {args.root}", file=sys.stderr)
+    return 0
+
+
+def _grace(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"--grace-s must be a number of seconds >= 0, got {text!r}")
+    return value
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fastckpt", description="Inspect fastckpt checkpoints.")
     parser.add_argument("--storage-options", type=json.loads, default={}, help="fsspec options as JSON")
@@ -74,6 +106,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = sub.add_parser("inspect", help="print the tensor table of one checkpoint")
     p.add_argument("path")
     p.set_defaults(fn=_cmd_inspect)
+    p = sub.add_parser("gc", help="remove folders of saves that died before their commit")
+    p.add_argument("root")
+    p.add_argument("--grace-s", type=_grace, default=CheckpointConfig.__dataclass_fields__["orphan_grace_s"].default,
+                   help="only folders where nothing changed for this many seconds (default: %(default)s)")
+    p.add_argument("--dry-run", action="store_true", help="print what would be removed, remove nothing")
+    p.set_defaults(fn=_cmd_gc)
     args = parser.parse_args(argv)
     try:
         return args.fn(args)

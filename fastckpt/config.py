@@ -6,6 +6,7 @@ silently falling back to a default.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -28,6 +29,47 @@ _WHEN_BUSY = ("wait", "skip")
 _DIRECT_IO = ("auto", "on", "off")
 
 
+class _Freezable:
+    """A config object that refuses changes once a ``Checkpointer`` holds it.
+
+    The Checkpointer sizes its threads, buffers and rules from the config at construction and
+    reads some fields later again; a field changed in between (``staging.slots = 0``) would leave
+    it half on the old value and half on the new one, which can hang ``save()``.
+    ``dataclasses.replace`` builds a new, unfrozen config for a new Checkpointer.
+    """
+
+    __slots__ = ("_frozen",)
+    _prefix = ""  # the field path of this section, for error messages
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if getattr(self, "_frozen", False):
+            raise ConfigError(f"{self._prefix}{name} cannot change: a Checkpointer uses this config (it is frozen "
+                              "once a Checkpointer holds it). Build a new one with dataclasses.replace(config, ...) "
+                              "and create a new Checkpointer")
+        object.__setattr__(self, name, value)
+
+    def freeze(self) -> None:
+        """Called by ``Checkpointer.__init__``: refuse every later assignment, in the sections too."""
+        for f in fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            if isinstance(value, _Freezable):
+                value.freeze()
+        object.__setattr__(self, "_frozen", True)
+
+    @property
+    def frozen(self) -> bool:
+        """Whether a ``Checkpointer`` holds this config (assignments then raise ``ConfigError``)."""
+        return getattr(self, "_frozen", False)
+
+    # A copy (copy, deepcopy, pickle: ddp_spawn sends the plugin's config) is a new config, not frozen.
+    def __getstate__(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}  # type: ignore[arg-type]
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for name, value in state.items():
+            object.__setattr__(self, name, value)
+
+
 def _check_int(section: str, name: str, value: Any, minimum: int, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
@@ -42,9 +84,10 @@ def _check_choice(section: str, name: str, value: Any, allowed: tuple[str, ...])
 
 
 @dataclass(kw_only=True, slots=True)
-class StagingOptions:
+class StagingOptions(_Freezable):
     """How state is copied to host memory."""
 
+    _prefix = "staging."
     mode: str = "lazy"
     """``lazy``: optimizer-managed tensors are copied in the background until the next
     ``optimizer.step()``; ``eager``: everything is copied inside ``save()``."""
@@ -71,9 +114,10 @@ class StagingOptions:
 
 
 @dataclass(kw_only=True, slots=True)
-class PersistOptions:
+class PersistOptions(_Freezable):
     """How staged bytes reach storage."""
 
+    _prefix = "persist."
     workers: int = 2
     """I/O worker threads (writes, uploads, reads on load)."""
     chunk_bytes: int = 128 * 1024 * 1024
@@ -100,9 +144,10 @@ class PersistOptions:
 
 
 @dataclass(kw_only=True, slots=True)
-class RetentionOptions:
+class RetentionOptions(_Freezable):
     """Which committed checkpoints to keep."""
 
+    _prefix = "retention."
     keep_last: int | None = None
     """Keep the newest N committed checkpoints (null keeps all)."""
     keep_every_n_steps: int | None = None
@@ -117,9 +162,10 @@ _LOCAL_SCHEMES = ("file", "local")
 
 
 @dataclass(kw_only=True, slots=True)
-class RemoteOptions:
+class RemoteOptions(_Freezable):
     """The remote tier: every checkpoint committed under ``root`` is then uploaded here in the background."""
 
+    _prefix = "remote."
     url: str | None = None
     """fsspec URL of the remote copy (``s3://bucket/run1``, ``memory://x``); null disables the tier."""
     storage_options: dict[str, Any] = field(default_factory=dict)
@@ -154,7 +200,7 @@ _SECTIONS: dict[str, type] = {
 
 
 @dataclass(kw_only=True, slots=True)
-class CheckpointConfig:
+class CheckpointConfig(_Freezable):
     """Everything a ``Checkpointer`` needs. Build it in code, ``from_dict`` or ``from_yaml``."""
 
     root: str
@@ -167,6 +213,10 @@ class CheckpointConfig:
     remote: RemoteOptions = field(default_factory=RemoteOptions)
     allowed_classes: list[str] = field(default_factory=list)
     """Extra ``module.QualName`` classes the safe loader may rebuild (non-plain leaves)."""
+    orphan_grace_s: float | None = 3600.0
+    """A folder left under ``root`` by a save that died before its commit is removed by the next Checkpointer
+    (and ``fastckpt gc``) once nothing in it changed for this long and, on a local root, no live writer holds
+    the root; null never removes them (see fastckpt/gc.py)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.root, Path):
@@ -180,10 +230,15 @@ class CheckpointConfig:
                 isinstance(c, str) and "." in c for c in self.allowed_classes):
             raise ConfigError(f"allowed_classes must be a list of 'module.QualName' strings, got {self.allowed_classes!r}")
         self.allowed_classes = list(self.allowed_classes)
+        g = self.orphan_grace_s
+        if g is not None and (isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 <= g < float("inf")):
+            raise ConfigError(f"orphan_grace_s must be a number of seconds >= 0 or null, got {g!r}")
         for name, cls in _SECTIONS.items():
             value = getattr(self, name)
             if isinstance(value, Mapping):
                 setattr(self, name, _build_section(name, cls, value))
+            elif isinstance(value, cls) and value.frozen:  # dataclasses.replace of a config in use: a new config
+                setattr(self, name, copy.copy(value))
             elif not isinstance(value, cls):
                 raise ConfigError(f"{name} must be a mapping or {cls.__name__}, got {type(value).__name__}")
         if self.remote.url is not None and _same_place(self.remote.url, self.root):

@@ -187,6 +187,13 @@ class LocalStorage:
     def size(self, path: str) -> int:
         return os.stat(path).st_size
 
+    def modified(self, path: str) -> float:
+        """Last modification (seconds since the epoch) of a file or folder; the garbage collector's clock."""
+        try:
+            return os.stat(path).st_mtime
+        except OSError as e:
+            raise _wrap("stat of", path, e) from e
+
     def exists(self, path: str) -> bool:
         return os.path.exists(path)
 
@@ -338,6 +345,11 @@ class FsspecStorage:
     def size(self, path: str) -> int:
         with _backend_errors("stat of", path, missing="raise"):
             return int(self.fs.size(self._p(path)))
+
+    def modified(self, path: str) -> float:
+        """Last modification (seconds since the epoch) of one object, by the store's clock."""
+        with _backend_errors("stat of", path):
+            return float(self.fs.modified(self._p(path)).timestamp())
 
     def exists(self, path: str) -> bool:
         with _backend_errors("checking", path):

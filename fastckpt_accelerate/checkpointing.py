@@ -18,11 +18,9 @@ and restores its own RNG and dataloader state, and ``iteration`` moves past the 
 
 from __future__ import annotations
 
-import atexit
 import functools
 import logging
 import os
-import threading
 import time
 import weakref
 from dataclasses import dataclass, replace
@@ -33,6 +31,7 @@ from accelerate import Accelerator
 import fastckpt.errors as errors
 from fastckpt import CheckpointConfig, Checkpointer, RemoteOptions, is_checkpoint, load_checkpoint
 from fastckpt.errors import CheckpointNotFoundError, ConfigError, FastCkptError, IntegrityError, StateMismatchError
+from fastckpt.exithook import register_exit_hook
 
 from . import naming
 from .distributed import all_gather, broadcast_from_main, can_share_writes
@@ -86,7 +85,7 @@ class FastAccelerateCheckpointing:
         self._closed = False
         # A script that ends without end_training() must still commit its last checkpoints. A weak
         # reference, so that the exit hook does not keep a dropped Accelerator alive.
-        _register_exit_hook(functools.partial(_close_at_exit, weakref.ref(self)))
+        register_exit_hook(functools.partial(_close_at_exit, weakref.ref(self)))  # never runs in a fork()ed child
 
     # ----------------------------------------------------------------- public surface
 
@@ -350,23 +349,6 @@ class _Outcome:
             if not (isinstance(cls, type) and issubclass(cls, FastCkptError)):
                 cls = FastCkptError
             raise cls(f"on the main process: {message}")
-
-
-def _register_exit_hook(hook: Callable[[], None]) -> None:
-    """Run ``hook`` at interpreter exit early enough for the core's I/O thread pool to still accept work.
-
-    ``atexit`` handlers run after ``threading``'s exit hooks, and one of those shuts down every
-    ``concurrent.futures`` executor ("cannot schedule new futures after interpreter shutdown"). Hooks
-    registered with ``threading._register_atexit`` run first, newest first, so ours precedes the pool's.
-    """
-    register = getattr(threading, "_register_atexit", None)
-    if register is not None:
-        try:
-            register(hook)
-            return
-        except RuntimeError:  # registration is refused once shutdown has begun
-            pass
-    atexit.register(hook)
 
 
 def _close_at_exit(ref: "weakref.ref[FastAccelerateCheckpointing]") -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import errno
+import os
 import threading
 from typing import Any, Sequence
 
@@ -109,3 +110,8 @@ class GatedStorage(WrappedStorage):
     def delete(self, path: str) -> None:
         self.deleted.append(path)
         self.inner.delete(path)
+
+
+def listed(root: Any) -> list[str]:
+    """The sorted entries of a local root, without fastckpt's own dotfiles (the root lock)."""
+    return sorted(n for n in os.listdir(root) if not n.startswith("."))

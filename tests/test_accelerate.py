@@ -19,6 +19,7 @@ import fastckpt_accelerate
 from accelerate_testing import GatedStorage, Setup, assert_same, clone, make_accelerator, reset_accelerate
 from fastckpt import CheckpointConfig, Checkpointer, load_checkpoint
 from fastckpt.errors import CheckpointNotFoundError, ConfigError, FastCkptError, IntegrityError
+from tests.helpers import listed as _listed
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -111,7 +112,7 @@ def test_resume_in_a_new_accelerator_continues_numbering_and_retention(tmp_path,
         acc.save_state()
     acc.end_training()
     assert checkpointing.closed
-    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["checkpoint_2", "checkpoint_3"]
+    assert _listed(tmp_path / "checkpoints") == ["checkpoint_2", "checkpoint_3"]
 
     acc2 = make_accelerator(tmp_path, total_limit=2)
     checkpointing2 = enable(acc2, closing)
@@ -223,7 +224,7 @@ def test_retention_under_slow_storage_never_deletes_before_the_new_checkpoint_co
     storage.gate.set()
     checkpointing.wait()
     assert names() == ["checkpoint_2", "checkpoint_3"]
-    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["checkpoint_2", "checkpoint_3"]
+    assert _listed(tmp_path / "checkpoints") == ["checkpoint_2", "checkpoint_3"]
 
 
 def test_corrupt_checkpoint_raises_a_clear_error(tmp_path, closing):
@@ -370,7 +371,7 @@ def test_explicit_root_and_retention_override(tmp_path, closing):
         setup.step()
         acc.save_state()
     checkpointing.wait()
-    assert sorted(os.listdir(root)) == ["checkpoint_2"]
+    assert _listed(root) == ["checkpoint_2"]
     assert not (tmp_path / "proj" / "checkpoints").exists()
 
 
@@ -398,7 +399,7 @@ def test_remote_tier_resumes_after_the_project_dir_is_lost(tmp_path, closing):
         acc.save_state()
     checkpointing.wait()  # committed locally and uploaded
     acc.end_training()
-    assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["checkpoint_2"]  # total_limit: local only
+    assert _listed(tmp_path / "run" / "checkpoints") == ["checkpoint_2"]  # total_limit: local only
     with Checkpointer(CheckpointConfig(root=url)) as remote:
         assert [i.name for i in remote.list()] == ["checkpoint_0", "checkpoint_1", "checkpoint_2"]
 

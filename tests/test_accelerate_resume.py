@@ -20,6 +20,7 @@ import torch
 
 from accelerate_testing import assert_same
 from fastckpt import load_checkpoint
+from tests.helpers import listed as _listed
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "accelerate_train.py"
@@ -53,11 +54,11 @@ def scenario(tmp_path: Path, num_processes: int) -> None:
     run_example(["--project-dir", "resumed", *common, "--stop-after", str(STOP_AFTER)], num_processes, tmp_path)
     checkpoints = tmp_path / "resumed" / "checkpoints"
     # The last save was pending when the script returned: the exit hook committed it.
-    assert sorted(os.listdir(checkpoints)) == [f"checkpoint_{i}" for i in range(STOP_AFTER - 3, STOP_AFTER)]
+    assert _listed(checkpoints) == [f"checkpoint_{i}" for i in range(STOP_AFTER - 3, STOP_AFTER)]
     resume_args = ["--project-dir", "resumed", *common, "--resume", "--dump", "resumed"]
     output = run_example(resume_args, num_processes, tmp_path)
     assert f"resumed from {checkpoints / f'checkpoint_{STOP_AFTER - 1}'}" in output
-    assert sorted(os.listdir(checkpoints)) == [f"checkpoint_{i}" for i in range(STEPS - 3, STEPS)]
+    assert _listed(checkpoints) == [f"checkpoint_{i}" for i in range(STEPS - 3, STEPS)]
     written = {int(r): int(n) for r, n in re.findall(r"process (\d+) wrote (\d+) bytes", output)}
     assert sorted(written) == list(range(num_processes)), output  # every process wrote a share
     assert all(n > 0 for n in written.values()), written

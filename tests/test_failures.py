@@ -205,6 +205,7 @@ _KILL_SCRIPT = textwrap.dedent("""
             threading.Event().wait()  # stand still at the commit point until SIGKILL
     ck = Checkpointer(CheckpointConfig(root=root))
     ck.save({"w": torch.full((256, 256), 1.0)}, step=1).wait()
+    ck.close()  # one writer per root: the next one may write once this one is closed
     ck2 = Checkpointer(CheckpointConfig(root=root), storage=Stall(root))
     ck2.save({"w": torch.full((256, 256), 2.0)}, step=2)
     threading.Event().wait()

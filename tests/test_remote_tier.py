@@ -20,6 +20,7 @@ from torch import nn
 from fastckpt import CheckpointConfig, Checkpointer, CheckpointInfo, StorageError
 from fastckpt.storage import LocalStorage, Storage, open_storage
 from tests.helpers import FaultyStorage, GatedStorage, assert_bit_equal, clone_state
+from tests.helpers import listed as _listed
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -166,7 +167,7 @@ def test_resume_from_remote_after_local_root_is_lost(tmp_path, remote) -> None:
         assert_bit_equal(_state(2.0)["model"], target["model"])
         ckpt.save(_state(3.0), step=3).wait_uploaded()  # training goes on, both tiers again
         assert [i.step for i in ckpt.list()] == [1, 2, 3]
-        assert sorted(p.name for p in root.iterdir()) == ["step-000000003"]
+        assert _listed(root) == ["step-000000003"]
         assert ckpt.reader(step=3).storage is ckpt.storage and ckpt.reader(step=2).storage is ckpt.remote_storage
 
 
@@ -281,11 +282,11 @@ def test_local_retention_keeps_checkpoints_whose_upload_is_pending(tmp_path, mem
             handles[-1].wait()
         assert not any(h.uploaded() for h in handles)
         # local keep_last=1 would have removed 1 and 2, but their uploads are pending
-        assert sorted(p.name for p in root.iterdir()) == ["step-000000001", "step-000000002", "step-000000003"]
+        assert _listed(root) == ["step-000000001", "step-000000002", "step-000000003"]
         gated.gate.set()
         ckpt.wait()  # uploads done, and the local retention they allowed has run
         assert all(h.uploaded() for h in handles)
-        assert sorted(p.name for p in root.iterdir()) == ["step-000000003"]
+        assert _listed(root) == ["step-000000003"]
         # remote keep_last=2 removed only the oldest remote copy
         assert sorted(n for n in gated.listdir(gated.url)) == ["step-000000002", "step-000000003"]
         assert [(i.step, i.path) for i in ckpt.list()] == [(2, _remote_dir(gated, "step-000000002")),
@@ -300,7 +301,7 @@ def test_remote_retention_leaves_local_copies_alone(tmp_path, memory_remote) -> 
             ckpt.save(_state(float(step)), step=step).wait_uploaded()
         rs = ckpt.remote_storage
         assert rs.listdir(rs.url) == ["step-000000003"]
-        assert sorted(p.name for p in root.iterdir()) == ["step-000000001", "step-000000002", "step-000000003"]
+        assert _listed(root) == ["step-000000001", "step-000000002", "step-000000003"]
         assert [i.step for i in ckpt.list()] == [1, 2, 3]
 
 

@@ -17,7 +17,7 @@ def test_keep_last(tmp_path) -> None:
         for step in range(1, 6):
             ckpt.save({"x": torch.tensor(step)}, step=step).wait()
         assert [i.step for i in ckpt.list()] == [4, 5]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000004", "step-000000005"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".fastckpt.lock", "step-000000004", "step-000000005"]
 
 
 def test_keep_every_n_steps(tmp_path) -> None:

@@ -1,0 +1,92 @@
+"""Garbage collection: the folders of saves that died before their commit.
+
+A save killed before its manifest landed, or a retention delete killed after removing
+the manifest, leaves a folder nothing lists and nothing removes. A new ``Checkpointer``
+(and ``fastckpt gc ROOT``) removes such a folder only when it can prove that no live
+process is still writing it:
+
+* it holds no manifest, and every entry in it is a file fastckpt writes (shards, meta,
+  objects, a manifest being committed): a folder with anything else is not ours;
+* it is not a save of this process (pending or being recovered from shared memory);
+* on a local root, the caller holds the root lock (``fastckpt.lock``): every live writer
+  of the root holds it from its first write on, so nobody else is writing now. A
+  ``Checkpointer`` collects once it takes the lock (its first save or delete; distributed:
+  at construction), never as a mere reader: a reader holding the lock even briefly could
+  refuse a trainer's first save;
+* nothing in it changed for ``orphan_grace_s`` seconds. This is the only proof
+  on object stores, which have no locks: a writer on another host (or another rank, whose
+  files precede the commit) keeps touching its folder while the save runs.
+"""
+from __future__ import annotations
+
+import logging
+import re
+import time
+from typing import Callable
+
+from .errors import FastCkptError, StorageError
+from .format import MANIFEST
+from .paths import is_plain_name
+from .storage import Storage
+
+__all__ = ["collect", "collect_quietly"]
+
+log = logging.getLogger("fastckpt")
+
+# What a save writes into its folder (uids are 12 hex digits; the tmp suffix is pid-thread).
+_OURS = re.compile(r"shard-\d{5}\.[0-9a-f]{12}\.safetensors|meta\.[0-9a-f]{12}\.json|objects\.[0-9a-f]{12}\.pt"
+                   rf"|{re.escape(MANIFEST)}\.tmp-\d+-\d+")
+
+
+def collect(storage: Storage, grace_s: float, *, protected: Callable[[str], bool] = lambda name: False,
+            dry_run: bool = False) -> list[str]:
+    """Remove the dead uncommitted folders under ``storage.url``; return their paths.
+
+    The caller proves there is no other live writer on a local root (it holds the root lock).
+    ``protected(name)`` is asked right before each removal (this process's pending saves).
+    """
+    modified = getattr(storage, "modified", None)
+    if modified is None:  # a custom Storage: without modification times nothing can be proven dead
+        log.info("fastckpt: %s has no modified(); uncommitted folders are not collected", type(storage).__name__)
+        return []
+    removed = []
+    now = time.time()
+    for name in sorted(storage.listdir(storage.url)):
+        if not is_plain_name(name) or name.startswith(".") or protected(name):
+            continue
+        path = storage.join(storage.url, name)
+        age = _dead_for(storage, path, modified, now)
+        if age is None or age < grace_s or protected(name):
+            continue
+        if not dry_run:
+            storage.delete_tree(path)
+        log.warning("fastckpt: %s %s: an uncommitted save (no %s) last written %.0f s ago by a process that is "
+                    "gone", "would remove" if dry_run else "removed", path, MANIFEST, age)
+        removed.append(path)
+    return removed
+
+
+def collect_quietly(storage: Storage, grace_s: float, protected: Callable[[str], bool]) -> list[str]:
+    """``collect`` for a ``Checkpointer``'s first write: housekeeping never fails a save, problems are logged."""
+    try:
+        return collect(storage, grace_s, protected=protected)
+    except (OSError, FastCkptError) as e:
+        log.warning("fastckpt: uncommitted folders under %s were not collected: %s", storage.url, e)
+        return []
+
+
+def _dead_for(storage: Storage, path: str, modified: Callable[[str], float], now: float) -> float | None:
+    """Seconds since anything in the uncommitted fastckpt folder ``path`` changed; None if it is not one."""
+    try:
+        entries = storage.listdir(path)
+    except (NotADirectoryError, StorageError):
+        return None  # a file (a Lightning pointer, the lock file) or unreadable: not ours to judge
+    if not entries or entries == [path.rstrip("/").rsplit("/", 1)[-1]]:
+        return None  # empty, or an object store listing a file as itself
+    if MANIFEST in entries or not all(_OURS.fullmatch(e) for e in entries):
+        return None
+    try:
+        newest = max(modified(storage.join(path, e)) for e in entries)
+    except (FileNotFoundError, StorageError):
+        return None  # changed under us: someone is at work there
+    return now - newest
