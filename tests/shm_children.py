@@ -125,10 +125,12 @@ def train(conn: Connection, root: str, shm: str, steps: int, stuck_at: int, rank
 
 
 def two_in_one_process(conn: Connection, root: str, shm: str) -> None:
-    """Two Checkpointers on one root in one process, each with a staged snapshot that never commits."""
+    """Two Checkpointers in one process sharing one shm_dir (roots ``root/run1``, ``root/run2``: one root has one
+    writer, the root lock sees to that), each with a staged snapshot that never commits."""
     handles = []
     for step in (1, 2):
-        ck = Checkpointer(config(root, shm), storage=StuckStorage(root, 0))
+        where = os.path.join(root, f"run{step}")
+        ck = Checkpointer(config(where, shm), storage=StuckStorage(where, 0))
         m, _ = model()
         set_step(m, step)
         ck.save(state(m, step), step=step).wait_staged()

@@ -81,9 +81,10 @@ def test_two_checkpointers_in_one_process_keep_their_own_records(dirs) -> None:
         assert kids.receive(proc, conn) == "staged"
     finally:
         kids.kill(proc)
-    with Checkpointer(kids.config(str(root), str(shm))) as ck:
-        assert [h.step for h in ck.recovered] == [1, 2]
-        kids.check_committed(ck, [1, 2])  # each checkpoint holds its own save's bytes
+    for step in (1, 2):
+        with Checkpointer(kids.config(str(root / f"run{step}"), str(shm))) as ck:
+            assert [h.step for h in ck.recovered] == [step], "a Checkpointer adopted another root's record"
+            kids.check_committed(ck, [step])  # each checkpoint holds its own save's bytes
 
 
 def test_a_live_owner_is_never_adopted(dirs) -> None:
@@ -93,7 +94,8 @@ def test_a_live_owner_is_never_adopted(dirs) -> None:
         assert [kids.receive(proc, conn) for _ in range(2)] == [1, 2]
         with Checkpointer(kids.config(str(root), str(shm))) as other:  # same root, same machine, owner alive
             assert other.recovered == [] and other.latest() is None
-            other.save({"x": torch.ones(3)}, step=7, name="other").wait()
+            with pytest.raises(StorageError, match="lock|writer|pid"):  # one root, one writer (the root lock)
+                other.save({"x": torch.ones(3)}, step=7, name="other")
         assert len(_records(shm)) == 2, "another Checkpointer must not touch a live owner's records"
     finally:
         kids.kill(proc)
