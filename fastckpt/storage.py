@@ -12,9 +12,12 @@ import mmap
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterator, Protocol, Sequence, runtime_checkable
+from functools import partial
+from typing import Any, Callable, Iterator, Protocol, Sequence, runtime_checkable
 
-from .errors import StorageError
+from .config import NetworkOptions
+from .deadline import Deadline, describe, in_thread
+from .errors import CheckpointTimeoutError, StorageError
 
 __all__ = ["Storage", "LocalStorage", "FsspecStorage", "open_storage"]
 
@@ -62,9 +65,19 @@ class Storage(Protocol):
     def delete_tree(self, path: str) -> None:
         """Remove a directory and everything under it; missing is fine."""
 
+    def check(self, what: str) -> None:
+        """Called once when a Checkpointer is built: raise ``StorageError`` saying what to fix if
+        checkpoints cannot be written under ``url`` (``what`` names the config field). Optional."""
 
-def _wrap(op: str, path: str, e: BaseException) -> StorageError:
-    err = StorageError(f"{op} {path!r} failed: {e}")
+
+def _wrap(op: str, path: str, e: BaseException, deadline: Deadline | None = None) -> StorageError:
+    if deadline is not None and isinstance(e, TimeoutError):
+        err: StorageError = CheckpointTimeoutError(
+            f"{op} {path!r} failed: no answer within the {deadline.timeout_s:g}s deadline of network.timeout_s "
+            f"({deadline.attempts} attempt(s)). The storage endpoint is unreachable or stalled: check it and the "
+            f"network, or raise network.timeout_s / network.retries")
+    else:
+        err = StorageError(f"{op} {path!r} failed: {describe(e) if deadline is not None else e}")
     if isinstance(e, OSError):
         err.errno = e.errno
     return err
@@ -204,6 +217,19 @@ class LocalStorage:
 
         shutil.rmtree(path, ignore_errors=True)
 
+    def check(self, what: str) -> None:
+        # The root itself may not exist yet (the first save creates it): its nearest existing
+        # ancestor must then be a writable directory. os.access reports EROFS even to root.
+        path = self.url
+        while not os.path.lexists(path) and os.path.dirname(path) != path:
+            path = os.path.dirname(path)
+        if not os.path.isdir(path):
+            where = "is a file" if path == self.url else f"lies under {path!r}, which is a file"
+            raise StorageError(f"{what} {self.url!r} {where}, not a directory: set {what} to a directory path")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise StorageError(f"{what} {self.url!r} is not writable: {path!r} is on a read-only filesystem or "
+                               f"this user may not write there; set {what} to a writable directory")
+
 
 def _aligned(parts: Sequence[memoryview]) -> bool:
     import numpy as np
@@ -239,21 +265,28 @@ def _silent_remove(path: str) -> None:
 
 
 class FsspecStorage:
-    """Any fsspec filesystem (s3://, memory://, gs://...). Object stores commit by PUT."""
+    """Any fsspec filesystem (s3://, memory://, gs://...). Object stores commit by PUT.
 
-    def __init__(self, url: str, storage_options: dict[str, Any], workers: int = 4) -> None:
+    Every request runs under ``network`` deadlines with bounded retries (see ``deadline.py``):
+    a stalled endpoint fails the operation with a ``StorageError`` instead of hanging it.
+    """
+
+    def __init__(self, url: str, storage_options: dict[str, Any], workers: int = 4,
+                 network: NetworkOptions | None = None) -> None:
         try:
             import fsspec
         except ImportError as e:  # pragma: no cover - fsspec is a hard dependency
             raise StorageError("fsspec is required for remote roots: pip install fsspec") from e
+        self._protocol = url.split("://", 1)[0]
+        self._deadline = Deadline.of(network)
+        options = _with_socket_timeouts(self._protocol, storage_options, self._deadline)
         try:
-            fs, path = fsspec.core.url_to_fs(url, **storage_options)
+            fs, path = fsspec.core.url_to_fs(url, **options)
         except ImportError as e:
             raise StorageError(f"no fsspec backend for {url!r}: {e}. For s3:// install fastckpt[s3] (s3fs)") from e
         except (ValueError, TypeError) as e:
             raise StorageError(f"cannot open storage {url!r}: {e}") from e
         self.fs = fs
-        self._protocol = url.split("://", 1)[0]
         self.url = f"{self._protocol}://{path}" if "://" in url else path
         self._workers = workers
 
@@ -263,105 +296,177 @@ class FsspecStorage:
     def join(self, *parts: str) -> str:
         return "/".join(p.strip("/") if i else p.rstrip("/") for i, p in enumerate(parts))
 
+    def _call(self, op: str, path: str, method: str, *args: Any, missing: str = "wrap", **kwargs: Any) -> Any:
+        """``fs.<method>(*args, **kwargs)`` under the deadline, retried; errors become ``StorageError``
+        naming ``path``."""
+        fs = self.fs
+        if getattr(fs, "async_impl", False) and hasattr(fs, f"_{method}"):
+            from fsspec.asyn import sync
+
+            # cancelled on the event loop at the deadline: botocore/aiohttp may never give up alone
+            def attempt(t: float) -> Any:
+                return sync(fs.loop, getattr(fs, f"_{method}"), *args, timeout=t, **kwargs)
+        else:
+            def attempt(t: float) -> Any:
+                return in_thread(partial(getattr(fs, method), *args, **kwargs), t, f"fastckpt-net-{method}")
+        with _backend_errors(op, path, missing, self._deadline):
+            return self._deadline.call(f"{op} {path}", attempt)
+
     def write_file(self, path: str, parts: Sequence[memoryview]) -> None:
-        try:
-            total = sum(len(p) for p in parts)
-            if self._protocol in ("s3", "s3a") and total > 2 * _S3_PART:
+        total = sum(len(p) for p in parts)
+        if self._protocol in ("s3", "s3a") and total > 2 * _S3_PART:
+            with _backend_errors("uploading", path, "wrap", self._deadline):
                 self._s3_multipart(self._p(path), parts)
-                return
-            with self.fs.open(self._p(path), "wb", block_size=64 << 20) as f:
-                for part in parts:
-                    f.write(part)
-        except Exception as e:
-            raise _wrap("uploading", path, e) from e
+        elif getattr(self.fs, "async_impl", False):
+            self._call("uploading", path, "pipe_file", self._p(path), b"".join(parts))  # one PUT of <= 32 MiB
+        else:  # a blocking backend streams the file: one deadline per 32 MiB
+            scale = max(1, -(-total // (2 * _S3_PART)))
+            with _backend_errors("uploading", path, "wrap", self._deadline):
+                self._deadline.call(f"uploading {path}", lambda t: in_thread(
+                    partial(self._stream, self._p(path), parts), t * scale, "fastckpt-net-write"))
+
+    def _stream(self, path: str, parts: Sequence[memoryview]) -> None:
+        with self.fs.open(path, "wb", block_size=64 << 20) as f:
+            for part in parts:
+                f.write(part)
 
     def _s3_multipart(self, path: str, parts: Sequence[memoryview]) -> None:
-        """One multipart upload whose parts go up concurrently (s3fs's file writer sends them one by one)."""
+        """One multipart upload whose parts go up concurrently (s3fs's file writer sends them one by one).
+
+        Each request (create, every part, complete, abort) has its own deadline and retries."""
         import asyncio
 
         from fsspec.asyn import sync
 
-        fs = self.fs
+        fs, dl = self.fs, self._deadline
         bucket, key, _ = fs.split_path(path)
 
+        def s3(method: str, **kw: Any) -> Any:
+            return dl.acall(f"{method} of {path}", lambda: fs._call_s3(method, Bucket=bucket, Key=key, **kw))
+
         async def upload() -> None:
-            mpu = await fs._call_s3("create_multipart_upload", Bucket=bucket, Key=key)
+            mpu = await s3("create_multipart_upload")
             gate = asyncio.Semaphore(_S3_CONCURRENCY)
 
             async def one(number: int, piece: memoryview) -> dict[str, Any]:
                 async with gate:  # at most _S3_CONCURRENCY bodies copied out at once
-                    out = await fs._call_s3("upload_part", Bucket=bucket, Key=key, PartNumber=number,
-                                            UploadId=mpu["UploadId"], Body=bytes(piece))  # botocore wants bytes
+                    out = await s3("upload_part", PartNumber=number, UploadId=mpu["UploadId"],
+                                   Body=bytes(piece))  # botocore wants bytes
                 return {"PartNumber": number, "ETag": out["ETag"]}
 
             try:
                 done = await asyncio.gather(*[one(i + 1, p) for i, p in enumerate(_pieces(parts, _S3_PART))])
-                await fs._call_s3("complete_multipart_upload", Bucket=bucket, Key=key, UploadId=mpu["UploadId"],
-                                  MultipartUpload={"Parts": list(done)})
+                await s3("complete_multipart_upload", UploadId=mpu["UploadId"], MultipartUpload={"Parts": list(done)})
             except BaseException:
-                await fs._abort_mpu(bucket, key, mpu["UploadId"])  # no orphaned parts billed forever
+                try:  # no orphaned parts billed forever (best effort: the endpoint may be what failed)
+                    await s3("abort_multipart_upload", UploadId=mpu["UploadId"])
+                except Exception as e:  # noqa: BLE001 - the upload's own error is the one to raise
+                    log.warning("fastckpt: could not abort the multipart upload of %s: %s", path, describe(e))
                 raise
 
         sync(fs.loop, upload)
         fs.invalidate_cache(path)
 
     def write_atomic(self, path: str, data: bytes) -> None:
-        try:
-            self.fs.pipe_file(self._p(path), data)  # one PUT: the object appears whole or not at all
-        except Exception as e:
-            raise _wrap("committing", path, e) from e
+        self._call("committing", path, "pipe_file", self._p(path), data)  # one PUT: whole or not at all
 
     def read_into(self, path: str, offset: int, out: memoryview) -> None:
         pieces = [(s, min(s + _READ_PIECE, len(out))) for s in range(0, len(out), _READ_PIECE)]
 
         def fetch(piece: tuple[int, int]) -> None:
             start, end = piece
-            data = self.fs.cat_file(self._p(path), start=offset + start, end=offset + end)
+            data = self._call("reading", path, "cat_file", self._p(path), start=offset + start, end=offset + end)
             if len(data) != end - start:
-                raise EOFError(f"short read at {offset + start}: got {len(data)} of {end - start} bytes")
+                raise StorageError(f"reading {path!r} failed: short read at {offset + start}: got {len(data)} of "
+                                   f"{end - start} bytes")
             out[start:end] = data
 
-        try:
-            if len(pieces) <= 1:
-                for p in pieces:
-                    fetch(p)
-            else:  # concurrent ranged GETs: one connection rarely fills the link
-                with ThreadPoolExecutor(self._workers, thread_name_prefix="fastckpt-read") as pool:
-                    list(pool.map(fetch, pieces))
-        except Exception as e:
-            raise _wrap("reading", path, e) from e
+        if len(pieces) <= 1:
+            for p in pieces:
+                fetch(p)
+        else:  # concurrent ranged GETs: one connection rarely fills the link
+            with ThreadPoolExecutor(self._workers, thread_name_prefix="fastckpt-read") as pool:
+                list(pool.map(fetch, pieces))
 
     def read_bytes(self, path: str) -> bytes:
-        with _backend_errors("reading", path, missing="raise"):
-            return self.fs.cat_file(self._p(path))
+        return self._call("reading", path, "cat_file", self._p(path), missing="raise")
 
     def size(self, path: str) -> int:
-        with _backend_errors("stat of", path, missing="raise"):
-            return int(self.fs.size(self._p(path)))
+        return int(self._call("stat of", path, "size", self._p(path), missing="raise"))
 
     def exists(self, path: str) -> bool:
-        with _backend_errors("checking", path):
-            self.fs.invalidate_cache(self._p(path))  # s3fs caches listings per instance
-            return bool(self.fs.exists(self._p(path)))
+        self.fs.invalidate_cache(self._p(path))  # s3fs caches listings per instance
+        return bool(self._call("checking", path, "exists", self._p(path)))
 
     def listdir(self, path: str) -> list[str]:
-        entries: list[str] = []
-        with _backend_errors("listing", path, missing="ignore"):
-            self.fs.invalidate_cache(self._p(path))
-            entries = self.fs.ls(self._p(path), detail=False)
+        self.fs.invalidate_cache(self._p(path))
+        entries = self._call("listing", path, "ls", self._p(path), detail=False, missing="ignore") or []
         return [e.rstrip("/").rsplit("/", 1)[-1] for e in entries]
 
     def delete(self, path: str) -> None:
-        with _backend_errors("deleting", path, missing="ignore"):
-            self.fs.rm_file(self._p(path))
+        self._call("deleting", path, "rm_file", self._p(path), missing="ignore")
 
     def delete_tree(self, path: str) -> None:
-        with _backend_errors("deleting", path, missing="ignore"):
-            self.fs.rm(self._p(path), recursive=True)
+        self._call("deleting", path, "rm", self._p(path), recursive=True, missing="ignore")
+
+    def check(self, what: str) -> None:
+        """One cheap request: the bucket of an ``s3://`` URL (HEAD bucket), else the URL itself."""
+        if self._protocol not in ("s3", "s3a"):
+            self._call(f"checking {what}", self.url, "exists", self._p(self.url))
+            return
+        bucket = self._p(self.url).split("/", 1)[0]
+        try:
+            self._deadline.call(f"checking {what} {self.url}", self._head_bucket(bucket))
+        except Exception as e:
+            raise _probe_error(what, self.url, bucket, _endpoint(self.fs), e, self._deadline) from e
+
+    def _head_bucket(self, bucket: str) -> Callable[[float], Any]:
+        from fsspec.asyn import sync
+
+        fs = self.fs
+        return lambda t: sync(fs.loop, fs._call_s3, "head_bucket", Bucket=bucket, timeout=t)
+
+
+def _with_socket_timeouts(protocol: str, options: dict[str, Any], deadline: Deadline) -> dict[str, Any]:
+    """s3fs options whose botocore socket timeouts match the deadline, unless the caller set them."""
+    if protocol not in ("s3", "s3a"):
+        return options
+    options = dict(options)
+    kwargs = dict(options.get("config_kwargs") or {})
+    kwargs.setdefault("connect_timeout", min(10.0, deadline.timeout_s))
+    kwargs.setdefault("read_timeout", deadline.timeout_s)
+    options["config_kwargs"] = kwargs
+    return options
+
+
+def _endpoint(fs: Any) -> str:
+    return str((getattr(fs, "client_kwargs", None) or {}).get("endpoint_url") or "the default AWS endpoint")
+
+
+def _probe_error(what: str, url: str, bucket: str, endpoint: str, e: BaseException, deadline: Deadline) -> StorageError:
+    """The one actionable error for a storage that cannot hold checkpoints."""
+    names = {c.__name__ for c in type(e).__mro__}
+    if names & {"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError"}:
+        why = ("no S3 credentials were found: set key and secret in the storage options of " + what +
+               " (storage_options / remote.storage_options), or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY")
+    elif isinstance(e, FileNotFoundError):
+        why = f"bucket {bucket!r} does not exist at {endpoint}: fix the bucket name in {what}, or create the bucket"
+    elif isinstance(e, PermissionError):
+        why = f"access to bucket {bucket!r} at {endpoint} was denied: check the credentials and the bucket policy"
+    elif isinstance(e, TimeoutError):
+        why = (f"{endpoint} did not answer within {deadline.timeout_s:g}s ({deadline.attempts} attempt(s)): check "
+               f"client_kwargs.endpoint_url and the network, or raise network.timeout_s")
+    else:
+        why = f"{endpoint} cannot be reached or refused the request ({describe(e)}): check client_kwargs.endpoint_url " \
+              "and the network"
+    err = StorageError(f"{what} {url!r} cannot hold checkpoints: {why}")
+    if isinstance(e, OSError):
+        err.errno = e.errno
+    return err
 
 
 @contextlib.contextmanager
-def _backend_errors(op: str, path: str, missing: str = "wrap") -> Iterator[None]:
+def _backend_errors(op: str, path: str, missing: str = "wrap", deadline: Deadline | None = None) -> Iterator[None]:
     """Turn a backend's exceptions into ``StorageError`` naming ``path``.
 
     ``missing`` decides about FileNotFoundError: ``raise`` it as is (callers test for absence),
@@ -369,13 +474,15 @@ def _backend_errors(op: str, path: str, missing: str = "wrap") -> Iterator[None]
     """
     try:
         yield
+    except StorageError:
+        raise
     except FileNotFoundError as e:
         if missing == "raise":
             raise
         if missing != "ignore":
-            raise _wrap(op, path, e) from e
+            raise _wrap(op, path, e, deadline) from e
     except Exception as e:
-        raise _wrap(op, path, e) from e
+        raise _wrap(op, path, e, deadline) from e
 
 
 def _pieces(parts: Sequence[memoryview], size: int) -> list[memoryview]:
@@ -401,11 +508,12 @@ def _pieces(parts: Sequence[memoryview], size: int) -> list[memoryview]:
 
 
 def open_storage(root: str, storage_options: dict[str, Any] | None = None, *, direct_io: str = "auto",
-                 fsync: bool = True, workers: int = 4) -> Storage:
-    """Local paths and ``file://`` get ``LocalStorage``; every other URL goes through fsspec."""
+                 fsync: bool = True, workers: int = 4, network: NetworkOptions | None = None) -> Storage:
+    """Local paths and ``file://`` get ``LocalStorage``; every other URL goes through fsspec
+    (its requests under ``network`` deadlines, the defaults when None)."""
     if "://" not in root or root.startswith("file://"):
         return LocalStorage(root, direct_io=direct_io, fsync=fsync)
-    return FsspecStorage(root, storage_options or {}, workers=workers)
+    return FsspecStorage(root, storage_options or {}, workers=workers, network=network)
 
 
 def aligned_buffer(nbytes: int) -> tuple[mmap.mmap, memoryview]:
