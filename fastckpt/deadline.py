@@ -32,8 +32,10 @@ __all__ = ["Deadline", "is_transient", "in_thread"]
 log = logging.getLogger("fastckpt")
 T = TypeVar("T")
 
+# ... and what s3fs makes of 503 SlowDown/ServiceUnavailable (EBUSY) and 500 InternalError (EREMOTEIO)
 _TRANSIENT_ERRNOS = frozenset({errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED, errno.ETIMEDOUT,
-                               errno.EPIPE, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN})
+                               errno.EPIPE, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN, errno.EBUSY,
+                               errno.EAGAIN, errno.EREMOTEIO})
 # botocore/aiohttp errors do not derive from the built-in ConnectionError/TimeoutError: match their names
 _TRANSIENT_NAMES = ("Timeout", "Connect", "Connection", "ServerDisconnected", "ClientPayload", "IncompleteRead",
                     "HTTPClientError")

@@ -286,6 +286,8 @@ class FsspecStorage:
             raise StorageError(f"no fsspec backend for {url!r}: {e}. For s3:// install fastckpt[s3] (s3fs)") from e
         except (ValueError, TypeError) as e:
             raise StorageError(f"cannot open storage {url!r}: {e}") from e
+        if self._protocol in ("s3", "s3a"):
+            fs.retries = 1  # s3fs's own retry loop (a class attribute, 5) would nest inside ours
         self.fs = fs
         self.url = f"{self._protocol}://{path}" if "://" in url else path
         self._workers = workers
@@ -428,13 +430,18 @@ class FsspecStorage:
 
 
 def _with_socket_timeouts(protocol: str, options: dict[str, Any], deadline: Deadline) -> dict[str, Any]:
-    """s3fs options whose botocore socket timeouts match the deadline, unless the caller set them."""
+    """s3fs options that leave timeouts and retries to ``Deadline``, unless the caller set them.
+
+    Left alone, botocore (up to 5 attempts, 60 s socket timeouts) runs inside s3fs's own retry loop
+    (5 more), so one request to a dead endpoint takes minutes and its last error is lost.
+    """
     if protocol not in ("s3", "s3a"):
         return options
     options = dict(options)
     kwargs = dict(options.get("config_kwargs") or {})
     kwargs.setdefault("connect_timeout", min(10.0, deadline.timeout_s))
     kwargs.setdefault("read_timeout", deadline.timeout_s)
+    kwargs.setdefault("retries", {"max_attempts": 1, "mode": "standard"})  # botocore: a single try
     options["config_kwargs"] = kwargs
     return options
 
