@@ -412,21 +412,24 @@ class FsspecStorage:
         self._call("deleting", path, "rm", self._p(path), recursive=True, missing="ignore")
 
     def check(self, what: str) -> None:
-        """One cheap request: the bucket of an ``s3://`` URL (HEAD bucket), else the URL itself."""
+        """One cheap request: on ``s3://``, list at most one key under the root (what ``latest()`` needs,
+        and allowed by a policy scoped to the prefix, unlike HEAD bucket); elsewhere, ``exists``."""
         if self._protocol not in ("s3", "s3a"):
             self._call(f"checking {what}", self.url, "exists", self._p(self.url))
             return
-        bucket = self._p(self.url).split("/", 1)[0]
+        bucket, _, key = self._p(self.url).partition("/")
         try:
-            self._deadline.call(f"checking {what} {self.url}", self._head_bucket(bucket))
+            self._deadline.call(f"checking {what} {self.url}", self._list_one(bucket, key.strip("/")))
         except Exception as e:
             raise _probe_error(what, self.url, bucket, _endpoint(self.fs), e, self._deadline) from e
 
-    def _head_bucket(self, bucket: str) -> Callable[[float], Any]:
+    def _list_one(self, bucket: str, key: str) -> Callable[[float], Any]:
         from fsspec.asyn import sync
 
         fs = self.fs
-        return lambda t: sync(fs.loop, fs._call_s3, "head_bucket", Bucket=bucket, timeout=t)
+        prefix = f"{key}/" if key else ""
+        return lambda t: sync(fs.loop, fs._call_s3, "list_objects_v2", Bucket=bucket, Prefix=prefix, MaxKeys=1,
+                              timeout=t)
 
 
 def _with_socket_timeouts(protocol: str, options: dict[str, Any], deadline: Deadline) -> dict[str, Any]:
