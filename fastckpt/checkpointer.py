@@ -533,8 +533,8 @@ class Checkpointer:
         wait_futures([h._durable for h in pending], timeout)
         for wh in self._hooks:
             wh.remove()
-        stuck = self._unfinished(pending)
         drained = pipeline.close(_remaining(deadline))
+        stuck = self._unfinished(pending)
         uploader = self._uploader
         if uploader is not None:
             uploader.close(_remaining(deadline))  # flush the uploads (bounded), then stop its threads
@@ -543,12 +543,15 @@ class Checkpointer:
             self._uploader = None
         if drained:
             self._arena.close()  # else a stalled writer still reads its slot: the buffers go with the process
+            self._raise_pending()
+            return
+        err = CheckpointTimeoutError(
+            f"Checkpointer.close(timeout={timeout}) expired with {', '.join(stuck) or 'queued deletions'} still "
+            "pending: the storage stalled. The previous committed checkpoint is intact; this one may still commit "
+            "or fail in the background (an fsspec storage gives up after network.timeout_s)")
+        log.warning("fastckpt: %s", err)  # a background error, if any, is raised first
         self._raise_pending()
-        if not drained:
-            raise CheckpointTimeoutError(
-                f"Checkpointer.close(timeout={timeout}) expired with {', '.join(stuck) or 'a write'} still pending: "
-                "the storage stalled. The previous committed checkpoint is intact; this one may still commit or fail "
-                "in the background (an fsspec storage gives up after network.timeout_s)")
+        raise err
 
     def __enter__(self) -> "Checkpointer":
         return self

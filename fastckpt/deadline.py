@@ -23,11 +23,12 @@ import logging
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Awaitable, Callable, TypeVar
 
 from .config import NetworkOptions
+from .errors import CheckpointTimeoutError, StorageError
 
-__all__ = ["Deadline", "is_transient", "in_thread"]
+__all__ = ["Deadline", "is_transient", "in_thread", "storage_error", "describe"]
 
 log = logging.getLogger("fastckpt")
 T = TypeVar("T")
@@ -134,6 +135,20 @@ def in_thread(fn: Callable[[], T], timeout_s: float, name: str) -> T:
     return fut.result(timeout_s)  # concurrent.futures.TimeoutError is TimeoutError since 3.11
 
 
-def describe(e: BaseException) -> Any:
+def describe(e: BaseException) -> str:
     """``e`` as ``Type: message`` (a bare TimeoutError has an empty message)."""
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
+def storage_error(op: str, path: str, e: BaseException, deadline: Deadline | None = None) -> StorageError:
+    """The ``StorageError`` for ``op`` on ``path`` failing with ``e``; past a deadline, a ``CheckpointTimeoutError``."""
+    if deadline is not None and isinstance(e, TimeoutError):
+        err: StorageError = CheckpointTimeoutError(
+            f"{op} {path!r} failed: no answer within the {deadline.timeout_s:g}s deadline of network.timeout_s "
+            f"({deadline.attempts} attempt(s)). The storage endpoint is unreachable or stalled: check it and the "
+            f"network, or raise network.timeout_s / network.retries")
+    else:
+        err = StorageError(f"{op} {path!r} failed: {describe(e) if deadline is not None else e}")
+    if isinstance(e, OSError):
+        err.errno = e.errno
+    return err
