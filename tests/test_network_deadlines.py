@@ -21,7 +21,7 @@ from tests.helpers import GatedStorage, assert_bit_equal
 from tests.s3server import s3_storage_options
 
 _PATIENT_BOTOCORE = {"connect_timeout": 3600, "read_timeout": 3600}  # alone, it would wait an hour
-_FAST = {"timeout_s": 1.5, "retries": 1, "backoff_s": 0.1}
+_FAST = {"timeout_s": 3, "retries": 1, "backoff_s": 0.1}  # roomy for a loaded machine
 
 
 def _state(v: float) -> dict:
