@@ -6,6 +6,7 @@ told to wait an hour: only fastckpt's own deadline can end the request.
 from __future__ import annotations
 
 import errno
+import socket
 import threading
 import time
 from concurrent.futures import Future
@@ -60,7 +61,7 @@ def test_stalled_s3_root_fails_the_blocked_save_at_the_deadline(s3_fault_proxy) 
                            persist={"chunk_bytes": 2 << 20}, staging={"slots": 1}, network=_FAST)
     ckpt = Checkpointer(cfg)
     ckpt.save(_state(1.0), step=1).wait()
-    proxy.blackhole()
+    proxy.stall()  # a silent partition: even the pooled connections stop answering
     h2 = ckpt.save(_state(2.0), step=2)  # its upload stalls and holds the only slot
     t0 = time.monotonic()
     with pytest.raises(CheckpointTimeoutError) as ei:
@@ -104,14 +105,14 @@ def test_close_timeout_is_honoured_while_an_s3_root_stalls(s3_fault_proxy) -> No
                            network={"timeout_s": 120, "retries": 0})  # longer than the test: close must not wait
     ckpt = Checkpointer(cfg)
     ckpt.save(_state(1.0), step=1).wait()
-    proxy.blackhole()
+    proxy.stall()
     h = ckpt.save(_state(2.0), step=2)
     t0 = time.monotonic()
     with pytest.raises(CheckpointTimeoutError, match="save 'step-000000002'"):
         _within(30, lambda: ckpt.close(timeout=1))
     assert time.monotonic() - t0 < 10
     ckpt.close()  # idempotent
-    proxy.pass_through()  # resets the held connections: the stalled write retries, commits or fails
+    proxy.pass_through()  # the held bytes flow again: the stalled write commits, or fails and is retried
     try:
         committed = h.wait(60) is not None
     except StorageError:
@@ -132,7 +133,7 @@ def test_stalled_remote_tier_fails_the_upload_at_the_deadline(tmp_path, s3_fault
                            network=_FAST)
     ckpt = Checkpointer(cfg)
     ckpt.save(_state(1.0), step=1).wait_uploaded()
-    proxy.blackhole()
+    proxy.stall()
     h = ckpt.save(_state(2.0), step=2)
     assert _within(30, h.wait).step == 2  # the local commit does not wait for the network
     t0 = time.monotonic()
@@ -251,3 +252,31 @@ def test_a_hung_blocking_backend_is_abandoned_at_the_deadline() -> None:
         assert fs.calls == 2
     finally:
         fs.release.set()  # lets the abandoned helper threads end
+
+
+# ---- the fault proxy's silent partition -----------------------------------------------------------
+
+def _response(sock: socket.socket) -> bytes:
+    got = b""
+    while b"\r\n\r\n" not in got:
+        chunk = sock.recv(4096)
+        assert chunk, "connection closed"
+        got += chunk
+    return got
+
+
+@pytest.mark.s3
+def test_stall_freezes_an_open_connection_silently_then_heals(s3_fault_proxy) -> None:
+    proxy = s3_fault_proxy.proxy
+    request = b"HEAD / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"  # keep-alive: the same connection twice
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
+        sock.sendall(request)
+        assert _response(sock).startswith(b"HTTP/1.1")
+        proxy.stall()
+        sock.sendall(request)
+        sock.settimeout(0.3)  # proving a negative needs some window; kept short
+        with pytest.raises(TimeoutError):
+            sock.recv(64)  # no answer, and no reset either
+        proxy.pass_through()
+        sock.settimeout(5)
+        assert _response(sock).startswith(b"HTTP/1.1")  # the held request went through intact
