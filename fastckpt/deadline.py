@@ -80,14 +80,18 @@ class Deadline:
     def attempts(self) -> int:
         return self.retries + 1
 
-    def call(self, what: str, attempt: Callable[[float], T]) -> T:
+    def call(self, what: str, attempt: Callable[[float], T], *, retry_timeouts: bool = True) -> T:
         """Run ``attempt(timeout_s)`` (which must give up after ``timeout_s``) until it succeeds, fails
-        for good, or the retries are spent; the last error is raised as is."""
+        for good, or the retries are spent; the last error is raised as is.
+
+        ``retry_timeouts=False``: an attempt abandoned at its deadline may still be running, so one
+        that reads memory its caller reuses afterwards (a staging buffer) must not be raced by a retry.
+        """
         for n in range(self.attempts):
             try:
                 return attempt(self.timeout_s)
             except Exception as e:
-                if n == self.retries or not is_transient(e):
+                if n == self.retries or not is_transient(e) or (not retry_timeouts and isinstance(e, TimeoutError)):
                     raise
                 self._note_retry(what, e, n)
                 _BACKOFF.wait(self._backoff(n))
@@ -145,8 +149,8 @@ def storage_error(op: str, path: str, e: BaseException, deadline: Deadline | Non
     if deadline is not None and isinstance(e, TimeoutError):
         err: StorageError = CheckpointTimeoutError(
             f"{op} {path!r} failed: no answer within the {deadline.timeout_s:g}s deadline of network.timeout_s "
-            f"({deadline.attempts} attempt(s)). The storage endpoint is unreachable or stalled: check it and the "
-            f"network, or raise network.timeout_s / network.retries")
+            f"(retried up to network.retries={deadline.retries} time(s)). The storage endpoint is unreachable or "
+            f"stalled: check it and the network, or raise network.timeout_s / network.retries")
     else:
         err = StorageError(f"{op} {path!r} failed: {describe(e) if deadline is not None else e}")
     if isinstance(e, OSError):

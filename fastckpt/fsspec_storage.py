@@ -87,8 +87,10 @@ class FsspecStorage:
         else:  # a blocking backend streams the file: one deadline per 32 MiB
             scale = max(1, -(-total // (2 * _S3_PART)))
             with _backend_errors("uploading", path, "wrap", self._deadline):
+                # an abandoned attempt may still read ``parts``, which the caller reuses once this fails
                 self._deadline.call(f"uploading {path}", lambda t: in_thread(
-                    partial(self._stream, self._p(path), parts), t * scale, "fastckpt-net-write"))
+                    partial(self._stream, self._p(path), parts), t * scale, "fastckpt-net-write"),
+                    retry_timeouts=False)
 
     def _stream(self, path: str, parts: Sequence[memoryview]) -> None:
         with self.fs.open(path, "wb", block_size=64 << 20) as f:

@@ -208,7 +208,15 @@ class _Flaky(fsspec.implementations.memory.MemoryFileSystem):
         super().__init__(*a, **kw)
         self.fails: list[BaseException] = []
         self.calls = 0
+        self.opens = 0
         self.release: threading.Event | None = None
+
+    def _open(self, path: str, mode: str = "rb", **kw: Any) -> Any:
+        if "w" in mode:
+            self.opens += 1
+            if self.release is not None:
+                self.release.wait(60)
+        return super()._open(path, mode, **kw)
 
     def cat_file(self, path: str, start: Any = None, end: Any = None, **kw: Any) -> bytes:
         self.calls += 1
@@ -252,6 +260,17 @@ def test_a_hung_blocking_backend_is_abandoned_at_the_deadline() -> None:
         assert fs.calls == 2
     finally:
         fs.release.set()  # lets the abandoned helper threads end
+
+
+def test_a_hung_streamed_write_is_not_retried_while_it_may_still_run() -> None:
+    st, fs = _flaky_storage(timeout_s=0.3, retries=2, backoff_s=0.01)
+    fs.release, fs.opens = threading.Event(), 0
+    try:
+        with pytest.raises(CheckpointTimeoutError, match="net-flaky/b"):
+            _within(10, lambda: st.write_file("memory://net-flaky/b", [memoryview(b"xyz")]))
+        assert fs.opens == 1  # a retry would race the abandoned writer, which still reads the caller's buffer
+    finally:
+        fs.release.set()
 
 
 # ---- the fault proxy's silent partition -----------------------------------------------------------
