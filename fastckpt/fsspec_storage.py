@@ -82,9 +82,9 @@ class FsspecStorage:
         if self._protocol in ("s3", "s3a") and total > 2 * _S3_PART:
             with _backend_errors("uploading", path, "wrap", self._deadline):
                 self._s3_multipart(self._p(path), parts)
-        elif getattr(self.fs, "async_impl", False):
-            self._call("uploading", path, "pipe_file", self._p(path), b"".join(parts))  # one PUT of <= 32 MiB
-        else:  # a blocking backend streams the file: one deadline per 32 MiB
+        elif getattr(self.fs, "async_impl", False) and total <= 2 * _S3_PART:
+            self._call("uploading", path, "pipe_file", self._p(path), b"".join(parts))  # one PUT
+        else:  # streamed through the backend's file writer: one deadline per 32 MiB
             scale = max(1, -(-total // (2 * _S3_PART)))
             with _backend_errors("uploading", path, "wrap", self._deadline):
                 # an abandoned attempt may still read ``parts``, which the caller reuses once this fails
