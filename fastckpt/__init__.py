@@ -1,8 +1,10 @@
 """fastckpt: nearly free checkpointing for PyTorch training."""
 from .checkpointer import Checkpointer, WatchHandle
-from .config import CheckpointConfig, PersistOptions, RemoteOptions, RetentionOptions, StagingOptions
+from .config import (CheckpointConfig, NetworkOptions, PersistOptions, RemoteOptions, RetentionOptions,
+                     StagingOptions)
 from .errors import (
     CheckpointNotFoundError,
+    CheckpointTimeoutError,
     ConfigError,
     FastCkptError,
     IntegrityError,
@@ -25,6 +27,7 @@ __all__ = [
     "PersistOptions",
     "RetentionOptions",
     "RemoteOptions",
+    "NetworkOptions",
     "SaveHandle",
     "SaveStats",
     "CheckpointInfo",
@@ -38,6 +41,7 @@ __all__ = [
     "FastCkptError",
     "ConfigError",
     "StorageError",
+    "CheckpointTimeoutError",
     "IntegrityError",
     "CheckpointNotFoundError",
     "StateMismatchError",

@@ -19,7 +19,8 @@ from .catalog import Catalog
 from .codec import dumps_objects
 from .distributed import Coordinator
 from .config import CheckpointConfig
-from .errors import CheckpointNotFoundError, ConfigError, FastCkptError, StateMismatchError, StorageError
+from .errors import (CheckpointNotFoundError, CheckpointTimeoutError, ConfigError, FastCkptError, StateMismatchError,
+                     StorageError)
 from .exithook import register_exit_hook
 from .gc import collect_quietly
 from .lock import RootLock
@@ -81,10 +82,13 @@ class Checkpointer:
         self.config = config
         p = config.persist
         self.storage = storage or open_storage(config.root, config.storage_options, direct_io=p.direct_io,
-                                               fsync=p.fsync, workers=p.workers)
+                                               fsync=p.fsync, workers=p.workers, network=config.network)
+        _check_storage(self.storage, "root")
         rem = config.remote
         if remote_storage is None and rem.url is not None:
-            remote_storage = open_storage(rem.url, rem.storage_options, workers=rem.workers)
+            remote_storage = open_storage(rem.url, rem.storage_options, workers=rem.workers, network=config.network)
+        if remote_storage is not None:
+            _check_storage(remote_storage, "remote.url")
         self.remote_storage: Storage | None = remote_storage  # the remote tier, or None
         self._remote_catalog = Catalog(remote_storage) if remote_storage is not None else None
         self._planner = Planner(p.chunk_bytes)
@@ -260,6 +264,9 @@ class Checkpointer:
             slot = self._arena.acquire(plan, pin, block=self.config.staging.when_busy == "wait")
         if slot is None:
             return self._skipped(handle, t0)
+        if self._errors:  # the slot freed because a save failed (a stalled write hit its deadline): say so now
+            self._arena.release(slot)
+            self._raise_pending()
         if self._uploader is not None:
             handle._upload = Future()
         job = Job(handle, plan, slot, flat.tensors, flat.keys, flat.numpy, flat.tree, objects, dirpath, t0,
@@ -337,7 +344,7 @@ class Checkpointer:
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every pending save is committed (and uploaded, with a remote tier); raises a
-        background error once."""
+        background error once, else ``CheckpointTimeoutError`` naming what is still pending after ``timeout``."""
         if not self._in_owner():
             return  # a fork()ed child: the parent's saves are not this process's to wait for
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -345,12 +352,28 @@ class Checkpointer:
             pending = list(self._pending)
         wait_futures([h._durable for h in pending], timeout)
         uploader, pipeline = self._uploader, self._pipeline
+        barrier: list[Future] = []
         if uploader is not None:
             wait_futures(uploader.pending_futures(), _remaining(deadline))
             if pipeline is not None and self.config.retention.keep_last is not None:
                 # local retention that finished uploads queued on the committer has run once this returns
-                wait_futures([pipeline.run_in_order(lambda: None)], _remaining(deadline))
+                barrier = [pipeline.run_in_order(lambda: None)]
+                wait_futures(barrier, _remaining(deadline))
         self._raise_pending()
+        left = self._unfinished(pending) + (["local retention"] if barrier and not barrier[0].done() else [])
+        if left:
+            raise CheckpointTimeoutError(
+                f"Checkpointer.wait(timeout={timeout}) expired with {', '.join(left)} still pending; they go on in "
+                "the background: call wait() again, or check the storage (a stalled write fails after "
+                "network.timeout_s on an fsspec storage)")
+
+    def _unfinished(self, saves: list[SaveHandle]) -> list[str]:
+        """What ``wait``/``close`` still wait for: saves not committed, uploads not finished."""
+        left = [f"save {h.name!r}" for h in saves if not h._durable.done()]
+        uploader = self._uploader
+        if uploader is not None and any(not f.done() for f in uploader.pending_futures()):
+            left += [f"upload {n!r}" for n in sorted(uploader.pending_names())]
+        return left
 
     # ---- background callbacks (committer thread) -----------------------------------
 
@@ -608,17 +631,28 @@ class Checkpointer:
         wait_futures([h._durable for h in pending], timeout)
         for wh in self._hooks:
             wh.remove()
-        pipeline.close()
+        drained = pipeline.close(_remaining(deadline))
+        stuck = self._unfinished(pending)
         uploader = self._uploader
         if uploader is not None:
             uploader.close(_remaining(deadline))  # flush the uploads (bounded), then stop its threads
-            if self.config.retention.keep_last is not None:
+            if self.config.retention.keep_last is not None and drained:
                 self._apply_retention()  # what was kept only for a pending upload
             self._uploader = None
-        self._arena.close()
-        if self._root_lock is not None:
-            self._root_lock.release()  # after the last commit and retention: the next writer may start
+        if drained:
+            self._arena.close()  # else a stalled writer still reads its slot: the buffers go with the process
+            if self._root_lock is not None:
+                self._root_lock.release()  # after the last commit and retention: the next writer may start
+            self._raise_pending()
+            return
+        # Timed out: the lock stays held (a stalled save may still commit into the root until this process exits).
+        err = CheckpointTimeoutError(
+            f"Checkpointer.close(timeout={timeout}) expired with {', '.join(stuck) or 'queued deletions'} still "
+            "pending: the storage stalled. The previous committed checkpoint is intact; this one may still commit "
+            "or fail in the background (an fsspec storage gives up after network.timeout_s)")
+        log.warning("fastckpt: %s", err)  # a background error, if any, is raised first
         self._raise_pending()
+        raise err
 
     def __enter__(self) -> "Checkpointer":
         return self
@@ -660,6 +694,13 @@ def _named_ptrs(flat: Any, names: Any, what: str) -> set[int]:
         ptrs.update(_address(src) for key, src in zip(flat.keys, flat.lazy_src)
                     if any(fnmatch.fnmatchcase(key, p) for p in patterns))
     return ptrs
+
+
+def _check_storage(storage: Storage, what: str) -> None:
+    """The one cheap probe at construction: a typo'd bucket or an unwritable root fails now, not at resume."""
+    check = getattr(storage, "check", None)
+    if check is not None:
+        check(what)
 
 
 def _remaining(deadline: float | None) -> float | None:

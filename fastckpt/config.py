@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
+import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
@@ -22,6 +24,7 @@ __all__ = [
     "PersistOptions",
     "RetentionOptions",
     "RemoteOptions",
+    "NetworkOptions",
 ]
 
 _MODES = ("lazy", "eager")
@@ -133,6 +136,8 @@ class PersistOptions(_Freezable):
     leaves over), ``low`` (nice 19) or ``normal``. The copy thread always runs at normal priority."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.direct_io, bool):  # YAML 1.1 reads a bare on/off as true/false
+            self.direct_io = "on" if self.direct_io else "off"
         _check_int("persist.", "workers", self.workers, 1)
         _check_int("persist.", "chunk_bytes", self.chunk_bytes, 4096)
         if not isinstance(self.verify_on_load, bool):
@@ -191,11 +196,42 @@ class RemoteOptions(_Freezable):
         _check_int("remote.", "keep_last", self.keep_last, 1, allow_none=True)
 
 
+def _check_seconds(section: str, name: str, value: Any, minimum: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < minimum:
+        raise ConfigError(f"{section}{name} must be a finite number of seconds >= {minimum}, got {value!r}")
+
+
+@dataclass(kw_only=True, slots=True)
+class NetworkOptions:
+    """Deadlines and retries of every request to an fsspec storage (an ``s3://`` root and ``remote.url``).
+
+    A silent network partition must fail a save, never hang training: each request (one PUT, one
+    multipart part, one ranged GET, one listing: at most 32 MiB) gets ``timeout_s``, enforced by
+    fastckpt itself even where botocore or aiohttp would wait forever; a transient failure (timeout,
+    reset, refused) is retried ``retries`` times, waiting ``backoff_s``, then twice that, and so on;
+    then the operation raises a ``StorageError``.
+    """
+
+    timeout_s: float = 60.0
+    """Deadline of one request, in seconds (also botocore's connect/read timeouts unless
+    ``config_kwargs`` sets them)."""
+    retries: int = 2
+    """Extra attempts after a transient failure; 0 fails at the first one."""
+    backoff_s: float = 1.0
+    """Wait before the first retry; doubled before each next one."""
+
+    def __post_init__(self) -> None:
+        _check_seconds("network.", "timeout_s", self.timeout_s, 0.001)
+        _check_int("network.", "retries", self.retries, 0)
+        _check_seconds("network.", "backoff_s", self.backoff_s, 0.0)
+
+
 _SECTIONS: dict[str, type] = {
     "staging": StagingOptions,
     "persist": PersistOptions,
     "retention": RetentionOptions,
     "remote": RemoteOptions,
+    "network": NetworkOptions,
 }
 
 
@@ -211,6 +247,7 @@ class CheckpointConfig(_Freezable):
     persist: PersistOptions = field(default_factory=PersistOptions)
     retention: RetentionOptions = field(default_factory=RetentionOptions)
     remote: RemoteOptions = field(default_factory=RemoteOptions)
+    network: NetworkOptions = field(default_factory=NetworkOptions)
     allowed_classes: list[str] = field(default_factory=list)
     """Extra ``module.QualName`` classes the safe loader may rebuild (non-plain leaves)."""
     orphan_grace_s: float | None = 3600.0
@@ -223,6 +260,7 @@ class CheckpointConfig(_Freezable):
             self.root = str(self.root)
         if not isinstance(self.root, str) or not self.root.strip():
             raise ConfigError(f"root must be a non-empty path or URL, got {self.root!r}")
+        self.root = _expand_user(self.root)
         if not isinstance(self.storage_options, Mapping):
             raise ConfigError(f"storage_options must be a mapping, got {type(self.storage_options).__name__}")
         self.storage_options = dict(self.storage_options)
@@ -310,6 +348,13 @@ def config_mapping(source: "CheckpointConfig | Mapping[str, Any] | str | Path | 
         return dict(loaded)
     raise ConfigError(f"a fastckpt config is a CheckpointConfig, a mapping, a YAML path or None; "
                       f"got {type(source).__name__}")
+
+
+def _expand_user(root: str) -> str:
+    """``~/ckpt`` and ``file://~/ckpt`` name the home directory, as in a shell (a URL is left alone)."""
+    if root.startswith("file://"):
+        return "file://" + os.path.expanduser(root.removeprefix("file://"))
+    return os.path.expanduser(root) if "://" not in root else root
 
 
 def _same_place(a: str, b: str) -> bool:

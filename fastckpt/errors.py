@@ -9,6 +9,7 @@ __all__ = [
     "FastCkptError",
     "ConfigError",
     "StorageError",
+    "CheckpointTimeoutError",
     "IntegrityError",
     "CheckpointNotFoundError",
     "StateMismatchError",
@@ -27,6 +28,11 @@ class ConfigError(FastCkptError, ValueError):
 
 class StorageError(FastCkptError, OSError):
     """Reading or writing the checkpoint storage failed (disk full, permission, network)."""
+
+
+class CheckpointTimeoutError(StorageError, TimeoutError):
+    """A storage request, ``wait(timeout)`` or ``close(timeout)`` ran past its deadline; the message names
+    what was still pending."""
 
 
 class IntegrityError(FastCkptError):

@@ -126,16 +126,20 @@ class Pipeline:
         self._commit_q.put((fn, fut))
         return fut
 
-    def close(self) -> None:
-        """Stop all threads after they drain their queues; idempotent."""
+    def close(self, timeout: float | None = None) -> bool:
+        """Stop all threads after they drain their queues; idempotent. False if ``timeout`` expired
+        first: a stalled write still holds a thread, which is left to finish or fail on its own."""
         if self._closed:
-            return
+            return True
         self._closed = True
+        deadline = None if timeout is None else time.monotonic() + timeout
         self._copy_q.put(None)
-        self._copier.join()
         self._commit_q.put(None)
-        self._committer.join()
-        self._io.shutdown(wait=True)
+        for thread in (self._copier, self._committer):
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        drained = not (self._copier.is_alive() or self._committer.is_alive())
+        self._io.shutdown(wait=drained, cancel_futures=not drained)
+        return drained
 
     # ---- copy thread ---------------------------------------------------------------
 
@@ -248,13 +252,13 @@ class Pipeline:
                 if not f.done():
                     f.exception()
             self._discard(job)
-            self._release(job)
             err = e if isinstance(e, FastCkptError) else StorageError(
                 f"checkpoint {job.handle.name!r} at {job.handle.path} failed: {e}")
             if err is not e:
                 err.__cause__ = e
             job.handle.stats.persist_s = time.perf_counter() - job.t0
             self._on_failure(job, err)
+            self._release(job)  # after the error is recorded: a save() waiting for this slot raises it
             job.handle._durable.set_exception(err)
             return
         self._release(job)

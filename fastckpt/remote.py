@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 from .catalog import Catalog
 from .config import RetentionOptions
-from .errors import FastCkptError, IntegrityError, StorageError
+from .errors import CheckpointTimeoutError, FastCkptError, IntegrityError, StorageError
 from .format import MANIFEST, parse_manifest
 from .handle import CheckpointInfo, SaveHandle
 from .paths import confine
@@ -334,7 +334,9 @@ class RemoteTier:
 
     def _error(self, up: Upload, e: BaseException) -> FastCkptError:
         dst = self.remote.join(self.remote.url, up.name)
-        err = StorageError(
+        # a stalled remote (network.timeout_s, close(timeout)) stays recognisable as a timeout
+        cls = CheckpointTimeoutError if isinstance(e, TimeoutError) else StorageError
+        err = cls(
             f"uploading checkpoint {up.name!r} to the remote tier at {dst} failed: {e}. The local copy at {up.src} "
             f"is committed and loadable; the remote copy was not committed. Check remote.url, "
             f"remote.storage_options and the network, then retry with Checkpointer.upload({up.name!r}); "

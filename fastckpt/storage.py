@@ -1,29 +1,28 @@
 """Storage backends: one small protocol, a local fast path, and fsspec for the rest.
 
-Only this module touches fsspec. Errors are raised as ``StorageError`` naming the
-path, chained to the backend's exception.
+Only this module and ``fsspec_storage.py`` (the fsspec backend, with its deadlines) touch
+fsspec. Errors are raised as ``StorageError`` naming the path, chained to the backend's
+exception.
 """
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
 import mmap
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterator, Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, Sequence, runtime_checkable
 
+from .config import NetworkOptions
+from .deadline import storage_error
 from .errors import StorageError
+from .fsspec_storage import FsspecStorage
 
 __all__ = ["Storage", "LocalStorage", "FsspecStorage", "open_storage"]
 
 log = logging.getLogger("fastckpt")
 
 _DIRECT_ALIGN = 4096
-_READ_PIECE = 16 * 1024 * 1024  # ranged-read size for remote loads
-_S3_PART = 16 * 1024 * 1024  # multipart part size (S3 minimum is 5 MiB)
-_S3_CONCURRENCY = 8  # parts of one file in flight at once
 
 
 @runtime_checkable
@@ -62,12 +61,9 @@ class Storage(Protocol):
     def delete_tree(self, path: str) -> None:
         """Remove a directory and everything under it; missing is fine."""
 
-
-def _wrap(op: str, path: str, e: BaseException) -> StorageError:
-    err = StorageError(f"{op} {path!r} failed: {e}")
-    if isinstance(e, OSError):
-        err.errno = e.errno
-    return err
+    def check(self, what: str) -> None:
+        """Called once when a Checkpointer is built: raise ``StorageError`` saying what to fix if
+        checkpoints cannot be written under ``url`` (``what`` names the config field). Optional."""
 
 
 class LocalStorage:
@@ -90,7 +86,7 @@ class LocalStorage:
                     return
             self._write_buffered(path, parts)
         except OSError as e:
-            raise _wrap("writing", path, e) from e
+            raise storage_error("writing", path, e) from e
 
     def _write_direct(self, path: str, parts: Sequence[memoryview]) -> bool:
         try:
@@ -146,7 +142,7 @@ class LocalStorage:
                 _fsync_dir(os.path.dirname(path))
         except OSError as e:
             _silent_remove(tmp)
-            raise _wrap("committing", path, e) from e
+            raise storage_error("committing", path, e) from e
 
     def read_into(self, path: str, offset: int, out: memoryview) -> None:
         try:
@@ -159,7 +155,7 @@ class LocalStorage:
                         raise EOFError(f"file ended after {offset + got} bytes")
                     got += n
         except (OSError, EOFError) as e:
-            raise _wrap("reading", path, e) from e
+            raise storage_error("reading", path, e) from e
 
     def map_file(self, path: str, size: int, readahead: bool = True) -> tuple[mmap.mmap, memoryview]:
         """Map ``path`` copy-on-write: tensors view the page cache, no read copy (local loads).
@@ -170,7 +166,7 @@ class LocalStorage:
             with open(path, "rb") as f:
                 mm = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except (OSError, ValueError) as e:
-            raise _wrap("mapping", path, e) from e
+            raise storage_error("mapping", path, e) from e
         if readahead and hasattr(mmap, "MADV_WILLNEED"):
             mm.madvise(mmap.MADV_WILLNEED)  # start readahead of the whole file now
         return mm, memoryview(mm)
@@ -182,7 +178,7 @@ class LocalStorage:
         except (FileNotFoundError, NotADirectoryError) as e:
             raise FileNotFoundError(e.errno, e.strerror, path) from e
         except OSError as e:
-            raise _wrap("reading", path, e) from e
+            raise storage_error("reading", path, e) from e
 
     def size(self, path: str) -> int:
         return os.stat(path).st_size
@@ -210,6 +206,19 @@ class LocalStorage:
         import shutil
 
         shutil.rmtree(path, ignore_errors=True)
+
+    def check(self, what: str) -> None:
+        # The root itself may not exist yet (the first save creates it): its nearest existing
+        # ancestor must then be a writable directory. os.access reports EROFS even to root.
+        path = self.url
+        while not os.path.lexists(path) and os.path.dirname(path) != path:
+            path = os.path.dirname(path)
+        if not os.path.isdir(path):
+            where = "is a file" if path == self.url else f"lies under {path!r}, which is a file"
+            raise StorageError(f"{what} {self.url!r} {where}, not a directory: set {what} to a directory path")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise StorageError(f"{what} {self.url!r} is not writable: {path!r} is on a read-only filesystem or "
+                               f"this user may not write there; set {what} to a writable directory")
 
 
 def _aligned(parts: Sequence[memoryview]) -> bool:
@@ -245,179 +254,13 @@ def _silent_remove(path: str) -> None:
         pass
 
 
-class FsspecStorage:
-    """Any fsspec filesystem (s3://, memory://, gs://...). Object stores commit by PUT."""
-
-    def __init__(self, url: str, storage_options: dict[str, Any], workers: int = 4) -> None:
-        try:
-            import fsspec
-        except ImportError as e:  # pragma: no cover - fsspec is a hard dependency
-            raise StorageError("fsspec is required for remote roots: pip install fsspec") from e
-        try:
-            fs, path = fsspec.core.url_to_fs(url, **storage_options)
-        except ImportError as e:
-            raise StorageError(f"no fsspec backend for {url!r}: {e}. For s3:// install fastckpt[s3] (s3fs)") from e
-        except (ValueError, TypeError) as e:
-            raise StorageError(f"cannot open storage {url!r}: {e}") from e
-        self.fs = fs
-        self._protocol = url.split("://", 1)[0]
-        self.url = f"{self._protocol}://{path}" if "://" in url else path
-        self._workers = workers
-
-    def _p(self, path: str) -> str:
-        return path.split("://", 1)[1] if "://" in path else path
-
-    def join(self, *parts: str) -> str:
-        return "/".join(p.strip("/") if i else p.rstrip("/") for i, p in enumerate(parts))
-
-    def write_file(self, path: str, parts: Sequence[memoryview]) -> None:
-        try:
-            total = sum(len(p) for p in parts)
-            if self._protocol in ("s3", "s3a") and total > 2 * _S3_PART:
-                self._s3_multipart(self._p(path), parts)
-                return
-            with self.fs.open(self._p(path), "wb", block_size=64 << 20) as f:
-                for part in parts:
-                    f.write(part)
-        except Exception as e:
-            raise _wrap("uploading", path, e) from e
-
-    def _s3_multipart(self, path: str, parts: Sequence[memoryview]) -> None:
-        """One multipart upload whose parts go up concurrently (s3fs's file writer sends them one by one)."""
-        import asyncio
-
-        from fsspec.asyn import sync
-
-        fs = self.fs
-        bucket, key, _ = fs.split_path(path)
-
-        async def upload() -> None:
-            mpu = await fs._call_s3("create_multipart_upload", Bucket=bucket, Key=key)
-            gate = asyncio.Semaphore(_S3_CONCURRENCY)
-
-            async def one(number: int, piece: memoryview) -> dict[str, Any]:
-                async with gate:  # at most _S3_CONCURRENCY bodies copied out at once
-                    out = await fs._call_s3("upload_part", Bucket=bucket, Key=key, PartNumber=number,
-                                            UploadId=mpu["UploadId"], Body=bytes(piece))  # botocore wants bytes
-                return {"PartNumber": number, "ETag": out["ETag"]}
-
-            try:
-                done = await asyncio.gather(*[one(i + 1, p) for i, p in enumerate(_pieces(parts, _S3_PART))])
-                await fs._call_s3("complete_multipart_upload", Bucket=bucket, Key=key, UploadId=mpu["UploadId"],
-                                  MultipartUpload={"Parts": list(done)})
-            except BaseException:
-                await fs._abort_mpu(bucket, key, mpu["UploadId"])  # no orphaned parts billed forever
-                raise
-
-        sync(fs.loop, upload)
-        fs.invalidate_cache(path)
-
-    def write_atomic(self, path: str, data: bytes) -> None:
-        try:
-            self.fs.pipe_file(self._p(path), data)  # one PUT: the object appears whole or not at all
-        except Exception as e:
-            raise _wrap("committing", path, e) from e
-
-    def read_into(self, path: str, offset: int, out: memoryview) -> None:
-        pieces = [(s, min(s + _READ_PIECE, len(out))) for s in range(0, len(out), _READ_PIECE)]
-
-        def fetch(piece: tuple[int, int]) -> None:
-            start, end = piece
-            data = self.fs.cat_file(self._p(path), start=offset + start, end=offset + end)
-            if len(data) != end - start:
-                raise EOFError(f"short read at {offset + start}: got {len(data)} of {end - start} bytes")
-            out[start:end] = data
-
-        try:
-            if len(pieces) <= 1:
-                for p in pieces:
-                    fetch(p)
-            else:  # concurrent ranged GETs: one connection rarely fills the link
-                with ThreadPoolExecutor(self._workers, thread_name_prefix="fastckpt-read") as pool:
-                    list(pool.map(fetch, pieces))
-        except Exception as e:
-            raise _wrap("reading", path, e) from e
-
-    def read_bytes(self, path: str) -> bytes:
-        with _backend_errors("reading", path, missing="raise"):
-            return self.fs.cat_file(self._p(path))
-
-    def size(self, path: str) -> int:
-        with _backend_errors("stat of", path, missing="raise"):
-            return int(self.fs.size(self._p(path)))
-
-    def modified(self, path: str) -> float:
-        """Last modification (seconds since the epoch) of one object, by the store's clock."""
-        with _backend_errors("stat of", path):
-            return float(self.fs.modified(self._p(path)).timestamp())
-
-    def exists(self, path: str) -> bool:
-        with _backend_errors("checking", path):
-            self.fs.invalidate_cache(self._p(path))  # s3fs caches listings per instance
-            return bool(self.fs.exists(self._p(path)))
-
-    def listdir(self, path: str) -> list[str]:
-        entries: list[str] = []
-        with _backend_errors("listing", path, missing="ignore"):
-            self.fs.invalidate_cache(self._p(path))
-            entries = self.fs.ls(self._p(path), detail=False)
-        return [e.rstrip("/").rsplit("/", 1)[-1] for e in entries]
-
-    def delete(self, path: str) -> None:
-        with _backend_errors("deleting", path, missing="ignore"):
-            self.fs.rm_file(self._p(path))
-
-    def delete_tree(self, path: str) -> None:
-        with _backend_errors("deleting", path, missing="ignore"):
-            self.fs.rm(self._p(path), recursive=True)
-
-
-@contextlib.contextmanager
-def _backend_errors(op: str, path: str, missing: str = "wrap") -> Iterator[None]:
-    """Turn a backend's exceptions into ``StorageError`` naming ``path``.
-
-    ``missing`` decides about FileNotFoundError: ``raise`` it as is (callers test for absence),
-    ``ignore`` it (deleting what is gone is fine), or ``wrap`` it like any other error.
-    """
-    try:
-        yield
-    except FileNotFoundError as e:
-        if missing == "raise":
-            raise
-        if missing != "ignore":
-            raise _wrap(op, path, e) from e
-    except Exception as e:
-        raise _wrap(op, path, e) from e
-
-
-def _pieces(parts: Sequence[memoryview], size: int) -> list[memoryview]:
-    """Cut the concatenation of ``parts`` into ``size``-byte pieces (the last may be shorter)."""
-    out: list[memoryview] = []
-    carry = b""
-    for part in parts:
-        part = memoryview(part).cast("B")
-        if carry:
-            need = size - len(carry)
-            carry += bytes(part[:need])
-            part = part[need:]
-            if len(carry) < size:
-                continue
-            out.append(memoryview(carry))
-            carry = b""
-        whole = len(part) - len(part) % size
-        out.extend(part[i: i + size] for i in range(0, whole, size))
-        carry = bytes(part[whole:])
-    if carry:
-        out.append(memoryview(carry))
-    return out
-
-
 def open_storage(root: str, storage_options: dict[str, Any] | None = None, *, direct_io: str = "auto",
-                 fsync: bool = True, workers: int = 4) -> Storage:
-    """Local paths and ``file://`` get ``LocalStorage``; every other URL goes through fsspec."""
+                 fsync: bool = True, workers: int = 4, network: NetworkOptions | None = None) -> Storage:
+    """Local paths and ``file://`` get ``LocalStorage``; every other URL goes through fsspec
+    (its requests under ``network`` deadlines, the defaults when None)."""
     if "://" not in root or root.startswith("file://"):
         return LocalStorage(root, direct_io=direct_io, fsync=fsync)
-    return FsspecStorage(root, storage_options or {}, workers=workers)
+    return FsspecStorage(root, storage_options or {}, workers=workers, network=network)
 
 
 def aligned_buffer(nbytes: int) -> tuple[mmap.mmap, memoryview]:

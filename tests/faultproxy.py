@@ -3,12 +3,15 @@
     with FaultProxy(("127.0.0.1", s3_port)) as proxy:   # clients connect to proxy.endpoint_url
         proxy.refuse()                    # the server looks unreachable: connections are reset
         proxy.blackhole()                 # connections open, nothing ever answers (timeouts)
+        proxy.stall()                     # a silent partition: open connections stop moving bytes too
         proxy.cut_upload_after(1 << 20)   # the network dies after 1 MiB more of upload
         proxy.cut.wait(timeout=10)        # ... set once that cut happened
         proxy.pass_through()              # healthy again
 
 Every change of mode to `refuse` or `blackhole` also resets the connections already open:
 HTTP clients keep connections alive in a pool, and a fault that spared them would not be one.
+`stall` resets nothing: bytes in flight, a request half sent, simply stop (no RST, no FIN), and
+flow again, intact, after `pass_through`; that is what a partition looks like to a client.
 Threads: one acceptor, and one pump per direction of each connection; all are named, owned by
 the proxy, and stop on `close()` (a wake-up byte for the acceptor, socket shutdown for pumps).
 """
@@ -31,6 +34,7 @@ class Mode(enum.Enum):
     REFUSE = "refuse"        # accept, then reset at once: "connection reset by peer"
     BLACKHOLE = "blackhole"  # accept and hold, never read or answer: the client times out
     CUT_UPLOAD = "cut"       # forward until an upload byte budget is spent, then reset
+    STALL = "stall"          # nothing moves on any connection, nothing is reset: a silent partition
 
 
 class FaultProxy:
@@ -49,6 +53,8 @@ class FaultProxy:
         self._relays: set[_Relay] = set()
         self._held: list[socket.socket] = []
         self._ids = itertools.count(1)
+        self._flowing = threading.Event()  # cleared while stalled: every pump waits on it
+        self._flowing.set()
         self._closed = False
         self._acceptor: threading.Thread | None = None
         self._listener = socket.create_server((HOST, 0), backlog=128)
@@ -86,6 +92,7 @@ class FaultProxy:
             self._acceptor.join()
         with self._lock:  # the acceptor is gone: these sets no longer grow
             relays, held = list(self._relays), self._drop_held()
+        self._flowing.set()  # stalled pumps wake up and see their relay aborted
         for relay in relays:
             relay.abort(hard=True)
         for relay in relays:
@@ -115,6 +122,10 @@ class FaultProxy:
         """Reset open connections; accept new ones but never answer (the client must time out)."""
         self._set_mode(Mode.BLACKHOLE)
 
+    def stall(self) -> None:
+        """Stop every byte on open connections without resetting them; hold new ones unanswered."""
+        self._set_mode(Mode.STALL)
+
     def cut_upload_after(self, nbytes: int, *, then: Mode = Mode.REFUSE) -> None:
         """Forward `nbytes` more upload bytes (all connections together), then reset the
         connection that crosses the budget and switch to `then` (REFUSE: the network stays
@@ -130,8 +141,12 @@ class FaultProxy:
     def _set_mode(self, mode: Mode) -> None:
         with self._lock:
             self._mode = mode
-            held = self._drop_held() if mode is not Mode.BLACKHOLE else []
+            held = self._drop_held() if mode not in (Mode.BLACKHOLE, Mode.STALL) else []
             doomed = list(self._relays) if mode in (Mode.REFUSE, Mode.BLACKHOLE) else []
+        if mode is Mode.STALL:
+            self._flowing.clear()
+        else:
+            self._flowing.set()  # stalled pumps go on (or, aborted just above, stop)
         for sock in held:
             _reset(sock)
         for relay in doomed:
@@ -161,7 +176,7 @@ class FaultProxy:
         with self._lock:
             self.accepted += 1
             mode = self._mode
-            if mode is Mode.BLACKHOLE:
+            if mode in (Mode.BLACKHOLE, Mode.STALL):
                 self._held.append(client)
                 return
         if mode is Mode.REFUSE:
@@ -245,6 +260,9 @@ class _Relay:
         try:
             while not self._aborted:
                 data = src.recv(_BUFSIZE)
+                self._proxy._flowing.wait()  # stalled: hold the bytes (and everything behind them)
+                if self._aborted:
+                    break
                 if not data:
                     if not self._aborted:
                         dst.shutdown(socket.SHUT_WR)  # pass the half-close on

@@ -252,9 +252,10 @@ def test_upload_cut_mid_file_over_s3(tmp_path, s3_fault_proxy) -> None:
 @pytest.mark.s3
 def test_unreachable_remote_is_raised_at_close(tmp_path, s3_fault_proxy) -> None:
     url = s3_fault_proxy.fresh_url("remote-down")
+    cfg = _cfg(tmp_path / "local", {"url": url, "storage_options": s3_fault_proxy.storage_options},
+               network={"timeout_s": 5, "retries": 1, "backoff_s": 0.1})
+    ckpt = Checkpointer(cfg)  # reachable when built (an unreachable remote.url fails here: test_storage_check.py)
     s3_fault_proxy.proxy.refuse()
-    cfg = _cfg(tmp_path / "local", {"url": url, "storage_options": s3_fault_proxy.storage_options})
-    ckpt = Checkpointer(cfg)
     ckpt.save(_state(1.0), step=1).wait()
     with pytest.raises(StorageError) as ei:
         ckpt.close()
