@@ -202,7 +202,7 @@ def _check_seconds(section: str, name: str, value: Any, minimum: float) -> None:
 
 
 @dataclass(kw_only=True, slots=True)
-class NetworkOptions:
+class NetworkOptions(_Freezable):
     """Deadlines and retries of every request to an fsspec storage (an ``s3://`` root and ``remote.url``).
 
     A silent network partition must fail a save, never hang training: each request (one PUT, one
@@ -211,6 +211,8 @@ class NetworkOptions:
     reset, refused) is retried ``retries`` times, waiting ``backoff_s``, then twice that, and so on;
     then the operation raises a ``StorageError``.
     """
+
+    _prefix = "network."
 
     timeout_s: float = 60.0
     """Deadline of one request, in seconds (also botocore's connect/read timeouts unless
