@@ -22,6 +22,7 @@ from .handle import CheckpointInfo, SaveHandle, SaveStats
 from .loader import CheckpointReader
 from .pipeline import Job, Pipeline
 from .plan import Planner, flatten
+from .priority import ThreadPriorities
 from .remote import RemoteTier, Upload, _settle
 from .staging import HostArena, Slot
 from .tiers import ShmTier
@@ -89,11 +90,12 @@ class Checkpointer:
         if self._coord is not None and st.when_busy == "skip":
             # ranks deciding to skip independently would leave the commit protocol waiting on each other
             raise ConfigError("staging.when_busy=skip cannot be used with distributed=True (ranks could disagree); use wait")
+        self._priorities = ThreadPriorities(p.priority)  # built here: the training thread's policy is "normal"
         self._pipeline = Pipeline(self.storage, self._arena, p.workers, self._on_commit, self._on_failure,
-                                  self._coord, priority=p.priority)
+                                  self._coord, priorities=self._priorities)
         if self._remote_catalog is not None and self._leader:  # rank 0 uploads for everyone
             self._uploader = RemoteTier(self.storage, self._remote_catalog.storage, self._remote_catalog,
-                                        workers=rem.workers, keep_last=rem.keep_last, priority=p.priority,
+                                        workers=rem.workers, keep_last=rem.keep_last, priorities=self._priorities,
                                         on_uploaded=self._on_uploaded, on_failed=self._on_upload_failed)
         self._atexit = _exit_flusher(self)
         _register_exit_hook(self._atexit)
@@ -190,7 +192,7 @@ class Checkpointer:
         dirpath = self.storage.join(self.storage.url, name)
         stats = SaveStats(step=step, name=name)
         handle = SaveHandle(name=name, step=step, path=dirpath, stats=stats, _on_error_seen=self._mark_seen)
-        slot = self._arena.acquire(plan, pin, block=self.config.staging.when_busy == "wait")
+        slot = self._acquire_slot(plan, pin, name)
         if slot is None:
             return self._skipped(handle, t0)
         if self._uploader is not None:
@@ -219,6 +221,22 @@ class Checkpointer:
         self._pipeline.submit(job, lazy)  # type: ignore[union-attr]
         stats.blocking_ms = (time.perf_counter() - t0) * 1e3
         return handle
+
+    def _acquire_slot(self, plan: Any, pin: bool, name: str) -> Slot | None:
+        """A staging slot; first raises the persistence threads if they fall behind the checkpoint interval."""
+        with self._lock:
+            late = self._pending[0].name if self._pending else None
+        if late is None:
+            self._priorities.settle()  # caught up: training comes first again
+        else:
+            self._priorities.raise_(f"checkpoint {late!r} is not durable yet when {name!r} is saved", behind=True)
+        slot = self._arena.acquire(plan, pin, block=False)
+        if slot is None:
+            self._priorities.raise_(f"all {self.config.staging.slots} staging slots are busy when {name!r} is saved",
+                                    behind=True)
+            if self.config.staging.when_busy == "wait":
+                slot = self._arena.acquire(plan, pin, block=True)
+        return slot
 
     def _prepare_cuda(self, job: Job) -> None:
         if self._copy_stream is None:
@@ -271,6 +289,8 @@ class Checkpointer:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             pending = list(self._pending)
+        if pending:  # the caller blocks on persistence: nothing to keep the CPU for
+            self._priorities.raise_("wait() blocks on it", behind=False)
         wait_futures([h._durable for h in pending], timeout)
         uploader, pipeline = self._uploader, self._pipeline
         if uploader is not None:
@@ -507,6 +527,8 @@ class Checkpointer:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             pending = list(self._pending)
+        if pending:
+            self._priorities.raise_("close() flushes it", behind=False)
         wait_futures([h._durable for h in pending], timeout)
         for wh in self._hooks:
             wh.remove()
@@ -518,6 +540,7 @@ class Checkpointer:
                 self._apply_retention()  # what was kept only for a pending upload
             self._uploader = None
         self._arena.close()
+        self._priorities.close()
         self._raise_pending()
 
     def __enter__(self) -> "Checkpointer":

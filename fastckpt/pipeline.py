@@ -19,7 +19,6 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
-from functools import partial
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -30,7 +29,7 @@ from .errors import FastCkptError, StorageError
 from .format import MANIFEST, VERSION, FileRecord, build_manifest, parse_manifest, shard_file_name, shard_header
 from .handle import CheckpointInfo, SaveHandle
 from .plan import Plan, Shard
-from .priority import lower_this_thread
+from .priority import ThreadPriorities
 from .staging import HostArena, Slot, copy_entries
 from .distributed import Coordinator
 from .storage import Storage, aligned_buffer
@@ -72,16 +71,16 @@ class Pipeline:
     def __init__(self, storage: Storage, arena: HostArena, workers: int,
                  on_commit: Callable[[Job, CheckpointInfo], None],
                  on_failure: Callable[[Job, FastCkptError], None], coord: Coordinator | None = None,
-                 priority: str = "idle") -> None:
+                 priorities: ThreadPriorities | None = None) -> None:
         self.storage = storage
-        self._priority = priority
+        self._priorities = priorities or ThreadPriorities("idle")
         self._coord = coord
         self._arena = arena
         self._on_commit = on_commit
         self._on_failure = on_failure
         n = next(_ids)  # several Checkpointers may live in one process
         self._io = ThreadPoolExecutor(workers, thread_name_prefix=f"fastckpt-io-{n}",
-                                      initializer=partial(lower_this_thread, priority))
+                                      initializer=self._priorities.enlist)
         self._copy_q: queue.Queue[Job | None] = queue.Queue()
         self._commit_q: queue.Queue[Any] = queue.Queue()
         self._copier = threading.Thread(target=self._copy_loop, name=f"fastckpt-copy-{n}", daemon=True)
@@ -187,7 +186,7 @@ class Pipeline:
     # ---- committer -----------------------------------------------------------------
 
     def _commit_loop(self) -> None:
-        lower_this_thread(self._priority)
+        self._priorities.enlist()
         while True:
             item = self._commit_q.get()
             if item is None:
