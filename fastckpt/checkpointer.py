@@ -192,7 +192,8 @@ class Checkpointer:
         dirpath = self.storage.join(self.storage.url, name)
         stats = SaveStats(step=step, name=name)
         handle = SaveHandle(name=name, step=step, path=dirpath, stats=stats, _on_error_seen=self._mark_seen)
-        slot = self._acquire_slot(plan, pin, name)
+        self._keep_pace(name)
+        slot = self._arena.acquire(plan, pin, block=self.config.staging.when_busy == "wait")
         if slot is None:
             return self._skipped(handle, t0)
         if self._uploader is not None:
@@ -222,21 +223,17 @@ class Checkpointer:
         stats.blocking_ms = (time.perf_counter() - t0) * 1e3
         return handle
 
-    def _acquire_slot(self, plan: Any, pin: bool, name: str) -> Slot | None:
-        """A staging slot; first raises the persistence threads if they fall behind the checkpoint interval."""
+    def _keep_pace(self, name: str) -> None:
+        """Raise the persistence threads when the previous checkpoint's persistence outlived the checkpoint
+        interval (it is still pending now); lower them once nothing is. A busy slot always has a pending
+        save (the committer frees the slot before it drops the save), so a save about to wait for a slot
+        always raises them first."""
         with self._lock:
             late = self._pending[0].name if self._pending else None
         if late is None:
             self._priorities.settle()  # caught up: training comes first again
         else:
-            self._priorities.raise_(f"checkpoint {late!r} is not durable yet when {name!r} is saved", behind=True)
-        slot = self._arena.acquire(plan, pin, block=False)
-        if slot is None:
-            self._priorities.raise_(f"all {self.config.staging.slots} staging slots are busy when {name!r} is saved",
-                                    behind=True)
-            if self.config.staging.when_busy == "wait":
-                slot = self._arena.acquire(plan, pin, block=True)
-        return slot
+            self._priorities.raise_(f"checkpoint {late!r} was not durable yet when {name!r} was saved", behind=True)
 
     def _prepare_cuda(self, job: Job) -> None:
         if self._copy_stream is None:
