@@ -86,7 +86,8 @@ class PersistOptions:
     """fsync data files and the directory before the manifest commits."""
     priority: str = "idle"
     """CPU priority of the I/O, commit and upload threads: ``idle`` (SCHED_IDLE: only CPU time training
-    leaves over), ``low`` (nice 19) or ``normal``. The copy thread always runs at normal priority."""
+    leaves over), ``low`` (nice 19) or ``normal``. The copy thread always runs at normal priority. While
+    persistence falls behind they run at the training thread's priority (fastckpt/priority.py)."""
 
     def __post_init__(self) -> None:
         _check_int("persist.", "workers", self.workers, 1)
