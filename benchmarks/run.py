@@ -21,7 +21,7 @@ from . import frameworks, peers
 from . import workload as wl
 
 REPO = Path(__file__).resolve().parent.parent
-SECTIONS = ("io", "core", "rss", "lightning", "accelerate")
+SECTIONS = ("io", "core", "rss", "lightning", "accelerate", "busy")
 
 
 @dataclass
@@ -47,6 +47,13 @@ class Plan:
     core_budget_s: float | None = None
     max_n_ckpt: int = 16
     step_s: float | None = None  # the calibrated step time, once known
+    # The busy-host scenario (every peer's plain loop beside CPU-bound neighbour processes): its own model,
+    # a checkpoint every ``busy_every`` steps, ``busy_n_ckpt`` windows, then ``busy_durable_reps`` save + flush.
+    busy_shape: wl.Shape = wl.BUSY
+    busy_every: int = 10
+    busy_n_ckpt: int = 4
+    busy_durable_reps: int = 3
+    busy_neighbours: int | None = None  # None: one more than the host's cores
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -71,7 +78,8 @@ class Plan:
 FULL_PLAN = Plan(shape=wl.FULL, warmup=2, every=12, n_ckpt=6, fw_every=6, fw_n_ckpt=5, base_steps=4, io_reps=3,
                  cold_load=True, rss_saves=20, rss_every=4, task_timeout=600, window_s=8.0, core_budget_s=150.0)
 QUICK_PLAN = Plan(shape=wl.QUICK, warmup=1, every=2, n_ckpt=2, fw_every=2, fw_n_ckpt=2, base_steps=4, io_reps=1,
-                  cold_load=True, rss_saves=3, rss_every=2, task_timeout=120)
+                  cold_load=True, rss_saves=3, rss_every=2, task_timeout=120, busy_shape=wl.QUICK, busy_every=2,
+                  busy_n_ckpt=1, busy_durable_reps=1)
 
 
 def log(msg: str) -> None:
@@ -172,6 +180,8 @@ def run_all(plan: Plan, workdir: Path, isolate: bool, sections: tuple[str, ...],
         results["rss"] = run(f"rss: fastckpt x{plan.rss_saves} saves", "rss",
                              dict(shape=shape, root=ck, warmup=plan.warmup, every=plan.rss_every,
                                   n_saves=plan.rss_saves, base_steps=max(2, plan.base_steps // 3)))
+    if "busy" in sections:
+        results["busy"] = run_busy(run, plan, ck, peer_names)
     fw = dict(shape=shape, root=ck, warmup=plan.warmup, every=plan.fw_every, n_ckpt=plan.fw_n_ckpt)
     for section, configs in (("lightning", frameworks.LIGHTNING_CONFIGS),
                              ("accelerate", frameworks.ACCELERATE_CONFIGS)):
@@ -186,6 +196,27 @@ def run_all(plan: Plan, workdir: Path, isolate: bool, sections: tuple[str, ...],
                 res[cfg] = r
         results[section] = res
     return results
+
+
+def run_busy(run: Runner, plan: Plan, ck: str, peer_names: list[str]) -> dict[str, Any]:
+    """The busy-host scenario for every peer (optional peers that are not installed: skipped, named)."""
+    from .busy import default_neighbours
+
+    n = plan.busy_neighbours or default_neighbours()
+    log(f"busy host: {n} CPU-bound neighbour processes beside every peer's loop")
+    out: dict[str, Any] = {"neighbours": n, "peers": {}}
+    for name in peer_names:
+        why = peers.PEERS[name].missing()
+        if why:
+            log(f"busy host: {name}: skipped, {why}")
+            out["peers"][name] = {"ok": False, "skipped": why, "error": f"skipped: {why}"}
+            continue
+        out["peers"][name] = run(f"busy host: {name}", "busy",
+                                 dict(peer=name, shape=plan.busy_shape.to_dict(), root=ck, warmup=plan.warmup,
+                                      every=plan.busy_every, n_ckpt=plan.busy_n_ckpt, base_steps=plan.base_steps,
+                                      durable_reps=plan.busy_durable_reps, n_neighbours=n,
+                                      limit_s=float(plan.task_timeout)))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
