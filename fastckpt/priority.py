@@ -93,7 +93,7 @@ class ThreadPriorities:
         self._version = 0  # bumped by every raise/settle, so a stale enlist reapplies
         self._warned = False
         self._refused = False  # the kernel said no once: it will again, so stop asking
-        self.raises = 0  # how many times persistence was raised (tests and stats read it)
+        self.raises = 0  # how many times the threads were raised
         try:
             self._normal: Policy | None = read(threading.get_native_id())
         except (AttributeError, OSError) as e:  # no per-thread priorities here
@@ -146,9 +146,10 @@ class ThreadPriorities:
                         "SYS_NICE) or RLIMIT_NICE >= 20 (ulimit -e 20); on a host whose CPUs stay busy, set "
                         "persist.priority: normal. Warned once.", self._name(), reason, refused)
         elif warn:
-            log.warning("fastckpt: checkpoint persistence is falling behind (%s): the host's CPUs are busy "
-                        "(DataLoader workers?) and persist.priority=%s threads get almost no CPU. They now run at "
-                        "the training thread's priority until they catch up. Warned once.", reason, self._name())
+            log.warning("fastckpt: checkpoint persistence is falling behind (%s). On a host whose CPUs are busy "
+                        "(DataLoader workers) persist.priority=%s threads get almost no CPU, so they now run at the "
+                        "training thread's priority until they catch up. If storage is the bottleneck instead, "
+                        "checkpoint less often. Warned once.", reason, self._name())
 
     def settle(self) -> None:
         """Called by the ``Checkpointer`` when nothing is pending: lower the threads again."""
