@@ -652,9 +652,10 @@ def _ratio(x: float | None, ref: float | None) -> str:
 def busy_markdown(busy: dict[str, Any], rows: list[dict[str, Any]], plan: dict[str, Any]) -> list[str]:
     """The busy-host section. ``busy["meta"]``, when present, labels a section measured by its own run."""
     meta = busy.get("meta")
+    plan = busy.get("plan") or plan
     ok = [r for r in rows if r["ok"]]
     fast = _row(ok, "fastckpt")
-    shape = plan.get("busy_shape") or plan.get("shape") or {}
+    shape = plan.get("busy_shape") or {}
     md = ["## Busy host: CPU-bound neighbours (DataLoader workers)", ""]
     if meta:
         md += [f"> Measured by its own run: `{meta.get('command')}` on {meta.get('started')} "

@@ -204,7 +204,9 @@ def run_busy(run: Runner, plan: Plan, ck: str, peer_names: list[str]) -> dict[st
 
     n = plan.busy_neighbours or default_neighbours()
     log(f"busy host: {n} CPU-bound neighbour processes beside every peer's loop")
-    out: dict[str, Any] = {"neighbours": n, "peers": {}}
+    out: dict[str, Any] = {"neighbours": n, "peers": {}, "plan": {  # self-contained: a section may be merged
+        "busy_shape": plan.busy_shape.to_dict(), "busy_every": plan.busy_every, "busy_n_ckpt": plan.busy_n_ckpt,
+        "busy_durable_reps": plan.busy_durable_reps}}
     for name in peer_names:
         why = peers.PEERS[name].missing()
         if why:
