@@ -400,7 +400,8 @@ def markdown(results: dict[str, Any], s: dict[str, Any], chart_rel: str) -> str:
         "`tests/test_benchmarks_smoke.py`). A peer whose package is missing is skipped and named below the plain-loop "
         "table. `--only io,core,rss,lightning,accelerate,busy` and `--peers ...` select "
         "parts; `--workdir DIR` puts the checkpoints on another disk (default `bench_out/`, refused on tmpfs); "
-        "`--from-json benchmarks/results.json` re-renders this report without measuring. Stall verdicts are "
+        "`--from-json benchmarks/results.json` re-renders this report without measuring, and `--only busy "
+        "--merge-into benchmarks/results.json` adds a busy-host section measured by its own run. Stall verdicts are "
         "three-way: met only if fastckpt's stall plus its noise beats the target against the reference minus "
         "its noise, NOT met only if it misses even the other way round, inconclusive otherwise. "
         f"Raw numbers: `{os.path.relpath(Path(chart_rel).with_suffix('.json'))}`, per-task logs: `bench_out/logs/`.",
@@ -658,7 +659,8 @@ def busy_markdown(busy: dict[str, Any], rows: list[dict[str, Any]], plan: dict[s
     shape = plan.get("busy_shape") or {}
     md = ["## Busy host: CPU-bound neighbours (DataLoader workers)", ""]
     if meta:
-        md += [f"> Measured by its own run: `{meta.get('command')}` on {meta.get('started')} "
+        md += [f"> Measured by its own {'QUICK smoke ' if meta.get('quick') else ''}run: `{meta.get('command')}` "
+               f"on {meta.get('started')} "
                f"({meta.get('cpu')}, {meta.get('logical_cpus')} logical cores, load average "
                f"{meta.get('loadavg_start', [0])[0]:.1f} at the start; a shared VM other jobs were using), not by "
                "the run above. Compare ratios, not absolute times.", ""]

@@ -235,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="one subprocess per task (default: on, off with --quick)")
     ap.add_argument("--from-json", default=None,
                     help="re-render the report and chart from a saved results.json, measuring nothing")
+    ap.add_argument("--merge-into", default=None, metavar="RESULTS_JSON",
+                    help="with --only busy: add this run's busy-host section (labelled with its own command, "
+                         "machine and date) to a saved results.json, then re-render that run's report")
     args = ap.parse_args(argv)
 
     from . import report
@@ -263,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     isolate = (not args.quick) if args.isolate is None else args.isolate
     sections = tuple(s for s in args.only.split(",") if s)
     bad = [s for s in sections if s not in SECTIONS]
+    if args.merge_into and sections != ("busy",):
+        ap.error("--merge-into merges only the busy-host section: use it with --only busy")
     peer_names = [p for p in args.peers.split(",") if p]
     bad += [p for p in peer_names if p not in peers.PEERS]
     if bad:
@@ -281,6 +286,10 @@ def main(argv: list[str] | None = None) -> int:
     meta["wall_s"] = time.perf_counter() - t0
     meta["loadavg_end"] = os.getloadavg()
     results["meta"] = meta
+    if args.merge_into:  # the other run's report, plus this section (it names its own run)
+        results["busy"]["meta"] = meta
+        json_path = Path(args.merge_into)
+        results = {**json.loads(json_path.read_text()), "busy": results["busy"]}
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(results, indent=1))
     summary = report.summarize(results)
