@@ -81,6 +81,9 @@ class Pipeline:
         n = next(_ids)  # several Checkpointers may live in one process
         self._io = ThreadPoolExecutor(workers, thread_name_prefix=f"fastckpt-io-{n}",
                                       initializer=self._priorities.enlist)
+        # Never lowered (its threads start from the copy or training thread): takes the writes while the
+        # lowered ones are behind and the kernel refused to raise them (ThreadPriorities.boost).
+        self._boost = ThreadPoolExecutor(workers, thread_name_prefix=f"fastckpt-boost-{n}")
         self._copy_q: queue.Queue[Job | None] = queue.Queue()
         self._commit_q: queue.Queue[Any] = queue.Queue()
         self._copier = threading.Thread(target=self._copy_loop, name=f"fastckpt-copy-{n}", daemon=True)
@@ -108,7 +111,7 @@ class Pipeline:
         """Persist a snapshot adopted from shared memory: its bytes are already staged."""
         job.handle._staged.set()
         for shard in job.plan.mine(job.plan.shards):
-            job.writes.append(self._io.submit(self._write_shard, job, shard))
+            job.writes.append(self._writers().submit(self._write_shard, job, shard))
         self._commit_q.put(job)
 
     def run_in_order(self, fn: Callable[[], Any]) -> Future:
@@ -127,6 +130,7 @@ class Pipeline:
         self._commit_q.put(None)
         self._committer.join()
         self._io.shutdown(wait=True)
+        self._boost.shutdown(wait=True)
 
     # ---- copy thread ---------------------------------------------------------------
 
@@ -157,7 +161,10 @@ class Pipeline:
             ev = torch.cuda.Event()
             ev.record(job.copy_stream)
             job.shard_events[shard.index] = ev
-        job.writes.append(self._io.submit(self._write_shard, job, shard))
+        job.writes.append(self._writers().submit(self._write_shard, job, shard))
+
+    def _writers(self) -> ThreadPoolExecutor:
+        return self._boost if self._priorities.boost else self._io
 
     # ---- I/O workers -----------------------------------------------------------------
 

@@ -18,9 +18,10 @@ checkpoint not yet durable: its persistence outlived the checkpoint interval), a
 them again once a save finds nothing pending. The first time it warns once.
 
 Leaving ``SCHED_IDLE`` or lowering nice needs ``CAP_SYS_NICE`` or a large enough
-``RLIMIT_NICE``; where the kernel refuses, the threads stay lowered and one warning
-names the fix. The copy thread is never lowered: the next ``optimizer.step()`` waits
-for it. Where the OS has no per-thread priorities, nothing changes: priority is an
+``RLIMIT_NICE`` (most containers have neither). Where the kernel refuses, the lowered
+threads stay lowered, so ``boost`` tells the pipeline to hand new writes to threads that
+were never lowered until persistence catches up, and one warning names the fix. The copy
+thread is never lowered: the next ``optimizer.step()`` waits for it. Where the OS has no per-thread priorities, nothing changes: priority is an
 optimisation, never a reason to fail a checkpoint.
 """
 from __future__ import annotations
@@ -93,6 +94,7 @@ class ThreadPriorities:
         self._version = 0  # bumped by every raise/settle, so a stale enlist reapplies
         self._warned = False
         self._refused = False  # the kernel said no once: it will again, so stop asking
+        self._boost = False  # raised, but refused: new work goes to threads that were never lowered
         self.raises = 0  # how many times the threads were raised
         try:
             self._normal: Policy | None = read(threading.get_native_id())
@@ -105,6 +107,12 @@ class ThreadPriorities:
     def raised(self) -> bool:
         """Whether the background threads currently run at the training thread's priority."""
         return self._raised
+
+    @property
+    def boost(self) -> bool:
+        """Read by the pipeline for each write: persistence is behind and its threads could not be raised, so
+        the write goes to a thread that was never lowered."""
+        return self._boost
 
     def enlist(self) -> None:
         """Called by a background thread on itself when it starts: apply the current level and
@@ -130,10 +138,13 @@ class ThreadPriorities:
         """Called by the ``Checkpointer`` when persistence is behind (``behind``) or when the caller blocks
         on it anyway (``wait``/``close``): run every enlisted thread at the training thread's priority."""
         with self._lock:
-            if self._low is None or self._raised or self._refused:
+            if self._low is None or self._raised or self._boost:
+                return
+            if self._refused:
+                self._boost = True
                 return
             refused = self._apply_all(self._normal)  # type: ignore[arg-type]
-            self._refused = refused is not None
+            self._refused = self._boost = refused is not None
             if not self._refused:
                 self._raised = True
                 self._version += 1
@@ -142,9 +153,11 @@ class ThreadPriorities:
             self._warned |= warn
         if refused is not None:
             log.warning("fastckpt: could not raise the checkpoint I/O threads back from persist.priority=%s while "
-                        "%s: %s. Leaving SCHED_IDLE or lowering nice needs CAP_SYS_NICE (docker run --cap-add "
-                        "SYS_NICE) or RLIMIT_NICE >= 20 (ulimit -e 20); on a host whose CPUs stay busy, set "
-                        "persist.priority: normal. Warned once.", self._name(), reason, refused)
+                        "%s: %s. New writes go to threads at the training thread's priority until persistence "
+                        "catches up, but work already started stays lowered. Leaving SCHED_IDLE or lowering nice "
+                        "needs CAP_SYS_NICE (docker run --cap-add SYS_NICE) or RLIMIT_NICE >= 20 (ulimit -e 20); "
+                        "on a host whose CPUs stay busy, set persist.priority: normal. Warned once.",
+                        self._name(), reason, refused)
         elif warn:
             log.warning("fastckpt: checkpoint persistence is falling behind (%s). On a host whose CPUs are busy "
                         "(DataLoader workers) persist.priority=%s threads get almost no CPU, so they now run at the "
@@ -154,6 +167,7 @@ class ThreadPriorities:
     def settle(self) -> None:
         """Called by the ``Checkpointer`` when nothing is pending: lower the threads again."""
         with self._lock:
+            self._boost = False
             if not self._raised:
                 return
             self._raised = False

@@ -137,17 +137,22 @@ def test_wait_and_close_raise_without_the_behind_warning(parked, caplog) -> None
     assert not [r for r in caplog.records if "falling behind" in r.getMessage()]
 
 
-def test_a_refused_raise_warns_once_with_the_fix_and_stops_asking(parked, caplog) -> None:
+def test_a_refused_raise_boosts_warns_once_with_the_fix_and_stops_asking(parked, caplog) -> None:
+    """Without CAP_SYS_NICE the lowered threads stay lowered; ``boost`` sends new work elsewhere instead."""
     kernel = FakeKernel()
     kernel.refuse = True
     tp = _fake(kernel)
     a = _start(parked, tp.enlist)
     low = kernel.policy[a]
     with caplog.at_level(logging.WARNING, logger="fastckpt"):
+        assert not tp.boost
         tp.raise_("checkpoint 'a' was not durable yet", behind=True)
+        assert tp.boost and not tp.raised
         calls = kernel.calls
-        tp.raise_("again", behind=True)
         tp.settle()
+        assert not tp.boost
+        tp.raise_("again", behind=True)
+        assert tp.boost
     assert kernel.calls == calls and kernel.policy[a] == low and not tp.raised
     msgs = [r.getMessage() for r in caplog.records]
     assert len(msgs) == 1, msgs
@@ -284,7 +289,7 @@ def test_saves_complete_on_a_busy_host(tmp_path, busy_host, caplog) -> None:
 
 
 _REFUSED = textwrap.dedent("""
-    import logging, sys, torch
+    import logging, os, sys, threading, torch
     from fastckpt import Checkpointer, CheckpointConfig
     from fastckpt.storage import open_storage
     from tests.helpers import GatedStorage
@@ -295,7 +300,9 @@ _REFUSED = textwrap.dedent("""
     with Checkpointer(cfg, storage=storage) as ck:
         hs = [ck.save(states[0], step=1)]
         assert storage.entered.wait(60)  # step 1 is pending: step 2 tries to raise the threads
-        hs.append(ck.save(states[1], step=2))
+        hs.append(ck.save(states[1], step=2))  # refused: its write goes to a thread that was never lowered
+        boost = [t for t in threading.enumerate() if t.name.startswith("fastckpt-boost")]
+        print("boost", [os.sched_getscheduler(t.native_id) for t in boost])
         storage.gate.set()
         ck.wait()
         for i, s in enumerate(states, 1):
@@ -305,8 +312,9 @@ _REFUSED = textwrap.dedent("""
 
 
 @linux_only
-def test_without_cap_sys_nice_the_refusal_warns_once_and_saves_still_commit(tmp_path) -> None:
-    """A container without CAP_SYS_NICE cannot leave SCHED_IDLE: one warning names the fix, nothing fails."""
+def test_without_cap_sys_nice_writes_move_to_unlowered_threads_and_warn_once(tmp_path) -> None:
+    """A container without CAP_SYS_NICE cannot leave SCHED_IDLE: the next write goes to a thread that was never
+    lowered, one warning names the fix, and nothing fails."""
     if os.geteuid() != 0 or shutil.which("setpriv") is None:
         pytest.skip("needs root and setpriv (util-linux) to drop CAP_SYS_NICE in a child")
     cmd = ["setpriv", "--inh-caps=-sys_nice", "--bounding-set=-sys_nice", sys.executable, "-c", _REFUSED,
@@ -314,5 +322,6 @@ def test_without_cap_sys_nice_the_refusal_warns_once_and_saves_still_commit(tmp_
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0 and "saved 2" in r.stdout, r.stderr[-2000:]
+    assert f"boost [{os.SCHED_OTHER}]" in r.stdout, r.stdout  # step 2 was written at the training thread's policy
     refusals = [line for line in r.stderr.splitlines() if "could not raise" in line]
     assert len(refusals) == 1 and "CAP_SYS_NICE" in refusals[0] and "priority=idle" in refusals[0], r.stderr[-2000:]
