@@ -661,9 +661,10 @@ def busy_markdown(busy: dict[str, Any], rows: list[dict[str, Any]], plan: dict[s
     if meta:
         md += [f"> Measured by its own {'QUICK smoke ' if meta.get('quick') else ''}run: `{meta.get('command')}` "
                f"on {meta.get('started')} "
-               f"({meta.get('cpu')}, {meta.get('logical_cpus')} logical cores, load average "
-               f"{meta.get('loadavg_start', [0])[0]:.1f} at the start; a shared VM other jobs were using), not by "
-               "the run above. Compare ratios, not absolute times.", ""]
+               f"({meta.get('cpu')}, {meta.get('logical_cpus')} logical cores, fastckpt git "
+               f"{meta.get('git', {}).get('commit', '?')}; load average {meta.get('loadavg_start', [0])[0]:.1f} at "
+               f"the start and {meta.get('loadavg_end', [0])[0]:.1f} at the end: a shared VM other jobs were "
+               "using), not by the run above. Compare ratios, not absolute times.", ""]
     md += [
         f"The plain loop (model `{shape.get('layers')} x d{shape.get('d_model')}`, vocab {shape.get('vocab')}: "
         f"{ok[0]['state_bytes'] / 1e6 if ok else 0:.1f} MB of state) with **{busy.get('neighbours')} CPU-bound neighbour "
@@ -683,13 +684,18 @@ def busy_markdown(busy: dict[str, Any], rows: list[dict[str, Any]], plan: dict[s
             continue
         dur = statistics.median(r["durable_s"]) if r["durable_s"] else None
         fdur = statistics.median(fast["durable_s"]) if fast and fast["durable_s"] else None
-        body.append([r["label"], f"{_ms(r['block_s'])} / {_ms(r['block_max_s'])}", _pm(r),
+        fblock = fast["block_s"] if fast else None
+        body.append([r["label"], f"{_ms(r['block_s'])} / {_ms(r['block_max_s'])} ({_ratio(r['block_s'], fblock)})",
+                     _pm(r),
                      f"{_s(r['flush_s'])} / {_s(r['flush_max_s'])}", f"{_s(dur)} ({_ratio(dur, fdur)})",
                      f"{_s(statistics.median(r['persist_s']))} / {_s(max(r['persist_s']))}" if r["persist_s"] else "-",
                      _restore_cell(r)])
-    md += [_table(["peer", "save() blocks median / max", "per-ckpt stall ± noise",
+    md += [_table(["peer", "save() blocks median / max (median / fastckpt's)", "per-ckpt stall ± noise",
                    "flush at window end median / max", "save + flush = durable, median (/ fastckpt's)",
-                   "save -> committed in the loop, median / max (fastckpt's SaveStats)", "restore"], body), ""]
+                   "save -> committed in the loop, median / max (fastckpt's SaveStats)", "restore"], body), "",
+           "fastckpt's commit time in the loop spans the K training steps, during which its idle threads yield the "
+           "CPU to training; the flush at the window's end (`ckpt.wait()`) raises them and finishes the checkpoint. "
+           "A loop that never waits gets them raised by its next `save()` instead.", ""]
     skipped = [f"{r['label']} ({r['skipped']})" for r in rows if r.get("skipped")]
     if skipped:
         md += ["**Peers not measured in this scenario**: " + "; ".join(skipped) + ".", ""]
