@@ -65,7 +65,7 @@ class FakeKernel:
 
 @pytest.fixture
 def parked() -> Iterator[tuple[threading.Event, list]]:
-    """A thread to enlist: ``run(fn)`` runs ``fn`` on it and returns its native id; it lives until the test ends."""
+    """Threads started by ``_start`` stay alive (parked on the event) until the test ends."""
     stop = threading.Event()
     threads: list[threading.Thread] = []
     yield stop, threads
@@ -74,7 +74,8 @@ def parked() -> Iterator[tuple[threading.Event, list]]:
         t.join()
 
 
-def _start(parked, fn) -> int:
+def _start(parked: tuple[threading.Event, list], fn) -> int:
+    """Run ``fn`` (an ``enlist``) on a new parked thread; its native id."""
     stop, threads = parked
     tid: list[int] = []
     ready = threading.Event()
@@ -85,7 +86,7 @@ def _start(parked, fn) -> int:
         ready.set()
         stop.wait()
 
-    t = threading.Thread(target=body, name="fastckpt-test-enlisted")
+    t = threading.Thread(target=body, name="test-enlisted")
     threads.append(t)
     t.start()
     ready.wait()
@@ -96,6 +97,7 @@ def _fake(kernel: FakeKernel) -> ThreadPriorities:
     return ThreadPriorities("idle", apply=kernel.apply, read=lambda tid: NORMAL)
 
 
+@linux_only
 def test_raise_and_settle_reach_every_enlisted_thread_and_warn_once(parked, caplog) -> None:
     kernel = FakeKernel()
     tp = _fake(kernel)
