@@ -15,14 +15,16 @@ gets almost nothing: a 6 MB checkpoint took seconds, and ``save`` then blocked o
 slots. So ``ThreadPriorities`` raises every enlisted thread to the training thread's own
 policy while persistence is behind (a save waits for a slot, or finds the previous
 checkpoint not yet durable: its persistence outlived the checkpoint interval), and lowers
-them again once a save finds nothing pending. The first time it warns once.
+them again once a save finds nothing pending; it warns the first time.
 
 Leaving ``SCHED_IDLE`` or lowering nice needs ``CAP_SYS_NICE`` or a large enough
 ``RLIMIT_NICE`` (most containers have neither). Where the kernel refuses, the lowered
 threads stay lowered, so ``boost`` tells the pipeline to hand new writes to threads that
-were never lowered until persistence catches up, and one warning names the fix. The copy
-thread is never lowered: the next ``optimizer.step()`` waits for it. Where the OS has no per-thread priorities, nothing changes: priority is an
-optimisation, never a reason to fail a checkpoint.
+were never lowered until persistence catches up, and one warning names the fix.
+
+The copy thread is never lowered: the next ``optimizer.step()`` waits for it. Where the OS
+has no per-thread priorities, nothing changes: priority is an optimisation, never a reason
+to fail a checkpoint.
 """
 from __future__ import annotations
 
