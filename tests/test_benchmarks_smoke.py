@@ -65,6 +65,7 @@ def test_quick_benchmark_run_writes_report(tmp_path: Path) -> None:
                 else:
                     assert run["ok"], (section, cfg, run.get("error"))
     # targets are evaluated (met or not) for every measure
-    assert md.count("**met**") + md.count("**NOT met**") + md.count("| n/a |") >= 7
+    # (a noisy stall verdict is "n/a / inconclusive": evaluated too)
+    assert md.count("**met**") + md.count("**NOT met**") + md.count("| n/a |") + md.count("| n/a / inconclusive |") >= 7
     # checkpoints are cleaned up
     assert not (tmp_path / "work" / "ckpt").exists()
