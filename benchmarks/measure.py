@@ -305,7 +305,7 @@ def task_calibrate(shape: dict, warmup: int, steps: int) -> dict[str, Any]:
 
 
 def task_core(peer: str, shape: dict, root: str, warmup: int, every: int, n_ckpt: int,
-              base_steps: int) -> dict[str, Any]:
+              base_steps: int, durable_reps: int = 0) -> dict[str, Any]:
     """(a), (b) and peak RSS for one peer, in one process.
 
     Order: warm-up steps -> ``base_steps`` steps without checkpoints (their peak RSS is the no-checkpoint
@@ -314,6 +314,9 @@ def task_core(peer: str, shape: dict, root: str, warmup: int, every: int, n_ckpt
     checkpointed windows). A checkpointed window is one period of "a checkpoint every K steps" in steady
     state: ``save()`` at its start, K training steps, then the peer's flush (what the next save would wait
     for), all timed. The stall per checkpoint compares it with its two neighbouring clean windows.
+
+    ``durable_reps`` > 0 (the busy-host scenario) then times that many ``save()`` + ``flush()`` pairs back to
+    back, after the windows: the time to a durable commit when the caller waits for it.
     """
     root_p = Path(root)
     rmtree(root_p)
@@ -364,10 +367,19 @@ def task_core(peer: str, shape: dict, root: str, warmup: int, every: int, n_ckpt
         p.flush()
         flushes.append(now() - tf)
         ckpt_windows.append(now() - tw)
+    written = tree_bytes(root_p)  # every checkpoint is complete: each window ends with the peer's flush
+    durable: list[float] = []
+    for _ in range(durable_reps):
+        st = tr.state(step)
+        t0 = now()
+        p.save(st, step)
+        p.flush()
+        durable.append(now() - t0)
+        del st
+        step += 1
     peak = sampler.stop()
     hwm = vm_hwm() if hwm_reset else None
     figures = p.figures()
-    written = tree_bytes(root_p)  # every checkpoint is complete: each window ends with the peer's flush
     restore = roundtrip(p, tr, step)
     p.close()
     rmtree(root_p)
@@ -400,6 +412,7 @@ def task_core(peer: str, shape: dict, root: str, warmup: int, every: int, n_ckpt
         "peak_rss_hwm": hwm,
         "peer_figures": figures,
         "restore": restore,
+        "durable_s": durable,
     }
     out.update(paired_stall(ckpt_windows, clean_windows))
     return out

@@ -117,6 +117,24 @@ def _fw_rows(section: dict[str, Any], configs: list[str], labels: dict[str, str]
     return rows
 
 
+def _busy_rows(busy: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    for name, res in busy.get("peers", {}).items():
+        label = peers.LABELS[name]
+        if not res.get("ok"):
+            rows.append({"key": name, "label": label, "ok": False, "error": _err(res), "skipped": res.get("skipped")})
+            continue
+        r = res["result"]
+        figs = r.get("peer_figures") or {}
+        rows.append({"key": name, "label": label, "ok": True, "block_s": r["save_block_median_s"],
+                     "block_max_s": max(r["save_block_s"]), "stall_s": r["stall_s"], "noise_s": r["noise_s"],
+                     "flush_s": r["flush_s"], "flush_max_s": max(r["flushes_s"]), "durable_s": r["durable_s"],
+                     "persist_s": figs.get("persist_s") or [], "base_step_s": r["base_step_mean_s"],
+                     "state_bytes": r["state_bytes"], "every": r["every"], "n_ckpt": r["n_ckpt"],
+                     "restore": r.get("restore")})
+    return rows
+
+
 def summarize(results: dict[str, Any]) -> dict[str, Any]:
     s: dict[str, Any] = {"meta": results.get("meta", {}), "plan": results.get("plan", {})}
     if "core" in results:
@@ -137,6 +155,8 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
                          "figures": r.get("peer_figures") or {}, "stall_mean_s": r.get("stall_mean_s"),
                          "restore": r.get("restore")})
         s["core"] = rows
+    if "busy" in results:
+        s["busy"] = _busy_rows(results["busy"])
     if "io" in results:
         s["io"] = results["io"]["result"] if results["io"].get("ok") else {"error": _err(results["io"])}
     if "rss" in results:
@@ -378,9 +398,10 @@ def markdown(results: dict[str, Any], s: dict[str, Any], chart_rel: str) -> str:
         "",
         "`python -m benchmarks.run --quick` is the smoke test (tiny model, ~20 s; run by "
         "`tests/test_benchmarks_smoke.py`). A peer whose package is missing is skipped and named below the plain-loop "
-        "table. `--only io,core,rss,lightning,accelerate` and `--peers ...` select "
+        "table. `--only io,core,rss,lightning,accelerate,busy` and `--peers ...` select "
         "parts; `--workdir DIR` puts the checkpoints on another disk (default `bench_out/`, refused on tmpfs); "
-        "`--from-json benchmarks/results.json` re-renders this report without measuring. Stall verdicts are "
+        "`--from-json benchmarks/results.json` re-renders this report without measuring, and `--only busy "
+        "--merge-into benchmarks/results.json` adds a busy-host section measured by its own run. Stall verdicts are "
         "three-way: met only if fastckpt's stall plus its noise beats the target against the reference minus "
         "its noise, NOT met only if it misses even the other way round, inconclusive otherwise. "
         f"Raw numbers: `{os.path.relpath(Path(chart_rel).with_suffix('.json'))}`, per-task logs: `bench_out/logs/`.",
@@ -473,6 +494,8 @@ def markdown(results: dict[str, Any], s: dict[str, Any], chart_rel: str) -> str:
                 "the training step slowed by the background copy, checksums and writes sharing the machine.",
                 "",
             ]
+    if s.get("busy") is not None:
+        md += busy_markdown(results["busy"], s["busy"], s["plan"])
     io = s.get("io")
     if io is not None and "error" not in io:
         md += [
@@ -621,6 +644,62 @@ def markdown(results: dict[str, Any], s: dict[str, Any], chart_rel: str) -> str:
         "",
     ]
     return "\n".join(md)
+
+
+def _ratio(x: float | None, ref: float | None) -> str:
+    return "-" if x is None or not ref or ref <= 0 else f"{x / ref:.1f}x"
+
+
+def busy_markdown(busy: dict[str, Any], rows: list[dict[str, Any]], plan: dict[str, Any]) -> list[str]:
+    """The busy-host section. ``busy["meta"]``, when present, labels a section measured by its own run."""
+    meta = busy.get("meta")
+    plan = busy.get("plan") or plan
+    ok = [r for r in rows if r["ok"]]
+    fast = _row(ok, "fastckpt")
+    shape = plan.get("busy_shape") or {}
+    md = ["## Busy host: CPU-bound neighbours (DataLoader workers)", ""]
+    if meta:
+        md += [f"> Measured by its own {'QUICK smoke ' if meta.get('quick') else ''}run: `{meta.get('command')}` "
+               f"on {meta.get('started')} "
+               f"({meta.get('cpu')}, {meta.get('logical_cpus')} logical cores, fastckpt git "
+               f"{meta.get('git', {}).get('commit', '?')}; load average {meta.get('loadavg_start', [0])[0]:.1f} at "
+               f"the start and {meta.get('loadavg_end', [0])[0]:.1f} at the end: a shared VM other jobs were "
+               "using), not by the run above. Compare ratios, not absolute times.", ""]
+    md += [
+        f"The plain loop (model `{shape.get('layers')} x d{shape.get('d_model')}`, vocab {shape.get('vocab')}: "
+        f"{ok[0]['state_bytes'] / 1e6 if ok else 0:.1f} MB of state) with **{busy.get('neighbours')} CPU-bound neighbour "
+        "processes** (pure-Python spin loops, one more than the host has cores) started before each peer and "
+        f"stopped after it: a checkpoint every {plan.get('busy_every')} steps, {plan.get('busy_n_ckpt')} "
+        "checkpointed windows between clean ones, stall paired as in the plain loop. Then "
+        f"{plan.get('busy_durable_reps')} back-to-back `save()` + flush pairs: the time to a durable commit "
+        "when the caller waits for it. fastckpt runs its default `persist.priority: idle`; its I/O threads are "
+        "raised to the training thread's priority while persistence falls behind (a save finding the previous "
+        "checkpoint pending, or `wait()`), see docs/API.md.",
+        "",
+    ]
+    body = []
+    for r in rows:
+        if not r["ok"]:
+            body.append([r["label"], r["error"], "", "", "", "", ""])
+            continue
+        dur = statistics.median(r["durable_s"]) if r["durable_s"] else None
+        fdur = statistics.median(fast["durable_s"]) if fast and fast["durable_s"] else None
+        fblock = fast["block_s"] if fast else None
+        body.append([r["label"], f"{_ms(r['block_s'])} / {_ms(r['block_max_s'])} ({_ratio(r['block_s'], fblock)})",
+                     _pm(r),
+                     f"{_s(r['flush_s'])} / {_s(r['flush_max_s'])}", f"{_s(dur)} ({_ratio(dur, fdur)})",
+                     f"{_s(statistics.median(r['persist_s']))} / {_s(max(r['persist_s']))}" if r["persist_s"] else "-",
+                     _restore_cell(r)])
+    md += [_table(["peer", "save() blocks median / max (median / fastckpt's)", "per-ckpt stall ± noise",
+                   "flush at window end median / max", "save + flush = durable, median (/ fastckpt's)",
+                   "save -> committed in the loop, median / max (fastckpt's SaveStats)", "restore"], body), "",
+           "fastckpt's commit time in the loop spans the K training steps, during which its idle threads yield the "
+           "CPU to training; the flush at the window's end (`ckpt.wait()`) raises them and finishes the checkpoint. "
+           "A loop that never waits gets them raised by its next `save()` instead.", ""]
+    skipped = [f"{r['label']} ({r['skipped']})" for r in rows if r.get("skipped")]
+    if skipped:
+        md += ["**Peers not measured in this scenario**: " + "; ".join(skipped) + ".", ""]
+    return md
 
 
 def _state_bytes(s: dict[str, Any]) -> int | None:

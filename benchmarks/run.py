@@ -21,7 +21,7 @@ from . import frameworks, peers
 from . import workload as wl
 
 REPO = Path(__file__).resolve().parent.parent
-SECTIONS = ("io", "core", "rss", "lightning", "accelerate")
+SECTIONS = ("io", "core", "rss", "lightning", "accelerate", "busy")
 
 
 @dataclass
@@ -47,6 +47,13 @@ class Plan:
     core_budget_s: float | None = None
     max_n_ckpt: int = 16
     step_s: float | None = None  # the calibrated step time, once known
+    # The busy-host scenario (every peer's plain loop beside CPU-bound neighbour processes): its own model,
+    # a checkpoint every ``busy_every`` steps, ``busy_n_ckpt`` windows, then ``busy_durable_reps`` save + flush.
+    busy_shape: wl.Shape = wl.BUSY
+    busy_every: int = 10
+    busy_n_ckpt: int = 4
+    busy_durable_reps: int = 3
+    busy_neighbours: int | None = None  # None: one more than the host's cores
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -71,7 +78,8 @@ class Plan:
 FULL_PLAN = Plan(shape=wl.FULL, warmup=2, every=12, n_ckpt=6, fw_every=6, fw_n_ckpt=5, base_steps=4, io_reps=3,
                  cold_load=True, rss_saves=20, rss_every=4, task_timeout=600, window_s=8.0, core_budget_s=150.0)
 QUICK_PLAN = Plan(shape=wl.QUICK, warmup=1, every=2, n_ckpt=2, fw_every=2, fw_n_ckpt=2, base_steps=4, io_reps=1,
-                  cold_load=True, rss_saves=3, rss_every=2, task_timeout=120)
+                  cold_load=True, rss_saves=3, rss_every=2, task_timeout=120, busy_shape=wl.QUICK, busy_every=2,
+                  busy_n_ckpt=1, busy_durable_reps=1)
 
 
 def log(msg: str) -> None:
@@ -172,6 +180,8 @@ def run_all(plan: Plan, workdir: Path, isolate: bool, sections: tuple[str, ...],
         results["rss"] = run(f"rss: fastckpt x{plan.rss_saves} saves", "rss",
                              dict(shape=shape, root=ck, warmup=plan.warmup, every=plan.rss_every,
                                   n_saves=plan.rss_saves, base_steps=max(2, plan.base_steps // 3)))
+    if "busy" in sections:
+        results["busy"] = run_busy(run, plan, ck, peer_names)
     fw = dict(shape=shape, root=ck, warmup=plan.warmup, every=plan.fw_every, n_ckpt=plan.fw_n_ckpt)
     for section, configs in (("lightning", frameworks.LIGHTNING_CONFIGS),
                              ("accelerate", frameworks.ACCELERATE_CONFIGS)):
@@ -188,6 +198,29 @@ def run_all(plan: Plan, workdir: Path, isolate: bool, sections: tuple[str, ...],
     return results
 
 
+def run_busy(run: Runner, plan: Plan, ck: str, peer_names: list[str]) -> dict[str, Any]:
+    """The busy-host scenario for every peer (optional peers that are not installed: skipped, named)."""
+    from .busy import default_neighbours
+
+    n = plan.busy_neighbours or default_neighbours()
+    log(f"busy host: {n} CPU-bound neighbour processes beside every peer's loop")
+    out: dict[str, Any] = {"neighbours": n, "peers": {}, "plan": {  # self-contained: a section may be merged
+        "busy_shape": plan.busy_shape.to_dict(), "busy_every": plan.busy_every, "busy_n_ckpt": plan.busy_n_ckpt,
+        "busy_durable_reps": plan.busy_durable_reps}}
+    for name in peer_names:
+        why = peers.PEERS[name].missing()
+        if why:
+            log(f"busy host: {name}: skipped, {why}")
+            out["peers"][name] = {"ok": False, "skipped": why, "error": f"skipped: {why}"}
+            continue
+        out["peers"][name] = run(f"busy host: {name}", "busy",
+                                 dict(peer=name, shape=plan.busy_shape.to_dict(), root=ck, warmup=plan.warmup,
+                                      every=plan.busy_every, n_ckpt=plan.busy_n_ckpt, base_steps=plan.base_steps,
+                                      durable_reps=plan.busy_durable_reps, n_neighbours=n,
+                                      limit_s=float(plan.task_timeout)))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny model, few steps, in-process: a smoke test")
@@ -202,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="one subprocess per task (default: on, off with --quick)")
     ap.add_argument("--from-json", default=None,
                     help="re-render the report and chart from a saved results.json, measuring nothing")
+    ap.add_argument("--merge-into", default=None, metavar="RESULTS_JSON",
+                    help="with --only busy: add this run's busy-host section (labelled with its own command, "
+                         "machine and date) to a saved results.json, then re-render that run's report")
     args = ap.parse_args(argv)
 
     from . import report
@@ -230,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     isolate = (not args.quick) if args.isolate is None else args.isolate
     sections = tuple(s for s in args.only.split(",") if s)
     bad = [s for s in sections if s not in SECTIONS]
+    if args.merge_into and sections != ("busy",):
+        ap.error("--merge-into merges only the busy-host section: use it with --only busy")
     peer_names = [p for p in args.peers.split(",") if p]
     bad += [p for p in peer_names if p not in peers.PEERS]
     if bad:
@@ -248,6 +286,10 @@ def main(argv: list[str] | None = None) -> int:
     meta["wall_s"] = time.perf_counter() - t0
     meta["loadavg_end"] = os.getloadavg()
     results["meta"] = meta
+    if args.merge_into:  # the other run's report, plus this section (it names its own run)
+        results["busy"]["meta"] = meta
+        json_path = Path(args.merge_into)
+        results = {**json.loads(json_path.read_text()), "busy": results["busy"]}
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(results, indent=1))
     summary = report.summarize(results)

@@ -12,13 +12,14 @@ from typing import Any, Callable
 
 
 def _tasks() -> dict[str, Callable[..., dict[str, Any]]]:
-    from . import frameworks, measure
+    from . import busy, frameworks, measure
 
     return {
         "calibrate": measure.task_calibrate,
         "core": measure.task_core,
         "io": measure.task_io,
         "rss": measure.task_rss,
+        "busy": busy.task_busy,
         "lightning": frameworks.task_lightning,
         "accelerate": frameworks.task_accelerate,
     }

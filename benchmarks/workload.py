@@ -34,6 +34,9 @@ class Shape:
 
 FULL = Shape()
 QUICK = Shape(vocab=1000, d_model=64, heads=4, ffn=128, layers=2, batch=1, seq=16)
+# The busy-host scenario's model: ~60 MB of state (weights + AdamW), so that every peer's run with CPU-bound
+# neighbours fits in minutes on the 2-core box; the issue it reproduces saw a 6 MB checkpoint starve.
+BUSY = Shape(vocab=8192, d_model=256, heads=4, ffn=1024, layers=4, batch=1, seq=16)
 
 # Training uses one intra-op thread: the second core of the 2-core benchmark box stands in for the
 # host CPU time that a GPU training job leaves to background work (copies, CRCs, I/O). Every peer

@@ -29,6 +29,7 @@ from .loader import CheckpointReader
 from .pipeline import Job, Pipeline
 from .reread import read_consistently
 from .plan import Planner, flatten
+from .priority import ThreadPriorities
 from .remote import RemoteTier, Upload, _settle
 from .staging import HostArena, Slot
 from .streams import CopyStreams, CudaCopy, cuda_devices, gpu_wait
@@ -107,14 +108,15 @@ class Checkpointer:
         self._catalog = Catalog(self.storage)
         self._streams = CopyStreams()  # per-device copy streams, created on the first CUDA save
         self.stats: list[SaveStats] = []
+        self._priorities = ThreadPriorities(p.priority)  # built here: the training thread's policy is "normal"
         self._pipeline = Pipeline(self.storage, self._arena, p.workers, self._on_commit, self._on_failure,
-                                  self._coord, priority=p.priority)
+                                  self._coord, priorities=self._priorities)
         self._root_lock = RootLock.for_root(self.storage.url) if self._leader else None  # rank 0 writes for all
         if self._coord is not None:
             self._claim_root_together()
         if self._remote_catalog is not None and self._leader:  # rank 0 uploads for everyone
             self._uploader = RemoteTier(self.storage, self._remote_catalog.storage, self._remote_catalog,
-                                        workers=rem.workers, keep_last=rem.keep_last, priority=p.priority,
+                                        workers=rem.workers, keep_last=rem.keep_last, priorities=self._priorities,
                                         on_uploaded=self._on_uploaded, on_failed=self._on_upload_failed)
         self._atexit = _exit_flusher(self)
         register_exit_hook(self._atexit)
@@ -260,6 +262,7 @@ class Checkpointer:
         handle = SaveHandle(name=name, step=step, path=dirpath, stats=stats, _on_error_seen=self._mark_seen)
         cuda = self._prepare_cuda(name, devices) if pin else None  # before a slot is taken: a failure holds none
         # new pinned buffers are registered under the state's device: no stray context on GPU 0
+        self._keep_pace(name)
         with torch.cuda.device(devices[0]) if pin else contextlib.nullcontext():
             slot = self._arena.acquire(plan, pin, block=self.config.staging.when_busy == "wait")
         if slot is None:
@@ -294,6 +297,18 @@ class Checkpointer:
         self._pipeline.submit(job, lazy)  # type: ignore[union-attr]
         stats.blocking_ms = (time.perf_counter() - t0) * 1e3
         return handle
+
+    def _keep_pace(self, name: str) -> None:
+        """Raise the persistence threads when the previous checkpoint's persistence outlived the checkpoint
+        interval (it is still pending now); lower them once nothing is. A busy slot always has a pending
+        save (the committer frees the slot before it drops the save), so a save about to wait for a slot
+        always raises them first."""
+        with self._lock:
+            late = self._pending[0].name if self._pending else None
+        if late is None:
+            self._priorities.settle()  # caught up: training comes first again
+        else:
+            self._priorities.raise_(f"checkpoint {late!r} was not durable yet when {name!r} was saved", behind=True)
 
     def _prepare_cuda(self, name: str, devices: list[int]) -> CudaCopy:
         """Streams and ready events of each device the state lives on (recorded now, on the caller's streams)."""
@@ -350,6 +365,8 @@ class Checkpointer:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             pending = list(self._pending)
+        if pending:  # the caller blocks on persistence: nothing to keep the CPU for
+            self._priorities.raise_("wait() blocks on it", behind=False)
         wait_futures([h._durable for h in pending], timeout)
         uploader, pipeline = self._uploader, self._pipeline
         barrier: list[Future] = []
@@ -628,6 +645,8 @@ class Checkpointer:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             pending = list(self._pending)
+        if pending:
+            self._priorities.raise_("close() flushes it", behind=False)
         wait_futures([h._durable for h in pending], timeout)
         for wh in self._hooks:
             wh.remove()
@@ -639,6 +658,7 @@ class Checkpointer:
             if self.config.retention.keep_last is not None and drained:
                 self._apply_retention()  # what was kept only for a pending upload
             self._uploader = None
+        self._priorities.close()
         if drained:
             self._arena.close()  # else a stalled writer still reads its slot: the buffers go with the process
             if self._root_lock is not None:

@@ -133,7 +133,8 @@ class PersistOptions(_Freezable):
     """fsync data files and the directory before the manifest commits."""
     priority: str = "idle"
     """CPU priority of the I/O, commit and upload threads: ``idle`` (SCHED_IDLE: only CPU time training
-    leaves over), ``low`` (nice 19) or ``normal``. The copy thread always runs at normal priority."""
+    leaves over), ``low`` (nice 19) or ``normal``. The copy thread always runs at normal priority. While
+    persistence falls behind they run at the training thread's priority (fastckpt/priority.py)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.direct_io, bool):  # YAML 1.1 reads a bare on/off as true/false

@@ -7,7 +7,8 @@ metadata, then the manifest (the commit), then garbage. Deletions travel through
 the same queue, so they always run behind the saves submitted before them.
 
 Threads: ``fastckpt-copy`` and ``fastckpt-commit`` are owned by ``Pipeline`` and
-stop on a ``None`` sentinel; ``fastckpt-io-*`` is an executor shut down by ``close``.
+stop on a ``None`` sentinel; ``fastckpt-io-*`` (lowered, fastckpt/priority.py) and ``fastckpt-boost-*``
+(never lowered, used only while the kernel refuses to raise the first) are executors shut down by ``close``.
 """
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
-from functools import partial
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -31,7 +31,7 @@ from .format import MANIFEST, VERSION, FileRecord, build_manifest, parse_manifes
 from .guard import VersionGuard
 from .handle import CheckpointInfo, SaveHandle
 from .plan import Plan, Shard
-from .priority import lower_this_thread
+from .priority import ThreadPriorities
 from .staging import HostArena, Slot, copy_entries
 from .streams import CudaCopy, host_wait, record_done, shard_events
 from .distributed import Coordinator
@@ -77,16 +77,19 @@ class Pipeline:
     def __init__(self, storage: Storage, arena: HostArena, workers: int,
                  on_commit: Callable[[Job, CheckpointInfo], None],
                  on_failure: Callable[[Job, FastCkptError], None], coord: Coordinator | None = None,
-                 priority: str = "idle") -> None:
+                 priorities: ThreadPriorities | None = None) -> None:
         self.storage = storage
-        self._priority = priority
+        self._priorities = priorities or ThreadPriorities("idle")
         self._coord = coord
         self._arena = arena
         self._on_commit = on_commit
         self._on_failure = on_failure
         n = next(_ids)  # several Checkpointers may live in one process
         self._io = ThreadPoolExecutor(workers, thread_name_prefix=f"fastckpt-io-{n}",
-                                      initializer=partial(lower_this_thread, priority))
+                                      initializer=self._priorities.enlist)
+        # Never lowered (its threads start from the copy or training thread): takes the writes while the
+        # lowered ones are behind and the kernel refused to raise them (ThreadPriorities.boost).
+        self._boost = ThreadPoolExecutor(workers, thread_name_prefix=f"fastckpt-boost-{n}")
         self._copy_q: queue.Queue[Job | None] = queue.Queue()
         self._commit_q: queue.Queue[Any] = queue.Queue()
         self._copier = threading.Thread(target=self._copy_loop, name=f"fastckpt-copy-{n}", daemon=True)
@@ -117,7 +120,7 @@ class Pipeline:
         """Persist a snapshot adopted from shared memory: its bytes are already staged."""
         job.handle._staged.set()
         for shard in job.plan.mine(job.plan.shards):
-            job.writes.append(self._io.submit(self._write_shard, job, shard))
+            job.writes.append(self._writers().submit(self._write_shard, job, shard))
         self._commit_q.put(job)
 
     def run_in_order(self, fn: Callable[[], Any]) -> Future:
@@ -139,6 +142,7 @@ class Pipeline:
             thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         drained = not (self._copier.is_alive() or self._committer.is_alive())
         self._io.shutdown(wait=drained, cancel_futures=not drained)
+        self._boost.shutdown(wait=drained, cancel_futures=not drained)
         return drained
 
     # ---- copy thread ---------------------------------------------------------------
@@ -186,7 +190,10 @@ class Pipeline:
         if job.slot.dir is not None:  # shm: the record carries the checksums of what was staged
             host_wait(shard_events(job.shard_events, shard.index))  # the bytes must have landed first
             job.staged_crcs[shard.index] = staged_crcs(buf, shard)
-        job.writes.append(self._io.submit(self._write_shard, job, shard))
+        job.writes.append(self._writers().submit(self._write_shard, job, shard))
+
+    def _writers(self) -> ThreadPoolExecutor:
+        return self._boost if self._priorities.boost else self._io
 
     # ---- I/O workers -----------------------------------------------------------------
 
@@ -217,7 +224,7 @@ class Pipeline:
     # ---- committer -----------------------------------------------------------------
 
     def _commit_loop(self) -> None:
-        lower_this_thread(self._priority)
+        self._priorities.enlist()
         while True:
             item = self._commit_q.get()
             if item is None:

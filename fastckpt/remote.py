@@ -31,7 +31,6 @@ import time
 from concurrent.futures import FIRST_EXCEPTION, Future, InvalidStateError, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any, Callable
 
 from .catalog import Catalog
@@ -40,7 +39,7 @@ from .errors import CheckpointTimeoutError, FastCkptError, IntegrityError, Stora
 from .format import MANIFEST, parse_manifest
 from .handle import CheckpointInfo, SaveHandle
 from .paths import confine
-from .priority import lower_this_thread
+from .priority import ThreadPriorities
 from .storage import Storage
 
 __all__ = ["RemoteTier", "Upload"]
@@ -78,7 +77,7 @@ class RemoteTier:
     """Owns the upload thread and its workers for one ``Checkpointer`` (on rank 0)."""
 
     def __init__(self, local: Storage, remote: Storage, catalog: Catalog, *, workers: int, keep_last: int | None,
-                 priority: str = "idle", on_uploaded: Callable[[Upload, CheckpointInfo], None],
+                 priorities: ThreadPriorities | None = None, on_uploaded: Callable[[Upload, CheckpointInfo], None],
                  on_failed: Callable[[Upload, FastCkptError], None]) -> None:
         self.local = local
         self.remote = remote
@@ -86,7 +85,7 @@ class RemoteTier:
         self._keep = RetentionOptions(keep_last=keep_last)
         self._on_uploaded = on_uploaded
         self._on_failed = on_failed
-        self._priority = priority
+        self._priorities = priorities or ThreadPriorities("idle")
         self._lock = threading.Lock()
         self._pending: dict[Upload, None] = {}  # queued or running, in submission order
         self._names: collections.Counter[str] = collections.Counter()
@@ -95,7 +94,7 @@ class RemoteTier:
         self._orphans: dict[str, set[str]] = {}  # remote dir -> files a failed upload could not remove
         n = next(_ids)
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix=f"fastckpt-up-{n}",
-                                        initializer=partial(lower_this_thread, priority))
+                                        initializer=self._priorities.enlist)
         self._q: queue.Queue[Any] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name=f"fastckpt-upload-{n}", daemon=True)
         self._thread.start()
@@ -159,7 +158,7 @@ class RemoteTier:
     # ---- upload thread ----------------------------------------------------------------
 
     def _loop(self) -> None:
-        lower_this_thread(self._priority)
+        self._priorities.enlist()
         while True:
             item = self._q.get()
             if item is None:
