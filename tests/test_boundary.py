@@ -15,7 +15,7 @@ import torch
 
 from fastckpt import Checkpointer, CheckpointConfig, StateMismatchError, UnsafeCheckpointError
 from fastckpt.codec import MAX_NESTING
-from tests.helpers import assert_bit_equal, clone_state
+from tests.helpers import assert_bit_equal, clone_state, listed
 
 
 @pytest.fixture
@@ -42,7 +42,7 @@ def _assert_refused(ckpt: Checkpointer, tmp_path, state: dict, exc: type, *needl
         assert needle in str(info.value), str(info.value)
     ckpt.wait()  # no background error is left for later either
     assert [i.step for i in ckpt.list()] == [1]
-    assert sorted(os.listdir(tmp_path)) == ["step-000000001"]
+    assert listed(tmp_path) == ["step-000000001"]
     assert_bit_equal(good, ckpt.load(1))
 
 
