@@ -304,3 +304,56 @@ def _zip64_values(extra: bytes, what: str) -> list[int]:
             return list(struct.unpack(f"<{length // 8}Q", extra[pos + 4:pos + 4 + length // 8 * 8]))
         pos += 4 + length
     raise IntegrityError(f"a zip entry's {what} overflows 32 bits but it has no zip64 extra field")
+
+
+# ---- the engine's side: one save of one torch file -------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class TorchFileFormat:
+    """How the pipeline writes one ``.ckpt``: the staged storages are the records of ``layout``.
+
+    Table entry ``i`` of the save's plan is record ``i`` (a flat uint8 view of its storage), so the
+    I/O workers only checksum staged shards, and the committer writes the fixed bytes and the staged
+    records back to back as one new file that appears under ``path`` only once it is complete.
+    """
+
+    layout: TorchFileLayout
+    path: str
+
+    @classmethod
+    def plan(cls, state: Any, path: str) -> tuple["TorchFileFormat", list[torch.Tensor], list[str]]:
+        """Called by ``save_file``: the format, the tensors to stage (one per record), their names."""
+        layout = plan_torch_file(state)
+        tensors = [storage_bytes(r.storage) for r in layout.records]
+        return cls(layout, path), tensors, [f"data/{r.key}" for r in layout.records]
+
+    def checksum(self, data: memoryview, entries: Any) -> dict[int, int]:
+        """Called by an I/O worker once a shard is staged: the CRC-32 of each record it holds."""
+        return {e.index: _crc32(data[e.offset:e.offset + e.nbytes]) & 0xFFFFFFFF for e in entries}
+
+    def parts(self, views: dict[int, memoryview], crcs: dict[int, int]) -> list[memoryview]:
+        """Called by the committer: the whole file as buffers, fixed bytes (CRCs filled in) around records."""
+        size, recs = self.layout.size, self.layout.records
+        fields = {}
+        for i, r in enumerate(recs):
+            if r.nbytes:
+                fields[r.descriptor_crc] = fields[r.central_crc] = struct.pack("<I", crcs[i])
+        sparse = _Sparse(self.layout.segments, size)
+        out: list[memoryview] = []
+        cursor = 0
+        for i, r in enumerate(recs):
+            out.append(memoryview(_patched(sparse, cursor, r.offset, fields)))
+            if r.nbytes:
+                out.append(views[i])
+            cursor = r.offset + r.nbytes
+        out.append(memoryview(_patched(sparse, cursor, size, fields)))
+        return [p for p in out if len(p)]
+
+
+def _patched(sparse: _Sparse, start: int, end: int, fields: dict[int, bytes]) -> bytearray:
+    gap = bytearray(sparse.read(start, end - start))
+    for off, value in fields.items():
+        if start <= off and off + len(value) <= end:
+            gap[off - start:off - start + len(value)] = value
+    return gap
