@@ -215,6 +215,13 @@ class Checkpointer:
                               f"({fmt.layout.size} bytes), which is written whole; raise the limit or unset it")
         return self._submit(flat, step, name, path, None, t0, file_format=fmt)
 
+    def remove_file(self, name: str) -> Future:
+        """Delete the file ``root/name`` after every save submitted before this call (a framework's retention:
+        Lightning's ``remove_checkpoint``); missing is fine. The ``Future`` carries its error."""
+        self._check_open()
+        path = self.storage.join(self.storage.url, self._check_name(name))
+        return self._pipeline.run_in_order(lambda: self.storage.delete(path))  # type: ignore[union-attr]
+
     def _submit(self, flat: FlatState, step: int, name: str, dirpath: str, objects: bytes | None, t0: float, *,
                 dtensors: list[dict[str, Any]] | None = None, file_format: TorchFileFormat | None = None) -> SaveHandle:
         """Plan, take a staging slot, copy the eager shards now and queue the rest (both save paths)."""
