@@ -93,15 +93,16 @@ class TinyGPT(pl.LightningModule):
 
 
 def print_stats(plugin: FastCheckpointIO) -> None:
-    print(f"{'step':>6} {'blocking ms':>12} {'staging ms':>11} {'persist s':>10} {'MB':>8} {'MB/s':>8}  path")
+    print(f"{'step':>6} {'blocking ms':>12} {'waited ms':>10} {'stall ms':>9} {'staging ms':>11} {'persist s':>10} "
+          f"{'MB':>8} {'MB/s':>8}  path")
     for s in plugin.stats:
-        shared = " (weights shared)" if s.deduplicated else ""
-        print(f"{s.step:>6} {s.blocking_ms:>12.1f} {s.staging_ms:>11.1f} {s.persist_s:>10.3f} "
-              f"{s.nbytes / 1e6:>8.2f} {s.throughput_mb_s:>8.1f}  {s.path}{shared}")
+        print(f"{s.step:>6} {s.blocking_ms:>12.1f} {s.waited_ms:>10.1f} {s.stall_ms:>9.1f} {s.staging_ms:>11.1f} "
+              f"{s.persist_s:>10.3f} {s.nbytes / 1e6:>8.2f} {s.throughput_mb_s:>8.1f}  {s.path}")
     totals = summary(plugin.stats)
     if totals:
         print(f"{totals['checkpoints']} checkpoints, {totals['bytes'] / 1e6:.1f} MB written, "
-              f"mean blocking {totals['mean_blocking_ms']:.1f} ms, max {totals['max_blocking_ms']:.1f} ms")
+              f"mean stall {totals['mean_stall_ms']:.1f} ms (blocking {totals['mean_blocking_ms']:.1f} ms, "
+              f"max {totals['max_blocking_ms']:.1f} ms)")
 
 
 def main(argv: list[str]) -> None:

@@ -5,6 +5,7 @@ import contextlib
 import fnmatch
 import logging
 import os
+import pickle
 import re
 import threading
 import time
@@ -28,7 +29,7 @@ from .handle import CheckpointInfo, SaveHandle, SaveStats
 from .loader import CheckpointReader
 from .pipeline import Job, Pipeline
 from .reread import read_consistently
-from .plan import Planner, flatten
+from .plan import FlatState, Planner, flatten
 from .priority import ThreadPriorities
 from .remote import RemoteTier, Upload, _settle
 from .staging import HostArena, Slot
@@ -37,6 +38,7 @@ from .recovery import recoverable
 from .shm_record import StagedRecord
 from .tiers import ShmTier
 from .storage import Storage, open_storage
+from .torchfile import TorchFileFormat
 
 __all__ = ["Checkpointer", "WatchHandle"]
 
@@ -252,12 +254,57 @@ class Checkpointer:
         # resumed run re-saving the step it died in) is removed first, so none of its files outlive the commit.
         self._claim_root()
         lazy_ptrs = self._lazy_ptrs(_named_ptrs(flat, lazy, "lazy"), _named_ptrs(flat, eager, "eager"))
+        dirpath = self.storage.join(self.storage.url, name)
+        return self._submit(flat, step, name, dirpath, objects, t0, lazy_ptrs,
+                            dtensors=[rec.as_json() for rec in flat.dtensors])
+
+    def save_file(self, state: Any, name: str, *, step: int = 0) -> SaveHandle:
+        """Snapshot ``state`` as one torch checkpoint file ``root/name``: the file ``torch.save(state, ...)``
+        writes (its zip CRC-32 fields filled in), read back by plain ``torch.load``. Returns once the eager
+        storages are copied; the file appears under its name only once complete and durable. Retention does not
+        apply: the caller (a framework such as Lightning) decides which files to keep."""
+        t0 = time.perf_counter()
+        self._check_open()
+        name = self._check_name(name)
+        if self._coord is not None:
+            raise ConfigError("save_file() writes one file from one process; save it on one rank, with a "
+                              "Checkpointer built without distributed=True")
+        if self.config.staging.shm:
+            raise ConfigError("staging.shm does not apply to single-file torch checkpoints (save_file); "
+                              "set staging.shm: false, or use save() for the shared-memory tier")
+        self._raise_pending()
+        path = self.storage.join(self.storage.url, name)
+        try:
+            fmt, tensors, keys = TorchFileFormat.plan(state, path)
+        except (TypeError, AttributeError, RuntimeError, pickle.PicklingError) as e:
+            raise StateMismatchError(f"cannot save this state as a torch file {path!r}: {e}") from e
+        flat = FlatState(tree=None, tensors=tensors, keys=keys, numpy=[False] * len(tensors), objects=[],
+                         owners=[-1] * len(tensors), lazy_src=list(tensors))
+        limit = self.config.staging.max_host_bytes
+        if limit is not None and fmt.layout.size > limit:
+            raise ConfigError(f"staging.max_host_bytes ({limit}) is smaller than the torch file {path!r} "
+                              f"({fmt.layout.size} bytes), which is written whole; raise the limit or unset it")
+        # No root lock or garbage collection here: the folder is the framework's (Lightning lists it), and a
+        # file appears by rename only once complete, so a killed save leaves no folder to collect.
+        lazy_ptrs = self._lazy_ptrs(set(), set())
+        return self._submit(flat, step, name, path, None, t0, lazy_ptrs, file_format=fmt)
+
+    def remove_file(self, name: str) -> Future:
+        """Delete the file ``root/name`` after every save submitted before this call (a framework's retention:
+        Lightning's ``remove_checkpoint``); missing is fine. The ``Future`` carries its error."""
+        self._check_open()
+        path = self.storage.join(self.storage.url, self._check_name(name))
+        return self._pipeline.run_in_order(lambda: self.storage.delete(path))  # type: ignore[union-attr]
+
+    def _submit(self, flat: FlatState, step: int, name: str, dirpath: str, objects: bytes | None, t0: float,
+                lazy_ptrs: set[int], *, dtensors: list[dict[str, Any]] | None = None,
+                file_format: TorchFileFormat | None = None) -> SaveHandle:
+        """Plan, take a staging slot, copy the eager shards now and queue the rest (both save paths)."""
         plan = self._planner.plan(flat, lambda t: t.data_ptr() in lazy_ptrs)
         if self._coord is not None:
             self._coord.assign(plan)
         devices = cuda_devices(flat.tensors)
         pin = bool(devices)
-        dirpath = self.storage.join(self.storage.url, name)
         stats = SaveStats(step=step, name=name)
         handle = SaveHandle(name=name, step=step, path=dirpath, stats=stats, _on_error_seen=self._mark_seen)
         cuda = self._prepare_cuda(name, devices) if pin else None  # before a slot is taken: a failure holds none
@@ -270,10 +317,10 @@ class Checkpointer:
         if self._errors:  # the slot freed because a save failed (a stalled write hit its deadline): say so now
             self._arena.release(slot)
             self._raise_pending()
-        if self._uploader is not None:
+        if self._uploader is not None and file_format is None:
             handle._upload = Future()
         job = Job(handle, plan, slot, flat.tensors, flat.keys, flat.numpy, flat.tree, objects, dirpath, t0,
-                  dtensors=[rec.as_json() for rec in flat.dtensors])
+                  dtensors=dtensors or [], file_format=file_format)
         if self._coord is not None:
             job.uid = self._coord.next_uid()
         if cuda is not None:
@@ -395,6 +442,11 @@ class Checkpointer:
     # ---- background callbacks (committer thread) -----------------------------------
 
     def _on_commit(self, job: Job, info: CheckpointInfo) -> None:
+        if job.file_format is not None:  # a framework's file: not in the catalog, retention or the remote tier
+            with self._lock:
+                self._drop_pending(job.handle)
+                self.stats.append(job.handle.stats)
+            return
         self._catalog.committed(info)
         if self._uploader is not None:  # queued before leaving _pending: retention never sees it unprotected
             if job.handle._upload is None:

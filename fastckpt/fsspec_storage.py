@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, Callable, Iterator, Sequence
@@ -25,6 +27,7 @@ log = logging.getLogger("fastckpt")
 _READ_PIECE = 16 * 1024 * 1024  # ranged-read size for remote loads
 _S3_PART = 16 * 1024 * 1024  # multipart part size (S3 minimum is 5 MiB)
 _S3_CONCURRENCY = 8  # parts of one file in flight at once
+_OBJECT_STORES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "memory")  # objects appear whole: no rename
 
 
 class FsspecStorage:
@@ -136,6 +139,20 @@ class FsspecStorage:
 
     def write_atomic(self, path: str, data: bytes) -> None:
         self._call("committing", path, "pipe_file", self._p(path), data)  # one PUT: whole or not at all
+
+    def write_file_atomic(self, path: str, parts: Sequence[memoryview]) -> None:
+        if self._protocol in _OBJECT_STORES:  # a PUT or a completed multipart upload appears whole
+            self.write_file(path, parts)
+            return
+        folder, base = path.rsplit("/", 1) if "/" in path else ("", path)
+        tmp = f"{folder}/.{base}.fastckpt-tmp-{os.getpid()}-{threading.get_ident()}"
+        self.write_file(tmp, parts)
+        try:
+            self._call("renaming into", path, "mv", self._p(tmp), self._p(path))
+        except StorageError:
+            with contextlib.suppress(Exception):
+                self.fs.rm_file(self._p(tmp))
+            raise
 
     def read_into(self, path: str, offset: int, out: memoryview) -> None:
         pieces = [(s, min(s + _READ_PIECE, len(out))) for s in range(0, len(out), _READ_PIECE)]

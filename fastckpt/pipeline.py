@@ -37,6 +37,7 @@ from .streams import CudaCopy, host_wait, record_done, shard_events
 from .distributed import Coordinator
 from .storage import Storage, aligned_buffer
 from .tiers import ShmTier, staged_crcs
+from .torchfile import TorchFileFormat
 
 __all__ = ["Job", "Pipeline"]
 
@@ -69,6 +70,7 @@ class Job:
     dtensors: list[dict[str, Any]] = field(default_factory=list)  # DTensorRecord.as_json() of each DTensor leaf
     guard: VersionGuard | None = None  # version counters of the lazy tensors, taken in save()
     staged_crcs: dict[int, list[int]] = field(default_factory=dict)  # shm: per shard, each tensor's CRC32C as staged
+    file_format: TorchFileFormat | None = None  # a single torch file instead of safetensors shards + manifest
 
 
 class Pipeline:
@@ -203,6 +205,10 @@ class Pipeline:
             host_wait(events)  # blocking events: this worker sleeps until the DMA has filled the buffer
             job.copied_at[shard.index] = time.perf_counter()
         buf = job.slot.held(shard)
+        if job.file_format is not None:  # the committer writes the one file; buffers stay held until then
+            data = memoryview(buf.numpy())[: shard.nbytes]
+            crcs = job.file_format.checksum(data, shard.entries)
+            return shard.index, FileRecord("", shard.nbytes, 0), [crcs[e.index] for e in shard.entries]
         header = shard_header(shard, job.handle.step, job.keys)
         crc = crc32c(header)
         data = memoryview(buf.numpy())[: shard.nbytes]
@@ -242,7 +248,9 @@ class Pipeline:
         try:
             results = self._written(job)
             job.handle.stats.written_bytes = sum(r[1].size for r in results)  # this rank's share
-            if self._coord is None:
+            if job.file_format is not None:
+                info = self._commit_file(job, results)
+            elif self._coord is None:
                 info = self._commit(job, results)
             else:
                 info = self._commit_together(job, results, None)
@@ -357,6 +365,23 @@ class Pipeline:
                 log.warning("fastckpt: could not remove replaced file %s: %s", name, e)
         return CheckpointInfo(job.handle.name, job.handle.step, job.dirpath, nbytes)
 
+    def _commit_file(self, job: Job, results: list[tuple[int, FileRecord, list[int]]]) -> CheckpointInfo:
+        """Write the single torch file: fixed bytes and staged records back to back, published atomically."""
+        fmt = job.file_format
+        assert fmt is not None
+        by_shard = {s.index: s for s in job.plan.shards}
+        crcs: dict[int, int] = {}
+        views: dict[int, memoryview] = {}
+        for index, _, tcrcs in results:
+            shard = by_shard[index]
+            data = memoryview(job.slot.held(shard).numpy())
+            for e, c in zip(shard.entries, tcrcs):
+                crcs[e.index] = c
+                views[e.index] = data[e.offset:e.offset + e.nbytes]
+        self.storage.write_file_atomic(fmt.path, fmt.parts(views, crcs))  # <- the commit point
+        job.handle.stats.nbytes = fmt.layout.size
+        return CheckpointInfo(job.handle.name, job.handle.step, fmt.path, fmt.layout.size)
+
     def _old_files(self, dirpath: str) -> set[str]:
         try:
             data = self.storage.read_bytes(self.storage.join(dirpath, MANIFEST))
@@ -369,6 +394,8 @@ class Pipeline:
 
     def _discard(self, job: Job) -> None:
         """Remove every file this job may have written (never another save's: names carry the uid)."""
+        if job.file_format is not None:
+            return  # write_file_atomic leaves nothing behind when it fails
         names = [shard_file_name(s.index, job.uid) for s in job.plan.shards]
         names += [f"meta.{job.uid}.json", f"objects.{job.uid}.pt"]
         try:

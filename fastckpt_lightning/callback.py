@@ -6,23 +6,35 @@ callback can touch parameters); nobody needs to add it by hand.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from torch.optim import Optimizer
 
-if TYPE_CHECKING:
-    from fastckpt_lightning.checkpoint_io import FastCheckpointIO
+
+class _Plugin(Protocol):
+    """What the callback needs from ``FastCheckpointIO`` (a protocol, so the two modules do not import each other)."""
+
+    def attach(self, trainer: pl.Trainer) -> None: ...
+
+    def wait_staged(self, raise_errors: bool = True) -> None: ...
+
+    def flush(self) -> None: ...
+
+    def log_stats(self, trainer: pl.Trainer) -> None: ...
 
 
 class FastCheckpointCallback(Callback):
     """Waits for lazy copies before each optimizer step, finishes them when training ends, flushes at teardown."""
 
-    def __init__(self, plugin: FastCheckpointIO) -> None:
+    def __init__(self, plugin: _Plugin) -> None:
         self._plugin = plugin
-        self.batches_seen = 0
-        """Counts training and validation batches; two saves with no batch in between may share weights."""
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Wire the plugin before ``ModelCheckpoint.setup`` resolves its folder (it runs last), when this callback
+        was passed explicitly (``callbacks=[plugin.callback]``)."""
+        self._plugin.attach(trainer)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """A new fit may have new optimizers: watch them."""
@@ -31,15 +43,8 @@ class FastCheckpointCallback(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        """Count the batch (its forward pass updates buffers) and log stats of checkpoints that finished."""
-        self.batches_seen += 1
+        """Log the stats of checkpoints that finished."""
         self._plugin.log_stats(trainer)
-
-    def on_validation_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
-    ) -> None:
-        """Count the batch: user code may update buffers in validation too."""
-        self.batches_seen += 1
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer

@@ -1,9 +1,11 @@
 """``FastCheckpointIO``: Lightning's checkpoint plugin, built on the fastckpt core.
 
-``Trainer(plugins=[FastCheckpointIO("fastckpt.yaml")])`` is all a user writes. On the first save the plugin finds the
-calling Trainer, installs :class:`FastCheckpointCallback` and tells the core which optimizer tensors may be copied
-lazily. Every ``save_checkpoint`` returns after the eager copies; the data is committed in the background and the
-path Lightning sees appears (as a small pointer file) only then. Removals run behind pending saves.
+``Trainer(plugins=[FastCheckpointIO("fastckpt.yaml")])`` is all a user writes. Every path Lightning saves is one
+genuine torch checkpoint file, the bytes ``torch.save`` would write (its zip CRC-32 fields filled in), so
+``torch.load``, ``LightningModule.load_from_checkpoint`` and stock Lightning read it with or without fastckpt. Only
+the speed differs: ``save_checkpoint`` pickles the small skeleton and returns; parameters and optimizer state are
+copied lazily while the next batch runs, written by background workers, and the file appears under its name only
+once it is complete and durable. Removals run behind pending saves.
 """
 
 from __future__ import annotations
@@ -14,25 +16,25 @@ import time
 import warnings
 import weakref
 from collections.abc import Mapping
-from functools import partial
+from concurrent.futures import Future
 from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
 from fastckpt import Checkpointer, CheckpointConfig, SaveHandle
-from fastckpt.errors import FastCkptError
+from fastckpt.errors import ConfigError, FastCkptError
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.trainer.states import TrainerStatus
 from torch.optim import Optimizer
 
+from fastckpt_lightning import pending
 from fastckpt_lightning.callback import FastCheckpointCallback
-from fastckpt_lightning.config import build_config, staging_mode
-from fastckpt_lightning.dedup import SaveRecord, fingerprint, shares_with, split_checkpoint
-from fastckpt_lightning.discovery import find_calling_trainer
-from fastckpt_lightning.folder import CheckpointFolder
-from fastckpt_lightning.pointer import Pointer, split_path
-from fastckpt_lightning.publisher import Publisher
+from fastckpt_lightning.config import build_config, for_directory, staging_mode
+from fastckpt_lightning.discovery import find_calling_trainer, wrapped_by_async_io
+from fastckpt_lightning.pointer import split_path
 from fastckpt_lightning.reader import read_checkpoint
 from fastckpt_lightning.stats import CheckpointStats, StatsBook, log_to
+from fastckpt_lightning.versioning import see_pending_saves
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +49,7 @@ class FastCheckpointIO(CheckpointIO):
         staging: ``staging`` section overrides, e.g. ``{"mode": "eager"}``.
         persist: ``persist`` section overrides, e.g. ``{"workers": 4}``.
         retention: ignored with a warning: ``ModelCheckpoint(save_top_k=...)`` decides what is kept.
-        allowed_classes: extra ``module.QualName`` classes the safe loader may rebuild.
+        allowed_classes: extra ``module.QualName`` classes the safe loader may rebuild (core checkpoint folders).
     """
 
     def __init__(
@@ -72,14 +74,28 @@ class FastCheckpointIO(CheckpointIO):
         )
         self.callback = FastCheckpointCallback(self)
         self._lazy = staging_mode(self.config) == "lazy"
-        self._folders: dict[str, CheckpointFolder] = {}
-        self._publisher = Publisher()
         self._book = StatsBook()
-        self._record: Optional[SaveRecord] = None
+        self._reset()
+
+    def _reset(self) -> None:
+        """The runtime state: none of it survives pickling (``ddp_spawn``, ``torch.save(trainer)``)."""
+        self._folders: dict[str, Checkpointer] = {}
+        self._watches: dict[str, list[Any]] = {}  # per folder: the core's WatchHandles
+        self._removals: list[tuple[str, Future]] = []
         self._optimizers: list[tuple[Optimizer, bool]] = []
         self._trainer: Optional[weakref.ref] = None
         self._warned_eager = False
+        self._warned_root = False
         self._saves = 0
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = {k: v for k, v in self.__dict__.items() if k in ("config", "root", "callback", "_lazy", "_book")}
+        state["_book"] = StatsBook()
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._reset()
 
     # ---- what users read -------------------------------------------------------------------------------------
 
@@ -96,6 +112,8 @@ class FastCheckpointIO(CheckpointIO):
         if not any(callback is self.callback for callback in trainer.callbacks):
             # First, so its waits run before any other callback can change parameters (SWA, EMA...).
             trainer.callbacks.insert(0, self.callback)
+        see_pending_saves(trainer)
+        self._adopt_root(trainer)
         module = trainer.lightning_module
         # Without a closure (manual optimization), torch's step pre-hook fires right before the update: use it too.
         hook = module is not None and not module.automatic_optimization
@@ -113,78 +131,52 @@ class FastCheckpointIO(CheckpointIO):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: _PATH, storage_options: Optional[Any] = None
     ) -> None:
-        """Snapshot ``checkpoint`` and return; ``path`` appears once the data is committed. Called on rank 0."""
-        started = time.perf_counter()
+        """Snapshot ``checkpoint`` and return; ``path`` appears once the file is durable. Called on rank 0."""
         if storage_options is not None:
             raise TypeError(
                 "FastCheckpointIO does not take per-call `storage_options`; pass them once, as"
                 " FastCheckpointIO(storage_options=...) or in the fastckpt YAML."
             )
-        self._publisher.raise_error()
+        if wrapped_by_async_io(self):
+            raise ConfigError(
+                "AsyncCheckpointIO(FastCheckpointIO()) saves nothing faster: AsyncCheckpointIO clones every tensor on"
+                " the training thread first. FastCheckpointIO is already asynchronous: pass it to the Trainer directly,"
+                " as Trainer(plugins=[FastCheckpointIO(...)])"
+            )
         self._discover_trainer()
         path = os.fspath(path)
-        folder_url, basename = split_path(path)
-        folder = self._folder(folder_url)
-        step = self._step_of(checkpoint)
-        weights, state = split_checkpoint(checkpoint)
-        shared, written = self._save_weights(folder, path, basename, step, checkpoint, weights)
-        written.append(folder.save(state, step, basename, "state"))
-        handles = shared + written  # everything the pointer depends on
-        pointer = Pointer(parts=tuple(handle.name for handle in handles), step=step)
-        blocking_ms = (time.perf_counter() - started) * 1e3
-        folder.reserve(pointer.parts)
-        job = partial(self._publish, folder, path, basename, pointer, handles, written, blocking_ms)
-        self._publisher.submit(job, what=f"saving checkpoint {path!r}")
-
-    def _save_weights(
-        self,
-        folder: CheckpointFolder,
-        path: str,
-        basename: str,
-        step: int,
-        checkpoint: Mapping[str, Any],
-        weights: dict[str, Any],
-    ) -> tuple[list[SaveHandle], list[SaveHandle]]:
-        """Save the weights part, or reuse the previous save's; returns (shared handles, new handles)."""
-        if not weights:
-            self._warn_if_eager()
-            return [], []
-        batches = self._batches_seen()
-        current = fingerprint(checkpoint) if batches is not None else ()
-        record = self._record
-        if record is not None and shares_with(record, folder.folder, step, batches, current):
-            return [record.handle], []
-        self._warn_if_eager()
-        handle = folder.save(weights, step, basename, "weights")
-        # Sharing needs the callback's batch counter: without it, two saves at one step may differ in buffers.
-        self._record = SaveRecord(folder.folder, path, step, batches, current, handle.name, handle) if (
-            batches is not None
-        ) else None
-        return [], [handle]
+        folder, name = split_path(path)
+        checkpointer = self._folder(folder)
+        if self._lazy and not self._optimizers:
+            self._warn_eager()
+        handle = checkpointer.save_file(checkpoint, name, step=self._step_of(checkpoint))
+        pending.add(path, handle)
+        handle._durable.add_done_callback(lambda _: self._record(path, handle))
+        if not self._overlapping():
+            # Nothing runs next that a background save could overlap with (a save after fit, a script's direct
+            # call): finish it here, so its errors surface here and the file exists when this returns.
+            checkpointer.wait()
 
     def load_checkpoint(
         self, path: _PATH, map_location: Optional[Any] = None, weights_only: Optional[bool] = None
     ) -> dict[str, Any]:
-        """Read a checkpoint (pointer, core folder or torch file). Called on every rank when resuming."""
-        # Fabric may load right after saving: let this process's pending pointers appear first.
-        self._publisher.drain()
-        self.wait_staged()  # the caller writes what it loads into parameters that lazy copies may still read
-        # `weights_only` needs no handling: the core rebuilds objects only through torch's weights_only unpickler.
+        """Read a checkpoint file (or an older fastckpt layout), as ``TorchCheckpointIO`` would. Called on every rank
+        when resuming."""
+        self.wait_staged(raise_errors=False)  # a load may overwrite parameters a lazy copy still reads
         return read_checkpoint(
             os.fspath(path),
             map_location=map_location,
+            weights_only=weights_only,
             storage_options=self.config.storage_options,
             allowed_classes=self.config.allowed_classes,
+            verify=self.config.persist.verify_on_load,
         )
 
     def remove_checkpoint(self, path: _PATH) -> None:
-        """Delete ``path`` and any data only it names, after every save queued before. Called on rank 0."""
+        """Delete ``path`` after every save queued before it. Called on rank 0."""
         path = os.fspath(path)
-        if self._record is not None and self._record.path == path:
-            self._record = None  # its data may be gone before the next save could share it
-        folder_url, basename = split_path(path)
-        folder = self._folder(folder_url)
-        self._publisher.submit(partial(folder.unpublish, basename), what=f"removing checkpoint {path!r}")
+        folder, name = split_path(path)
+        self._removals.append((path, self._folder(folder).remove_file(name)))
 
     def teardown(self) -> None:
         """Flush every pending save, stop the threads, raise a background error once. Called by the strategy."""
@@ -199,26 +191,29 @@ class FastCheckpointIO(CheckpointIO):
 
     def wait_staged(self, raise_errors: bool = True) -> None:
         """Block until every lazy copy is done, so parameters may change."""
-        for folder in list(self._folders.values()):
+        for checkpointer in list(self._folders.values()):
             try:
-                folder.checkpointer.wait_staged()
+                checkpointer.wait_staged()
             except FastCkptError:
                 if raise_errors:
                     raise
 
     def flush(self) -> None:
-        """Block until every checkpoint is committed and published; raise the first background error once."""
-        self._publisher.drain()
-        core_error: Optional[FastCkptError] = None
-        for folder in list(self._folders.values()):
+        """Block until every checkpoint is durable and every removal done; raise the first background error once."""
+        first: Optional[BaseException] = None
+        for checkpointer in list(self._folders.values()):
             try:
-                folder.checkpointer.wait()
+                checkpointer.wait()
             except FastCkptError as e:
-                core_error = core_error or e
-        # The publisher saw the same failure through its handle (with the path Lightning used): prefer its report.
-        self._publisher.raise_error()
-        if core_error is not None:
-            raise core_error
+                first = first or e
+        removals, self._removals = self._removals, []
+        for path, future in removals:
+            error = future.exception()
+            if error is not None and first is None:
+                first = error
+                log.error("fastckpt_lightning: removing %s failed: %s", path, error)
+        if first is not None:
+            raise first
 
     def log_stats(self, trainer: pl.Trainer) -> None:
         """Send the stats of newly committed checkpoints to the trainer's loggers (training thread only)."""
@@ -234,28 +229,24 @@ class FastCheckpointIO(CheckpointIO):
 
     # ---- internals -----------------------------------------------------------------------------------------
 
-    def _publish(
-        self,
-        folder: CheckpointFolder,
-        path: str,
-        basename: str,
-        pointer: Pointer,
-        handles: list[SaveHandle],
-        written: list[SaveHandle],
-        blocking_ms: float,
-    ) -> None:
-        folder.publish(basename, pointer, handles)
-        stats = [handle.stats for handle in written]
-        shared = len(written) < len(handles)
-        self._book.add(CheckpointStats.combine(path, pointer.step, blocking_ms, stats, deduplicated=shared))
+    def _record(self, path: str, handle: SaveHandle) -> None:
+        if handle._durable.exception() is None:  # failures are raised, not recorded
+            self._book.add(CheckpointStats.of(path, handle.stats))
 
-    def _folder(self, url: str) -> CheckpointFolder:
-        folder = self._folders.get(url)
-        if folder is None:
-            folder = CheckpointFolder(url, self.config, self._create_checkpointer)
-            folder.watch(self._optimizers)
-            self._folders[url] = folder
-        return folder
+    def _folder(self, url: str) -> Checkpointer:
+        checkpointer = self._folders.get(url)
+        if checkpointer is None:
+            checkpointer = self._create_checkpointer(for_directory(self.config, url))
+            self._folders[url] = checkpointer
+            self._watch(url)
+        return checkpointer
+
+    def _watch(self, url: str) -> None:
+        """Make exactly the current optimizers' tensors lazy-safe in one folder's core Checkpointer."""
+        for watch in self._watches.pop(url, []):
+            watch.remove()
+        checkpointer = self._folders[url]
+        self._watches[url] = [checkpointer.watch(optimizer, hook=hook) for optimizer, hook in self._optimizers]
 
     def _set_optimizers(self, optimizers: list[tuple[Optimizer, bool]]) -> None:
         unchanged = len(optimizers) == len(self._optimizers) and all(
@@ -265,8 +256,8 @@ class FastCheckpointIO(CheckpointIO):
         if unchanged:
             return
         self._optimizers = optimizers
-        for folder in self._folders.values():
-            folder.watch(optimizers)
+        for url in self._folders:
+            self._watch(url)
 
     def _discover_trainer(self) -> None:
         # Looked up on every save (microseconds): the plugin may be reused by a new Trainer.
@@ -277,11 +268,33 @@ class FastCheckpointIO(CheckpointIO):
     def _attached_trainer(self) -> Optional[pl.Trainer]:
         return self._trainer() if self._trainer is not None else None
 
-    def _batches_seen(self) -> Optional[int]:
+    def _overlapping(self) -> bool:
+        """Whether training goes on after this save (a running Trainer loop, or a Fabric loop with watched
+        optimizers), so the save may finish in the background."""
         trainer = self._attached_trainer()
-        if trainer is None or not any(callback is self.callback for callback in trainer.callbacks):
-            return None
-        return self.callback.batches_seen
+        if trainer is not None:
+            return trainer.state.status == TrainerStatus.RUNNING
+        return bool(self._optimizers)
+
+    def _adopt_root(self, trainer: pl.Trainer) -> None:
+        """``root`` is the default ``dirpath`` of ``ModelCheckpoint``s without one (before their setup), and a
+        warning names both when they differ."""
+        if self.root is None:
+            return
+        for callback in trainer.checkpoint_callbacks:
+            dirpath = getattr(callback, "dirpath", None)
+            if dirpath is None:  # before ModelCheckpoint.setup resolved its default: ours wins
+                callback.dirpath = self.root
+            elif dirpath is not None and os.fspath(dirpath).rstrip("/") != self.root.rstrip("/") and (
+                not self._warned_root
+            ):
+                self._warned_root = True
+                warnings.warn(
+                    f"FastCheckpointIO(root={self.root!r}) differs from ModelCheckpoint(dirpath={os.fspath(dirpath)!r});"
+                    " checkpoints go to the ModelCheckpoint's dirpath. Set one of them, or make them equal.",
+                    UserWarning,
+                    stacklevel=2,
+                )
 
     def _step_of(self, checkpoint: Mapping[str, Any]) -> int:
         self._saves += 1
@@ -289,8 +302,8 @@ class FastCheckpointIO(CheckpointIO):
         # Fabric states carry no global_step: number the saves instead (the step is informational).
         return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else self._saves
 
-    def _warn_if_eager(self) -> None:
-        if self._lazy and not self._optimizers and not self._warned_eager:
+    def _warn_eager(self) -> None:
+        if not self._warned_eager:
             self._warned_eager = True
             warnings.warn(
                 "FastCheckpointIO found no optimizer to watch (no Lightning Trainer is calling it), so checkpoints"
@@ -302,16 +315,13 @@ class FastCheckpointIO(CheckpointIO):
 
     def _close(self, quiet: bool) -> None:
         folders, self._folders = self._folders, {}
-        self._record = None
+        self._watches = {}
         self._trainer = None
         self._optimizers = []
-        try:
-            for folder in folders.values():
-                try:
-                    folder.close()
-                except FastCkptError:
-                    if not quiet:
-                        raise
-                    log.exception("fastckpt_lightning: error while closing after an earlier error")
-        finally:
-            self._publisher.close()
+        for checkpointer in folders.values():
+            try:
+                checkpointer.close()
+            except FastCkptError:
+                if not quiet:
+                    raise
+                log.exception("fastckpt_lightning: error while closing after an earlier error")

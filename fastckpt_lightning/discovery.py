@@ -34,3 +34,18 @@ def find_calling_trainer(plugin: Any) -> Optional[pl.Trainer]:
 def _uses(trainer: pl.Trainer, plugin: Any) -> bool:
     # Read the private slot: the public property swaps in a default plugin inside wrapping plugins.
     return getattr(trainer.strategy, "_checkpoint_io", None) is plugin
+
+
+def wrapped_by_async_io(plugin: Any) -> bool:
+    """Whether ``plugin`` is being called by Lightning's ``AsyncCheckpointIO`` (from its worker thread)."""
+    from lightning.pytorch.plugins.io.async_plugin import AsyncCheckpointIO
+
+    frame = sys._getframe(1)
+    for _ in range(_MAX_DEPTH):
+        if frame is None:
+            return False
+        candidate = frame.f_locals.get("self")  # the worker's closure sees AsyncCheckpointIO as a free variable
+        if isinstance(candidate, AsyncCheckpointIO) and getattr(candidate, "_checkpoint_io", None) is plugin:
+            return True
+        frame = frame.f_back
+    return False

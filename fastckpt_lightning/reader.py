@@ -1,41 +1,81 @@
-"""Load what a Lightning checkpoint path names: a pointer, a core checkpoint folder, or a plain torch file."""
+"""Load what a Lightning checkpoint path names.
+
+What this plugin writes is a genuine torch checkpoint file, loaded exactly as Lightning's own ``TorchCheckpointIO``
+loads it (``torch.load`` with the caller's ``weights_only``, storages kept on the CPU unless ``map_location`` says
+otherwise), after its CRC-32 fields are checked. Checkpoints of the plugin's earlier layout (a small JSON pointer
+naming core checkpoint folders) and core checkpoint folders load too.
+"""
 
 from __future__ import annotations
 
+import io
 from collections.abc import Sequence
 from typing import Any, Optional
 
 import fastckpt
 from fastckpt import open_storage
-from fastckpt.errors import CheckpointNotFoundError, StateMismatchError
+
+from fastckpt.errors import CheckpointNotFoundError, IntegrityError, StateMismatchError
 from fastckpt.paths import confine
+from fastckpt.storage import LocalStorage
+from fastckpt.torchfile import is_zip, verify_torch_bytes, verify_torch_file
 from lightning.fabric.utilities.cloud_io import _load as torch_load
 
+from fastckpt_lightning import pending
 from fastckpt_lightning.pointer import Pointer, join_path, read_pointer, split_path
+
+
+def _keep_on_cpu(storage: Any, location: str) -> Any:
+    return storage  # Lightning's TorchCheckpointIO default: storages stay where torch built them (the CPU)
 
 
 def read_checkpoint(
     path: str,
     *,
     map_location: Any = None,
+    weights_only: Optional[bool] = None,
     storage_options: Optional[dict[str, Any]] = None,
     allowed_classes: Sequence[str] = (),
+    verify: bool = True,
 ) -> dict[str, Any]:
-    """The checkpoint dict stored at ``path``.
-
-    ``path`` may be a pointer (what this plugin writes), a core checkpoint folder, or a torch ``.ckpt`` written by
-    Lightning's default plugin, so a run can switch to fastckpt and still resume from its old checkpoints.
-    """
+    """The checkpoint dict stored at ``path`` (waiting first for a save of ``path`` still in flight here)."""
+    pending.wait_for(path)
     options = storage_options or {}
     pointer = read_pointer(path, options)
     if pointer is not None:
         return _read_parts(path, pointer, map_location, options, allowed_classes)
     if fastckpt.is_checkpoint(path, storage_options=options):
         return _load_part(path, map_location, options, allowed_classes)
-    storage = open_storage(path, options)
-    if storage.exists(storage.url):
-        return torch_load(path, map_location=map_location, weights_only=True)  # never arbitrary pickles
-    raise CheckpointNotFoundError(f"no checkpoint at {path!r}: not a fastckpt pointer, checkpoint folder or file")
+    return _read_torch_file(path, map_location, weights_only, options, verify)
+
+
+def _read_torch_file(
+    path: str, map_location: Any, weights_only: Optional[bool], options: dict[str, Any], verify: bool
+) -> dict[str, Any]:
+    folder, name = split_path(path)
+    storage = open_storage(folder, options)
+    file = storage.join(storage.url, name)
+    if not storage.exists(file):
+        raise CheckpointNotFoundError(f"Checkpoint file not found: {path}")
+    location = _keep_on_cpu if map_location is None else map_location
+    if isinstance(storage, LocalStorage):
+        if verify:
+            with open(file, "rb") as f:
+                head = f.read(4)
+            _raise_problems(verify_torch_file(file) if is_zip(head) else [])
+        return torch_load(file, map_location=location, weights_only=weights_only)
+    data = storage.read_bytes(file)  # one read serves the check and the load
+    if verify and is_zip(data[:4]):
+        _raise_problems(verify_torch_bytes(data, path))
+    return torch_load(io.BytesIO(data), map_location=location, weights_only=weights_only)
+
+
+def _raise_problems(problems: list[str]) -> None:
+    if problems:
+        raise IntegrityError(
+            "; ".join(problems) + ". The checkpoint is damaged: resume from an earlier one (`fastckpt verify` "
+            "checks a file), or set persist.verify_on_load: false to load it anyway"
+        )
 
 
 def _read_parts(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
@@ -15,47 +15,49 @@ PREFIX = "fastckpt/"
 
 @dataclass(frozen=True)
 class CheckpointStats:
-    """What one ``save_checkpoint`` call cost. Built once its data is committed."""
+    """What one ``save_checkpoint`` call cost. Built once its file is durable."""
 
     path: str
-    """The path Lightning asked for (the pointer)."""
+    """The path Lightning asked for."""
     step: int
     """Global step of the checkpoint."""
     blocking_ms: float
     """Time the training thread spent inside ``save_checkpoint``."""
+    waited_ms: float
+    """Time the training thread waited for the lazy copy before the next optimizer step (the rest of the stall)."""
     staging_ms: float
     """Time until the host copy was complete (lazy copies overlap with training)."""
     persist_s: float
-    """Time to write and commit the data."""
+    """Time until the file was durable under its name."""
     nbytes: int
-    """Bytes written for this call (only the small state part when the weights were shared)."""
+    """Size of the file."""
     throughput_mb_s: float
     """``nbytes`` over ``persist_s``, in MB/s."""
-    deduplicated: bool
-    """True when the weights were shared with the checkpoint saved just before at the same step."""
+
+    @property
+    def stall_ms(self) -> float:
+        """What this checkpoint cost the training thread: ``blocking_ms + waited_ms``."""
+        return self.blocking_ms + self.waited_ms
 
     @classmethod
-    def combine(
-        cls, path: str, step: int, blocking_ms: float, parts: Sequence[SaveStats], deduplicated: bool
-    ) -> CheckpointStats:
-        """One record from the core stats of the parts this call wrote (they ran concurrently)."""
-        nbytes = sum(part.nbytes for part in parts)
-        persist_s = max(part.persist_s for part in parts)
+    def of(cls, path: str, stats: SaveStats) -> CheckpointStats:
+        """The record of one file, from the core's figures of its save."""
         return cls(
             path=path,
-            step=step,
-            blocking_ms=blocking_ms,
-            staging_ms=max(part.staging_ms for part in parts),
-            persist_s=persist_s,
-            nbytes=nbytes,
-            throughput_mb_s=nbytes / 1e6 / persist_s if persist_s > 0 else 0.0,
-            deduplicated=deduplicated,
+            step=stats.step,
+            blocking_ms=stats.blocking_ms,
+            waited_ms=stats.waited_ms,
+            staging_ms=stats.staging_ms,
+            persist_s=stats.persist_s,
+            nbytes=stats.nbytes,
+            throughput_mb_s=stats.throughput_mb_s,
         )
 
     def metrics(self) -> dict[str, float]:
         """The numbers as ``fastckpt/<field>`` metrics for ``Logger.log_metrics``."""
         values = asdict(self)
         del values["path"], values["step"]
+        values["stall_ms"] = self.stall_ms
         return {f"{PREFIX}{key}": float(value) for key, value in values.items()}
 
 
@@ -68,7 +70,7 @@ class StatsBook:
         self._logged = 0
 
     def add(self, stats: CheckpointStats) -> None:
-        """Record one finished checkpoint. Called by the publisher thread."""
+        """Record one finished checkpoint. Called on the core's committer thread."""
         with self._lock:
             self._all.append(stats)
 
@@ -101,9 +103,9 @@ def summary(records: Iterable[CheckpointStats]) -> Optional[dict[str, Any]]:
     count = len(records)
     return {
         "checkpoints": count,
-        "deduplicated": sum(r.deduplicated for r in records),
         "bytes": sum(r.nbytes for r in records),
         "mean_blocking_ms": sum(r.blocking_ms for r in records) / count,
+        "mean_stall_ms": sum(r.stall_ms for r in records) / count,
         "mean_staging_ms": sum(r.staging_ms for r in records) / count,
         "mean_persist_s": sum(r.persist_s for r in records) / count,
         "max_blocking_ms": max(r.blocking_ms for r in records),

@@ -13,8 +13,7 @@ from torch import nn
 
 from fastckpt import Checkpointer, CheckpointConfig
 from fastckpt_lightning import FastCheckpointIO
-from fastckpt_lightning.pointer import DATA_SUFFIX, read_pointer
-from helpers import WrappedStorage, clone_state
+from helpers import clone_state
 
 BATCH = 4
 BATCHES_PER_EPOCH = 4
@@ -111,44 +110,36 @@ class RecordAfterStep(Callback):
         self.by_step[trainer.global_step] = training_state(pl_module)
 
 
-class GatedStorage(WrappedStorage):
-    """Holds every data write until ``gate`` opens. With a tiny ``max_host_bytes`` the core streams staging
-    through two ring buffers that writers hand back, so a held write also holds the lazy copy."""
-
-    def __init__(self, inner: Any, gate: threading.Event) -> None:
-        super().__init__(inner)
-        self.gate = gate
-
-    def write_file(self, path: str, parts: Any) -> None:
-        if not self.gate.wait(timeout=120):
-            raise TimeoutError("test gate never opened")
-        self.inner.write_file(path, parts)
-
-
 class GatedCheckpointer(Checkpointer):
-    """Opens the gate the first time anyone waits for staging (the plugin's callback or torch's step hook)."""
+    """Holds the background (lazy) copy until anyone waits for staging (the plugin's callback or torch's step hook),
+    and records who opened the gate: proof that the copy really overlapped the next step."""
 
     def __init__(self, config: CheckpointConfig, gate: threading.Event, opened_by: list[str]) -> None:
-        from fastckpt import open_storage
-
-        super().__init__(config, storage=GatedStorage(open_storage(config.root), gate))
+        super().__init__(config)
         self._gate = gate
         self._opened_by = opened_by
+        pipeline = self._pipeline
+        copy_shard = pipeline._copy_shard
 
-    def wait_staged(self) -> None:
+        def gated(job: Any, shard: Any) -> None:
+            if threading.current_thread().name.startswith("fastckpt-copy") and not gate.wait(timeout=120):
+                raise TimeoutError("test gate never opened")
+            copy_shard(job, shard)
+
+        pipeline._copy_shard = gated
+
+    def wait_staged(self, *args: Any, **kwargs: Any) -> None:
         if not self._gate.is_set():
             self._opened_by.append(threading.current_thread().name)
             self._gate.set()
-        super().wait_staged()
+        super().wait_staged(*args, **kwargs)
 
 
 class GatedIO(FastCheckpointIO):
     """The plugin with lazy copies held back until the training thread waits for them."""
 
     def __init__(self, **kwargs: Any) -> None:
-        # Tiny shards and a two-buffer ring: the lazy copy cannot finish while the first writes are held.
-        kwargs.setdefault("staging", {"mode": "lazy", "max_host_bytes": 8192})
-        kwargs.setdefault("persist", {"chunk_bytes": 4096, "fsync": False})
+        kwargs.setdefault("persist", {"fsync": False})
         super().__init__(**kwargs)
         self.gate = threading.Event()
         self.opened_by: list[str] = []
@@ -157,21 +148,8 @@ class GatedIO(FastCheckpointIO):
         return GatedCheckpointer(config, self.gate, self.opened_by)
 
 
-def pointer_names(dirpath: str) -> set[str]:
-    """Names in ``dirpath`` that are fastckpt pointers."""
-    return {name for name in os.listdir(dirpath) if read_pointer(os.path.join(dirpath, name)) is not None}
-
-
-def data_names(dirpath: str) -> set[str]:
-    """Core data folders in ``dirpath``."""
-    return {name for name in os.listdir(dirpath) if name.endswith(DATA_SUFFIX)}
-
-
-def referenced_data(dirpath: str) -> set[str]:
-    """Data folders named by the pointers in ``dirpath``."""
-    names: set[str] = set()
-    for name in pointer_names(dirpath):
-        pointer = read_pointer(os.path.join(dirpath, name))
-        assert pointer is not None
-        names.update(pointer.parts)
+def ckpt_names(dirpath: str) -> set[str]:
+    """The checkpoint files in ``dirpath`` (every other name is a failure: no sidecars, no temporaries)."""
+    names = set(os.listdir(dirpath))
+    assert all(name.endswith(".ckpt") for name in names), names
     return names
