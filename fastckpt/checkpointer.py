@@ -38,6 +38,7 @@ from .recovery import recoverable
 from .shm_record import StagedRecord
 from .tiers import ShmTier
 from .storage import Storage, open_storage
+from .paths import is_plain_name
 from .torchfile import TorchFileFormat
 
 __all__ = ["Checkpointer", "WatchHandle"]
@@ -265,7 +266,7 @@ class Checkpointer:
         apply: the caller (a framework such as Lightning) decides which files to keep."""
         t0 = time.perf_counter()
         self._check_open()
-        name = self._check_name(name)
+        name = _check_file_name(name)
         if self._coord is not None:
             raise ConfigError("save_file() writes one file from one process; save it on one rank, with a "
                               "Checkpointer built without distributed=True")
@@ -275,7 +276,7 @@ class Checkpointer:
         self._raise_pending()
         path = self.storage.join(self.storage.url, name)
         try:
-            fmt, tensors, keys = TorchFileFormat.plan(state, path)
+            fmt, tensors, keys, sources = TorchFileFormat.plan(state, path)
         except (TypeError, AttributeError, RuntimeError, pickle.PicklingError) as e:
             raise StateMismatchError(f"cannot save this state as a torch file {path!r}: {e}") from e
         flat = FlatState(tree=None, tensors=tensors, keys=keys, numpy=[False] * len(tensors), objects=[],
@@ -287,18 +288,18 @@ class Checkpointer:
         # No root lock or garbage collection here: the folder is the framework's (Lightning lists it), and a
         # file appears by rename only once complete, so a killed save leaves no folder to collect.
         lazy_ptrs = self._lazy_ptrs(set(), set())
-        return self._submit(flat, step, name, path, None, t0, lazy_ptrs, file_format=fmt)
+        return self._submit(flat, step, name, path, None, t0, lazy_ptrs, file_format=fmt, version_src=sources)
 
     def remove_file(self, name: str) -> Future:
         """Delete the file ``root/name`` after every save submitted before this call (a framework's retention:
         Lightning's ``remove_checkpoint``); missing is fine. The ``Future`` carries its error."""
         self._check_open()
-        path = self.storage.join(self.storage.url, self._check_name(name))
+        path = self.storage.join(self.storage.url, _check_file_name(name))
         return self._pipeline.run_in_order(lambda: self.storage.delete(path))  # type: ignore[union-attr]
 
     def _submit(self, flat: FlatState, step: int, name: str, dirpath: str, objects: bytes | None, t0: float,
                 lazy_ptrs: set[int], *, dtensors: list[dict[str, Any]] | None = None,
-                file_format: TorchFileFormat | None = None) -> SaveHandle:
+                file_format: TorchFileFormat | None = None, version_src: list[Any] | None = None) -> SaveHandle:
         """Plan, take a staging slot, copy the eager shards now and queue the rest (both save paths)."""
         plan = self._planner.plan(flat, lambda t: t.data_ptr() in lazy_ptrs)
         if self._coord is not None:
@@ -320,7 +321,7 @@ class Checkpointer:
         if self._uploader is not None and file_format is None:
             handle._upload = Future()
         job = Job(handle, plan, slot, flat.tensors, flat.keys, flat.numpy, flat.tree, objects, dirpath, t0,
-                  dtensors=dtensors or [], file_format=file_format)
+                  dtensors=dtensors or [], file_format=file_format, version_src=version_src)
         if self._coord is not None:
             job.uid = self._coord.next_uid()
         if cuda is not None:
@@ -750,6 +751,14 @@ def _address(t: torch.Tensor) -> int:
     """Where ``t``'s data starts; a DTensor's (FSDP2 parameter, its optimizer state) is its local block's."""
     local = getattr(t, "_local_tensor", None)
     return (local if isinstance(local, torch.Tensor) else t).data_ptr()
+
+
+def _check_file_name(name: str) -> str:
+    """A framework's file name (``save_file``): any plain name (Lightning's ddp_spawn saves ``.temp.ckpt``), but not
+    one of the temporary names ``write_file_atomic`` uses."""
+    if not is_plain_name(name) or ".fastckpt-tmp-" in name:
+        raise ConfigError(f"file name {name!r} must be one plain file name (no '/', not '.' or '..')")
+    return name
 
 
 def _named_ptrs(flat: Any, names: Any, what: str) -> set[int]:

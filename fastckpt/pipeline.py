@@ -71,6 +71,7 @@ class Job:
     guard: VersionGuard | None = None  # version counters of the lazy tensors, taken in save()
     staged_crcs: dict[int, list[int]] = field(default_factory=dict)  # shm: per shard, each tensor's CRC32C as staged
     file_format: TorchFileFormat | None = None  # a single torch file instead of safetensors shards + manifest
+    version_src: list[Any] | None = None  # what the mutation guard watches, per tensor (default: the tensors)
 
 
 class Pipeline:
@@ -111,7 +112,8 @@ class Pipeline:
         """Queue ``job``: the copy thread stages ``lazy`` shards, then the committer commits."""
         if lazy:
             # Still on the training thread inside save(): the counters are those of the snapshot's moment.
-            job.guard = VersionGuard(job.handle.name, job.tensors, job.keys, (e for s in lazy for e in s.entries))
+            job.guard = VersionGuard(job.handle.name, job.version_src or job.tensors, job.keys,
+                                     (e for s in lazy for e in s.entries))
         self._commit_q.put(job)
         if lazy:
             self._copy_q.put((job, lazy))  # type: ignore[arg-type]

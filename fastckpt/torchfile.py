@@ -342,13 +342,17 @@ class TorchFileFormat:
     path: str
 
     @classmethod
-    def plan(cls, state: Any, path: str) -> tuple["TorchFileFormat", list[torch.Tensor], list[str]]:
-        """Called by ``save_file``: the format, the tensors to stage (one per record), their names."""
+    def plan(cls, state: Any, path: str) -> tuple["TorchFileFormat", list[torch.Tensor], list[str], list[torch.Tensor]]:
+        """Called by ``save_file``: the format, the tensors to stage (one per record), their names, and for each a
+        tensor of the state on that storage (whose version counter the mutation guard watches: the flat view
+        staged here has a counter of its own)."""
         layout = plan_torch_file(state)
         tensors = [storage_bytes(r.storage) for r in layout.records]
-        names = _storage_names(state)  # errors name "state_dict/layer.weight", not "data/3"
-        keys = [names.get((str(r.storage.device), r.storage.data_ptr()), f"data/{r.key}") for r in layout.records]
-        return cls(layout, path), tensors, keys
+        found = _storage_tensors(state)  # errors name "state_dict/layer.weight", not "data/3"
+        where = [found.get((str(r.storage.device), r.storage.data_ptr())) for r in layout.records]
+        keys = [w[0] if w else f"data/{r.key}" for w, r in zip(where, layout.records)]
+        sources = [w[1] if w else t for w, t in zip(where, tensors)]
+        return cls(layout, path), tensors, keys, sources
 
     def checksum(self, data: memoryview, entries: Any) -> dict[int, int]:
         """Called by an I/O worker once a shard is staged: the CRC-32 of each record it holds."""
@@ -373,15 +377,15 @@ class TorchFileFormat:
         return [p for p in out if len(p)]
 
 
-def _storage_names(state: Any) -> dict[tuple[str, int], str]:
-    """The key path of the first tensor found on each storage, for messages (containers walked, nothing else)."""
-    names: dict[tuple[str, int], str] = {}
+def _storage_tensors(state: Any) -> dict[tuple[str, int], tuple[str, torch.Tensor]]:
+    """The first tensor found on each storage and its key path (containers walked, nothing else)."""
+    names: dict[tuple[str, int], tuple[str, torch.Tensor]] = {}
     stack: list[tuple[str, Any, int]] = [("", state, 0)]
     while stack:
         path, obj, depth = stack.pop()
         if isinstance(obj, torch.Tensor):
             if obj.layout is torch.strided and obj.device.type != "meta":
-                names.setdefault((str(obj.device), obj.untyped_storage().data_ptr()), path or "tensor")
+                names.setdefault((str(obj.device), obj.untyped_storage().data_ptr()), (path or "tensor", obj))
         elif depth < 64 and isinstance(obj, dict):
             stack.extend((f"{path}/{k}" if path else str(k), v, depth + 1) for k, v in reversed(list(obj.items())))
         elif depth < 64 and isinstance(obj, (list, tuple)):

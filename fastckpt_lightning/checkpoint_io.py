@@ -89,9 +89,7 @@ class FastCheckpointIO(CheckpointIO):
         self._saves = 0
 
     def __getstate__(self) -> dict[str, Any]:
-        state = {k: v for k, v in self.__dict__.items() if k in ("config", "root", "callback", "_lazy", "_book")}
-        state["_book"] = StatsBook()
-        return state
+        return {k: v for k, v in self.__dict__.items() if k in ("config", "root", "callback", "_lazy", "_book")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -154,8 +152,9 @@ class FastCheckpointIO(CheckpointIO):
         handle._durable.add_done_callback(lambda _: self._record(path, handle))
         if not self._overlapping():
             # Nothing runs next that a background save could overlap with (a save after fit, a script's direct
-            # call): finish it here, so its errors surface here and the file exists when this returns.
-            checkpointer.wait()
+            # call): finish it here, so its errors surface here and the file exists when this returns; and stop
+            # the threads, as no teardown may follow (stock Lightning leaves no thread behind either).
+            self.teardown()
 
     def load_checkpoint(
         self, path: _PATH, map_location: Optional[Any] = None, weights_only: Optional[bool] = None

@@ -69,6 +69,14 @@ class StatsBook:
         self._all: list[CheckpointStats] = []
         self._logged = 0
 
+    def __getstate__(self) -> dict[str, Any]:  # the plugin is pickled with the trainer (ddp_spawn): records only
+        with self._lock:
+            return {"_all": list(self._all), "_logged": self._logged}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     def add(self, stats: CheckpointStats) -> None:
         """Record one finished checkpoint. Called on the core's committer thread."""
         with self._lock:

@@ -121,10 +121,10 @@ class GatedCheckpointer(Checkpointer):
         pipeline = self._pipeline
         copy_shard = pipeline._copy_shard
 
-        def gated(job: Any, shard: Any) -> None:
+        def gated(job: Any, shard: Any, *rest: Any) -> None:
             if threading.current_thread().name.startswith("fastckpt-copy") and not gate.wait(timeout=120):
                 raise TimeoutError("test gate never opened")
-            copy_shard(job, shard)
+            copy_shard(job, shard, *rest)
 
         pipeline._copy_shard = gated
 

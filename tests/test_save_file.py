@@ -127,3 +127,32 @@ def test_save_file_on_memory_fs(tmp_path) -> None:
         with fsspec.open(f"{root}/a.ckpt", "rb") as f:
             loaded = torch.load(f, weights_only=True)
     _equal(state, loaded)
+
+
+def test_a_watched_tensor_changed_before_its_lazy_copy_fails_the_file_by_name(tmp_path, monkeypatch) -> None:
+    import threading
+
+    import fastckpt.pipeline as pipeline
+    from fastckpt.errors import SnapshotMutatedError
+
+    gate = threading.Event()
+    real = pipeline.Pipeline._copy_shard
+
+    def held(self, job, shard, *rest):  # the copy thread waits until the test has written in place
+        if threading.current_thread().name.startswith("fastckpt-copy") and not gate.wait(timeout=60):
+            raise TimeoutError("test gate never opened")
+        return real(self, job, shard, *rest)
+
+    monkeypatch.setattr(pipeline.Pipeline, "_copy_shard", held)
+    model, opt = _model()
+    (tmp_path / "a.ckpt").write_bytes(b"previous")
+    with Checkpointer(CheckpointConfig(root=str(tmp_path))) as ckpt:
+        ckpt.watch(opt)
+        handle = ckpt.save_file(_lightning_like(model, opt, 1), "a.ckpt", step=1)
+        with torch.no_grad():
+            model[0].weight.clamp_(-0.01, 0.01)  # weight surgery outside optimizer.step(), before the copy
+        gate.set()
+        with pytest.raises(SnapshotMutatedError, match="state_dict/0.weight"):
+            handle.wait()
+        ckpt.wait()  # raised once, through the handle
+    assert (tmp_path / "a.ckpt").read_bytes() == b"previous"  # the file under the name was never replaced
