@@ -20,7 +20,7 @@ from concurrent.futures import Future
 from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
-from fastckpt import Checkpointer, CheckpointConfig, SaveHandle
+from fastckpt import Checkpointer, CheckpointConfig, SaveHandle, open_storage
 from fastckpt.errors import ConfigError, FastCkptError
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.utilities.types import _PATH
@@ -175,6 +175,14 @@ class FastCheckpointIO(CheckpointIO):
         """Delete ``path`` after every save queued before it. Called on rank 0."""
         path = os.fspath(path)
         folder, name = split_path(path)
+        checkpointer = self._folders.get(folder)
+        if checkpointer is None and not self._overlapping():
+            # Nothing of ours is pending in that folder and no loop runs (ddp_spawn's main process removing
+            # `.temp.ckpt`): delete now rather than start threads that no teardown would stop.
+            pending.wait_for(path)
+            storage = open_storage(folder, self.config.storage_options)
+            storage.delete(storage.join(storage.url, name))
+            return
         self._removals.append((path, self._folder(folder).remove_file(name)))
 
     def teardown(self) -> None:
