@@ -15,6 +15,7 @@ read and verify; ``verify_torch_file`` checks them without loading anything.
 """
 from __future__ import annotations
 
+import bisect
 import io
 import mmap
 import os
@@ -249,17 +250,23 @@ def _check_records(view: "_Mapped") -> list[str]:
 
 
 class _Sparse:
-    """Random reads over recorded segments; holes read as zeros."""
+    """Random reads over recorded segments (sorted, disjoint); holes read as zeros."""
 
     def __init__(self, segments: tuple[tuple[int, bytes], ...], size: int) -> None:
         self.segments, self.size = segments, size
+        self._starts = [off for off, _ in segments]
 
     def read(self, offset: int, n: int) -> bytes:
         out = bytearray(n)
-        for off, data in self.segments:
+        # the segment that may hold ``offset``, then those after it up to ``offset + n`` (a binary search: a
+        # skeleton has two segments per storage, and the central directory is read entry by entry)
+        i = max(bisect.bisect_right(self._starts, offset) - 1, 0)
+        while i < len(self.segments) and self.segments[i][0] < offset + n:
+            off, data = self.segments[i]
             lo, hi = max(off, offset), min(off + len(data), offset + n)
             if lo < hi:
                 out[lo - offset:hi - offset] = data[lo - off:hi - off]
+            i += 1
         return bytes(out)
 
 
