@@ -1,18 +1,14 @@
-"""Pointer files: the one small object that Lightning sees at ``dirpath/epoch=0-step=10.ckpt``.
+"""Pointer files: how fastckpt 0.1's Lightning plugin laid out a checkpoint (read-only support).
 
-The checkpoint data lives in core checkpoint folders next to it (``epoch=0-step=10.ckpt.<token>.fastckpt/``). The
-pointer is written only after those folders are committed, so ``fs.exists(path)`` means "loadable", and it is a
-single object so s3fs ``modified()``/``ls()`` behave (they raise or mislead on prefixes).
-
-A pointer lists ``parts``: data folder names relative to the pointer's folder. Loading reads them in order and later
-parts override top-level keys; this is how ``save_last`` reuses the weights of the checkpoint saved at the same step.
+That layout kept a small JSON document at ``dirpath/epoch=0-step=10.ckpt`` naming core checkpoint folders next to
+it (``epoch=0-step=10.ckpt.<token>.fastckpt/``); loading read the parts in order, later parts overriding top-level
+keys. The plugin now writes genuine torch files; these readers keep old runs resumable.
 """
 
 from __future__ import annotations
 
 import errno
 import json
-import logging
 import os
 import posixpath
 from dataclasses import dataclass
@@ -22,14 +18,10 @@ from fastckpt import Storage, open_storage
 from fastckpt.errors import IntegrityError, StorageError
 from fastckpt.paths import plain_name
 
-log = logging.getLogger("fastckpt")
-
 FORMAT = "fastckpt-lightning-pointer"
 VERSION = 1
 # Anything larger is a real torch checkpoint (or something else), never one of our pointers.
 MAX_POINTER_BYTES = 64 * 1024
-# Data folders end with this; they are never pointers.
-DATA_SUFFIX = ".fastckpt"
 
 
 @dataclass(frozen=True)
@@ -85,16 +77,11 @@ def join_path(folder: str, name: str) -> str:
 
 
 class PointerStore:
-    """Reads and writes the pointer files of one checkpoint folder through the core ``Storage``."""
+    """Reads the pointer files of one checkpoint folder (fastckpt 0.1's layout) through the core ``Storage``."""
 
     def __init__(self, storage: Storage) -> None:
         self._storage = storage
         self.folder = storage.url
-
-    def write(self, name: str, pointer: Pointer) -> None:
-        """Atomically publish ``pointer`` at ``folder/name``, replacing any older one. Called by the publisher."""
-        # The core commits its own manifests this way: a rename locally, one PUT on object stores.
-        self._storage.write_atomic(self._path(name), pointer.to_bytes())
 
     def read(self, name: str) -> Optional[Pointer]:
         """The pointer at ``folder/name``; None if the file is missing or is not a pointer."""
@@ -110,27 +97,6 @@ class PointerStore:
             if getattr(e, "errno", None) in (errno.EISDIR, errno.ENOTDIR):
                 return None  # the local storage wraps "is a directory" (a core checkpoint folder)
             raise
-
-    def delete(self, name: str) -> None:
-        """Delete the file ``folder/name`` (a pointer or a legacy single-file checkpoint); missing is fine."""
-        self._storage.delete(self._path(name))
-
-    def referenced_parts(self) -> set[str]:
-        """Every data folder named by some pointer in this folder. Called before deleting data."""
-        referenced: set[str] = set()
-        for name in self._storage.listdir(self.folder):
-            if name.endswith(DATA_SUFFIX) or name.startswith("."):
-                continue  # data folders and temporary files are never pointers
-            try:
-                pointer = self.read(name)
-            except StorageError:
-                continue  # a sub-folder or an unreadable stray file: it names no data
-            except IntegrityError as e:
-                log.warning("fastckpt: ignoring pointer %s: %s", name, e)  # a crafted one names no data of ours
-                continue
-            if pointer is not None:
-                referenced.update(pointer.parts)
-        return referenced
 
     def _path(self, name: str) -> str:
         return self._storage.join(self.folder, name)
