@@ -58,17 +58,22 @@ def _assert_saved_after_release(ckpt: Checkpointer, state: dict) -> None:
     assert torch.equal(ckpt.load()["w"], state["w"])
 
 
-def test_forked_process_exits_at_once_while_parent_save_pends(blocked) -> None:
-    ckpt, state = blocked
-    child = _fork.Process(target=_child_that_returns, name="fork-child")
+def _assert_child_exits(name: str, hung: str) -> None:
+    """Fork a child with nothing to do; it must exit 0 within the bound (killed and reaped if it does not)."""
+    child = _fork.Process(target=_child_that_returns, name=name)
     child.start()
     child.join(_CHILD_EXIT_BOUND_S)
     try:
-        assert child.exitcode == 0, "the fork()ed child hung in the parent's exit flush"
+        assert child.exitcode == 0, hung
     finally:
         if child.exitcode is None:
             child.kill()
             child.join()
+
+
+def test_forked_process_exits_at_once_while_parent_save_pends(blocked) -> None:
+    ckpt, state = blocked
+    _assert_child_exits("fork-child", "the fork()ed child hung in the parent's exit flush")
     _assert_saved_after_release(ckpt, state)
 
 
@@ -165,15 +170,7 @@ def test_accelerate_exit_hook_does_not_run_in_a_forked_child(tmp_path) -> None:
         storage.gate.clear()
         acc.save_state()
         assert storage.write_started.wait(30)
-        child = _fork.Process(target=_child_that_returns, name="fork-child-accelerate")
-        child.start()
-        child.join(_CHILD_EXIT_BOUND_S)
-        try:
-            assert child.exitcode == 0, "the fork()ed child hung in Accelerate's exit hook"
-        finally:
-            if child.exitcode is None:
-                child.kill()
-                child.join()
+        _assert_child_exits("fork-child-accelerate", "the fork()ed child hung in Accelerate's exit hook")
         storage.gate.set()
         checkpointing.wait()
         assert checkpointing.checkpointer.exists("checkpoint_0")
