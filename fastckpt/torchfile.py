@@ -8,7 +8,7 @@ stream without allocating the holes and records which storage each ``data/<key>`
 the engine can treat a ``.ckpt`` exactly like a safetensors shard: a header it did not have to
 compute and a list of ``(storage, offset, nbytes)`` ranges it fills from staged copies.
 
-The writer skips the records' CRC-32 (their data descriptors say 0). ``seal`` fills them in, in
+The writer skips the records' CRC-32 (their data descriptors say 0). ``TorchFileFormat.parts`` fills them in, in
 the data descriptor that follows each record and in its central-directory entry, so the file is
 a genuine zip that ``torch.load(weights_only=True)``, Python's ``zipfile`` and any zip tool
 read and verify; ``verify_torch_file`` checks them without loading anything.
@@ -35,8 +35,8 @@ try:  # 5x the speed of the stdlib's crc32 here, and it releases the GIL on larg
 except ImportError:  # pragma: no cover - the dependency is declared; keep working without it
     _crc32 = zlib.crc32
 
-__all__ = ["TorchRecord", "TorchFileLayout", "TorchFileFormat", "plan_torch_file", "seal", "record_crc",
-           "verify_torch_file", "verify_torch_bytes", "is_zip", "storage_bytes"]
+__all__ = ["TorchRecord", "TorchFileLayout", "TorchFileFormat", "plan_torch_file", "verify_torch_file",
+           "verify_torch_bytes", "is_zip", "storage_bytes"]
 
 _LOCAL_SIG, _DESC_SIG, _CENTRAL_SIG = b"PK\x03\x04", b"PK\x07\x08", b"PK\x01\x02"
 _EOCD_SIG, _EOCD64_SIG, _LOC64_SIG = b"PK\x05\x06", b"PK\x06\x06", b"PK\x06\x07"
@@ -61,13 +61,6 @@ class TorchFileLayout:
     size: int  # bytes in the finished file
     segments: tuple[tuple[int, bytes], ...]  # (offset, bytes) of everything that is not storage data
     records: tuple[TorchRecord, ...]  # in file order
-
-    def fill_fixed(self, image: memoryview) -> None:
-        """Write the fixed bytes into ``image`` (a buffer of ``size`` bytes); the holes are left as they are."""
-        if len(image) != self.size:
-            raise ValueError(f"the file image must be {self.size} bytes, got {len(image)}")
-        for off, data in self.segments:
-            image[off:off + len(data)] = data
 
 
 class _Recorder(io.RawIOBase):
@@ -171,24 +164,6 @@ def plan_torch_file(obj: Any) -> TorchFileLayout:
 def storage_bytes(storage: Any) -> torch.Tensor:
     """A flat uint8 tensor over all of ``storage`` (torch saves whole storages, not the viewed part)."""
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-
-
-def record_crc(image: memoryview | bytes, record: TorchRecord) -> int:
-    """CRC-32 of ``record``'s bytes in a file image."""
-    return _crc32(memoryview(image)[record.offset:record.offset + record.nbytes]) & 0xFFFFFFFF
-
-
-def seal(image: memoryview, layout: TorchFileLayout, crcs: dict[str, int] | None = None) -> dict[str, int]:
-    """Fill in every record's CRC-32 (computed from ``image`` unless given); returns them by key."""
-    crcs = dict(crcs or {})
-    for rec in layout.records:
-        crc = crcs.setdefault(rec.key, record_crc(image, rec))
-        if rec.nbytes == 0:
-            continue
-        field = struct.pack("<I", crc)
-        image[rec.descriptor_crc:rec.descriptor_crc + 4] = field
-        image[rec.central_crc:rec.central_crc + 4] = field
-    return crcs
 
 
 def verify_torch_file(path: str) -> list[str]:

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import io
 import zipfile
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from fastckpt.torchfile import plan_torch_file, record_crc, seal, storage_bytes, verify_torch_file
+from fastckpt.torchfile import TorchFileFormat, plan_torch_file, storage_bytes, verify_torch_file
 
 
 def _state() -> dict:
@@ -24,14 +25,16 @@ def _state() -> dict:
 
 
 def _materialize(layout) -> bytearray:
-    """What the engine does: the fixed bytes, each storage's bytes at its offset, then the CRCs."""
-    image = bytearray(layout.size)
-    view = memoryview(image)
-    layout.fill_fixed(view)
-    for rec in layout.records:
-        view[rec.offset:rec.offset + rec.nbytes] = storage_bytes(rec.storage).numpy().tobytes()
-    seal(view, layout)
-    return image
+    """What the engine does: each record's CRC-32 as the I/O workers compute it, then the committer's parts
+    (fixed bytes with the CRCs filled in, around each storage's bytes)."""
+    fmt = TorchFileFormat(layout, "unused")
+    data = memoryview(b"".join(storage_bytes(r.storage).numpy().tobytes() for r in layout.records))
+    entries, views, offset = [], {}, 0
+    for i, r in enumerate(layout.records):
+        entries.append(SimpleNamespace(index=i, offset=offset, nbytes=r.nbytes))
+        views[i] = data[offset:offset + r.nbytes]
+        offset += r.nbytes
+    return bytearray(b"".join(fmt.parts(views, fmt.checksum(data, entries))))
 
 
 def _assert_same(a, b) -> None:
@@ -58,7 +61,7 @@ def test_layout_is_torch_save_byte_for_byte_but_the_crcs(tmp_path) -> None:
     torch.save(state, reference)
     ref = reference.getvalue()
     assert len(image) == len(ref)
-    # torch.save's own CRCs equal the ones seal() computed, so the files match except the serialization id
+    # torch.save's own CRCs equal the ones the engine computed, so the files match except the serialization id
     with zipfile.ZipFile(io.BytesIO(bytes(image))) as ours, zipfile.ZipFile(io.BytesIO(ref)) as theirs:
         assert [i.filename for i in ours.infolist()] == [i.filename for i in theirs.infolist()]
         for a, b in zip(ours.infolist(), theirs.infolist()):
@@ -113,13 +116,15 @@ def test_verify_names_a_flipped_byte_and_a_truncated_file(tmp_path) -> None:
     assert "foreign.ckpt" in verify_torch_file(str(foreign))[0]
 
 
-def test_record_crc_matches_zlib() -> None:
+def test_record_checksums_match_zlib() -> None:
     import zlib
 
     layout = plan_torch_file({"x": torch.randn(1000)})
     image = _materialize(layout)
     rec = layout.records[0]
-    assert record_crc(image, rec) == zlib.crc32(bytes(image[rec.offset:rec.offset + rec.nbytes]))
+    crc = TorchFileFormat(layout, "unused").checksum(memoryview(image), [SimpleNamespace(index=0, offset=rec.offset,
+                                                                                         nbytes=rec.nbytes)])
+    assert crc == {0: zlib.crc32(bytes(image[rec.offset:rec.offset + rec.nbytes]))}
 
 
 def test_planning_moves_no_tensor_bytes() -> None:
