@@ -99,21 +99,26 @@ class Catalog:
         with self._lock:
             self._known.pop(name, None)
 
+    def doomed(self, rules: RetentionOptions, pending: set[str]) -> list[CheckpointInfo]:
+        """The committed checkpoints ``rules`` do not keep (``fastckpt gc --dry-run`` prints them)."""
+        if rules.keep_last is None:
+            return []
+        infos = self.list()
+        keep = {i.name for i in infos[-rules.keep_last:]}
+        if rules.keep_every_n_steps:
+            keep |= {i.name for i in infos if i.step % rules.keep_every_n_steps == 0}
+        return [i for i in infos[:-1] if i.name not in keep and i.name not in pending]
+
     def retain(self, rules: RetentionOptions, pending: set[str]) -> None:
         """Delete what ``rules`` do not keep; never the newest committed one, never a pending name."""
         if rules.keep_last is None:
             return
         try:
-            infos = self.list()
+            doomed = self.doomed(rules, pending)
         except FastCkptError as e:
             log.warning("fastckpt: retention skipped, cannot list %s: %s", self.storage.url, e)
             return
-        keep = {i.name for i in infos[-rules.keep_last:]}
-        if rules.keep_every_n_steps:
-            keep |= {i.name for i in infos if i.step % rules.keep_every_n_steps == 0}
-        for info in infos[:-1]:
-            if info.name in keep or info.name in pending:
-                continue
+        for info in doomed:
             try:
                 self.delete(info.name)
                 log.info("fastckpt: retention removed %s (step %d)", info.name, info.step)

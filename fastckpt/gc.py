@@ -29,7 +29,7 @@ from .format import MANIFEST
 from .paths import is_plain_name
 from .storage import Storage
 
-__all__ = ["collect", "collect_quietly"]
+__all__ = ["collect", "collect_quietly", "is_save_folder"]
 
 log = logging.getLogger("fastckpt")
 
@@ -75,6 +75,11 @@ def collect_quietly(storage: Storage, grace_s: float, protected: Callable[[str],
         return []
 
 
+def is_save_folder(entries: list[str]) -> bool:
+    """Whether a folder holding ``entries`` is an uncommitted save's: only files fastckpt writes, no manifest."""
+    return bool(entries) and MANIFEST not in entries and all(_OURS.fullmatch(e) for e in entries)
+
+
 def _dead_for(storage: Storage, path: str, modified: Callable[[str], float], now: float) -> float | None:
     """Seconds since anything in the uncommitted fastckpt folder ``path`` changed; None if it is not one."""
     try:
@@ -83,7 +88,7 @@ def _dead_for(storage: Storage, path: str, modified: Callable[[str], float], now
         return None  # a file (a Lightning pointer, the lock file) or unreadable: not ours to judge
     if not entries or entries == [path.rstrip("/").rsplit("/", 1)[-1]]:
         return None  # empty, or an object store listing a file as itself
-    if MANIFEST in entries or not all(_OURS.fullmatch(e) for e in entries):
+    if not is_save_folder(entries):
         return None
     try:
         newest = max(modified(storage.join(path, e)) for e in entries)

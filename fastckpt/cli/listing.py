@@ -1,0 +1,207 @@
+"""``fastckpt list ROOT``: one row per checkpoint under a core root, a Lightning dirpath or an
+Accelerate ``checkpoints/`` folder.
+
+Rows are read cheaply: core manifests, Lightning file names (``step=N``) or, failing that, the
+torch file's pickle only (``layout.read_skeleton``), Accelerate folder names. Status says what a
+user must know before resuming: ``committed``, ``pending upload`` (committed here, not yet on the
+remote tier), ``torn`` (a truncated file) or ``uncommitted`` (a save that never committed: gc's).
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ..errors import FastCkptError, IntegrityError
+from ..format import MANIFEST, parse_manifest
+from .layout import (ACCELERATE_FILE, Located, children, has_zip_end, is_torch_name, locate, pointer_parts,
+                     pointer_step, read_skeleton)
+from .options import CliOptions, is_remote, print_json
+
+__all__ = ["Row", "list_root", "run"]
+
+_STEP = re.compile(r"(?:^|[-_])step=(\d+)")
+_EPOCH = re.compile(r"(?:^|[-_])epoch=(\d+)")
+_ACC_FOLDER = re.compile(r"checkpoint_(\d+)")
+
+
+@dataclass(slots=True)
+class Row:
+    """One checkpoint as ``list`` shows it (``--json`` prints these fields)."""
+
+    name: str
+    step: int | None
+    epoch: int | None
+    created: float | None
+    nbytes: int
+    where: str
+    status: str
+    path: str
+    layout: str
+
+
+def list_root(root: str, opts: CliOptions) -> list[Row]:
+    """The rows under ``root``, oldest step first; a missing root raises ``CheckpointNotFoundError``."""
+    loc = locate(root, opts.storage_options)
+    names = children(loc)
+    if names is None:
+        raise IntegrityError(f"{root} is a file; `fastckpt list` takes a folder (`fastckpt inspect` a file)")
+    if "checkpoints" in names and not any(_ACC_FOLDER.fullmatch(n) for n in names):
+        loc = Located(loc.storage, loc.storage.join(loc.path, "checkpoints"))  # an Accelerate project_dir
+        names = children(loc) or []
+    here = "remote" if is_remote(loc.path) else "local"
+    if any(is_torch_name(n) for n in names):
+        rows = [_lightning_row(Located(loc.storage, loc.storage.join(loc.path, n)), here) for n in names
+                if is_torch_name(n)]
+    elif any(_ACC_FOLDER.fullmatch(n) for n in names):
+        rows = [_accelerate_row(Located(loc.storage, loc.storage.join(loc.path, n)), here) for n in names
+                if _ACC_FOLDER.fullmatch(n)]
+    else:
+        rows = _core_rows(loc, names, here, opts)
+    return sorted(rows, key=lambda r: (r.step if r.step is not None else -1, r.name))
+
+
+def _core_rows(loc: Located, names: list[str], here: str, opts: CliOptions) -> list[Row]:
+    rows = {}
+    for name in names:
+        if name.startswith("."):
+            continue
+        row = _core_row(Located(loc.storage, loc.storage.join(loc.path, name)), here)
+        if row is not None:
+            rows[name] = row
+    if opts.remote_url is None:
+        return list(rows.values())
+    remote = locate(opts.remote_url, opts.remote_options)
+    for name in children(remote) if _exists(remote) else []:
+        row = _core_row(Located(remote.storage, remote.storage.join(remote.path, name)), "remote")
+        if row is None or row.status != "committed":
+            continue
+        mine = rows.get(name)
+        if mine is None:
+            rows[name] = row
+        elif mine.status == "committed":
+            mine.where = "both"
+    for row in rows.values():
+        if row.where == here and row.status == "committed":
+            row.status = "pending upload"  # committed here but not (yet) on the remote tier
+    return list(rows.values())
+
+
+def _exists(loc: Located) -> bool:
+    try:
+        return children(loc) is not None
+    except FastCkptError:
+        return False
+
+
+def _core_row(loc: Located, where: str) -> Row | None:
+    """A core checkpoint folder's row; None for anything that is not a save's folder."""
+    storage = loc.storage
+    try:
+        files = storage.listdir(loc.path)
+    except (FastCkptError, OSError):
+        return None
+    if MANIFEST not in files:
+        from ..gc import is_save_folder
+
+        if not files or not is_save_folder(files):
+            return None
+        size = sum(storage.size(storage.join(loc.path, f)) for f in files)
+        step = re.fullmatch(r"step-(\d+)", loc.name)
+        return Row(loc.name, int(step.group(1)) if step else None, None, _mtime(loc, files), size, where,
+                   "uncommitted", loc.path, "core")
+    mpath = storage.join(loc.path, MANIFEST)
+    try:
+        doc = parse_manifest(storage.read_bytes(mpath), mpath)
+    except FastCkptError as e:
+        print(f"fastckpt: warning: {e}", file=sys.stderr)
+        return Row(loc.name, None, None, None, 0, where, "torn", loc.path, "core")
+    created = doc.get("created")
+    return Row(loc.name, doc["step"], None, created if isinstance(created, (int, float)) else None,
+               doc.get("nbytes", 0), where, "committed", loc.path, "core")
+
+
+def _lightning_row(loc: Located, where: str) -> Row:
+    step = _STEP.search(loc.name)
+    epoch = _EPOCH.search(loc.name)
+    row = Row(loc.name, int(step.group(1)) if step else None, int(epoch.group(1)) if epoch else None,
+              _modified(loc), loc.storage.size(loc.path), where, "committed", loc.path, "lightning")
+    try:
+        if pointer_parts(loc) is not None:  # fastckpt 0.1's layout
+            row.layout, row.step = "lightning-0.1-pointer", pointer_step(loc)
+            return row
+    except FastCkptError:
+        pass
+    if not has_zip_end(loc):
+        row.status = "torn"  # no zip end record: the write stopped part way
+        return row
+    if row.step is None or row.epoch is None:
+        try:
+            skeleton = read_skeleton(loc)  # the pickle only: no tensor bytes are read
+        except FastCkptError:
+            row.status = "torn"
+            return row
+        if isinstance(skeleton, dict):
+            row.step = skeleton.get("global_step", row.step)
+            row.epoch = skeleton.get("epoch", row.epoch)
+    return row
+
+
+def _accelerate_row(loc: Located, where: str) -> Row:
+    files = children(loc) or []
+    index = int(_ACC_FOLDER.fullmatch(loc.name).group(1))  # type: ignore[union-attr]
+    if MANIFEST in files:  # written by fastckpt: its manifest knows the step
+        row = _core_row(loc, where)
+        assert row is not None
+        row.layout = "accelerate"
+        return row
+    size = sum(loc.storage.size(loc.storage.join(loc.path, f)) for f in files)
+    status = "committed" if any(ACCELERATE_FILE.fullmatch(f) for f in files) else "uncommitted"
+    return Row(loc.name, index, None, _mtime(loc, files), size, where, status, loc.path, "accelerate")
+
+
+def _modified(loc: Located) -> float | None:
+    modified = getattr(loc.storage, "modified", None)
+    try:
+        return modified(loc.path) if modified is not None else None
+    except (FastCkptError, OSError):
+        return None
+
+
+def _mtime(loc: Located, files: list[str]) -> float | None:
+    times = [_modified(Located(loc.storage, loc.storage.join(loc.path, f))) for f in files]
+    return max((t for t in times if t is not None), default=None)
+
+
+def run(args: argparse.Namespace, opts: CliOptions) -> int:
+    rows = list_root(args.root, opts)
+    if args.json:
+        print_json([asdict(r) for r in rows])
+        return 0
+    if not rows:
+        print(f"no checkpoints under {args.root}", file=sys.stderr)
+        return 0
+    print(f"{'STEP':>10}  {'EPOCH':>5}  {'COMMITTED':<19}  {'SIZE':>10}  {'WHERE':<6}  {'STATUS':<14}  NAME")
+    for r in rows:
+        print(f"{_dash(r.step):>10}  {_dash(r.epoch):>5}  {_when(r.created):<19}  {_size(r.nbytes):>10}  "
+              f"{r.where:<6}  {r.status:<14}  {r.name}")
+    return 0
+
+
+def _dash(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
+def _when(t: float | None) -> str:
+    return "-" if t is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000  # type: ignore[assignment]
+    return str(n)

@@ -1,0 +1,89 @@
+"""``fastckpt gc`` and ``fastckpt persist-pending``: housekeeping of a core root by hand.
+
+``gc`` applies the retention rules a ``Checkpointer`` applies after each commit
+(``Catalog.doomed``), then removes the folders of saves that died uncommitted (``fastckpt.gc``),
+holding the root lock as a writer would. ``persist-pending`` constructs a ``Checkpointer`` with the
+shared-memory tier on the root: its constructor commits what a crashed process left staged
+(``fastckpt.recovery``); the command reports each checkpoint it committed.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any, Callable
+
+from ..errors import CheckpointNotFoundError, FastCkptError
+from .options import CliOptions
+
+__all__ = ["run_gc", "run_persist_pending"]
+
+
+def _locked(root: str, opts: CliOptions, work: Callable[[Any], list[str]]) -> list[str]:
+    """``work(storage)`` while holding ``root``'s lock (refused while a live Checkpointer writes there)."""
+    from ..lock import RootLock
+    from ..storage import open_storage
+
+    storage = open_storage(root, opts.storage_options)
+    lock = RootLock.for_root(storage.url)
+    if lock is not None:
+        if not os.path.isdir(lock.root):
+            raise CheckpointNotFoundError(f"no checkpoint root at {lock.root}; check the path")
+        lock.acquire()
+    elif not storage.listdir(storage.url):
+        raise CheckpointNotFoundError(f"nothing under {storage.url}; check the path and --storage-option")
+    try:
+        return work(storage)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def run_gc(args: argparse.Namespace, opts: CliOptions) -> int:
+    from ..catalog import Catalog
+    from ..config import RetentionOptions
+    from ..gc import collect
+
+    verb = "would remove" if args.dry_run else "removed"
+
+    def work(storage: Any) -> list[str]:
+        lines = []
+        if args.keep_last is not None:
+            catalog = Catalog(storage)
+            rules = RetentionOptions(keep_last=args.keep_last, keep_every_n_steps=args.keep_every)
+            for info in catalog.doomed(rules, set()):
+                if not args.dry_run:
+                    catalog.delete(info.name)
+                lines.append(f"{verb}  {info.path}  (step {info.step}, retention)")
+        lines += [f"{verb}  {path}  (uncommitted)" for path in collect(storage, args.grace_s, dry_run=args.dry_run)]
+        return lines
+
+    lines = _locked(args.root, opts, work)
+    for line in lines:
+        print(line)
+    if not lines:
+        print(f"nothing to remove under {args.root}", file=sys.stderr)
+    return 0
+
+
+def run_persist_pending(args: argparse.Namespace, opts: CliOptions) -> int:
+    from ..checkpointer import Checkpointer
+    from ..config import CheckpointConfig
+
+    data = dict(opts.config)
+    staging = {**(data.get("staging") or {}), "shm": True}
+    if args.shm_dir is not None:
+        staging["shm_dir"] = args.shm_dir
+    data.update(root=args.root, storage_options=opts.storage_options, staging=staging)
+    failed = 0
+    with Checkpointer(CheckpointConfig.from_dict(data)) as ckpt:
+        for handle in ckpt.recovered:
+            try:
+                info = handle.wait()
+                print(f"committed  {info.path if info else handle.path}  (step {handle.step})")
+            except FastCkptError as e:
+                failed += 1
+                print(f"fastckpt: error: {handle.name} (step {handle.step}) was not committed: {e}", file=sys.stderr)
+        if not ckpt.recovered:
+            print(f"nothing staged in shared memory for {args.root}", file=sys.stderr)
+    return 1 if failed else 0

@@ -1,0 +1,106 @@
+"""What every command shares: where the storage options come from, and how output is written.
+
+Storage options may be given anywhere on the line, in three forms merged in this order (a later
+one wins key by key): the ``storage_options`` of a fastckpt YAML (``--config``), a JSON object
+(``--storage-options``, kept for scripts), and ``--storage-option key=value`` pairs whose values
+are parsed as YAML (``anon=true`` is a bool, ``client_kwargs.endpoint_url=http://...`` nests).
+Nothing here imports torch: ``fastckpt --help`` must stay fast.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator, TypeVar
+
+from ..errors import ConfigError
+
+__all__ = ["CliOptions", "parse_pair", "merge_pairs", "load_options", "is_remote", "print_json", "progress"]
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class CliOptions:
+    """The options every command reads, resolved once from the command line and ``--config``."""
+
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    """fsspec options for every path on the line."""
+    remote_url: str | None = None
+    """The remote tier (``--remote`` or the YAML's ``remote.url``): ``list`` shows what lives where."""
+    remote_options: dict[str, Any] = field(default_factory=dict)
+    """fsspec options of the remote tier (the YAML's ``remote.storage_options``, else ``storage_options``)."""
+    config: dict[str, Any] = field(default_factory=dict)
+    """The whole ``--config`` mapping (``persist-pending`` builds its Checkpointer from it)."""
+
+
+def parse_pair(text: str) -> tuple[list[str], Any]:
+    """``a.b=value`` -> (["a", "b"], value parsed as YAML); the error names the pair and the fix."""
+    import yaml
+
+    key, sep, raw = text.partition("=")
+    path = key.strip().split(".")
+    if not sep or not all(path):
+        raise ConfigError(f"--storage-option {text!r} must look like key=value (nested: client_kwargs.region_name=x)")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--storage-option {text!r}: the value is not valid YAML: {e}; quote it") from e
+    return path, value
+
+
+def merge_pairs(base: dict[str, Any], pairs: Iterable[str]) -> dict[str, Any]:
+    """``base`` updated with each ``key=value`` pair (dotted keys build nested mappings)."""
+    out = json.loads(json.dumps(base))  # a deep copy: the YAML's mapping stays as it was read
+    for text in pairs:
+        path, value = parse_pair(text)
+        node = out
+        for part in path[:-1]:
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+        node[path[-1]] = value
+    return out
+
+
+def load_options(config: str | None, options_json: dict[str, Any] | None, pairs: Iterable[str],
+                 remote: str | None) -> CliOptions:
+    """Resolve the storage options of one command line; a bad YAML is a ``ConfigError`` naming it."""
+    data: dict[str, Any] = {}
+    if config is not None:
+        from ..config import CheckpointConfig, config_mapping
+
+        data = config_mapping(config)
+        CheckpointConfig.from_dict({"root": ".", **data})  # validated now: a typo fails before any work
+    if options_json is not None and not isinstance(options_json, dict):
+        raise ConfigError(f"--storage-options must be a JSON object, got {type(options_json).__name__}")
+    storage = merge_pairs({**(data.get("storage_options") or {}), **(options_json or {})}, pairs)
+    rem = data.get("remote") or {}
+    url = remote if remote is not None else rem.get("url")
+    remote_options = dict(rem.get("storage_options") or {}) if rem.get("storage_options") else storage
+    return CliOptions(storage, url, remote_options, data)
+
+
+def is_remote(path: str) -> bool:
+    """Whether ``path`` is an fsspec URL of a remote store (``file://`` is local)."""
+    return "://" in path and not path.startswith("file://")
+
+
+def print_json(obj: Any) -> None:
+    print(json.dumps(obj, indent=1, sort_keys=False))
+
+
+def progress(items: Iterable[T], total: int, what: str) -> Iterator[T]:
+    """``items``, with a progress bar on stderr when it is a terminal (quiet in pipes, logs and tests)."""
+    if not sys.stderr.isatty():
+        yield from items
+        return
+    try:
+        from tqdm import tqdm
+    except ImportError:  # tqdm is optional: without it, one line per item
+        for i, item in enumerate(items, 1):
+            print(f"\r{what}: {i}/{total}", end="", file=sys.stderr, flush=True)
+            yield item
+        print(file=sys.stderr)
+        return
+    yield from tqdm(items, total=total, desc=what, unit="file", leave=False)
