@@ -1,26 +1,297 @@
-"""The fastckpt command."""
+"""The fastckpt command on core roots, local and on the SeaweedFS S3 server."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import pytest
 import torch
+import yaml
+from safetensors.torch import load as load_safetensors
 
 from fastckpt import CheckpointConfig, Checkpointer
 from fastckpt.cli import main
+from fastckpt.storage import open_storage
+from tests import shm_children as kids
+from tests.helpers import assert_bit_equal
+
+REPO = Path(__file__).resolve().parents[1]
 
 
-def test_list_verify_inspect(tmp_path, capsys) -> None:
+def state(step: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(step)
+    return {"model": {"enc": {"w": torch.randn(8, 8, generator=g)}, "head.b": torch.randn(3, generator=g).bfloat16()},
+            "optim": {"m": torch.randn(8, generator=g)}, "step": step}
+
+
+def pairs(options: dict[str, Any], prefix: str = "") -> list[str]:
+    """fsspec options as repeated ``--storage-option key=value`` arguments (dotted keys nest)."""
+    out: list[str] = []
+    for k, v in options.items():
+        if isinstance(v, dict):
+            out += pairs(v, f"{prefix}{k}.")
+        else:
+            out += ["--storage-option", f"{prefix}{k}={v}"]
+    return out
+
+
+class Root:
+    """A core root at ``url`` and the command-line options that reach it."""
+
+    def __init__(self, url: str, options: dict[str, Any]) -> None:
+        self.url, self.options, self.argv = url, options, pairs(options)
+
+    def save(self, *steps: int) -> None:
+        with Checkpointer(CheckpointConfig(root=self.url, storage_options=self.options,
+                                           persist={"fsync": False})) as ckpt:
+            for step in steps:
+                ckpt.save(state(step), step=step).wait()
+
+    def load(self, step: int) -> Any:
+        with Checkpointer(CheckpointConfig(root=self.url, storage_options=self.options)) as ckpt:
+            return ckpt.load(step=step)
+
+    def put(self, rel: str, data: bytes) -> None:
+        fs, path = fsspec.core.url_to_fs(f"{self.url}/{rel}", **self.options)
+        fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        fs.pipe_file(path, data)
+
+    def path(self, step: int) -> str:
+        return f"{self.url}/step-{step:09d}"
+
+
+@pytest.fixture(params=["local", "s3"])
+def root(request, tmp_path) -> Root:
+    if request.param == "local":
+        return Root(str(tmp_path / "root"), {})
+    s3 = request.getfixturevalue("s3_root")
+    return Root(s3.url, s3.storage_options)
+
+
+def run(argv: list[str], capsys) -> tuple[int, str, str]:
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_list_json_rows_and_garbage(root, capsys) -> None:
+    root.save(1, 2, 3)
+    root.put("step-000000004/shard-00000.0123456789ab.safetensors", b"x" * 10)  # a save that died
+    code, out, _ = run(["list", root.url, "--json", *root.argv], capsys)
+    assert code == 0
+    rows = json.loads(out)
+    assert [(r["step"], r["status"]) for r in rows] == [(1, "committed"), (2, "committed"), (3, "committed"),
+                                                         (4, "uncommitted")]
+    assert {r["where"] for r in rows} == {"remote" if "://" in root.url else "local"}
+    assert all(r["created"] and r["nbytes"] > 0 for r in rows)
+    code, out, _ = run([*root.argv, "list", root.url], capsys)  # options before the command work too
+    assert code == 0 and out.splitlines()[0].split()[:3] == ["STEP", "EPOCH", "COMMITTED"]
+    assert len(out.splitlines()) == 5
+
+
+def test_missing_root_is_an_error(root, capsys) -> None:
+    code, out, err = run(["list", root.url + "-missing", *root.argv], capsys)
+    assert code == 1 and not out
+    assert "no such file or folder" in err and root.url + "-missing" in err
+
+
+def test_list_shows_where_each_checkpoint_lives(tmp_path, s3_root, capsys) -> None:
+    local = str(tmp_path / "root")
+    config = {"root": local, "remote": {"url": s3_root.url, "storage_options": s3_root.storage_options},
+              "persist": {"fsync": False}}
+    with Checkpointer(CheckpointConfig.from_dict(config)) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(state(step), step=step).wait()
+    # closed: every upload finished. Step 2 then vanishes from the remote tier, step 1 from the local root.
+    fs, path = fsspec.core.url_to_fs(s3_root.url, **s3_root.storage_options)
+    fs.rm(f"{path}/step-000000002", recursive=True)
+    open_storage(local).delete_tree(os.path.join(local, "step-000000001"))
+    cfg = tmp_path / "fastckpt.yaml"
+    cfg.write_text(yaml.safe_dump(config))
+    code, out, _ = run(["list", local, "--json", "--config", str(cfg)], capsys)
+    assert code == 0
+    assert [(r["step"], r["where"], r["status"]) for r in json.loads(out)] == [
+        (1, "remote", "committed"), (2, "local", "pending upload"), (3, "both", "committed")]
+
+
+def test_inspect_json(root, capsys) -> None:
+    root.save(5)
+    code, out, _ = run(["inspect", root.path(5), "--json", *root.argv], capsys)
+    assert code == 0
+    info = json.loads(out)
+    rows = {t["key"]: t for t in info["tensors"]}
+    assert rows["model/enc/w"] == {"key": "model/enc/w", "dtype": "float32", "shape": [8, 8], "nbytes": 256}
+    assert rows["model/head.b"]["dtype"] == "bfloat16" and info["kind"] == "core"
+
+
+def test_verify_names_a_flipped_byte(root, capsys) -> None:
+    root.save(1, 2)
+    code, out, _ = run(["verify", root.path(1), root.path(2), *root.argv], capsys)
+    assert code == 0 and out.count("OK") == 2
+    fs, path = fsspec.core.url_to_fs(root.path(2), **root.options)
+    [shard] = [p for p in fs.ls(path, detail=False) if "shard-" in p]
+    data = bytearray(fs.cat_file(shard))
+    data[-3] ^= 0x01
+    fs.pipe_file(shard, bytes(data))
+    code, out, err = run(["verify", root.path(1), root.path(2), *root.argv], capsys)
+    assert code == 1 and "OK" in out and root.path(1) in out
+    bad = err.splitlines()
+    assert bad and all(shard.rsplit("/", 1)[-1] in line for line in bad), err
+    assert any("checksum mismatch" in line for line in bad)
+
+
+def test_export_torch_round_trip(root, tmp_path, capsys) -> None:
+    root.save(3)
+    out = f"{root.url}-export/step3.pt"
+    code, _, _ = run(["export", root.path(3), out, "--to", "torch", *root.argv], capsys)
+    assert code == 0
+    with fsspec.open(out, "rb", **root.options) as f:
+        exported = torch.load(f, weights_only=True)
+    assert_bit_equal(exported, root.load(3))
+
+
+def test_export_safetensors_sharded(root, capsys) -> None:
+    root.save(3)
+    out = f"{root.url}-hf"
+    code, stdout, _ = run(["export", root.path(3), out, "--to", "safetensors", "--max-shard-size", "200B",
+                           *root.argv], capsys)
+    assert code == 0
+    fs, path = fsspec.core.url_to_fs(out, **root.options)
+    index = json.loads(fs.cat_file(f"{path}/model.safetensors.index.json"))
+    assert sorted(set(index["weight_map"].values())) == ["model-00001-of-00002.safetensors",
+                                                         "model-00002-of-00002.safetensors"]
+    weights: dict[str, torch.Tensor] = {}
+    for name in set(index["weight_map"].values()):
+        weights.update(load_safetensors(fs.cat_file(f"{path}/{name}")))
+    model = root.load(3)["model"]
+    assert_bit_equal(weights, {"enc.w": model["enc"]["w"], "head.b": model["head.b"]})
+    assert index["metadata"]["total_size"] == 256 + 6
+
+
+def test_export_safetensors_needs_a_key_without_model(tmp_path, capsys) -> None:
     with Checkpointer(CheckpointConfig(root=str(tmp_path))) as ckpt:
-        ckpt.save({"w": torch.ones(4, 4), "n": 3}, step=7).wait()
-    assert main(["list", str(tmp_path)]) == 0
-    assert "step-000000007" in capsys.readouterr().out
-    path = str(tmp_path / "step-000000007")
-    assert main(["verify", path]) == 0
-    assert "OK" in capsys.readouterr().out
-    assert main(["inspect", path]) == 0
-    assert "float32" in capsys.readouterr().out
-    shard = next((tmp_path / "step-000000007").glob("shard-*"))
-    data = bytearray(shard.read_bytes())
-    data[-1] ^= 0xFF
-    shard.write_bytes(bytes(data))
-    assert main(["verify", path]) == 1
-    err = capsys.readouterr().err
-    assert "checksum mismatch" in err and shard.name in err and "'w'" in err
+        ckpt.save({"net": {"w": torch.ones(2)}, "opt": {}}, step=1).wait()
+    code, _, err = run(["export", str(tmp_path / "step-000000001"), str(tmp_path / "hf"), "--to", "safetensors"],
+                       capsys)
+    assert code == 1 and "no 'model' subtree" in err and "['net', 'opt']" in err and "--key" in err
+    code, _, _ = run(["export", str(tmp_path / "step-000000001"), str(tmp_path / "w.safetensors"),
+                      "--to", "safetensors", "--key", "net"], capsys)
+    assert code == 0
+    assert_bit_equal(load_safetensors((tmp_path / "w.safetensors").read_bytes()), {"w": torch.ones(2)})
+
+
+def test_import_torch_save_file(root, tmp_path, capsys) -> None:
+    src = tmp_path / "plain.pt"
+    torch.save(state(7), src)
+    code, out, _ = run(["import", str(src), root.url, "--step", "7", *root.argv], capsys)
+    assert code == 0 and "step-000000007" in out
+    assert_bit_equal(root.load(7), state(7))
+
+
+def test_import_refuses_arbitrary_pickles(tmp_path, capsys) -> None:
+    src = tmp_path / "evil.pt"
+    torch.save({"obj": Path("/")}, src)  # a class the weights_only loader does not rebuild
+    code, _, err = run(["import", str(src), str(tmp_path / "root"), "--step", "1"], capsys)
+    assert code == 1 and "weights_only=True" in err and str(src) in err
+    assert not (tmp_path / "root").exists()
+
+
+def test_import_dcp_checkpoint(tmp_path, capsys) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(state(4), checkpoint_id=str(tmp_path / "dcp"))  # single process, no process group
+    code, _, _ = run(["import", str(tmp_path / "dcp"), str(tmp_path / "root"), "--step", "4"], capsys)
+    assert code == 0
+    with Checkpointer(CheckpointConfig(root=str(tmp_path / "root"))) as ckpt:
+        assert_bit_equal(ckpt.load(step=4), state(4))
+    code, out, _ = run(["inspect", str(tmp_path / "dcp"), "--json"], capsys)
+    assert code == 0 and {"key": "model.enc.w", "dtype": "float32", "shape": [8, 8], "nbytes": 256} in \
+        json.loads(out)["tensors"]
+
+
+def test_gc_retention_and_garbage(root, capsys) -> None:
+    root.save(1, 2, 3, 4, 5)
+    root.put("step-000000009/meta.0123456789ab.json", b"{}")  # a save that died uncommitted
+    argv = ["gc", root.url, "--keep-last", "2", "--keep-every", "2", "--grace-s", "0", *root.argv]
+    code, out, _ = run([*argv, "--dry-run"], capsys)
+    assert code == 0 and "would remove" in out and "step-000000001" in out and "step-000000009" in out
+    assert [r["step"] for r in _rows(root, capsys)] == [1, 2, 3, 4, 5, 9]
+    code, out, _ = run(argv, capsys)
+    assert code == 0 and out.count("removed") == 3
+    assert [r["step"] for r in _rows(root, capsys)] == [2, 4, 5]
+    assert_bit_equal(root.load(4), state(4))
+
+
+def _rows(root: Root, capsys) -> list[dict[str, Any]]:
+    code, out, _ = run(["list", root.url, "--json", *root.argv], capsys)
+    assert code == 0
+    return json.loads(out)
+
+
+def test_gc_refuses_while_a_writer_holds_the_root(tmp_path, capsys) -> None:
+    with Checkpointer(CheckpointConfig(root=str(tmp_path))) as ckpt:
+        ckpt.save(state(1), step=1).wait()
+        code, _, err = run(["gc", str(tmp_path), "--keep-last", "1"], capsys)
+        assert code == 1 and "lock" in err.lower()
+
+
+def test_persist_pending_commits_what_a_crashed_process_staged(tmp_path, capsys) -> None:
+    root, shm = tmp_path / "ckpts", tmp_path / "shm"
+    shm.mkdir()
+    proc, conn = kids.start(kids.train, str(root), str(shm), 3, 2)  # writes from step 2 on hang
+    try:
+        assert [kids.receive(proc, conn) for _ in range(3)] == [1, 2, 3]
+    finally:
+        kids.kill(proc)  # SIGKILL: steps 2 and 3 live only in shared memory
+    code, out, _ = run(["persist-pending", str(root), "--shm-dir", str(shm)], capsys)
+    assert code == 0
+    assert "(step 2)" in out and "(step 3)" in out
+    with Checkpointer(CheckpointConfig(root=str(root))) as ck:
+        assert kids.check_committed(ck, [2, 3])[-2:] == [2, 3]
+    code, _, err = run(["persist-pending", str(root), "--shm-dir", str(shm)], capsys)
+    assert code == 0 and "nothing staged" in err
+
+
+def test_storage_option_values_are_typed_and_config_is_validated(tmp_path, capsys) -> None:
+    from fastckpt.cli.options import load_options
+
+    opts = load_options(None, {"anon": False}, ["anon=true", "client_kwargs.region_name=eu-1", "retries=3"], None)
+    assert opts.storage_options == {"anon": True, "client_kwargs": {"region_name": "eu-1"}, "retries": 3}
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("persist: {workrs: 2}\n")
+    code, _, err = run(["list", str(tmp_path), "--config", str(bad)], capsys)
+    assert code == 1 and "persist.workrs" in err
+    code, _, err = run(["list", str(tmp_path), "--storage-option", "novalue"], capsys)
+    assert code == 1 and "key=value" in err
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(REPO)}
+
+
+def test_help_does_not_import_torch() -> None:
+    code = ("import sys, contextlib, io\nfrom fastckpt.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            "    try: main(['--help'])\n    except SystemExit: pass\n"
+            "assert 'torch' not in sys.modules, 'fastckpt --help imported torch'\n")
+    subprocess.run([sys.executable, "-c", code], check=True, env=_env(), cwd=REPO, timeout=60)
+
+
+def test_piped_into_head_ends_quietly(tmp_path) -> None:
+    torch.save({f"t{i:05d}": torch.zeros(1) for i in range(4000)}, tmp_path / "many.pt")  # > a pipe buffer of rows
+    proc = subprocess.run(f"{sys.executable} -m fastckpt inspect {tmp_path / 'many.pt'} | head -1; "
+                          "exit ${PIPESTATUS[0]}", shell=True, executable="/bin/bash", capture_output=True,
+                          text=True, env=_env(), cwd=REPO, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == "" and proc.stdout.startswith(str(tmp_path / "many.pt"))
+
+
+def test_package_ships_py_typed() -> None:
+    assert (REPO / "fastckpt" / "py.typed").is_file()
+    setup = __import__("tomllib").loads((REPO / "pyproject.toml").read_text())
+    assert "py.typed" in setup["tool"]["setuptools"]["package-data"]["fastckpt"]
