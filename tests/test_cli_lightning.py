@@ -7,7 +7,6 @@ import os
 import shutil
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ from safetensors.torch import load_file
 from fastckpt import CheckpointConfig, Checkpointer
 from fastckpt.cli import main
 from fastckpt_lightning import FastCheckpointIO
+from cli_support import flip_record_byte
 from helpers import assert_bit_equal
 from lightning_support import ResumableBatches, TinyModule, make_trainer
 
@@ -103,16 +103,6 @@ def fast_load(path: str, **options: Any) -> dict[str, Any]:
     return FastCheckpointIO(storage_options=options or None).load_checkpoint(path, weights_only=True)
 
 
-def flip_record_byte(data: bytes, path: str) -> bytes:
-    """``data`` (a torch zip) with one byte of its first tensor record flipped."""
-    with zipfile.ZipFile(path) as z:
-        info = next(i for i in z.infolist() if "/data/" in i.filename and i.file_size)
-    offset = info.header_offset + 30 + len(info.filename.encode()) + len(info.extra)
-    out = bytearray(data)
-    out[offset + info.file_size // 2] ^= 0x10
-    return bytes(out)
-
-
 def test_list(copy, capsys) -> None:
     torn = (copy / "epoch=1-step=6.ckpt").read_bytes()
     (copy / "epoch=2-step=8.ckpt").write_bytes(torn[: len(torn) // 2])  # a write that stopped part way
@@ -140,7 +130,7 @@ def test_verify_catches_a_flipped_byte(copy, capsys) -> None:
     code, out, _ = run(["verify", *(str(copy / n) for n in NAMES)], capsys)
     assert code == 0 and out.count("OK") == 4
     bad = copy / "epoch=0-step=4.ckpt"
-    bad.write_bytes(flip_record_byte(bad.read_bytes(), str(bad)))
+    bad.write_bytes(flip_record_byte(bad.read_bytes()))
     code, out, err = run(["verify", *(str(copy / n) for n in NAMES)], capsys)
     assert code == 1 and out.count("OK") == 3
     assert err.count("\n") == 1 and str(bad) in err and "CRC-32" in err
@@ -222,7 +212,6 @@ def test_every_command_on_s3(dirpath, s3_root, tmp_path, capsys) -> None:
     assert code == 0
     code, _, _ = run(["verify", f"{s3_root.url}/last.ckpt", f"{s3_root.url}-core/step-000000006", *opts], capsys)
     assert code == 0
-    fs.pipe_file(f"{base}/last.ckpt", flip_record_byte((dirpath / "last.ckpt").read_bytes(),
-                                                       str(dirpath / "last.ckpt")))
+    fs.pipe_file(f"{base}/last.ckpt", flip_record_byte((dirpath / "last.ckpt").read_bytes()))
     code, _, err = run(["verify", f"{s3_root.url}/last.ckpt", *opts], capsys)
     assert code == 1 and f"{s3_root.url}/last.ckpt" in err and "CRC-32" in err
