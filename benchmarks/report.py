@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from . import frameworks, peers
+from .cli import markdown as cli_markdown
 from .measure import stall_estimate
 
 GB = 1e9
@@ -591,6 +592,7 @@ def markdown(results: dict[str, Any], s: dict[str, Any], chart_rel: str) -> str:
             _fw_table(s["accelerate"]),
             "",
         ]
+    md += cli_markdown(results.get("cli"))
     md += [
         "## Methodology",
         "",

@@ -21,7 +21,7 @@ from . import frameworks, peers
 from . import workload as wl
 
 REPO = Path(__file__).resolve().parent.parent
-SECTIONS = ("io", "core", "rss", "lightning", "accelerate", "busy")
+SECTIONS = ("io", "core", "rss", "lightning", "accelerate", "busy", "cli")
 
 
 @dataclass
@@ -183,6 +183,8 @@ def run_all(plan: Plan, workdir: Path, isolate: bool, sections: tuple[str, ...],
     if "busy" in sections:
         results["busy"] = run_busy(run, plan, ck, peer_names)
     fw = dict(shape=shape, root=ck, warmup=plan.warmup, every=plan.fw_every, n_ckpt=plan.fw_n_ckpt)
+    if "cli" in sections:
+        results["cli"] = _cli_help(5)
     for section, configs in (("lightning", frameworks.LIGHTNING_CONFIGS),
                              ("accelerate", frameworks.ACCELERATE_CONFIGS)):
         if section not in sections:
@@ -196,6 +198,17 @@ def run_all(plan: Plan, workdir: Path, isolate: bool, sections: tuple[str, ...],
                 res[cfg] = r
         results[section] = res
     return results
+
+
+def _cli_help(reps: int) -> dict[str, Any]:
+    """``cli_help_s``: how long ``fastckpt --help`` takes in a fresh interpreter (benchmarks/cli.py)."""
+    from . import cli
+
+    log("cli: fastckpt --help start-up time")
+    try:
+        return {"ok": True, "result": cli.measure(reps)}
+    except (subprocess.SubprocessError, OSError) as e:
+        return {"ok": False, "error": str(e)}
 
 
 def run_busy(run: Runner, plan: Plan, ck: str, peer_names: list[str]) -> dict[str, Any]:

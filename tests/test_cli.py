@@ -295,3 +295,13 @@ def test_package_ships_py_typed() -> None:
     assert (REPO / "fastckpt" / "py.typed").is_file()
     setup = __import__("tomllib").loads((REPO / "pyproject.toml").read_text())
     assert "py.typed" in setup["tool"]["setuptools"]["package-data"]["fastckpt"]
+
+
+def test_benchmark_harness_records_cli_help_s(tmp_path) -> None:
+    from benchmarks import cli as bench_cli
+    from benchmarks.run import QUICK_PLAN, run_all
+
+    results = run_all(QUICK_PLAN, tmp_path, isolate=False, sections=("cli",), peer_names=[])
+    figure = results["cli"]["result"]
+    assert results["cli"]["ok"] and 0 < figure["cli_help_s"] <= figure["cli_help_median_s"]
+    assert "`fastckpt --help` answers in" in "\n".join(bench_cli.markdown(results["cli"]))
