@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import logging
 import threading
+from typing import Protocol, Sequence, TypeVar
 
 from .config import RetentionOptions
 from .errors import CheckpointNotFoundError, FastCkptError, IntegrityError, StorageError
@@ -16,9 +17,31 @@ from .handle import CheckpointInfo
 from .paths import confine
 from .storage import Storage
 
-__all__ = ["Catalog"]
+__all__ = ["Catalog", "doomed"]
 
 log = logging.getLogger("fastckpt")
+
+
+class _Step(Protocol):
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def step(self) -> int: ...
+
+
+T = TypeVar("T", bound=_Step)
+
+
+def doomed(infos: Sequence[T], rules: RetentionOptions, pending: set[str]) -> list[T]:
+    """Of ``infos`` (anything with ``name`` and ``step``, oldest step first), those ``rules`` do not keep:
+    never the newest, never a pending name. ``fastckpt gc`` applies it to Lightning and Accelerate folders too."""
+    if rules.keep_last is None:
+        return []
+    keep = {i.name for i in infos[-rules.keep_last:]}
+    if rules.keep_every_n_steps:
+        keep |= {i.name for i in infos if i.step % rules.keep_every_n_steps == 0}
+    return [i for i in infos[:-1] if i.name not in keep and i.name not in pending]
 
 
 class Catalog:
@@ -101,13 +124,7 @@ class Catalog:
 
     def doomed(self, rules: RetentionOptions, pending: set[str]) -> list[CheckpointInfo]:
         """The committed checkpoints ``rules`` do not keep (``fastckpt gc --dry-run`` prints them)."""
-        if rules.keep_last is None:
-            return []
-        infos = self.list()
-        keep = {i.name for i in infos[-rules.keep_last:]}
-        if rules.keep_every_n_steps:
-            keep |= {i.name for i in infos if i.step % rules.keep_every_n_steps == 0}
-        return [i for i in infos[:-1] if i.name not in keep and i.name not in pending]
+        return doomed(self.list(), rules, pending) if rules.keep_last is not None else []
 
     def retain(self, rules: RetentionOptions, pending: set[str]) -> None:
         """Delete what ``rules`` do not keep; never the newest committed one, never a pending name."""

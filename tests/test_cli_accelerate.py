@@ -105,6 +105,12 @@ def test_verify_a_folder_with_a_fastckpt_manifest(copy, capsys) -> None:
     assert code == 1 and shard.name in err and "checksum mismatch" in err
 
 
+def test_gc(copy, capsys) -> None:
+    code, out, _ = run(["gc", str(copy), "--keep-last", "1"], capsys)
+    assert code == 0 and out.split()[:2] == ["removed", str(copy / "checkpoint_0")]
+    assert sorted(p.name for p in copy.iterdir() if not p.name.startswith(".")) == ["checkpoint_1"]
+
+
 def test_export(project, tmp_path, capsys) -> None:
     root, snapshots = project
     src = str(root / "checkpoints" / "checkpoint_1")
@@ -155,3 +161,7 @@ def test_every_command_on_s3(project, s3_root, tmp_path, capsys) -> None:
     fs.put_file(str(bad), f"{base}/checkpoints/checkpoint_1/optimizer.bin")
     code, _, err = run(["verify", f"{url}/checkpoint_1", *opts], capsys)
     assert code == 1 and f"{url}/checkpoint_1/optimizer.bin" in err
+    code, out, _ = run(["gc", url, "--keep-last", "1", *opts], capsys)
+    assert code == 0 and out.split()[:2] == ["removed", f"{url}/checkpoint_0"]
+    assert not fs.exists(f"{base}/checkpoints/checkpoint_0/model.safetensors")
+    assert fs.exists(f"{base}/checkpoints/checkpoint_1/model.safetensors")

@@ -115,6 +115,19 @@ def test_list(copy, capsys) -> None:
     assert all(r["layout"] == "lightning" and r["where"] == "local" for r in rows.values())
 
 
+def test_gc_keeps_the_newest_and_last_and_removes_old_torn_files(copy, capsys) -> None:
+    torn = copy / "epoch=9-step=99.ckpt"
+    torn.write_bytes((copy / "last.ckpt").read_bytes()[:100])
+    os.utime(torn, (1, 1))  # unchanged for ages: no writer is at work on it
+    argv = ["gc", str(copy), "--keep-last", "1", "--grace-s", "60"]
+    code, out, _ = run([*argv, "--dry-run"], capsys)
+    assert code == 0 and out.count("would remove") == 3 and "epoch=9-step=99.ckpt  (torn)" in out
+    assert sorted(os.listdir(copy)) == sorted([*NAMES, torn.name, ".fastckpt.lock"])
+    code, out, _ = run(argv, capsys)
+    assert code == 0 and out.count("removed") == 3
+    assert sorted(n for n in os.listdir(copy) if n.endswith(".ckpt")) == ["epoch=1-step=6.ckpt", "last.ckpt"]
+
+
 def test_inspect(dirpath, capsys) -> None:
     code, out, _ = run(["inspect", str(dirpath / "last.ckpt"), "--json"], capsys)
     assert code == 0
@@ -212,6 +225,9 @@ def test_every_command_on_s3(dirpath, s3_root, tmp_path, capsys) -> None:
     assert code == 0
     code, _, _ = run(["verify", f"{s3_root.url}/last.ckpt", f"{s3_root.url}-core/step-000000006", *opts], capsys)
     assert code == 0
+    code, out, _ = run(["gc", s3_root.url, "--keep-last", "2", *opts], capsys)
+    assert code == 0 and out.split() == ["removed", f"{s3_root.url}/epoch=0-step=2.ckpt", "(step", "2,", "retention)"]
+    assert not fs.exists(f"{base}/epoch=0-step=2.ckpt") and fs.exists(f"{base}/epoch=0-step=4.ckpt")
     fs.pipe_file(f"{base}/last.ckpt", flip_record_byte((dirpath / "last.ckpt").read_bytes()))
     code, _, err = run(["verify", f"{s3_root.url}/last.ckpt", *opts], capsys)
     assert code == 1 and f"{s3_root.url}/last.ckpt" in err and "CRC-32" in err

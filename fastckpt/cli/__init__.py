@@ -24,11 +24,10 @@ from typing import Sequence
 
 __all__ = ["main", "build_parser"]
 
-# Where the common options land: top-level and per-command copies use different names, merged in _options().
-_COMMON = ("config", "storage_options", "storage_option", "remote")
-
-
 def _common(parser: argparse.ArgumentParser, suffix: str, suppress: bool) -> None:
+    """The storage options, on the top-level parser (``suffix=""``) and on each command (``"_sub"``, absent
+    unless given): argparse lets a command's defaults overwrite the top level's, so they get their own names
+    and ``_options`` merges them."""
     default = argparse.SUPPRESS if suppress else None
     group = parser.add_argument_group("storage options (accepted anywhere on the line)")
     group.add_argument("--storage-option", dest="storage_option" + suffix, action="append", metavar="KEY=VALUE",

@@ -25,8 +25,8 @@ from ..format import MANIFEST
 from ..paths import confine, plain_name
 from ..storage import LocalStorage, Storage, open_storage
 
-__all__ = ["Located", "locate", "children", "kind_of", "read_skeleton", "pointer_parts", "ACCELERATE_FILE",
-           "is_torch_name", "ZIP_END"]
+__all__ = ["Located", "locate", "children", "kind_of", "read_skeleton", "pointer_parts", "pointer_step",
+           "has_zip_end", "is_torch_name", "ACCELERATE_FILE"]
 
 # The files stock Accelerate's save_state writes (model_1.safetensors, optimizer_1.bin... for more objects).
 ACCELERATE_FILE = re.compile(r"(model|pytorch_model|optimizer|scheduler|sampler|dl_state_dict|scaler|"
@@ -34,7 +34,7 @@ ACCELERATE_FILE = re.compile(r"(model|pytorch_model|optimizer|scheduler|sampler|
 _TORCH_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin")
 _POINTER_FORMAT = "fastckpt-lightning-pointer"  # fastckpt_lightning/pointer.py: FORMAT
 _MAX_POINTER_BYTES = 64 * 1024
-ZIP_END = b"PK\x05\x06"
+_ZIP_END = b"PK\x05\x06"  # the end-of-central-directory signature: the last record torch writes
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,10 +82,7 @@ def kind_of(loc: Located) -> str:
     """``core``, ``accelerate``, ``dcp``, ``torch`` or ``pointer`` (see the module docstring)."""
     names = children(loc)
     if names is None:
-        head = _read_range(loc, 0, 4)
-        if head.startswith(b"{") and pointer_parts(loc) is not None:
-            return "pointer"
-        return "torch"
+        return "pointer" if pointer_parts(loc) is not None else "torch"
     if MANIFEST in names:
         return "core"
     if ".metadata" in names:
@@ -102,8 +99,8 @@ def is_torch_name(name: str) -> bool:
 
 def pointer_parts(loc: Located) -> list[str] | None:
     """The core folders a fastckpt 0.1 pointer names (confined to its folder), or None if not a pointer."""
-    if loc.storage.size(loc.path) > _MAX_POINTER_BYTES:
-        return None
+    if loc.storage.size(loc.path) > _MAX_POINTER_BYTES or _read_range(loc, 0, 1) != b"{":
+        return None  # a torch file (or anything else): never read whole here
     try:
         body = json.loads(loc.storage.read_bytes(loc.path))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
@@ -119,6 +116,7 @@ def pointer_parts(loc: Located) -> list[str] | None:
 
 
 def pointer_step(loc: Located) -> int | None:
+    """The step a fastckpt 0.1 pointer records (call after ``pointer_parts`` found one)."""
     body = json.loads(loc.storage.read_bytes(loc.path))
     step = body.get("step")
     return step if type(step) is int else None
@@ -166,7 +164,7 @@ def _read_range(loc: Located, offset: int, n: int) -> bytes:
 def has_zip_end(loc: Located) -> bool:
     """Whether the file ends with a zip's end record: a torn (truncated) torch file does not."""
     size = loc.storage.size(loc.path)
-    return size >= 22 and _read_range(loc, size - 22, 4) == ZIP_END
+    return size >= 22 and _read_range(loc, size - 22, 4) == _ZIP_END
 
 
 def read_skeleton(loc: Located) -> Any:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from typing import Any, Callable
 
 from ..errors import CheckpointNotFoundError, FastCkptError
@@ -40,30 +41,45 @@ def _locked(root: str, opts: CliOptions, work: Callable[[Any], list[str]]) -> li
 
 
 def run_gc(args: argparse.Namespace, opts: CliOptions) -> int:
-    from ..catalog import Catalog
-    from ..config import RetentionOptions
-    from ..gc import collect
-
     verb = "would remove" if args.dry_run else "removed"
-
-    def work(storage: Any) -> list[str]:
-        lines = []
-        if args.keep_last is not None:
-            catalog = Catalog(storage)
-            rules = RetentionOptions(keep_last=args.keep_last, keep_every_n_steps=args.keep_every)
-            for info in catalog.doomed(rules, set()):
-                if not args.dry_run:
-                    catalog.delete(info.name)
-                lines.append(f"{verb}  {info.path}  (step {info.step}, retention)")
-        lines += [f"{verb}  {path}  (uncommitted)" for path in collect(storage, args.grace_s, dry_run=args.dry_run)]
-        return lines
-
-    lines = _locked(args.root, opts, work)
+    lines = _locked(args.root, opts, lambda storage: [f"{verb}  {line}" for line in _collect(storage, args, opts)])
     for line in lines:
         print(line)
     if not lines:
         print(f"nothing to remove under {args.root}", file=sys.stderr)
     return 0
+
+
+def _collect(storage: Any, args: argparse.Namespace, opts: CliOptions) -> list[str]:
+    """What gc removes (or would): checkpoints retention does not keep, then dead uncommitted saves."""
+    from ..catalog import Catalog, doomed
+    from ..config import RetentionOptions
+    from ..gc import collect
+    from .listing import list_root
+
+    rules = RetentionOptions(keep_last=args.keep_last, keep_every_n_steps=args.keep_every)
+    rows = [r for r in list_root(args.root, opts) if r.layout != "core"]
+    if not rows:  # a core root: the Catalog's own rules, then fastckpt.gc's proof of death
+        catalog = Catalog(storage)
+        lines = []
+        for info in catalog.doomed(rules, set()):
+            if not args.dry_run:
+                catalog.delete(info.name)
+            lines.append(f"{info.path}  (step {info.step}, retention)")
+        return lines + [f"{path}  (uncommitted)" for path in collect(storage, args.grace_s, dry_run=args.dry_run)]
+    # A Lightning dirpath or an Accelerate checkpoints/ folder: the same rules over its rows; last.ckpt is a
+    # second copy of a step that stays. Torn files are garbage once unchanged for the grace period.
+    kept = [r for r in rows if r.status == "committed" and r.step is not None and r.name != "last.ckpt"
+            and r.layout in ("lightning", "accelerate")]  # a 0.1 pointer names data folders: left alone
+    old = time.time() - args.grace_s
+    dead = [r for r in rows if r.status == "torn" and r.created is not None and r.created < old]
+    lines = []
+    for row, why in [(r, f"step {r.step}, retention") for r in doomed(kept, rules, set())] + \
+            [(r, "torn") for r in dead]:
+        if not args.dry_run:
+            (storage.delete_tree if row.layout == "accelerate" else storage.delete)(row.path)
+        lines.append(f"{row.path}  ({why})")
+    return lines
 
 
 def run_persist_pending(args: argparse.Namespace, opts: CliOptions) -> int:

@@ -29,7 +29,8 @@ def verify_path(path: str, opts: CliOptions) -> list[str]:
         if kind == "core":
             return _core(loc, opts.storage_options)
         if kind == "pointer":
-            return [p for part in pointer_parts(loc) or [] for p in _core(Located(loc.storage, part), opts.storage_options)]
+            parts = pointer_parts(loc) or []
+            return [p for part in parts for p in _core(Located(loc.storage, part), opts.storage_options)]
         if kind == "torch":
             return _torch_file(loc)
         if kind == "accelerate":
