@@ -3,7 +3,16 @@ from __future__ import annotations
 
 import io
 import struct
+import threading
 import zipfile
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from fastckpt import CheckpointConfig, Checkpointer
+from fastckpt.storage import open_storage
+from tests.helpers import WrappedStorage
 
 
 def flip_record_byte(data: bytes) -> bytes:
@@ -18,3 +27,28 @@ def flip_record_byte(data: bytes) -> bytes:
     out = bytearray(data)
     out[info.header_offset + 30 + name_len + extra_len + info.file_size // 2] ^= 0x10
     return bytes(out)
+
+
+def state(step: int) -> dict[str, Any]:
+    """A small state whose every value is a function of ``step`` (any process can rebuild it)."""
+    g = torch.Generator().manual_seed(step)
+    return {"model": {"enc": {"w": torch.randn(8, 8, generator=g)}, "head.b": torch.randn(3, generator=g).bfloat16()},
+            "optim": {"m": torch.randn(8, generator=g)}, "step": step}
+
+
+class _HungStorage(WrappedStorage):
+    """Every data write hangs: the snapshot lives only in shared memory until the process dies."""
+
+    def write_file(self, path: str, parts: Any) -> None:
+        threading.Event().wait()
+
+
+def stage_then_hang(conn: Connection, root: str, options: dict[str, Any], shm: str, step: int) -> None:
+    """Run in a child (``tests.shm_children.start``): stage ``state(step)`` in shared memory for ``root`` (its
+    writes hang), report once staged, and wait for the parent's SIGKILL."""
+    config = CheckpointConfig(root=root, storage_options=options, staging={"shm": True, "shm_dir": shm},
+                              persist={"fsync": False})
+    ckpt = Checkpointer(config, storage=_HungStorage(open_storage(root, options)))
+    ckpt.save(state(step), step=step).wait_staged()
+    conn.send(step)
+    threading.Event().wait()

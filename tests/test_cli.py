@@ -18,15 +18,10 @@ from fastckpt import CheckpointConfig, Checkpointer
 from fastckpt.cli import main
 from fastckpt.storage import open_storage
 from tests import shm_children as kids
+from tests.cli_support import stage_then_hang, state
 from tests.helpers import assert_bit_equal
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def state(step: int) -> dict[str, Any]:
-    g = torch.Generator().manual_seed(step)
-    return {"model": {"enc": {"w": torch.randn(8, 8, generator=g)}, "head.b": torch.randn(3, generator=g).bfloat16()},
-            "optim": {"m": torch.randn(8, generator=g)}, "step": step}
 
 
 def pairs(options: dict[str, Any], prefix: str = "") -> list[str]:
@@ -255,6 +250,19 @@ def test_persist_pending_commits_what_a_crashed_process_staged(tmp_path, capsys)
         assert kids.check_committed(ck, [2, 3])[-2:] == [2, 3]
     code, _, err = run(["persist-pending", str(root), "--shm-dir", str(shm)], capsys)
     assert code == 0 and "nothing staged" in err
+
+
+def test_persist_pending_on_s3(s3_root, tmp_path, capsys) -> None:
+    (tmp_path / "shm").mkdir()
+    proc, conn = kids.start(stage_then_hang, s3_root.url, s3_root.storage_options, str(tmp_path / "shm"), 11)
+    try:
+        assert kids.receive(proc, conn) == 11  # staged; its upload hangs
+    finally:
+        kids.kill(proc)
+    root = Root(s3_root.url, s3_root.storage_options)
+    code, out, _ = run(["persist-pending", root.url, "--shm-dir", str(tmp_path / "shm"), *root.argv], capsys)
+    assert code == 0 and f"{root.path(11)}  (step 11)" in out
+    assert_bit_equal(root.load(11), state(11))
 
 
 def test_storage_option_values_are_typed_and_config_is_validated(tmp_path, capsys) -> None:

@@ -165,6 +165,18 @@ def test_export_torch_resumes_in_stock_lightning(dirpath, tmp_path, capsys) -> N
     assert _stock_resume(out) == {"start": 6, "same": True, "end": 8, "fastckpt": False}
 
 
+def test_reading_lightning_checkpoints_never_imports_lightning(dirpath, tmp_path) -> None:
+    code = ("import sys\nfrom fastckpt.cli import main\nd, out = sys.argv[1], sys.argv[2]\n"
+            "for argv in (['list', d], ['inspect', d + '/last.ckpt'], ['verify', d + '/last.ckpt'],\n"
+            "             ['export', d + '/last.ckpt', out, '--to', 'torch']):\n"
+            "    assert main(argv) == 0, argv\n"
+            "bad = [m for m in ('lightning', 'pytorch_lightning', 'accelerate', 'fastckpt_lightning') if m in sys.modules]\n"
+            "assert not bad, bad\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(dirpath), str(tmp_path / "out.ckpt")], capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
 def _pointer_layout(dirpath: Path, folder: Path) -> Path:
     """A checkpoint in fastckpt 0.1's layout: a JSON pointer naming a core folder beside it."""
     checkpoint = torch.load(dirpath / "epoch=1-step=6.ckpt", weights_only=True)
