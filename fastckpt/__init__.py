@@ -49,6 +49,11 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
         globals()[name] = value  # the next lookup is a plain attribute
         return value
+    try:  # ``fastckpt.checksum.crc32c`` after a bare ``import fastckpt``, as with eager imports
+        return importlib.import_module(f".{name}", __name__)
+    except ModuleNotFoundError as e:
+        if e.name != f"{__name__}.{name}":
+            raise
     raise AttributeError(f"module 'fastckpt' has no attribute {name!r}")
 
 

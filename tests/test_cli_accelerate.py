@@ -155,6 +155,10 @@ def test_every_command_on_s3(project, s3_root, tmp_path, capsys) -> None:
     assert code == 0
     assert_bit_equal(sorted_dict(load_file(tmp_path / "hf" / "model.safetensors")),
                      sorted_dict(snapshots[1]["model"]))
+    code, _, _ = run(["import", f"{url}/checkpoint_1", f"{s3_root.url}/core", "--step", "4", *opts], capsys)
+    assert code == 0
+    with Checkpointer(CheckpointConfig(root=f"{s3_root.url}/core", storage_options=s3_root.storage_options)) as ckpt:
+        assert_bit_equal(ckpt.load(step=4)["optimizer"], snapshots[1]["optimizer"])
     bad = tmp_path / "optimizer.bin"
     shutil.copy(root / "checkpoints" / "checkpoint_1" / "optimizer.bin", bad)
     flip_file(bad)

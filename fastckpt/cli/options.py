@@ -77,8 +77,7 @@ def load_options(config: str | None, options_json: dict[str, Any] | None, pairs:
     storage = merge_pairs({**(data.get("storage_options") or {}), **(options_json or {})}, pairs)
     rem = data.get("remote") or {}
     url = remote if remote is not None else rem.get("url")
-    remote_options = dict(rem.get("storage_options") or {}) if rem.get("storage_options") else storage
-    return CliOptions(storage, url, remote_options, data)
+    return CliOptions(storage, url, dict(rem.get("storage_options") or storage), data)
 
 
 def is_remote(path: str) -> bool:
