@@ -122,6 +122,8 @@ def test_inspect_json(root, capsys) -> None:
     rows = {t["key"]: t for t in info["tensors"]}
     assert rows["model/enc/w"] == {"key": "model/enc/w", "dtype": "float32", "shape": [8, 8], "nbytes": 256}
     assert rows["model/head.b"]["dtype"] == "bfloat16" and info["kind"] == "core"
+    code, out, _ = run(["inspect", root.path(5) + "/manifest.json", "--json", *root.argv], capsys)
+    assert code == 0 and json.loads(out) == info  # the manifest names its checkpoint
 
 
 def test_verify_names_a_flipped_byte(root, capsys) -> None:

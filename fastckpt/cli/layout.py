@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CheckpointNotFoundError, IntegrityError
-from ..format import MANIFEST
+from ..format import MANIFEST, checkpoint_dir
 from ..paths import confine, plain_name
 from ..storage import LocalStorage, Storage, open_storage
 
@@ -50,8 +50,9 @@ class Located:
 
 
 def locate(path: str, options: dict[str, Any]) -> Located:
-    """Open ``path`` (local or URL) through the storage of its parent folder."""
-    path = path.rstrip("/") or "/"
+    """Open ``path`` (local or URL) through the storage of its parent folder; ``.../manifest.json`` names
+    its checkpoint folder."""
+    path = checkpoint_dir(path) or "/"
     if "://" in path and not path.startswith("file://"):
         parent = posixpath.dirname(path)
     else:
