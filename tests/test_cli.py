@@ -262,7 +262,10 @@ def test_persist_pending_on_s3(s3_root, tmp_path, capsys) -> None:
     finally:
         kids.kill(proc)
     root = Root(s3_root.url, s3_root.storage_options)
-    code, out, _ = run(["persist-pending", root.url, "--shm-dir", str(tmp_path / "shm"), *root.argv], capsys)
+    cfg = tmp_path / "fastckpt.yaml"  # shm_dir and the storage options from the YAML this time
+    cfg.write_text(yaml.safe_dump({"staging": {"shm_dir": str(tmp_path / "shm")},
+                                   "storage_options": s3_root.storage_options}))
+    code, out, _ = run(["persist-pending", root.url, "--config", str(cfg)], capsys)
     assert code == 0 and f"{root.path(11)}  (step 11)" in out
     assert_bit_equal(root.load(11), state(11))
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from ..errors import ConfigError, StateMismatchError
 from .layout import locate
-from .options import CliOptions
+from .options import CliOptions, checkpoint_config
 from .states import DEFAULT_KEY, leaves, load_state, subtree
 
 __all__ = ["export", "import_checkpoint", "parse_size", "run_export", "run_import"]
@@ -126,10 +126,9 @@ def _write(path: str, data: bytes, opts: CliOptions) -> None:
 def import_checkpoint(src: str, root: str, step: int, opts: CliOptions, name: str | None = None) -> str:
     """Save the checkpoint at ``src`` under core ``root`` at ``step``; return the committed folder."""
     from ..checkpointer import Checkpointer
-    from ..config import CheckpointConfig
 
     _, state = load_state(src, opts.storage_options)
-    with Checkpointer(CheckpointConfig(root=root, storage_options=opts.storage_options)) as ckpt:
+    with Checkpointer(checkpoint_config(opts, root)) as ckpt:
         info = ckpt.save(state, step=step, name=name).wait()
     return info.path
 

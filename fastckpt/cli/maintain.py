@@ -15,7 +15,7 @@ import time
 from typing import Any, Callable
 
 from ..errors import CheckpointNotFoundError, FastCkptError
-from .options import CliOptions
+from .options import CliOptions, checkpoint_config
 
 __all__ = ["run_gc", "run_persist_pending"]
 
@@ -84,15 +84,12 @@ def _collect(storage: Any, args: argparse.Namespace, opts: CliOptions) -> list[s
 
 def run_persist_pending(args: argparse.Namespace, opts: CliOptions) -> int:
     from ..checkpointer import Checkpointer
-    from ..config import CheckpointConfig
 
-    data = dict(opts.config)
-    staging = {**(data.get("staging") or {}), "shm": True}
+    staging: dict[str, Any] = {"shm": True}
     if args.shm_dir is not None:
         staging["shm_dir"] = args.shm_dir
-    data.update(root=args.root, storage_options=opts.storage_options, staging=staging)
     failed = 0
-    with Checkpointer(CheckpointConfig.from_dict(data)) as ckpt:
+    with Checkpointer(checkpoint_config(opts, args.root, staging=staging)) as ckpt:
         for handle in ckpt.recovered:
             try:
                 info = handle.wait()

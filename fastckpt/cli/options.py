@@ -15,7 +15,7 @@ from typing import Any, Iterable, Iterator, TypeVar
 
 from ..errors import ConfigError
 
-__all__ = ["CliOptions", "parse_pair", "merge_pairs", "load_options", "is_remote", "print_json", "progress"]
+__all__ = ["CliOptions", "checkpoint_config", "parse_pair", "merge_pairs", "load_options", "is_remote", "print_json", "progress"]
 
 T = TypeVar("T")
 
@@ -32,6 +32,18 @@ class CliOptions:
     """fsspec options of the remote tier (the YAML's ``remote.storage_options``, else ``storage_options``)."""
     config: dict[str, Any] = field(default_factory=dict)
     """The whole ``--config`` mapping (``persist-pending`` builds its Checkpointer from it)."""
+
+
+def checkpoint_config(opts: CliOptions, root: str, **sections: Any) -> Any:
+    """A ``CheckpointConfig`` for ``root``: the ``--config`` YAML's settings, this line's storage options, and
+    ``sections`` merged over the YAML's (``staging={"shm": True}``)."""
+    from ..config import CheckpointConfig
+
+    data = dict(opts.config)
+    for name, values in sections.items():
+        data[name] = {**(data.get(name) or {}), **values}
+    data.update(root=root, storage_options=opts.storage_options)
+    return CheckpointConfig.from_dict(data)
 
 
 def parse_pair(text: str) -> tuple[list[str], Any]:
