@@ -152,6 +152,9 @@ def flatten(state: Any) -> FlatState:
     flat = FlatState(tree=None, tensors=[], keys=[], numpy=[], objects=[])
     seen: dict[tuple, int] = {}
     used: set[str] = set()
+    # Other ranks' blocks are shape-only meta tensors; one per (shape, dtype) serves them all
+    # (a sharded state has tensors x mesh-size of them: 650k at 1024 ranks for a 1.3B model).
+    metas: dict[tuple, torch.Tensor] = {}
 
     def unique(key: str) -> str:
         while key in used:  # keys from different containers may print alike
@@ -199,7 +202,9 @@ def flatten(state: Any) -> FlatState:
                                     f"give this rank a block of {list(chunk.shape)}")
                 block = local
             else:  # another rank writes it: shape and dtype only
-                block = torch.empty(chunk.shape, dtype=t.dtype, device="meta")
+                block = metas.get((chunk.shape, t.dtype))
+                if block is None:
+                    block = metas[(chunk.shape, t.dtype)] = torch.empty(chunk.shape, dtype=t.dtype, device="meta")
             where = ",".join(map(str, chunk.offsets))
             record.entries.append(add(block, f"{key}#dtensor@{where}", False, chunk.owner, local))
         flat.dtensors.append(record)
