@@ -2,6 +2,7 @@
 from .checkpointer import Checkpointer, WatchHandle
 from .config import (CheckpointConfig, NetworkOptions, PersistOptions, RemoteOptions, RetentionOptions,
                      StagingOptions)
+from .consolidate import consolidate
 from .errors import (
     CheckpointNotFoundError,
     CheckpointTimeoutError,
@@ -33,6 +34,7 @@ __all__ = [
     "CheckpointInfo",
     "CheckpointReader",
     "load_checkpoint",
+    "consolidate",
     "is_checkpoint",
     "Storage",
     "LocalStorage",
