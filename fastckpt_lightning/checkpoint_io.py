@@ -194,6 +194,29 @@ class FastCheckpointIO(CheckpointIO):
             raise
         self._close(quiet=False)
 
+    # ---- called by FastModelParallelStrategy on every rank (sharded state) -------------------------------
+
+    def save_sharded(self, checkpoint: dict[str, Any], path: str, trainer: pl.Trainer) -> None:
+        """Snapshot this rank's DTensor blocks (lazily) into the checkpoint folder ``path``; rank 0 commits once."""
+        self.attach(trainer)
+        folder, name = split_path(path)
+        handle = self._folder(folder, distributed=True).save(checkpoint, step=self._step_of(checkpoint), name=name)
+        pending.add(path, handle)
+        handle._durable.add_done_callback(lambda _: self._record(path, handle))
+        if not self._overlapping():
+            self.teardown()  # as in save_checkpoint: no teardown may follow a save outside a loop
+
+    def load_sharded(self, path: str, target: dict[str, Any]) -> dict[str, Any]:
+        """Load the checkpoint folder ``path`` into ``target``'s DTensors (resharding); the rest comes back fresh."""
+        self.wait_staged(raise_errors=False)
+        folder, name = split_path(path)
+        return self._folder(folder, distributed=True).load_into(target, name=name)
+
+    def remove_sharded(self, path: str) -> None:
+        """Rank 0: delete the checkpoint folder ``path`` after every save queued before it."""
+        folder, name = split_path(path)
+        self._removals.append((path, self._folder(folder, distributed=True).delete(name)))
+
     # ---- called by the callback ----------------------------------------------------------------------------
 
     def wait_staged(self, raise_errors: bool = True) -> None:
@@ -240,10 +263,12 @@ class FastCheckpointIO(CheckpointIO):
         if handle._durable.exception() is None:  # failures are raised, not recorded
             self._book.add(CheckpointStats.of(path, handle.stats))
 
-    def _folder(self, url: str) -> Checkpointer:
+    def _folder(self, url: str, distributed: bool = False) -> Checkpointer:
         checkpointer = self._folders.get(url)
         if checkpointer is None:
-            checkpointer = self._create_checkpointer(for_directory(self.config, url))
+            config = for_directory(self.config, url)
+            # Sharded strategies: every rank writes its own blocks (collective, on every rank's first use).
+            checkpointer = Checkpointer(config, distributed=True) if distributed else self._create_checkpointer(config)
             self._folders[url] = checkpointer
             self._watch(url)
         return checkpointer
