@@ -44,8 +44,6 @@ class FastModelParallelStrategy(ModelParallelStrategy):
     """``Trainer(strategy=FastModelParallelStrategy(...), plugins=[FastCheckpointIO(...)])``; same arguments as
     ``ModelParallelStrategy``. Without a ``FastCheckpointIO`` plugin, one with default settings is used."""
 
-    strategy_name = "fastckpt_model_parallel"
-
     @property
     def fast_io(self) -> FastCheckpointIO:
         """The plugin that owns the core Checkpointers (the Trainer's, or a default one)."""
