@@ -21,6 +21,7 @@ from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
 from fastckpt import Checkpointer, CheckpointConfig, SaveHandle, open_storage
+from fastckpt.catalog import Catalog
 from fastckpt.errors import ConfigError, FastCkptError
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.utilities.types import _PATH
@@ -215,7 +216,13 @@ class FastCheckpointIO(CheckpointIO):
     def remove_sharded(self, path: str) -> None:
         """Rank 0: delete the checkpoint folder ``path`` after every save queued before it."""
         folder, name = split_path(path)
-        self._removals.append((path, self._folder(folder, distributed=True).delete(name)))
+        checkpointer = self._folders.get(folder)
+        if checkpointer is None:
+            # Never saved to in this process: building the folder's distributed Checkpointer is collective, and
+            # Lightning removes on rank 0 alone. Nothing of ours is pending there; delete now, manifest first.
+            Catalog(open_storage(folder, self.config.storage_options)).delete(name)
+            return
+        self._removals.append((path, checkpointer.delete(name)))
 
     # ---- called by the callback ----------------------------------------------------------------------------
 

@@ -173,3 +173,18 @@ def _main(root: Path, phase: str, devices: int, max_steps: int, ckpt_path: str) 
 
 if __name__ == "__main__":
     _main(Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
+
+
+def test_removing_a_sharded_folder_this_process_never_saved_to(tmp_path) -> None:
+    """Rank 0 alone removes (ModelCheckpoint's top-k); with no Checkpointer of the folder yet it must not build the
+    collective one (the other ranks are not there), and still delete the folder, manifest first."""
+    from fastckpt import CheckpointConfig, Checkpointer, is_checkpoint
+    from fastckpt_lightning import FastCheckpointIO
+
+    with Checkpointer(CheckpointConfig(root=str(tmp_path))) as ckpt:
+        ckpt.save({"w": torch.ones(3)}, step=4, name="epoch=0-step=4.ckpt").wait()
+        ckpt.save({"w": torch.zeros(3)}, step=5, name="last.ckpt").wait()
+    path = tmp_path / "epoch=0-step=4.ckpt"
+    assert is_checkpoint(str(path))
+    FastCheckpointIO().remove_sharded(str(path))  # no torch.distributed here: a collective would raise
+    assert not path.exists() and is_checkpoint(str(tmp_path / "last.ckpt"))
