@@ -45,6 +45,7 @@ class Layout:
     dtype: torch.dtype
     chunks: tuple[Chunk, ...]  # distinct blocks, in mesh order
     mesh_size: int
+    labels: tuple[str, ...] = ()  # per chunk, its offsets as text ("17,0"): part of each block's table key
 
 
 def is_dtensor(t: Any) -> bool:
@@ -92,7 +93,8 @@ def _layout(shape: tuple[int, ...], dtype: torch.dtype, placements: tuple, mesh_
         if block not in chunks or rank < chunks[block]:
             chunks[block] = rank  # replicas: the lowest rank writes
     ordered = tuple(Chunk(offsets=o, shape=s, owner=r) for (o, s), r in chunks.items())
-    return Layout(shape=shape, dtype=dtype, chunks=ordered, mesh_size=len(ranks))
+    labels = tuple(",".join(map(str, c.offsets)) for c in ordered)
+    return Layout(shape=shape, dtype=dtype, chunks=ordered, mesh_size=len(ranks), labels=labels)
 
 
 def local_region(t: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -195,7 +195,7 @@ def flatten(state: Any) -> FlatState:
         layout = dt.layout_of(t, key)
         me = _global_rank()
         record = DTensorRecord(key, layout, [], [int(r) for r in t.device_mesh.mesh.flatten().tolist()], t)
-        for chunk in layout.chunks:
+        for chunk, where in zip(layout.chunks, layout.labels):
             if chunk.owner == me:
                 if tuple(local.shape) != chunk.shape:
                     raise TypeError(f"DTensor {key!r}: the local tensor is {list(local.shape)}, but its placements "
@@ -205,7 +205,6 @@ def flatten(state: Any) -> FlatState:
                 block = metas.get((chunk.shape, t.dtype))
                 if block is None:
                     block = metas[(chunk.shape, t.dtype)] = torch.empty(chunk.shape, dtype=t.dtype, device="meta")
-            where = ",".join(map(str, chunk.offsets))
             record.entries.append(add(block, f"{key}#dtensor@{where}", False, chunk.owner, local))
         flat.dtensors.append(record)
         seen[ident] = record.entries[0]
