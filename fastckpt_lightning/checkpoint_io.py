@@ -264,6 +264,11 @@ class FastCheckpointIO(CheckpointIO):
         """Build the core Checkpointer of one folder. Tests override this to inject slow or faulty storage."""
         return Checkpointer(config)
 
+    def _create_distributed_checkpointer(self, config: CheckpointConfig) -> Checkpointer:
+        """Build the distributed core Checkpointer of one sharded folder (collective: every rank, same order). Tests
+        override this to inject faulty storage."""
+        return Checkpointer(config, distributed=True)
+
     # ---- internals -----------------------------------------------------------------------------------------
 
     def _record(self, path: str, handle: SaveHandle) -> None:
@@ -275,7 +280,8 @@ class FastCheckpointIO(CheckpointIO):
         if checkpointer is None:
             config = for_directory(self.config, url)
             # Sharded strategies: every rank writes its own blocks (collective, on every rank's first use).
-            checkpointer = Checkpointer(config, distributed=True) if distributed else self._create_checkpointer(config)
+            make = self._create_distributed_checkpointer if distributed else self._create_checkpointer
+            checkpointer = make(config)
             self._folders[url] = checkpointer
             self._watch(url)
         return checkpointer

@@ -23,11 +23,12 @@ WIDTH, LAYERS = 1024, 8  # 8.4M parameters: 33.6 MB of weights, 101 MB with Adam
 pytestmark = pytest.mark.slow
 
 
-def _run_phase(root: Path, phase: str, devices: int, max_steps: int, ckpt_path: str) -> None:
+def _run_phase(root: Path, phase: str, devices: int, max_steps: int, ckpt_path: str, ok: bool = True) -> str:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
     args = [sys.executable, __file__, str(root), phase, str(devices), str(max_steps), ckpt_path]
     done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=500)
-    assert done.returncode == 0, f"{phase} failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    assert (done.returncode == 0) == ok, f"{phase} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    return done.stderr
 
 
 def test_model_parallel_saves_sharded_and_resumes_on_other_world_sizes(tmp_path) -> None:
@@ -54,6 +55,18 @@ def test_model_parallel_saves_sharded_and_resumes_on_other_world_sizes(tmp_path)
         growth = int((tmp_path / f"train4-rss-{rank}.txt").read_text())
         print(f"rank {rank}: peak RSS grew {growth / 2**20:.1f} MiB while saving; full state {full / 2**20:.1f} MiB")
         assert growth < full / 2, f"rank {rank} grew {growth} bytes while saving a {full}-byte state (1/4 is its own)"
+
+
+def test_a_rank_failing_to_write_fails_that_checkpoint_everywhere(tmp_path) -> None:
+    """Rank 1's disk fills during the second save: training stops with the error, that folder is never committed,
+    and the first one stays whole."""
+    from fastckpt import consolidate, is_checkpoint
+
+    err = _run_phase(tmp_path, "fail2", 2, 4, "none", ok=False)
+    assert "injected: ENOSPC" in err and "epoch=0-step=2.ckpt" in err
+    ckpt = tmp_path / "ckpt"
+    assert not is_checkpoint(str(ckpt / "epoch=0-step=2.ckpt"))
+    assert consolidate(str(ckpt / "epoch=0-step=1.ckpt"))["global_step"] == 1
 
 
 def _load(root: Path, name: str) -> dict[str, Any]:
@@ -160,9 +173,30 @@ def _main(root: Path, phase: str, devices: int, max_steps: int, ckpt_path: str) 
                 growth = _rss("VmHWM") - self.rss0
                 (root / f"{phase}-rss-{self.global_rank}.txt").write_text(str(growth))
 
-    plugin = FastCheckpointIO(persist={"fsync": False, "chunk_bytes": 4 << 20})
+    class FullDisk(FastCheckpointIO):
+        """Rank 1's writes into the second checkpoint fail, as on a full disk."""
+
+        def _create_distributed_checkpointer(self, config: Any) -> Any:
+            import errno
+
+            import torch.distributed as dist
+            from fastckpt import Checkpointer, open_storage
+            from helpers import WrappedStorage
+
+            class Full(WrappedStorage):
+                def write_file(self, path: str, parts: Any) -> None:
+                    if "step=2.ckpt" in path:
+                        raise OSError(errno.ENOSPC, "injected: ENOSPC", path)
+                    self.inner.write_file(path, parts)
+
+            storage = open_storage(config.root)
+            return Checkpointer(config, storage=Full(storage) if dist.get_rank() == 1 else storage, distributed=True)
+
+    io_class = FullDisk if phase == "fail2" else FastCheckpointIO
+    plugin = io_class(persist={"fsync": False, "chunk_bytes": 4 << 20})
     strategy = Probed(data_parallel_size=devices, tensor_parallel_size=1)
-    checkpoints = ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=1, save_top_k=1, save_last=True)
+    keep = -1 if phase == "fail2" else 1
+    checkpoints = ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=1, save_top_k=keep, save_last=keep == 1)
     trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, plugins=[plugin],
                          callbacks=[checkpoints, Capture()], max_steps=max_steps, logger=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
