@@ -113,6 +113,7 @@ def _in_child(target: Any) -> Any:
         proc.join()
 
 
+@pytest.mark.slow  # a spawned process
 def test_fsdp_plan_for_1024_ranks_is_balanced_and_fast() -> None:
     load, entries, shards, times, layouts = _in_child(_simulate_fsdp)
     mean = sum(load) / WORLD
