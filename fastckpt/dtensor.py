@@ -79,8 +79,9 @@ def layout_of(t: Any, key: str) -> Layout:
 
 # Every rank plans every rank's blocks, so one layout costs O(mesh size) and a state costs
 # O(tensors x mesh size): 29 s per save at 1024 ranks for a 1.3B model uncached. The layers of a
-# model repeat a handful of shapes, so the cache turns that into a few distinct layouts.
-@functools.lru_cache(maxsize=1024)
+# model repeat a handful of shapes, so the cache turns that into a few distinct layouts. Bounded:
+# a layout holds a chunk per rank (256 layouts x 1024 ranks is ~60 MB at most).
+@functools.lru_cache(maxsize=256)
 def _layout(shape: tuple[int, ...], dtype: torch.dtype, placements: tuple, mesh_shape: tuple[int, ...],
             ranks: tuple[int, ...]) -> Layout:
     from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
