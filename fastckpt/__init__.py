@@ -26,6 +26,7 @@ _EXPORTS = {
     "CheckpointReader": ".loader",
     "load_checkpoint": ".loader",
     "is_checkpoint": ".loader",
+    "consolidate": ".consolidate",
     "Storage": ".storage",
     "LocalStorage": ".storage",
     "FsspecStorage": ".storage",
@@ -69,5 +70,6 @@ if TYPE_CHECKING:  # type checkers and IDEs see the eager imports
                          IntegrityError, SnapshotMutatedError, StateMismatchError, StorageError,
                          UnsafeCheckpointError)
     from .handle import CheckpointInfo, SaveHandle, SaveStats
+    from .consolidate import consolidate
     from .loader import CheckpointReader, is_checkpoint, load_checkpoint
     from .storage import FsspecStorage, LocalStorage, Storage, open_storage

@@ -152,6 +152,9 @@ def flatten(state: Any) -> FlatState:
     flat = FlatState(tree=None, tensors=[], keys=[], numpy=[], objects=[])
     seen: dict[tuple, int] = {}
     used: set[str] = set()
+    # Other ranks' blocks are shape-only meta tensors; one per (shape, dtype) serves them all
+    # (a sharded state has tensors x mesh-size of them: 650k at 1024 ranks for a 1.3B model).
+    metas: dict[tuple, torch.Tensor] = {}
 
     def unique(key: str) -> str:
         while key in used:  # keys from different containers may print alike
@@ -192,15 +195,16 @@ def flatten(state: Any) -> FlatState:
         layout = dt.layout_of(t, key)
         me = _global_rank()
         record = DTensorRecord(key, layout, [], [int(r) for r in t.device_mesh.mesh.flatten().tolist()], t)
-        for chunk in layout.chunks:
+        for chunk, where in zip(layout.chunks, layout.labels):
             if chunk.owner == me:
                 if tuple(local.shape) != chunk.shape:
                     raise TypeError(f"DTensor {key!r}: the local tensor is {list(local.shape)}, but its placements "
                                     f"give this rank a block of {list(chunk.shape)}")
                 block = local
             else:  # another rank writes it: shape and dtype only
-                block = torch.empty(chunk.shape, dtype=t.dtype, device="meta")
-            where = ",".join(map(str, chunk.offsets))
+                block = metas.get((chunk.shape, t.dtype))
+                if block is None:
+                    block = metas[(chunk.shape, t.dtype)] = torch.empty(chunk.shape, dtype=t.dtype, device="meta")
             record.entries.append(add(block, f"{key}#dtensor@{where}", False, chunk.owner, local))
         flat.dtensors.append(record)
         seen[ident] = record.entries[0]

@@ -10,22 +10,14 @@ from __future__ import annotations
 from typing import Any
 
 from accelerate import Accelerator
-from accelerate.utils import DistributedType
 
 from fastckpt.errors import ConfigError
 
 from .checkpointing import FastAccelerateCheckpointing
 from .config import ConfigSource, resolve_config
+from .fsdp import check_engine
 
 _ATTRIBUTE = "_fastckpt_checkpointing"
-
-# These engines shard or own their state and save it themselves; fastckpt would save only one shard.
-_UNSUPPORTED = {
-    DistributedType.FSDP,
-    DistributedType.DEEPSPEED,
-    DistributedType.MEGATRON_LM,
-    DistributedType.XLA,
-}
 
 
 def enable(
@@ -50,11 +42,7 @@ def enable(
     restriction, as Accelerate does; off by default (such files load with ``weights_only=True``, anything
     else raises ``UnsafeCheckpointError``). Turn it on only for folders you trust.
     """
-    if accelerator.distributed_type in _UNSUPPORTED:
-        raise ConfigError(
-            f"fastckpt_accelerate does not support distributed_type={accelerator.distributed_type.value}: "
-            "its engine saves sharded state itself; use single-process or DDP (MULTI_GPU/MULTI_CPU) training"
-        )
+    check_engine(accelerator)
     previous = getattr(accelerator, _ATTRIBUTE, None)
     if previous is not None and not previous.closed:
         raise ConfigError("fastckpt is already enabled on this Accelerator; close() the returned object first")

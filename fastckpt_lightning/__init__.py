@@ -3,6 +3,7 @@
 from fastckpt_lightning.callback import FastCheckpointCallback
 from fastckpt_lightning.checkpoint_io import FastCheckpointIO
 from fastckpt_lightning.model_checkpoint import FastModelCheckpoint, find_last_checkpoint
+from fastckpt_lightning.sharded import FastModelParallelStrategy
 from fastckpt_lightning.stats import CheckpointStats
 
 __all__ = [
@@ -10,5 +11,6 @@ __all__ = [
     "FastCheckpointCallback",
     "FastCheckpointIO",
     "FastModelCheckpoint",
+    "FastModelParallelStrategy",
     "find_last_checkpoint",
 ]

@@ -21,6 +21,7 @@ from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
 from fastckpt import Checkpointer, CheckpointConfig, SaveHandle, open_storage
+from fastckpt.catalog import Catalog
 from fastckpt.errors import ConfigError, FastCkptError
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.utilities.types import _PATH
@@ -194,6 +195,35 @@ class FastCheckpointIO(CheckpointIO):
             raise
         self._close(quiet=False)
 
+    # ---- called by FastModelParallelStrategy on every rank (sharded state) -------------------------------
+
+    def save_sharded(self, checkpoint: dict[str, Any], path: str, trainer: pl.Trainer) -> None:
+        """Snapshot this rank's DTensor blocks (lazily) into the checkpoint folder ``path``; rank 0 commits once."""
+        self.attach(trainer)
+        folder, name = split_path(path)
+        handle = self._folder(folder, distributed=True).save(checkpoint, step=self._step_of(checkpoint), name=name)
+        pending.add(path, handle)
+        handle._durable.add_done_callback(lambda _: self._record(path, handle))
+        if not self._overlapping():
+            self.teardown()  # as in save_checkpoint: no teardown may follow a save outside a loop
+
+    def load_sharded(self, path: str, target: dict[str, Any]) -> dict[str, Any]:
+        """Load the checkpoint folder ``path`` into ``target``'s DTensors (resharding); the rest comes back fresh."""
+        self.wait_staged(raise_errors=False)
+        folder, name = split_path(path)
+        return self._folder(folder, distributed=True).load_into(target, name=name)
+
+    def remove_sharded(self, path: str) -> None:
+        """Rank 0: delete the checkpoint folder ``path`` after every save queued before it."""
+        folder, name = split_path(path)
+        checkpointer = self._folders.get(folder)
+        if checkpointer is None:
+            # Never saved to in this process: building the folder's distributed Checkpointer is collective, and
+            # Lightning removes on rank 0 alone. Nothing of ours is pending there; delete now, manifest first.
+            Catalog(open_storage(folder, self.config.storage_options)).delete(name)
+            return
+        self._removals.append((path, checkpointer.delete(name)))
+
     # ---- called by the callback ----------------------------------------------------------------------------
 
     def wait_staged(self, raise_errors: bool = True) -> None:
@@ -234,16 +264,24 @@ class FastCheckpointIO(CheckpointIO):
         """Build the core Checkpointer of one folder. Tests override this to inject slow or faulty storage."""
         return Checkpointer(config)
 
+    def _create_distributed_checkpointer(self, config: CheckpointConfig) -> Checkpointer:
+        """Build the distributed core Checkpointer of one sharded folder (collective: every rank, same order). Tests
+        override this to inject faulty storage."""
+        return Checkpointer(config, distributed=True)
+
     # ---- internals -----------------------------------------------------------------------------------------
 
     def _record(self, path: str, handle: SaveHandle) -> None:
         if handle._durable.exception() is None:  # failures are raised, not recorded
             self._book.add(CheckpointStats.of(path, handle.stats))
 
-    def _folder(self, url: str) -> Checkpointer:
+    def _folder(self, url: str, distributed: bool = False) -> Checkpointer:
         checkpointer = self._folders.get(url)
         if checkpointer is None:
-            checkpointer = self._create_checkpointer(for_directory(self.config, url))
+            config = for_directory(self.config, url)
+            # Sharded strategies: every rank writes its own blocks (collective, on every rank's first use).
+            make = self._create_distributed_checkpointer if distributed else self._create_checkpointer
+            checkpointer = make(config)
             self._folders[url] = checkpointer
             self._watch(url)
         return checkpointer

@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from fastckpt import CheckpointConfig, Checkpointer, ConfigError, IntegrityError, StateMismatchError
+from fastckpt import CheckpointConfig, Checkpointer, ConfigError, IntegrityError, StateMismatchError, consolidate
 from fastckpt.storage import open_storage
 from tests.dist_launcher import run_ranks
 from tests.helpers import WrappedStorage, assert_bit_equal
@@ -44,10 +44,10 @@ def _full(state):
     return state
 
 
-def _fsdp_model():
+def _fsdp_model(seed: int = 0):
     from torch.distributed.fsdp import fully_shard
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     # 33 rows over 2 ranks: an uneven split (17 + 16); 1-D biases are sharded too.
     model = nn.Sequential(nn.Linear(16, 33), nn.ReLU(), nn.Linear(33, 8))
     for layer in (model[0], model[2]):
@@ -189,3 +189,55 @@ def test_corrupt_block_names_the_file_and_tensor(fsdp_run, tmp_path) -> None:
 
 def test_dtensor_on_a_one_rank_mesh(tmp_path) -> None:
     run_ranks(_single_rank_mesh, 1, str(tmp_path))
+
+
+def _fsdp_save(rank: int, world: int, root: str, out: str) -> None:
+    """Train one step on ``world`` ranks, save it; rank 0 keeps the full values for the resumed run."""
+    model, opt = _fsdp_model()
+    _train_step(model, opt, 1)
+    with Checkpointer(CheckpointConfig(root=root, persist={"chunk_bytes": 4096}), distributed=True) as ckpt:
+        ckpt.watch(opt)
+        state = {"model": model.state_dict(), "optim": opt.state_dict(), "step": 1}
+        ref = _full(state)
+        ckpt.save(state, step=1)
+        _train_step(model, opt, 2)  # the lazy copies must have seen step 1's values, not these
+    if rank == 0:
+        torch.save(ref, out)
+
+
+def _fsdp_resume(rank: int, world: int, root: str, ref_path: str) -> None:
+    """A fresh FSDP2 model on ``world`` ranks (another init) resumes step 1 bit for bit: blocks are resharded."""
+    ref = torch.load(ref_path, weights_only=True)
+    model, opt = _fsdp_model(seed=world + 7)
+    _train_step(model, opt, 3)  # the optimizer state must exist to be loaded into in place
+    assert not torch.equal(_full(model.state_dict())["0.weight"], ref["model"]["0.weight"])
+    with Checkpointer(CheckpointConfig(root=root), distributed=True) as ckpt:
+        restored = ckpt.load_into({"model": model.state_dict(), "optim": opt.state_dict(), "step": 0}, step=1)
+    opt.load_state_dict(restored["optim"])
+    assert restored["step"] == 1
+    assert_bit_equal(ref["model"], _full(model.state_dict()))
+    assert_bit_equal(ref["optim"]["state"], _full(opt.state_dict()["state"]))
+    local = model.state_dict()["0.weight"].to_local()
+    rows = -(-33 // world)  # FSDP2 splits as torch.chunk: the last rank may hold fewer
+    assert local.shape[0] == min(rows, 33 - rank * rows), "each rank holds its own rows of the new mesh"
+
+
+def test_fsdp2_four_ranks_resume_into_two(tmp_path) -> None:
+    root, ref = tmp_path / "ckpt", tmp_path / "ref.pt"
+    run_ranks(_fsdp_save, 4, str(root), str(ref))
+    run_ranks(_fsdp_resume, 4, str(root), str(ref))  # same world: plain bit-exact resume
+    run_ranks(_fsdp_resume, 2, str(root), str(ref))
+
+
+def test_fsdp2_two_ranks_resume_into_one(fsdp_run, tmp_path) -> None:
+    root, ref = fsdp_run
+    torch.save(ref, tmp_path / "ref.pt")
+    run_ranks(_fsdp_resume, 2, str(root), str(tmp_path / "ref.pt"))
+    run_ranks(_fsdp_resume, 1, str(root), str(tmp_path / "ref.pt"))
+
+
+def test_consolidate_gives_full_plain_tensors(fsdp_run) -> None:
+    root, ref = fsdp_run
+    state = consolidate(str(root / "step-000000001"))  # no torch.distributed in this process
+    assert_bit_equal(ref, state)
+    assert type(state["model"]["0.weight"]) is torch.Tensor and state["model"]["0.weight"].shape == (33, 16)
