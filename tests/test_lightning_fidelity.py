@@ -147,6 +147,32 @@ def test_save_last_files_and_links_are_stock(tmp_path, save_last, uninterrupted)
     assert_bit_equal(training_state(resumed), uninterrupted)
 
 
+class CheckLastLink(Callback):
+    """At every batch start (lazy copies of the previous save still held back by GatedIO): `last.ckpt` is absent or
+    names a complete file, never a file still in flight."""
+
+    def __init__(self, dirpath: Path) -> None:
+        self.last = dirpath / "last.ckpt"
+        self.seen: list[tuple[int, object]] = []
+
+    def on_train_batch_start(self, trainer, *args) -> None:
+        if os.path.lexists(self.last):
+            target = os.readlink(self.last)
+            assert os.path.exists(self.last), f"step {trainer.global_step}: last.ckpt -> {target}, not on disk yet"
+            self.seen.append((trainer.global_step, torch.load(self.last, weights_only=True)["global_step"]))
+
+
+def test_save_last_link_names_only_landed_files(tmp_path):
+    checker = CheckLastLink(tmp_path)
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=2, monitor="train_loss",
+                                  save_last="link")
+    make_trainer([checker, checkpoints], GatedIO(), max_steps=6).fit(TinyModule(), ResumableBatches())
+
+    assert checker.seen and all(saved < now for now, saved in checker.seen), checker.seen
+    assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 6
+    assert os.readlink(tmp_path / "last.ckpt") == "epoch=1-step=6.ckpt"
+
+
 # ---- a stock process reads our files --------------------------------------------------------------------------
 
 
