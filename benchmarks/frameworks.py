@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from . import workload as wl
-from .measure import RssSampler, med, now, rmtree, rss, tree_bytes
+from .measure import RssSampler, drop_cache, med, now, rmtree, rss, tree_bytes
 
 LIGHTNING_CONFIGS = ["baseline", "torch_io", "async_io", "fastckpt"]
 LIGHTNING_LABELS = {
@@ -47,7 +47,6 @@ def _warmup(warmup: int, every: int) -> int:
 def task_lightning(config: str, shape: dict, root: str, warmup: int, every: int, n_ckpt: int) -> dict[str, Any]:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-    from torch.utils.data import DataLoader, TensorDataset
 
     wl.setup_threads()
     wl.tune_malloc()
@@ -60,22 +59,8 @@ def task_lightning(config: str, shape: dict, root: str, warmup: int, every: int,
     if max_steps <= warmup:
         raise ValueError("warmup must be shorter than the run")
 
-    class LitGPT(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.model = wl.GPTish(s)
-
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            x, y = batch
-            return wl.loss_fn(self.model, x, y)
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return wl.make_optimizer(self.parameters())
-
-    g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, s.vocab, ((max_steps + 8) * s.batch, s.seq + 1), generator=g)
-    data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=s.batch, shuffle=False)
+    LitGPT = _lit_gpt_class(s)
+    data = _token_batches(s, max_steps + 8)
 
     class Clock(Callback):
         def __init__(self) -> None:
@@ -148,6 +133,93 @@ def task_lightning(config: str, shape: dict, root: str, warmup: int, every: int,
         "peak_rss": peak,
         "bytes_on_disk": tree_bytes(root_p),
     }
+    rmtree(root_p)
+    return out
+
+
+def _lit_gpt_class(s: wl.Shape) -> Any:
+    """The benchmark model as a LightningModule (a class per shape: ``load_from_checkpoint`` builds one)."""
+    import lightning.pytorch as pl
+
+    class LitGPT(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = wl.GPTish(s)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return wl.loss_fn(self.model, x, y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return wl.make_optimizer(self.parameters())
+
+    return LitGPT
+
+
+def _token_batches(s: wl.Shape, n_batches: int) -> Any:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, s.vocab, (n_batches * s.batch, s.seq + 1), generator=g)
+    return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=s.batch, shuffle=False)
+
+
+def task_lightning_load(shape: dict, root: str, reps: int, cold: bool) -> dict[str, Any]:
+    """``load_from_checkpoint`` (and ``torch.load``) of one trained state saved twice by ``Trainer.save_checkpoint``:
+    by FastCheckpointIO and by the stock TorchCheckpointIO (``torch.save``). Interleaved, warm page cache; then cold
+    (fadvise DONTNEED) once each."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+    import fastckpt_lightning
+
+    wl.setup_threads()
+    s = wl.Shape(**shape)
+    root_p = Path(root)
+    rmtree(root_p)
+    root_p.mkdir(parents=True)
+    LitGPT = _lit_gpt_class(s)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False,
+                         plugins=[fastckpt_lightning.FastCheckpointIO()], default_root_dir=str(root_p))
+    trainer.fit(LitGPT(), _token_batches(s, 4))  # two steps: AdamW's state exists
+    paths = {"fastckpt": root_p / "fastckpt.ckpt", "torch_save": root_p / "torch_save.ckpt"}
+    trainer.save_checkpoint(paths["fastckpt"])  # after fit: finished (durable) when it returns
+    trainer.strategy.checkpoint_io = TorchCheckpointIO()
+    trainer.save_checkpoint(paths["torch_save"])
+    del trainer
+
+    def load_module(path: Path) -> float:
+        t0 = now()
+        module = LitGPT.load_from_checkpoint(path, map_location="cpu")
+        dt = now() - t0
+        del module
+        return dt
+
+    def load_dict(path: Path) -> float:
+        t0 = now()
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        dt = now() - t0
+        del state
+        return dt
+
+    out: dict[str, Any] = {"ckpt_bytes": {k: p.stat().st_size for k, p in paths.items()}}
+    for name, load in (("load_from_checkpoint", load_module), ("torch_load", load_dict)):
+        times: dict[str, list[float]] = {k: [] for k in paths}
+        for r in range(reps + 1):  # the first round warms the page cache and the allocator: not kept
+            for key in (list(paths) if r % 2 == 0 else list(reversed(paths))):
+                dt = load(paths[key])
+                if r > 0:
+                    times[key].append(dt)
+        out[name] = {"warm_s": times, "warm_ratio": med(times["fastckpt"]) / med(times["torch_save"])}
+        if cold:
+            cold_s = {}
+            for key, path in paths.items():
+                drop_cache(path)
+                cold_s[key] = load(path)
+            out[name]["cold_s"] = cold_s
+            out[name]["cold_ratio"] = cold_s["fastckpt"] / cold_s["torch_save"]
     rmtree(root_p)
     return out
 

@@ -21,7 +21,7 @@ from . import frameworks, peers
 from . import workload as wl
 
 REPO = Path(__file__).resolve().parent.parent
-SECTIONS = ("io", "core", "rss", "lightning", "accelerate", "busy", "cli")
+SECTIONS = ("io", "core", "rss", "lightning", "lightning_load", "accelerate", "busy", "cli")
 
 
 @dataclass
@@ -182,6 +182,9 @@ def run_all(plan: Plan, workdir: Path, isolate: bool, sections: tuple[str, ...],
                                   n_saves=plan.rss_saves, base_steps=max(2, plan.base_steps // 3)))
     if "busy" in sections:
         results["busy"] = run_busy(run, plan, ck, peer_names)
+    if "lightning_load" in sections:
+        results["lightning_load"] = run("lightning: load_from_checkpoint, fastckpt vs torch.save", "lightning_load",
+                                        dict(shape=shape, root=ck, reps=plan.io_reps, cold=plan.cold_load))
     fw = dict(shape=shape, root=ck, warmup=plan.warmup, every=plan.fw_every, n_ckpt=plan.fw_n_ckpt)
     if "cli" in sections:
         results["cli"] = _cli_help(5)

@@ -21,6 +21,7 @@ def _tasks() -> dict[str, Callable[..., dict[str, Any]]]:
         "rss": measure.task_rss,
         "busy": busy.task_busy,
         "lightning": frameworks.task_lightning,
+        "lightning_load": frameworks.task_lightning_load,
         "accelerate": frameworks.task_accelerate,
     }
 

@@ -31,7 +31,8 @@ from .pipeline import Job, Pipeline
 from .reread import read_consistently
 from .plan import FlatState, Planner, flatten
 from .priority import ThreadPriorities
-from .remote import RemoteTier, Upload, _settle
+from .futures import settle
+from .remote import RemoteTier, Upload
 from .staging import HostArena, Slot
 from .streams import CopyStreams, CudaCopy, cuda_devices, gpu_wait
 from .recovery import recoverable
@@ -465,7 +466,7 @@ class Checkpointer:
                 self._errors.append((job.handle, err))
             self._drop_pending(job.handle)
         if job.handle._upload is not None:
-            _settle(job.handle._upload, exc=err)  # never committed locally: nothing to upload
+            settle(job.handle._upload, exc=err)  # never committed locally: nothing to upload
 
     # ---- remote tier callbacks (upload thread) ---------------------------------------
 
@@ -649,7 +650,7 @@ class Checkpointer:
             uploader.submit(name, info.path, done)
 
         queued = self._pipeline.run_in_order(submit)  # type: ignore[union-attr]
-        queued.add_done_callback(lambda f: f.exception() is not None and _settle(done, exc=f.exception()))
+        queued.add_done_callback(lambda f: f.exception() is not None and settle(done, exc=f.exception()))
         return done
 
     def _apply_retention(self) -> None:

@@ -28,7 +28,7 @@ import mmap
 import queue
 import threading
 import time
-from concurrent.futures import FIRST_EXCEPTION, Future, InvalidStateError, ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -37,6 +37,7 @@ from .catalog import Catalog
 from .config import RetentionOptions
 from .errors import CheckpointTimeoutError, FastCkptError, IntegrityError, StorageError
 from .format import MANIFEST, parse_manifest
+from .futures import copy_outcome, settle, succeeded
 from .handle import CheckpointInfo, SaveHandle
 from .paths import confine
 from .priority import ThreadPriorities
@@ -166,9 +167,9 @@ class RemoteTier:
             if isinstance(item, tuple):
                 fn, fut = item
                 try:
-                    _settle(fut, result=fn())
+                    settle(fut, result=fn())
                 except BaseException as e:  # noqa: BLE001 - handed to the caller's future
-                    _settle(fut, exc=e)
+                    settle(fut, exc=e)
                 continue
             self._run(item)
 
@@ -181,7 +182,7 @@ class RemoteTier:
                 return  # close() already failed it
             if newer is not up and newer is not None:
                 # A later save under the same name is queued: only the newest bytes go up.
-                newer.future.add_done_callback(lambda f: _copy_outcome(f, up.future))
+                newer.future.add_done_callback(lambda f: copy_outcome(f, up.future))
                 return
             try:
                 info = self._upload(up)
@@ -191,7 +192,7 @@ class RemoteTier:
                 return
             self._done(up)
             self._on_uploaded(up, info)
-            _settle(up.future, result=info)
+            settle(up.future, result=info)
         finally:
             self._done(up)
             up.release()
@@ -214,7 +215,7 @@ class RemoteTier:
                 return  # close() and the upload thread may both get here
             up.reported = True
         self._on_failed(up, err)
-        _settle(up.future, exc=err)
+        settle(up.future, exc=err)
 
     # ---- the work -----------------------------------------------------------------------
 
@@ -251,7 +252,7 @@ class RemoteTier:
         t0 = time.perf_counter()
         futures = [self._pool.submit(self._put, up, name, dst) for name in send]
         wait_futures(futures, return_when=FIRST_EXCEPTION)
-        if self._abort is not None or not all(_ok(f) for f in futures):
+        if self._abort is not None or not all(succeeded(f) for f in futures):
             for f in futures:
                 f.cancel()  # the remote is probably gone: do not start the rest
             wait_futures(futures)
@@ -342,23 +343,3 @@ class RemoteTier:
             f"later saves are uploaded as usual")
         err.__cause__ = e
         return err
-
-
-def _settle(fut: Future, *, result: Any = None, exc: BaseException | None = None) -> None:
-    """Resolve ``fut`` unless it already is (close() may have failed it first)."""
-    try:
-        if exc is not None:
-            fut.set_exception(exc)
-        else:
-            fut.set_result(result)
-    except InvalidStateError:
-        pass
-
-
-def _ok(fut: Future) -> bool:
-    return fut.done() and not fut.cancelled() and fut.exception() is None
-
-
-def _copy_outcome(src: Future, dst: Future) -> None:
-    exc = src.exception()
-    _settle(dst, exc=exc) if exc is not None else _settle(dst, result=src.result())

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 import warnings
 import weakref
@@ -38,6 +39,9 @@ from fastckpt_lightning.stats import CheckpointStats, StatsBook, log_to
 from fastckpt_lightning.versioning import see_pending_saves
 
 log = logging.getLogger(__name__)
+
+# The names Lightning's SLURM auto-requeue handler saves (`_CheckpointConnector.hpc_save_path`).
+_REQUEUE_SAVE = re.compile(r"hpc_ckpt_\d+\.ckpt")
 
 
 class FastCheckpointIO(CheckpointIO):
@@ -145,13 +149,23 @@ class FastCheckpointIO(CheckpointIO):
         self._discover_trainer()
         path = os.fspath(path)
         folder, name = split_path(path)
+        if "://" not in folder:
+            # The file lands later, but Lightning may use the folder right away, as after a stock save:
+            # save_last="link" symlinks last.ckpt next to the file being saved.
+            os.makedirs(folder, exist_ok=True)
         checkpointer = self._folder(folder)
         if self._lazy and not self._optimizers:
             self._warn_eager()
         handle = checkpointer.save_file(checkpoint, name, step=self._step_of(checkpoint))
         pending.add(path, handle)
         handle._durable.add_done_callback(lambda _: self._record(path, handle))
-        if not self._overlapping():
+        if _REQUEUE_SAVE.fullmatch(name) and self._overlapping():
+            # Lightning's SLURM handler saves `hpc_ckpt_N.ckpt`, then asks SLURM to requeue the job, which kills this
+            # process: the file must be complete when this returns, as with stock Lightning (and `hpc_save_path`
+            # numbers the next one from the files on disk). The rest of the run keeps its threads.
+            self.wait_staged()
+            handle.wait()
+        elif not self._overlapping():
             # Nothing runs next that a background save could overlap with (a save after fit, a script's direct
             # call): finish it here, so its errors surface here and the file exists when this returns; and stop
             # the threads, as no teardown may follow (stock Lightning leaves no thread behind either).

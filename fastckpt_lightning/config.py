@@ -36,7 +36,7 @@ def build_config(source: ConfigSource, **overrides: Any) -> tuple[CheckpointConf
     user_root = base.get("root")
     base["root"] = str(user_root) if user_root is not None else _PLACEHOLDER_ROOT
     base = _without_retention(base)
-    config = CheckpointConfig.from_dict(base)
+    config = _without_shm(CheckpointConfig.from_dict(base))
     if config.remote.url is not None:
         # ModelCheckpoint's folder also holds the pointer files (`last.ckpt`, `epoch=...ckpt`) that name the
         # data; a remote copy of the data alone could not be resumed from with ckpt_path="last".
@@ -69,3 +69,18 @@ def _without_retention(config: dict[str, Any]) -> dict[str, Any]:
         )
     config.pop("retention", None)
     return config
+
+
+def _without_shm(config: CheckpointConfig) -> CheckpointConfig:
+    # The shared YAML may enable the shared-memory tier for the core and the Accelerate hook; Lightning's files are
+    # single torch files (save_file), which that tier does not serve: turn it off here rather than fail every save.
+    if not config.staging.shm:
+        return config
+    warnings.warn(
+        "FastCheckpointIO ignores `staging.shm: true`: Lightning checkpoints are single torch files, which the"
+        " shared-memory tier does not hold. They are written to ModelCheckpoint's dirpath as usual; set"
+        " staging.shm: false in this config to silence this warning.",
+        UserWarning,
+        stacklevel=4,
+    )
+    return dataclasses.replace(config, staging=dataclasses.replace(config.staging, shm=False))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+from typing import Optional
 
 from fastckpt import SaveHandle
 from fastckpt.errors import FastCkptError, StorageError
@@ -33,6 +34,12 @@ def add(path: str, handle: SaveHandle) -> None:
                 del _pending[key]
 
     handle._durable.add_done_callback(done)
+
+
+def handle_of(path: str) -> Optional[SaveHandle]:
+    """The handle of the save of ``path`` still in flight in this process, or None."""
+    with _lock:
+        return _pending.get(_key(path))
 
 
 def contains(path: str) -> bool:

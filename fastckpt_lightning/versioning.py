@@ -1,15 +1,20 @@
-"""``ModelCheckpoint`` versioning that sees saves which have not landed yet.
+"""``ModelCheckpoint`` that sees saves which have not landed yet: its versioning and its ``last.ckpt`` link.
 
 ``ModelCheckpoint(filename="model")`` picks ``model.ckpt``, then ``model-v1.ckpt``... by asking its filesystem whether
 a name exists right after the previous save. With asynchronous saves the previous file may still be in flight, and
 two checkpoints would share one name. The plugin wraps each ``ModelCheckpoint``'s filesystem so that ``exists`` also
 counts this process's pending saves. Only the filesystem is wrapped: Lightning's own ``file_exists`` (and the
 collective it uses to agree across ranks) runs unchanged.
+
+``save_last="link"`` points ``last.ckpt`` at the file just saved. Linked at once, it would name a file still in flight
+(a crash then leaves a dangling ``last.ckpt``, and ``ckpt_path="last"`` trains from scratch): the link moves once the
+file has landed, and keeps naming the previous complete file until then.
 """
 
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 from typing import Any
 
 import lightning.pytorch as pl
@@ -21,9 +26,13 @@ from fastckpt_lightning import pending
 def see_pending_saves(trainer: pl.Trainer) -> None:
     """Called by ``FastCheckpointIO.attach`` (every fit: ``ModelCheckpoint.setup`` replaces its filesystem)."""
     for callback in trainer.checkpoint_callbacks:
+        if not isinstance(callback, ModelCheckpoint):
+            continue
         fs = getattr(callback, "_fs", None)
-        if isinstance(callback, ModelCheckpoint) and fs is not None and not isinstance(fs, PendingAwareFS):
+        if fs is not None and not isinstance(fs, PendingAwareFS):
             callback._fs = PendingAwareFS(fs)
+        if not isinstance(vars(callback).get("_link_checkpoint"), LinkWhenLanded):
+            callback._link_checkpoint = LinkWhenLanded()  # shadows the static method, for this instance only
 
 
 class PendingAwareFS:
@@ -41,3 +50,25 @@ class PendingAwareFS:
         if name == "fs":  # unpickling: before __init__ ran
             raise AttributeError(name)
         return getattr(self.fs, name)
+
+
+class LinkWhenLanded:
+    """``ModelCheckpoint._link_checkpoint`` that moves the link once its target has landed (module level: pickled)."""
+
+    def __call__(self, trainer: pl.Trainer, filepath: str, linkpath: str) -> None:
+        handle = pending.handle_of(os.fspath(filepath)) if trainer.is_global_zero else None
+        if handle is None:
+            ModelCheckpoint._link_checkpoint(trainer, filepath, linkpath)
+            return
+
+        def link(done: Any) -> None:  # on the committer thread, before any removal queued after this save
+            if done._durable.exception() is None:
+                ModelCheckpoint._link_checkpoint(_RANK_ZERO_ALONE, filepath, linkpath)
+
+        handle.add_done_callback(link)
+        trainer.strategy.barrier()  # what the stock method does on every rank
+
+
+# Stock linking (remove the old link, symlink, or copy where symlinks are refused) minus its barrier, which the ranks
+# passed when the save was made.
+_RANK_ZERO_ALONE = SimpleNamespace(is_global_zero=True, strategy=SimpleNamespace(barrier=lambda: None))

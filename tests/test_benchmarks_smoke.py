@@ -64,8 +64,12 @@ def test_quick_benchmark_run_writes_report(tmp_path: Path) -> None:
                     assert "n/a (error:" in md
                 else:
                     assert run["ok"], (section, cfg, run.get("error"))
+    load = res["lightning_load"]  # load_from_checkpoint: a fastckpt .ckpt vs the same state from torch.save
+    assert load["ok"], load.get("error")
+    assert set(load["result"]["load_from_checkpoint"]["warm_s"]) == {"fastckpt", "torch_save"}
+    assert "load_from_checkpoint of a fastckpt .ckpt" in md
     # targets are evaluated (met or not) for every measure
     # (a noisy stall verdict is "n/a / inconclusive": evaluated too)
-    assert md.count("**met**") + md.count("**NOT met**") + md.count("| n/a |") + md.count("| n/a / inconclusive |") >= 7
+    assert md.count("**met**") + md.count("**NOT met**") + md.count("| n/a |") + md.count("| n/a / inconclusive |") >= 8
     # checkpoints are cleaned up
     assert not (tmp_path / "work" / "ckpt").exists()

@@ -81,3 +81,24 @@ def test_resume_from_last_on_s3(s3_defaults, uninterrupted):
     state = _train_stop_resume(root, "last", s3_defaults.storage_options, checkpoint_cls=FastModelCheckpoint)
     assert_bit_equal(state, uninterrupted)
     assert find_last_checkpoint(root, s3_defaults.storage_options) == f"{root}/last.ckpt"
+
+
+def test_stock_model_checkpoint_on_s3_cannot_resume_from_last(s3_defaults):
+    """What stock ModelCheckpoint does with ckpt_path="last" in an s3:// dirpath (docs/lightning.md, "Resume"):
+    Lightning lists the folder, loses the protocol, finds no file, warns and trains from scratch. The checkpoints
+    are there (an explicit path or FastModelCheckpoint resumes, tests above)."""
+    root = s3_defaults.url + "/checkpoints"
+    options = s3_defaults.storage_options
+
+    def run(max_steps: int, resume_from=None) -> list[int]:
+        start = StartStep()
+        plugin = FastCheckpointIO(storage_options=options, persist={"fsync": False})
+        checkpoints = ModelCheckpoint(dirpath=root, every_n_train_steps=1, save_top_k=-1, save_last=True)
+        trainer = make_trainer([checkpoints, start], plugin, max_steps=max_steps)
+        trainer.fit(TinyModule(batchnorm=True), ResumableBatches(), ckpt_path=resume_from)
+        return start.steps
+
+    run(STOP_AT)
+    assert find_last_checkpoint(root, options) == f"{root}/last.ckpt"
+    with pytest.warns(UserWarning, match="no last checkpoint available"):
+        assert run(STOP_AT + 1, "last") == [0]

@@ -1,0 +1,79 @@
+"""SIGKILL during Lightning saves never leaves a torn file under a ``.ckpt`` name, and never harms the previous
+checkpoint: the child (``lightning_crash_child.py``) saves ~100 MB at every step and is killed at random points of
+its own report stream."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastckpt.torchfile import verify_torch_file
+from lightning_crash_child import state_crc
+
+HERE = Path(__file__).resolve().parent
+TRIALS = 8
+
+
+def _run_and_kill(dirpath: Path, kill_at_line: int) -> list[list[str]]:
+    """Start the child, SIGKILL it right after it reports line ``kill_at_line``; return the lines read."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
+    child = subprocess.Popen([sys.executable, str(HERE / "lightning_crash_child.py"), str(dirpath)], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    lines: list[list[str]] = []
+    try:
+        for raw in child.stdout:
+            lines.append(raw.split())
+            if len(lines) == kill_at_line:
+                child.send_signal(signal.SIGKILL)
+                break
+    finally:
+        child.kill()
+        child.wait(timeout=60)
+        child.stdout.close()
+    assert len(lines) == kill_at_line, f"the child exited (rc {child.returncode}) after {len(lines)} lines"
+    return lines
+
+
+def _check_folder(dirpath: Path, lines: list[list[str]]) -> bool:
+    """Every ``.ckpt`` is sound and holds its step's state; the newest durable checkpoint survived. Returns whether
+    the child died inside a file's write."""
+    crcs = {int(line[1]): int(line[2]) for line in lines if line[0] == "state"}
+    durable = [int(line[2]) for line in lines if line[0] == "durable"]
+
+    names = [name for name in os.listdir(dirpath) if name.endswith(".ckpt")]
+    steps = {}
+    for name in names:
+        path = dirpath / name
+        assert verify_torch_file(str(path)) == [], name
+        assert zipfile.ZipFile(path).testzip() is None, name
+        checkpoint = torch.load(path, weights_only=True)
+        steps[name] = checkpoint["global_step"]
+        assert state_crc(checkpoint["state_dict"]) == crcs[steps[name]], f"{name} does not hold its step's state"
+        if name.startswith("epoch="):
+            assert name.endswith(f"step={steps[name]}.ckpt"), name
+    if durable:
+        # The previous checkpoint is intact: the newest one known durable, or a newer one, is under both names.
+        assert steps.get("last.ckpt", -1) >= max(durable), (steps, durable)
+        assert any(name.startswith("epoch=") and step >= max(durable) for name, step in steps.items()), steps
+    return lines[-1][0] == "write"
+
+
+@pytest.mark.slow
+def test_sigkill_during_lightning_saves_never_tears_a_ckpt(tmp_path):
+    rng = random.Random(20261123)
+    inside_write = 0
+    for trial in range(TRIALS):
+        dirpath = tmp_path / f"trial{trial}"
+        # A step reports a few lines, a file's write about a hundred: most kill points fall inside a write.
+        lines = _run_and_kill(dirpath, kill_at_line=rng.randint(2, 600))
+        if dirpath.exists():
+            inside_write += _check_folder(dirpath, lines)
+    assert inside_write >= TRIALS // 2, f"only {inside_write} of {TRIALS} kills fell inside a write: the test lost its point"
