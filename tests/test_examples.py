@@ -101,3 +101,30 @@ def test_accelerate_rerun_without_resume_refuses_before_training(tmp_path: Path)
     assert "ConfigError" not in again.stderr  # refused up front, not by the first save_state() after training
     assert "Traceback" not in again.stderr
     assert sorted(p.name for p in checkpoints.iterdir()) == before  # the earlier run's checkpoints untouched
+
+
+# ----------------------------------------------------------------------------- lightning_gpt.py (the Quickstart demo)
+
+
+@pytest.mark.timeout(400)
+def test_demo_reports_the_loop_cost_and_resume_extends_the_run(tmp_path: Path) -> None:
+    pytest.importorskip("lightning")
+    pytest.importorskip("matplotlib")
+    demo = [sys.executable, str(EXAMPLES / "lightning_gpt.py"), "--root", str(tmp_path / "ck"), "--every", "2"]
+    first = ok(run([*demo, "--steps", "4"], tmp_path))
+    # the loop's view, for both plugins on the same run
+    assert re.search(r"^fastckpt\s+\d+\.\d\s+\d+\.\d\s+\d+\.\d+%$", first, re.M), first
+    assert re.search(r"^AsyncCheckpointIO\s+\d+\.\d\s+\d+\.\d\s+\d+\.\d+%$", first, re.M), first
+    # the mean counts the checkpoints, and last.ckpt (a second save at the same step) apart
+    assert re.search(r"^2 checkpoints, .* mean stall", first, re.M), first
+    assert re.search(r"^2 last.ckpt saves, ", first, re.M), first
+    png = tmp_path / "ck" / "timeline.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    again = ok(run([*demo, "--steps", "2", "--resume", "--no-compare", "--plot", str(tmp_path / "t.png")], tmp_path))
+    assert "resuming from step 4" in again and "training to step 6" in again, again
+    rows = re.findall(r"^\s+(\d+)\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+(\S+)$", again, re.M)
+    assert ("6", str(tmp_path / "ck" / "last.ckpt")) in rows, again  # it trained: a checkpoint at step 6
+    assert "AsyncCheckpointIO" not in again
+    resumed = torch.load(tmp_path / "ck" / "last.ckpt", weights_only=True)
+    assert resumed["global_step"] == 6
