@@ -180,7 +180,7 @@ def print_cost(runs: dict[str, dict[str, float]]) -> None:
     for name, cost in runs.items():
         print(f"{name:<22} {cost['base_ms']:>17.1f} {cost['per_save_ms']:>18.1f} {cost['pct']:>19.2f}%")
     print("(stall: what the steps that saved, and the step after each, took beyond the median step that did "
-          "neither; both runs train the same model on the same data)")
+          "neither" + ("; both runs train the same model on the same data)" if len(runs) > 1 else ")"))
 
 
 def fit(io: SaveClock, root: str, steps: int, every: int, resume: bool, fast: bool) -> StepClock:

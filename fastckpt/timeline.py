@@ -48,7 +48,7 @@ def plot_timeline(path: str | Path, step_starts: Sequence[float], step_ms: Seque
         top.axvline(start, color=_PHASES["blocking"], linewidth=0.6, alpha=0.5)
         _draw_save(bottom, row, start, save.stats)
     bottom.set_yticks(range(len(saves)), [s.label for s in saves], fontsize=7)
-    bottom.invert_yaxis()
+    bottom.set_ylim(len(saves) + 0.9, -0.6)  # top to bottom, with a free row at the bottom for the legend
     bottom.set_xlabel("time since the first step (s)")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in _PHASES.values()]
     bottom.legend(handles, [f"{name}" for name in _PHASES], loc="lower right", fontsize=7, ncol=4)
