@@ -226,8 +226,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--root", default="checkpoints/lightning_gpt", help="checkpoint folder: a path or s3://...")
     parser.add_argument("--storage-options", default="{}", help="fsspec options as JSON (endpoint, credentials)")
     parser.add_argument("--resume", action="store_true", help="continue from last.ckpt in --root for --steps more")
-    parser.add_argument("--steps", type=int, default=200, help="steps to train (with --resume: steps to add)")
-    parser.add_argument("--every", type=int, default=50, help="checkpoint every N steps")
+    parser.add_argument("--steps", type=int, default=120, help="steps to train (with --resume: steps to add)")
+    parser.add_argument("--every", type=int, default=30, help="checkpoint every N steps")
     parser.add_argument("--config", default=None, help="a fastckpt YAML file (staging, persist...)")
     parser.add_argument("--compare", action=argparse.BooleanOptionalAction, default=True,
                         help="also run the same training with Lightning's AsyncCheckpointIO (not with --resume)")
