@@ -237,10 +237,23 @@ def run_busy(run: Runner, plan: Plan, ck: str, peer_names: list[str]) -> dict[st
     return out
 
 
+QUICK_OUT = REPO / "benchmarks" / "out-quick"  # ignored by git: a smoke run never replaces the committed report
+
+
+def default_outputs(out_arg: str | None, quick: bool) -> tuple[Path, Path, Path]:
+    """Report, chart and JSON paths. Only a full run writes the committed BENCHMARKS.md and
+    benchmarks/results.{png,json} by default; ``--quick`` writes into QUICK_OUT unless ``--out`` is given."""
+    if out_arg is None and not quick:
+        return REPO / "BENCHMARKS.md", REPO / "benchmarks" / "results.png", REPO / "benchmarks" / "results.json"
+    out = Path(out_arg) if out_arg else QUICK_OUT / "BENCHMARKS.md"
+    return out, out.with_suffix(".png"), out.with_suffix(".json")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny model, few steps, in-process: a smoke test")
-    ap.add_argument("--out", default=None, help="markdown report (default: BENCHMARKS.md at the repo root)")
+    ap.add_argument("--out", default=None, help="markdown report (default: BENCHMARKS.md at the repo root; "
+                                               "with --quick: benchmarks/out-quick/BENCHMARKS.md)")
     ap.add_argument("--chart", default=None, help="PNG chart (default: benchmarks/results.png next to --out)")
     ap.add_argument("--json", default=None, help="raw results (default: benchmarks/results.json next to --out)")
     ap.add_argument("--workdir", default=None,
@@ -269,13 +282,11 @@ def main(argv: list[str] | None = None) -> int:
         print(report.console_table(summary))
         return 0
 
-    out = Path(args.out) if args.out else REPO / "BENCHMARKS.md"
-    if args.out is None:
-        chart_default, json_default = REPO / "benchmarks" / "results.png", REPO / "benchmarks" / "results.json"
-    else:
-        chart_default, json_default = out.with_suffix(".png"), out.with_suffix(".json")
+    out, chart_default, json_default = default_outputs(args.out, args.quick)
     chart = Path(args.chart) if args.chart else chart_default
     json_path = Path(args.json) if args.json else json_default
+    for path in (out, chart):
+        path.parent.mkdir(parents=True, exist_ok=True)
     workdir = Path(args.workdir) if args.workdir else REPO / "bench_out"
     workdir.mkdir(parents=True, exist_ok=True)
     plan = QUICK_PLAN if args.quick else FULL_PLAN

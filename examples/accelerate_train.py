@@ -5,8 +5,10 @@ The data is generated locally (a fixed random regression problem), so the script
     python examples/accelerate_train.py --project-dir runs/accel --steps 40 --save-every 5 --stop-after 20
     python examples/accelerate_train.py --project-dir runs/accel --steps 40 --save-every 5 --resume
 
-    # two processes on CPU (DDP over gloo):
-    accelerate launch --cpu --num_processes 2 examples/accelerate_train.py --project-dir runs/ddp --steps 20
+    # two processes on CPU (DDP over gloo). `accelerate launch --cpu --num_processes 2` starts ONE process in
+    # Accelerate 1.15 (its CPU multi-process path needs mpirun); torchrun starts two, and
+    # ACCELERATE_USE_CPU=1 makes the Accelerator use gloo on the CPU:
+    ACCELERATE_USE_CPU=1 torchrun --standalone --nproc_per_node 2 examples/accelerate_train.py --project-dir runs/ddp --steps 20
 
     # checkpoints on S3 (any fsspec URL), settings from a fastckpt YAML file:
     python examples/accelerate_train.py --project-dir runs/s3 --config fastckpt.yaml --steps 40
@@ -23,13 +25,14 @@ import argparse
 import json
 import math
 import random
+import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 import yaml
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
+from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, broadcast_object_list, set_seed
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -119,6 +122,7 @@ def main() -> None:
     progress = Progress()
     accelerator.register_for_checkpointing(progress)
 
+    refuse_to_overwrite(accelerator, checkpointing, args)
     if args.resume:
         path = accelerator.load_state()
         accelerator.print(f"resumed from {path} at step {progress.step} (iteration {accelerator.save_iteration})")
@@ -164,6 +168,22 @@ def main() -> None:
     if args.dump:
         dump_final_state(args.dump, accelerator, model, optimizer, scheduler, progress)
     accelerator.end_training()
+
+
+def refuse_to_overwrite(accelerator: Accelerator, checkpointing, args: argparse.Namespace) -> None:
+    """Exit before training when a fresh run would collide with the checkpoints of an earlier one.
+
+    Automatic naming starts again at checkpoint_0, which exists: the first save_state() would raise a
+    ConfigError only after training up to it. Every process learns the main process's listing.
+    """
+    if args.resume:
+        return
+    checkpointer = checkpointing.checkpointer
+    names = [info.name for info in checkpointer.list()] if checkpointer is not None else []
+    names = broadcast_object_list([names])[0]
+    if names:
+        sys.exit(f"error: {checkpointing.root} already holds checkpoints of an earlier run ({names[0]} .. "
+                 f"{names[-1]}); pass --resume to continue it, or another --project-dir (or --root) to start afresh")
 
 
 def dump_final_state(path, accelerator, model, optimizer, scheduler, progress) -> None:

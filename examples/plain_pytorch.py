@@ -40,6 +40,10 @@ def main() -> None:
             torch.set_rng_state(state["rng"])
             start = state["step"] + 1
             print(f"resumed from step {state['step']}")
+        if start >= args.steps:  # the run is complete: say so instead of training nothing
+            print(f"nothing to train: the checkpoint at step {start - 1} ends a {args.steps}-step run; "
+                  f"pass a larger --steps (e.g. --steps {args.steps + args.every}) to continue it")
+            return
         t0 = time.perf_counter()
         for step in range(start, args.steps):
             x = torch.randn(64, 256)

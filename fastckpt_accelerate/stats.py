@@ -15,6 +15,7 @@ def stats_to_values(stats: Any) -> dict[str, float]:
         f"{PREFIX}blocking_ms": float(stats.blocking_ms),
         f"{PREFIX}staging_ms": float(stats.staging_ms),
         f"{PREFIX}waited_ms": float(stats.waited_ms),
+        f"{PREFIX}stall_ms": float(stats.blocking_ms + stats.waited_ms),  # what the save cost the training loop
         f"{PREFIX}persist_s": float(stats.persist_s),
         f"{PREFIX}nbytes": float(stats.nbytes),
         f"{PREFIX}written_bytes": float(stats.written_bytes),

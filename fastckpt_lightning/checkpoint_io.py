@@ -36,6 +36,7 @@ from fastckpt_lightning.discovery import find_calling_trainer, wrapped_by_async_
 from fastckpt_lightning.pointer import split_path
 from fastckpt_lightning.reader import read_checkpoint
 from fastckpt_lightning.stats import CheckpointStats, StatsBook, log_to
+from fastckpt_lightning.steps import step_of
 from fastckpt_lightning.versioning import see_pending_saves
 
 log = logging.getLogger(__name__)
@@ -287,7 +288,7 @@ class FastCheckpointIO(CheckpointIO):
 
     def _record(self, path: str, handle: SaveHandle) -> None:
         if handle._durable.exception() is None:  # failures are raised, not recorded
-            self._book.add(CheckpointStats.of(path, handle.stats))
+            self._book.add(path, handle.stats)
 
     def _folder(self, url: str, distributed: bool = False) -> Checkpointer:
         checkpointer = self._folders.get(url)
@@ -357,9 +358,9 @@ class FastCheckpointIO(CheckpointIO):
 
     def _step_of(self, checkpoint: Mapping[str, Any]) -> int:
         self._saves += 1
-        step = checkpoint.get("global_step")
-        # Fabric states carry no global_step: number the saves instead (the step is informational).
-        return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else self._saves
+        step = step_of(checkpoint)
+        # A state with no step and no optimizer counter: number the saves instead (the step is informational).
+        return self._saves if step is None else step
 
     def _warn_eager(self) -> None:
         if not self._warned_eager:

@@ -62,11 +62,15 @@ class CheckpointStats:
 
 
 class StatsBook:
-    """Thread-safe record of finished checkpoints; remembers which ones were already logged."""
+    """Thread-safe record of finished checkpoints; remembers which ones were already logged.
+
+    It keeps the core's live ``SaveStats`` and builds the records when read (on the training thread): a wait
+    for the lazy copy books its ``waited_ms`` after the copy ends, which may be after the commit.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._all: list[CheckpointStats] = []
+        self._all: list[tuple[str, SaveStats]] = []
         self._logged = 0
 
     def __getstate__(self) -> dict[str, Any]:  # the plugin is pickled with the trainer (ddp_spawn): records only
@@ -77,21 +81,21 @@ class StatsBook:
         self.__dict__.update(state)
         self._lock = threading.Lock()
 
-    def add(self, stats: CheckpointStats) -> None:
+    def add(self, path: str, stats: SaveStats) -> None:
         """Record one finished checkpoint. Called on the core's committer thread."""
         with self._lock:
-            self._all.append(stats)
+            self._all.append((path, stats))
 
     def all(self) -> list[CheckpointStats]:
-        """A copy of every record, oldest first."""
+        """A record of every checkpoint, oldest first."""
         with self._lock:
-            return list(self._all)
+            return [CheckpointStats.of(path, stats) for path, stats in self._all]
 
     def take_unlogged(self) -> list[CheckpointStats]:
         """Records not yet handed to a logger; each is returned once."""
         with self._lock:
             fresh, self._logged = self._all[self._logged :], len(self._all)
-            return fresh
+        return [CheckpointStats.of(path, stats) for path, stats in fresh]
 
 
 def log_to(loggers: Iterable[Logger], records: Iterable[CheckpointStats]) -> None:

@@ -312,6 +312,9 @@ def test_stats_are_exposed_and_logged_through_accelerator_log(tmp_path, closing)
     assert all(s.nbytes > 0 and s.blocking_ms >= 0 and s.persist_s > 0 for s in checkpointing.stats)
     assert [step for step, _ in logged] == [0, 1]
     assert set(logged[0][1]) >= {"fastckpt/blocking_ms", "fastckpt/persist_s", "fastckpt/nbytes"}
+    for (_, values), stats in zip(logged, checkpointing.stats):  # the stall the save cost the training loop
+        assert values["fastckpt/waited_ms"] == stats.waited_ms
+        assert values["fastckpt/stall_ms"] == stats.blocking_ms + stats.waited_ms
     assert len(checkpointing.save_state_ms) == 2
 
 

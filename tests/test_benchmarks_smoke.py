@@ -73,3 +73,29 @@ def test_quick_benchmark_run_writes_report(tmp_path: Path) -> None:
     assert md.count("**met**") + md.count("**NOT met**") + md.count("| n/a |") + md.count("| n/a / inconclusive |") >= 8
     # checkpoints are cleaned up
     assert not (tmp_path / "work" / "ckpt").exists()
+
+
+COMMITTED = [REPO / "BENCHMARKS.md", REPO / "benchmarks" / "results.json", REPO / "benchmarks" / "results.png"]
+
+
+@pytest.mark.timeout(120)
+def test_quick_run_without_out_leaves_the_committed_report_alone(tmp_path: Path) -> None:
+    before = {path: path.read_bytes() for path in COMMITTED}
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "benchmarks.run", "--quick", "--only", "io", "--workdir", str(tmp_path / "work")],
+            cwd=REPO, capture_output=True, text=True, timeout=110,
+        )
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        changed = [str(path) for path in COMMITTED if path.read_bytes() != before[path]]
+        assert not changed, f"--quick overwrote {changed}"
+    finally:  # a failing run must not leave the worktree's committed report replaced
+        for path, data in before.items():
+            if path.read_bytes() != data:
+                path.write_bytes(data)
+    scratch = REPO / "benchmarks" / "out-quick"
+    assert str(scratch / "BENCHMARKS.md") in proc.stdout  # the run says where its report went
+    assert "## Methodology" in (scratch / "BENCHMARKS.md").read_text()
+    assert (scratch / "BENCHMARKS.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    ignored = subprocess.run(["git", "check-ignore", "-q", str(scratch / "BENCHMARKS.md")], cwd=REPO)
+    assert ignored.returncode == 0, "benchmarks/out-quick/ must be ignored by git"

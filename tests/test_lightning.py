@@ -306,6 +306,48 @@ def test_stats_go_to_every_logger_and_to_python(tmp_path):
     assert [e.step for e in events.Scalars("fastckpt/persist_s")] == [2, 4]
 
 
+def hold_copies_until_the_training_thread_waits(monkeypatch) -> None:
+    """Background lazy copies park until the training thread blocks on them: every save has a real stall."""
+    import fastckpt.pipeline as pipeline
+    from fastckpt.handle import SaveHandle
+
+    release = threading.Event()
+    real_copy, real_wait = pipeline.copy_entries, SaveHandle.wait_staged
+
+    def held_copy(*args, **kwargs):
+        if threading.current_thread() is not threading.main_thread():
+            assert release.wait(60)
+        return real_copy(*args, **kwargs)
+
+    def releasing_wait(self, *args, **kwargs):
+        release.set()  # the wait measured below spans the whole copy
+        try:
+            return real_wait(self, *args, **kwargs)
+        finally:
+            release.clear()
+
+    monkeypatch.setattr(pipeline, "copy_entries", held_copy)
+    monkeypatch.setattr(SaveHandle, "wait_staged", releasing_wait)
+
+
+def test_the_stall_of_the_lazy_copy_reaches_stats_and_loggers(tmp_path, monkeypatch):
+    hold_copies_until_the_training_thread_waits(monkeypatch)
+    plugin = FastCheckpointIO(persist={"fsync": False})
+    logger = CSVLogger(tmp_path / "csv")
+    checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
+    trainer = make_trainer([checkpoints], plugin, max_steps=4, logger=logger, log_every_n_steps=1)
+
+    trainer.fit(TinyModule(), ResumableBatches())
+
+    assert [s.step for s in plugin.stats] == [2, 4]
+    assert all(s.waited_ms > 0 and s.stall_ms == s.blocking_ms + s.waited_ms for s in plugin.stats), plugin.stats
+    with open(logger.experiment.metrics_file_path) as stream:
+        header, *rows = [line.rstrip("\n").split(",") for line in stream]
+    logged = [dict(zip(header, row)) for row in rows if row[header.index("fastckpt/waited_ms")]]
+    assert [float(r["fastckpt/waited_ms"]) for r in logged] == [s.waited_ms for s in plugin.stats]
+    assert [float(r["fastckpt/stall_ms"]) for r in logged] == [s.stall_ms for s in plugin.stats]
+
+
 # ---- construction -----------------------------------------------------------------------------------------------
 
 

@@ -51,3 +51,19 @@ def test_fabric_save_then_load_restores_the_saved_values(tmp_path, lazy):
     assert_bit_equal(clone_state(model.state_dict()), expected["model"])
     assert_bit_equal(clone_state(optimizer.state_dict()), expected["optimizer"])
     plugin.teardown()
+
+
+@pytest.mark.parametrize("with_step", [False, True], ids=["optimizer-counter", "step-key"])
+def test_fabric_stats_report_the_training_step_of_each_save(tmp_path, with_step):
+    plugin = FastCheckpointIO(persist={"fsync": False})
+    fabric, model, optimizer = _setup(plugin)
+    plugin.watch(optimizer)
+    steps = []
+    for step in range(1, 21):
+        _train_step(model, optimizer, fabric)
+        if step in (3, 20):  # was step=1 and step=2: the plugin numbered its saves
+            state = {"model": model, "optimizer": optimizer, **({"step": step + 100} if with_step else {})}
+            fabric.save(tmp_path / f"s{step}.ckpt", state)
+            steps.append(step + 100 if with_step else step)  # AdamW counts its steps in its state
+    plugin.teardown()
+    assert [s.step for s in plugin.stats] == steps

@@ -1,0 +1,130 @@
+"""The examples as a user runs them: fresh processes, small sizes, the commands their docstrings print."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastckpt import CheckpointConfig, Checkpointer
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples"
+
+
+def run(command: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+                "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(command, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def ok(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode == 0, f"{result.args} failed:\n{result.stdout}\n{result.stderr}"
+    return result.stdout + result.stderr
+
+
+# ----------------------------------------------------------------------------- plain_pytorch.py
+
+
+def latest(root: Path) -> dict:
+    with Checkpointer(CheckpointConfig(root=str(root))) as ckpt:
+        return ckpt.load()
+
+
+@pytest.mark.timeout(240)
+def test_plain_resume_after_a_full_run_says_so_and_extends_with_more_steps(tmp_path: Path) -> None:
+    example = [sys.executable, str(EXAMPLES / "plain_pytorch.py"), "--root", str(tmp_path / "ck"), "--every", "2"]
+    ok(run([*example, "--steps", "4"], tmp_path))
+    saved = latest(tmp_path / "ck")
+    assert saved["step"] == 3
+
+    again = ok(run([*example, "--steps", "4", "--resume"], tmp_path))  # was: UnboundLocalError: loss
+    assert "nothing to train" in again and "--steps" in again
+    assert torch.equal(latest(tmp_path / "ck")["model"]["0.weight"], saved["model"]["0.weight"])
+
+    longer = ok(run([*example, "--steps", "6", "--resume"], tmp_path))
+    assert "resumed from step 3" in longer and "trained to step 5" in longer
+    assert latest(tmp_path / "ck")["step"] == 5
+
+
+# ----------------------------------------------------------------------------- accelerate_train.py
+
+ACCELERATE = EXAMPLES / "accelerate_train.py"
+
+
+def docstring_command(marker: str) -> list[str]:
+    """The command line under the docstring comment that contains ``marker``, ready for subprocess."""
+    lines = ACCELERATE.read_text().split('"""')[1].splitlines()
+    start = next(i for i, line in enumerate(lines) if marker in line)
+    line = next(line for line in lines[start + 1:] if line.strip() and not line.strip().startswith("#"))
+    return shlex.split(line)
+
+
+def as_subprocess(words: list[str]) -> tuple[list[str], dict[str, str]]:
+    """Leading ``VAR=value`` words become the environment; the launcher runs from this interpreter."""
+    env = {}
+    while "=" in words[0]:
+        key, value = words.pop(0).split("=", 1)
+        env[key] = value
+    launchers = {"python": [sys.executable], "torchrun": [sys.executable, "-m", "torch.distributed.run"],
+                 "accelerate": [sys.executable, "-m", "accelerate.commands.accelerate_cli"]}
+    command = launchers[words[0]] + [str(REPO / w) if w.startswith("examples/") else w for w in words[1:]]
+    return command, env
+
+
+@pytest.mark.timeout(300)
+def test_accelerate_docstring_two_process_command_starts_two_processes(tmp_path: Path) -> None:
+    command, env = as_subprocess(docstring_command("two processes"))
+    steps = command.index("--steps")
+    command[steps + 1] = "6"  # the docstring's run, shorter
+    output = ok(run(command + ["--save-every", "3"], tmp_path, env))
+    written = sorted(int(r) for r in re.findall(r"process (\d+) wrote \d+ bytes", output))
+    assert written == [0, 1], output  # each process reports its share: two processes ran
+
+
+@pytest.mark.timeout(240)
+def test_accelerate_rerun_without_resume_refuses_before_training(tmp_path: Path) -> None:
+    example = [sys.executable, str(ACCELERATE), "--project-dir", "p", "--steps", "4", "--save-every", "2"]
+    ok(run(example, tmp_path))
+    checkpoints = tmp_path / "p" / "checkpoints"
+    before = sorted(p.name for p in checkpoints.iterdir())
+
+    again = run(example, tmp_path)
+    assert again.returncode != 0
+    assert "already holds checkpoints" in again.stderr and "--resume" in again.stderr, again.stderr
+    assert "ConfigError" not in again.stderr  # refused up front, not by the first save_state() after training
+    assert "Traceback" not in again.stderr
+    assert sorted(p.name for p in checkpoints.iterdir()) == before  # the earlier run's checkpoints untouched
+
+
+# ----------------------------------------------------------------------------- lightning_gpt.py (the Quickstart demo)
+
+
+@pytest.mark.timeout(400)
+def test_demo_reports_the_loop_cost_and_resume_extends_the_run(tmp_path: Path) -> None:
+    pytest.importorskip("lightning")
+    pytest.importorskip("matplotlib")
+    demo = [sys.executable, str(EXAMPLES / "lightning_gpt.py"), "--root", str(tmp_path / "ck"), "--every", "2"]
+    first = ok(run([*demo, "--steps", "4"], tmp_path))
+    # the loop's view, for both plugins on the same run
+    assert re.search(r"^fastckpt\s+\d+\.\d\s+\d+\.\d\s+\d+\.\d+%$", first, re.M), first
+    assert re.search(r"^AsyncCheckpointIO\s+\d+\.\d\s+\d+\.\d\s+\d+\.\d+%$", first, re.M), first
+    # the mean counts the checkpoints, and last.ckpt (a second save at the same step) apart
+    assert re.search(r"^2 checkpoints, .* mean stall", first, re.M), first
+    assert re.search(r"^2 last.ckpt saves, ", first, re.M), first
+    png = tmp_path / "ck" / "timeline.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    again = ok(run([*demo, "--steps", "2", "--resume", "--no-compare", "--plot", str(tmp_path / "t.png")], tmp_path))
+    assert "resuming from step 4" in again and "training to step 6" in again, again
+    rows = re.findall(r"^\s+(\d+)\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+(\S+)$", again, re.M)
+    assert ("6", str(tmp_path / "ck" / "last.ckpt")) in rows, again  # it trained: a checkpoint at step 6
+    assert "AsyncCheckpointIO" not in again
+    resumed = torch.load(tmp_path / "ck" / "last.ckpt", weights_only=True)
+    assert resumed["global_step"] == 6
