@@ -125,7 +125,7 @@ def test_fsdp_plan_for_1024_ranks_is_balanced_and_fast() -> None:
     # Each distinct (shape, placement, mesh) is laid out once, however many saves and layers:
     # uncached, every save re-derived 233k blocks (7.9 s per save here; 29 s for a 1.3B model).
     assert layouts <= 8, f"{layouts} layouts derived for 7 distinct shapes"
-    # Generous bounds on a shared 2-core machine (measured: 4 s and 0.85 s); figures go in docs/SCALE.md.
+    # Generous bounds on a shared 2-core machine (measured: 4 s and 0.85 s); figures go in docs/DESIGN.md, "At scale".
     assert times["again"] < 4.0 and times["first"] < 60.0
 
 
