@@ -475,7 +475,8 @@ class Checkpointer:
     # ---- background callbacks (committer thread) -----------------------------------
 
     def _on_commit(self, job: Job, info: CheckpointInfo) -> None:
-        if job.file_format is not None:  # a framework's file: not in the catalog, retention or the remote tier
+        if isinstance(job.file_format, TorchFileFormat):  # a framework's file: not in the catalog, retention or remote
+            # (a FileBundle folder is a checkpoint like save()'s: listed, retained and uploaded by its manifest)
             with self._lock:
                 self._drop_pending(job.handle)
                 self.stats.append(job.handle.stats)
