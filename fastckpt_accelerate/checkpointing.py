@@ -274,6 +274,7 @@ class FastAccelerateCheckpointing:
             path = naming.normalize(input_dir)
             _wait_for_saves_of(path)
             return path
+        _wait_for_saves_of(self.root, under=True)
         infos = self._checkpointer_for(self.root).list()
         if not infos:
             raise CheckpointNotFoundError(
@@ -375,12 +376,13 @@ def _close_at_exit(ref: "weakref.ref[FastAccelerateCheckpointing]") -> None:
         logger.exception("fastckpt: a checkpoint failed to persist before the process exited")
 
 
-def _wait_for_saves_of(path: str) -> None:
-    """Let the pending saves of ``path`` by any Accelerator of this process commit (a new Accelerator resuming
+def _wait_for_saves_of(path: str, *, under: bool = False) -> None:
+    """Let the pending saves of ``path`` (``under``: of any folder under it) by any Accelerator of this process commit (a new Accelerator resuming
     from the folder an earlier one just saved, as stock allows); their errors stay theirs to raise."""
     for other in list(_LIVE):
         for handle in list(other._in_flight):
-            if naming.normalize(handle.path) == path and not handle.done():
+            saved = naming.normalize(handle.path)
+            if (saved == path or (under and _under(saved, path))) and not handle.done():
                 concurrent.futures.wait([handle._durable])  # not wait(): its error stays its owner's to raise
 
 
