@@ -22,6 +22,7 @@ from typing import Any, Union
 import torch
 
 from .checksum import crc32c
+from .errors import StorageError
 from .format import FORMAT, LAYOUT_FILES, MANIFEST, FileRecord
 from .paths import plain_name
 from .safetensorsfile import SafetensorsFileFormat
@@ -46,10 +47,12 @@ class FileBundle:
     members: list[Member]
     starts: list[int]  # first table index of each member
     user: dict[str, Any]
+    made: bool = False  # the caller created the folder: if it vanishes (the user removed it) the save fails
 
     @classmethod
     def plan(cls, files: dict[str, tuple[str, Any]], dirpath: str, name: str, step: int, storage: Storage,
-             user: dict[str, Any] | None = None) -> tuple["FileBundle", list[torch.Tensor], list[str], list[Any]]:
+             user: dict[str, Any] | None = None, made: bool = False,
+             ) -> tuple["FileBundle", list[torch.Tensor], list[str], list[Any]]:
         """``files``: file name -> (``SAFETENSORS`` with a dict of tensors | ``TORCH`` with any object).
         Returns the bundle, the tensors to stage, their keys and the tensors whose versions the guard watches."""
         members: list[Member] = []
@@ -73,7 +76,7 @@ class FileBundle:
                 tensors += ts
                 sources += srcs
                 keys += [f"{fname}/{k}" for k in ks]
-        return cls(dirpath, name, step, list(files), members, starts, dict(user or {})), tensors, keys, sources
+        return cls(dirpath, name, step, list(files), members, starts, dict(user or {}), made), tensors, keys, sources
 
     @property
     def size(self) -> int:
@@ -96,6 +99,7 @@ class FileBundle:
 
     def commit(self, storage: Storage, views: dict[int, memoryview], crcs: dict[int, int]) -> int:
         """Called by the committer: write every member, then the manifest (the commit point); returns the bytes."""
+        self._check_folder(storage)
         storage.write_atomic(storage.join(self.dirpath, PENDING), b"fastckpt is writing this folder\n")
         storage.delete(storage.join(self.dirpath, MANIFEST))  # an older save of this folder is being replaced
         records = []
@@ -107,11 +111,18 @@ class FileBundle:
             crc = 0
             for p in parts:
                 crc = crc32c(p, crc)
+            self._check_folder(storage)
             storage.write_file_atomic(storage.join(self.dirpath, fname), parts)
             records.append(FileRecord(fname, sum(len(p) for p in parts), crc))
         storage.write_atomic(storage.join(self.dirpath, MANIFEST), self.manifest(records))  # <- the commit point
         storage.delete(storage.join(self.dirpath, PENDING))
         return sum(r.size for r in records)
+
+    def _check_folder(self, storage: Storage) -> None:
+        # Writing would recreate a folder the user deleted (a test's temporary directory, a cleanup script).
+        if self.made and not storage.exists(self.dirpath):
+            raise StorageError(f"{self.dirpath} was removed while its checkpoint was being written; the save "
+                               "is abandoned (nothing is recreated there)")
 
     def manifest(self, records: list[FileRecord]) -> bytes:
         doc = {"format": FORMAT, "version": 1, "layout": LAYOUT_FILES, "name": self.name, "step": self.step,

@@ -292,12 +292,13 @@ class Checkpointer:
         return self._submit(flat, step, name, path, None, t0, lazy_ptrs, file_format=fmt, version_src=sources)
 
     def save_files(self, files: dict[str, tuple[str, Any]], name: str, *, step: int = 0,
-                   user: dict[str, Any] | None = None) -> SaveHandle:
+                   user: dict[str, Any] | None = None, made: bool = False) -> SaveHandle:
         """Snapshot a framework's checkpoint folder ``root/name`` as one save (``fastckpt.bundle``): ``files`` maps
         each file name to ``("safetensors", {key: tensor})`` or ``("torch", obj)`` (what ``torch.save(obj)``
         writes). Every file is written by the engine, then ``manifest.json`` (``"layout": "files"``, each file's
         size and CRC32C) last: the commit. Like ``save_file``: no root lock, no retention (the folder is the
-        framework's), one process."""
+        framework's), one process. ``made``: the caller created the folder, so a save whose folder vanished (the
+        user removed it) fails instead of recreating it."""
         t0 = time.perf_counter()
         self._check_open()
         name = _check_file_name(name)
@@ -307,7 +308,7 @@ class Checkpointer:
         self._raise_pending()
         dirpath = self.storage.join(self.storage.url, name)
         try:
-            fmt, tensors, keys, sources = FileBundle.plan(files, dirpath, name, step, self.storage, user)
+            fmt, tensors, keys, sources = FileBundle.plan(files, dirpath, name, step, self.storage, user, made)
         except (TypeError, ValueError, AttributeError, RuntimeError, pickle.PicklingError) as e:
             raise StateMismatchError(f"cannot save this state as the files of {dirpath!r}: {e}") from e
         flat = FlatState(tree=None, tensors=tensors, keys=keys, numpy=[False] * len(tensors), objects=[],

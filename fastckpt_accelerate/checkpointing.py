@@ -142,7 +142,8 @@ class FastAccelerateCheckpointing:
             files = stock_files(self._accelerator, target.url, safe_serialization, [g["rng"] for g in gathered])
             meta = {"format": NATIVE_FORMAT, "iteration": iteration, "step": self._accelerator.step,
                     "num_processes": self._accelerator.num_processes}
-            handle = checkpointer.save_files(files, target.name, step=iteration, user={META_KEY: meta})
+            handle = checkpointer.save_files(files, target.name, step=iteration, user={META_KEY: meta},
+                                            made=not naming.is_url(target.url))
             self._in_flight = [h for h in self._in_flight if not h.done()] + [handle]
             self._last_handle = handle
         self._accelerator.project_configuration.iteration = iteration + 1
