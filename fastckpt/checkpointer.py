@@ -311,6 +311,10 @@ class Checkpointer:
             fmt, tensors, keys, sources = FileBundle.plan(files, dirpath, name, step, self.storage, user, made)
         except (TypeError, ValueError, AttributeError, RuntimeError, pickle.PicklingError) as e:
             raise StateMismatchError(f"cannot save this state as the files of {dirpath!r}: {e}") from e
+        limit = self.config.staging.max_host_bytes
+        if limit is not None and fmt.size > limit:  # the buffers stay held until the commit: it would never fit
+            raise ConfigError(f"staging.max_host_bytes ({limit}) is smaller than the files of {dirpath!r} "
+                              f"({fmt.size} bytes), which are written whole; raise the limit or unset it")
         flat = FlatState(tree=None, tensors=tensors, keys=keys, numpy=[False] * len(tensors), objects=[],
                          owners=[-1] * len(tensors), lazy_src=list(tensors))
         return self._submit(flat, step, name, dirpath, None, t0, self._lazy_ptrs(set(), set()), file_format=fmt,

@@ -93,7 +93,6 @@ class Setup:
                 "torch_rng": torch.get_rng_state(),
                 "numpy_rng": np.random.get_state(),
                 "python_rng": random.getstate(),
-                "loader_iteration": self.loader.iteration,
                 "step": acc.step,
             }
         )
