@@ -14,6 +14,7 @@ A crash anywhere before 3 leaves the marker and no manifest: fastckpt never take
 """
 from __future__ import annotations
 
+import bisect
 import json
 import time
 from dataclasses import dataclass
@@ -83,10 +84,7 @@ class FileBundle:
         return sum(_size(m) for m in self.members)
 
     def _member_of(self, index: int) -> int:
-        k = len(self.starts) - 1
-        while self.starts[k] > index:
-            k -= 1
-        return k
+        return bisect.bisect_right(self.starts, index) - 1
 
     def checksum(self, data: memoryview, entries: Any) -> dict[int, int]:
         """Called by an I/O worker: each record's CRC-32 that its torch file's zip fields need (0 otherwise)."""

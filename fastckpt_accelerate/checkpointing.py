@@ -31,8 +31,8 @@ from typing import Any, Callable
 from accelerate import Accelerator
 
 import fastckpt.errors as errors
-from fastckpt import CheckpointConfig, Checkpointer, RemoteOptions, is_checkpoint, load_checkpoint
-from fastckpt.errors import CheckpointNotFoundError, ConfigError, FastCkptError, IntegrityError, StateMismatchError
+from fastckpt import CheckpointConfig, Checkpointer, RemoteOptions, load_checkpoint
+from fastckpt.errors import CheckpointNotFoundError, ConfigError, FastCkptError, IntegrityError
 from fastckpt.exithook import register_exit_hook
 
 from . import naming

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from accelerate import Accelerator
 from accelerate.data_loader import IterableDatasetShard, SeedableRandomSampler
-from accelerate.utils import (MODEL_NAME, OPTIMIZER_NAME, RNG_STATE_NAME, SAFE_WEIGHTS_NAME, SAMPLER_NAME,
+from accelerate.utils import (OPTIMIZER_NAME, RNG_STATE_NAME, SAFE_WEIGHTS_NAME, SAMPLER_NAME,
                               SCALER_NAME, SCHEDULER_NAME, WEIGHTS_NAME, is_cuda_available, is_xpu_available)
 from accelerate.utils.other import clean_state_dict_for_safetensors
 

@@ -13,7 +13,6 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
-from accelerate.data_loader import get_sampler
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import fastckpt_accelerate
