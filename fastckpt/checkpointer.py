@@ -320,13 +320,6 @@ class Checkpointer:
         return self._submit(flat, step, name, dirpath, None, t0, self._lazy_ptrs(set(), set()), file_format=fmt,
                             version_src=sources)
 
-    def remove_dir(self, name: str) -> Future:
-        """Delete the folder ``root/name`` after every save submitted before this call (a framework's retention,
-        such as Accelerate's ``total_limit``); missing is fine. The ``Future`` carries its error."""
-        self._check_open()
-        path = self.storage.join(self.storage.url, _check_file_name(name))
-        return self._pipeline.run_in_order(lambda: self.storage.delete_tree(path))  # type: ignore[union-attr]
-
     def remove_file(self, name: str) -> Future:
         """Delete the file ``root/name`` after every save submitted before this call (a framework's retention:
         Lightning's ``remove_checkpoint``); missing is fine. The ``Future`` carries its error."""
