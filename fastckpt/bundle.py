@@ -15,8 +15,10 @@ A crash anywhere before 3 leaves the marker and no manifest: fastckpt never take
 from __future__ import annotations
 
 import bisect
+import functools
 import json
 import time
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -95,26 +97,33 @@ class FileBundle:
             out.update({e.index: c for c in self.members[k].checksum(data, [local]).values()})
         return out
 
-    def commit(self, storage: Storage, views: dict[int, memoryview], crcs: dict[int, int]) -> int:
-        """Called by the committer: write every member, then the manifest (the commit point); returns the bytes."""
+    def commit(self, storage: Storage, views: dict[int, memoryview], crcs: dict[int, int],
+               pool: Executor | None = None) -> int:
+        """Called by the committer: write every member (in parallel on ``pool``, the idle I/O workers), then the
+        manifest: the commit point. Returns the bytes written."""
         self._check_folder(storage)
         storage.write_atomic(storage.join(self.dirpath, PENDING), b"fastckpt is writing this folder\n")
         storage.delete(storage.join(self.dirpath, MANIFEST))  # an older save of this folder is being replaced
-        records = []
-        for k, (fname, member) in enumerate(zip(self.names, self.members)):
-            end = self.starts[k + 1] if k + 1 < len(self.starts) else None
-            local = {i - self.starts[k]: v for i, v in views.items() if i >= self.starts[k] and (end is None or i < end)}
-            lcrcs = {i - self.starts[k]: c for i, c in crcs.items() if i >= self.starts[k] and (end is None or i < end)}
-            parts = member.parts(local, lcrcs)
-            crc = 0
-            for p in parts:
-                crc = crc32c(p, crc)
-            self._check_folder(storage)
-            storage.write_file_atomic(storage.join(self.dirpath, fname), parts)
-            records.append(FileRecord(fname, sum(len(p) for p in parts), crc))
+        write = functools.partial(self._write_member, storage, views, crcs)
+        indices = range(len(self.members))
+        records = list(pool.map(write, indices) if pool is not None else map(write, indices))
         storage.write_atomic(storage.join(self.dirpath, MANIFEST), self.manifest(records))  # <- the commit point
         storage.delete(storage.join(self.dirpath, PENDING))
         return sum(r.size for r in records)
+
+    def _write_member(self, storage: Storage, views: dict[int, memoryview], crcs: dict[int, int],
+                      k: int) -> FileRecord:
+        start, end = self.starts[k], self.starts[k + 1] if k + 1 < len(self.starts) else None
+        mine = [i for i in views if i >= start and (end is None or i < end)]
+        local_crcs = {i - start: crcs[i] for i in mine if i in crcs}
+        parts = self.members[k].parts({i - start: views[i] for i in mine}, local_crcs)
+        crc = 0
+        for p in parts:
+            crc = crc32c(p, crc)
+        self._check_folder(storage)
+        path = storage.join(self.dirpath, self.names[k])
+        storage.write_file_atomic(path, parts)
+        return FileRecord(self.names[k], sum(len(p) for p in parts), crc)
 
     def _check_folder(self, storage: Storage) -> None:
         # Writing would recreate a folder the user deleted (a test's temporary directory, a cleanup script).

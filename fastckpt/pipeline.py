@@ -381,7 +381,7 @@ class Pipeline:
             for e, c in zip(shard.entries, tcrcs):
                 crcs[e.index] = c
                 views[e.index] = data[e.offset:e.offset + e.nbytes]
-        size = fmt.commit(self.storage, views, crcs)  # <- the commit point
+        size = fmt.commit(self.storage, views, crcs, self._writers())  # <- the commit point
         path = getattr(fmt, "path", job.dirpath)
         job.handle.stats.nbytes = size
         return CheckpointInfo(job.handle.name, job.handle.step, path, size)
