@@ -40,6 +40,7 @@ from .shm_record import StagedRecord
 from .tiers import ShmTier
 from .storage import Storage, open_storage
 from .paths import is_plain_name
+from .bundle import FileBundle
 from .torchfile import TorchFileFormat
 
 __all__ = ["Checkpointer", "WatchHandle"]
@@ -291,6 +292,35 @@ class Checkpointer:
         lazy_ptrs = self._lazy_ptrs(set(), set())
         return self._submit(flat, step, name, path, None, t0, lazy_ptrs, file_format=fmt, version_src=sources)
 
+    def save_files(self, files: dict[str, tuple[str, Any]], name: str, *, step: int = 0,
+                   user: dict[str, Any] | None = None, made: bool = False) -> SaveHandle:
+        """Snapshot a framework's checkpoint folder ``root/name`` as one save (``fastckpt.bundle``): ``files`` maps
+        each file name to ``("safetensors", {key: tensor})`` or ``("torch", obj)`` (what ``torch.save(obj)``
+        writes). Every file is written by the engine, then ``manifest.json`` (``"layout": "files"``, each file's
+        size and CRC32C) last: the commit. Like ``save_file``: no root lock, no retention (the folder is the
+        framework's), one process. ``made``: the caller created the folder, so a save whose folder vanished (the
+        user removed it) fails instead of recreating it."""
+        t0 = time.perf_counter()
+        self._check_open()
+        name = _check_file_name(name)
+        if self._coord is not None or self.config.staging.shm:
+            raise ConfigError("save_files() writes from one process and without staging.shm: build this "
+                              "Checkpointer without distributed=True and with staging.shm: false")
+        self._raise_pending()
+        dirpath = self.storage.join(self.storage.url, name)
+        try:
+            fmt, tensors, keys, sources = FileBundle.plan(files, dirpath, name, step, self.storage, user, made)
+        except (TypeError, ValueError, AttributeError, RuntimeError, pickle.PicklingError) as e:
+            raise StateMismatchError(f"cannot save this state as the files of {dirpath!r}: {e}") from e
+        limit = self.config.staging.max_host_bytes
+        if limit is not None and fmt.size > limit:  # the buffers stay held until the commit: it would never fit
+            raise ConfigError(f"staging.max_host_bytes ({limit}) is smaller than the files of {dirpath!r} "
+                              f"({fmt.size} bytes), which are written whole; raise the limit or unset it")
+        flat = FlatState(tree=None, tensors=tensors, keys=keys, numpy=[False] * len(tensors), objects=[],
+                         owners=[-1] * len(tensors), lazy_src=list(tensors))
+        return self._submit(flat, step, name, dirpath, None, t0, self._lazy_ptrs(set(), set()), file_format=fmt,
+                            version_src=sources)
+
     def remove_file(self, name: str) -> Future:
         """Delete the file ``root/name`` after every save submitted before this call (a framework's retention:
         Lightning's ``remove_checkpoint``); missing is fine. The ``Future`` carries its error."""
@@ -300,7 +330,7 @@ class Checkpointer:
 
     def _submit(self, flat: FlatState, step: int, name: str, dirpath: str, objects: bytes | None, t0: float,
                 lazy_ptrs: set[int], *, dtensors: list[dict[str, Any]] | None = None,
-                file_format: TorchFileFormat | None = None, version_src: list[Any] | None = None) -> SaveHandle:
+                file_format: TorchFileFormat | FileBundle | None = None, version_src: list[Any] | None = None) -> SaveHandle:
         """Plan, take a staging slot, copy the eager shards now and queue the rest (both save paths)."""
         plan = self._planner.plan(flat, lambda t: t.data_ptr() in lazy_ptrs)
         if self._coord is not None:
@@ -444,7 +474,8 @@ class Checkpointer:
     # ---- background callbacks (committer thread) -----------------------------------
 
     def _on_commit(self, job: Job, info: CheckpointInfo) -> None:
-        if job.file_format is not None:  # a framework's file: not in the catalog, retention or the remote tier
+        if isinstance(job.file_format, TorchFileFormat):  # a framework's file: not in the catalog, retention or remote
+            # (a FileBundle folder is a checkpoint like save()'s: listed, retained and uploaded by its manifest)
             with self._lock:
                 self._drop_pending(job.handle)
                 self.stats.append(job.handle.stats)

@@ -33,6 +33,7 @@ __all__ = [
     "FORMAT",
     "VERSION",
     "MANIFEST",
+    "LAYOUT_FILES",
     "ALIGN",
     "FileRecord",
     "shard_header",
@@ -49,6 +50,7 @@ FORMAT = "fastckpt"
 VERSION = 2  # the newest this code writes (only with DTensor blocks; see build_manifest) and reads
 VERSIONS = tuple(range(1, VERSION + 1))
 MANIFEST = "manifest.json"
+LAYOUT_FILES = "files"  # a manifest of a framework's own files (fastckpt.bundle): no meta file, no tensor table
 ALIGN = 4096
 # Deepest nesting a meta tree may have. Decoding recurses per level, so a crafted tree deeper than
 # Python's recursion limit would raise RecursionError from deep inside the loader; real states are shallow.
@@ -157,7 +159,8 @@ def parse_manifest(data: bytes, source: str) -> dict[str, Any]:
     if doc.get("version") not in VERSIONS or type(doc.get("version")) is not int:
         raise IntegrityError(f"{source}: manifest version {doc.get('version')!r:.80} is not supported (this fastckpt "
                              f"reads {', '.join(map(str, VERSIONS))}); upgrade fastckpt")
-    for field in ("name", "step", "meta", "files"):
+    files_layout = doc.get("layout") == LAYOUT_FILES
+    for field in ("name", "step", "files") if files_layout else ("name", "step", "meta", "files"):
         if field not in doc:
             raise IntegrityError(f"{source}: manifest lacks the {field!r} field")
     if not isinstance(doc["name"], str):
@@ -173,6 +176,8 @@ def parse_manifest(data: bytes, source: str) -> dict[str, Any]:
             raise IntegrityError(f"{source}: the record of file {name!r} is {rec!r:.80}, not an object")
         _count(rec.get("size"), f"files.{name}.size", source)
         _count(rec.get("crc32c"), f"files.{name}.crc32c", source, _CRC_LIMIT)
+    if files_layout:
+        return doc
     plain_name(doc["meta"], "meta file", source)
     if doc["meta"] not in doc["files"]:
         raise IntegrityError(f"{source}: the meta file {doc['meta']!r} is not among the listed files")

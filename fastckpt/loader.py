@@ -22,7 +22,7 @@ from . import dtensor as dt
 from .checksum import crc32c
 from .codec import decode_tree, loads_objects
 from .errors import CheckpointNotFoundError, FastCkptError, IntegrityError, StateMismatchError
-from .format import MANIFEST, check_shard_header, checkpoint_dir, parse_manifest, parse_meta
+from .format import LAYOUT_FILES, MANIFEST, check_shard_header, checkpoint_dir, parse_manifest, parse_meta
 from .maplocation import placer, saved_location
 from .paths import confine
 from .storage import Storage, aligned_buffer
@@ -65,6 +65,10 @@ class CheckpointReader:
         self.manifest = parse_manifest(raw, mpath)
         self.step: int = self.manifest["step"]
         self.name: str = self.manifest["name"]
+        if self.manifest.get("layout") == LAYOUT_FILES:
+            raise StateMismatchError(f"{dirpath} holds a framework's own files ({', '.join(self.manifest['files'])}), "
+                                     "not a fastckpt state tree; load it with that framework (e.g. "
+                                     "accelerator.load_state) or check it with `fastckpt verify`")
         meta_name = self.manifest["meta"]
         self.meta = parse_meta(self._read_small(meta_name), storage.join(dirpath, meta_name))
         # Bounds, sizes and overlaps, before anything is allocated: with verify off too.

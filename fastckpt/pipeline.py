@@ -37,6 +37,7 @@ from .streams import CudaCopy, host_wait, record_done, shard_events
 from .distributed import Coordinator
 from .storage import Storage, aligned_buffer
 from .tiers import ShmTier, staged_crcs
+from .bundle import FileBundle
 from .torchfile import TorchFileFormat
 
 __all__ = ["Job", "Pipeline"]
@@ -70,7 +71,7 @@ class Job:
     dtensors: list[dict[str, Any]] = field(default_factory=list)  # DTensorRecord.as_json() of each DTensor leaf
     guard: VersionGuard | None = None  # version counters of the lazy tensors, taken in save()
     staged_crcs: dict[int, list[int]] = field(default_factory=dict)  # shm: per shard, each tensor's CRC32C as staged
-    file_format: TorchFileFormat | None = None  # a single torch file instead of safetensors shards + manifest
+    file_format: TorchFileFormat | FileBundle | None = None  # framework files instead of safetensors shards + manifest
     version_src: list[Any] | None = None  # what the mutation guard watches, per tensor (default: the tensors)
 
 
@@ -368,7 +369,7 @@ class Pipeline:
         return CheckpointInfo(job.handle.name, job.handle.step, job.dirpath, nbytes)
 
     def _commit_file(self, job: Job, results: list[tuple[int, FileRecord, list[int]]]) -> CheckpointInfo:
-        """Write the single torch file: fixed bytes and staged records back to back, published atomically."""
+        """Write the framework file(s): fixed bytes and staged records back to back, published atomically."""
         fmt = job.file_format
         assert fmt is not None
         by_shard = {s.index: s for s in job.plan.shards}
@@ -380,9 +381,10 @@ class Pipeline:
             for e, c in zip(shard.entries, tcrcs):
                 crcs[e.index] = c
                 views[e.index] = data[e.offset:e.offset + e.nbytes]
-        self.storage.write_file_atomic(fmt.path, fmt.parts(views, crcs))  # <- the commit point
-        job.handle.stats.nbytes = fmt.layout.size
-        return CheckpointInfo(job.handle.name, job.handle.step, fmt.path, fmt.layout.size)
+        size = fmt.commit(self.storage, views, crcs, self._writers())  # <- the commit point
+        path = getattr(fmt, "path", job.dirpath)
+        job.handle.stats.nbytes = size
+        return CheckpointInfo(job.handle.name, job.handle.step, path, size)
 
     def _old_files(self, dirpath: str) -> set[str]:
         try:

@@ -160,7 +160,7 @@ class LocalStorage:
                 _fsync_dir(folder)
         except OSError as e:
             _silent_remove(tmp)
-            raise _wrap("writing", path, e) from e
+            raise storage_error("writing", path, e) from e
 
     def read_into(self, path: str, offset: int, out: memoryview) -> None:
         try:
@@ -206,7 +206,7 @@ class LocalStorage:
         try:
             return os.stat(path).st_mtime
         except OSError as e:
-            raise _wrap("stat of", path, e) from e
+            raise storage_error("stat of", path, e) from e
 
     def exists(self, path: str) -> bool:
         return os.path.exists(path)

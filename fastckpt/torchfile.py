@@ -340,6 +340,11 @@ class TorchFileFormat:
         """Called by an I/O worker once a shard is staged: the CRC-32 of each record it holds."""
         return {e.index: _crc32(data[e.offset:e.offset + e.nbytes]) & 0xFFFFFFFF for e in entries}
 
+    def commit(self, storage: Any, views: dict[int, memoryview], crcs: dict[int, int], pool: Any = None) -> int:
+        """Called by the committer: write the file under a temporary name, then rename it (the commit point)."""
+        storage.write_file_atomic(self.path, self.parts(views, crcs))
+        return self.layout.size
+
     def parts(self, views: dict[int, memoryview], crcs: dict[int, int]) -> list[memoryview]:
         """Called by the committer: the whole file as buffers, fixed bytes (CRCs filled in) around records."""
         size, recs = self.layout.size, self.layout.records

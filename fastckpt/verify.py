@@ -12,7 +12,7 @@ from typing import Any
 from .checksum import crc32c
 from .codec import loads_objects
 from .errors import FastCkptError, IntegrityError
-from .format import MANIFEST, check_shard_header, parse_manifest, parse_meta
+from .format import LAYOUT_FILES, MANIFEST, check_shard_header, parse_manifest, parse_meta
 from .loader import CheckpointReader
 from .paths import confine
 from .storage import Storage
@@ -32,6 +32,10 @@ def verify_checkpoint(storage: Storage, dirpath: str) -> tuple[dict[str, Any] | 
     except FastCkptError as e:
         return None, [str(e)]
     problems: list[str] = []
+    if manifest.get("layout") == LAYOUT_FILES:  # a framework's own files (fastckpt.bundle): each whole file's CRC32C
+        for name, rec in manifest["files"].items():
+            _read(storage, dirpath, name, rec, problems)
+        return manifest, problems
     meta_name = manifest["meta"]
     meta_bytes = _read(storage, dirpath, meta_name, manifest["files"][meta_name], problems)
     entries, objects = _check_meta(storage.join(dirpath, meta_name), manifest, meta_bytes, problems)

@@ -1,23 +1,25 @@
 """``FastAccelerateCheckpointing``: what ``accelerator.save_state``/``load_state`` do once fastckpt is enabled.
 
-Save, on every process (Accelerate already requires every process to call ``save_state``):
+Save (every process calls ``save_state``, as Accelerate requires):
 
-1. pick the target (``checkpoint_{iteration}`` under the root, or the given ``output_dir``);
-2. gather every process's RNG and dataloader states to every process (one small collective);
-3. hand the whole state to ``Checkpointer.save``, which returns in milliseconds: tensors are copied in the
-   background, and the watched optimizers' ``step()`` waits until they are. With DDP and storage every
-   process can write (``distributed.can_share_writes``), every process does this with a distributed
-   ``Checkpointer``: the replicated parameters and optimizer state are split between the processes, each
-   copies and writes its part, and rank 0 commits; state the forward pass changes (BatchNorm buffers) and
-   the non-tensor values are rank 0's, as with Accelerate. Otherwise the main process saves everything;
+1. pick the target (``checkpoint_{iteration}`` under the root, or the given ``output_dir``); the main process
+   refuses a reused automatic name and creates the folder, as Accelerate does;
+2. gather every process's RNG states to the main process (one small collective);
+3. the main process hands the files stock ``save_state`` writes (``native.stock_files``) to
+   ``Checkpointer.save_files``, which returns in milliseconds: tensors are copied in the background (the
+   watched optimizers' ``step()`` waits until they are), each file is written in its stock format, and
+   ``manifest.json`` last. Retention (``total_limit``) removes the oldest committed folders after a commit;
 4. ``project_configuration.iteration`` advances, as in Accelerate.
 
-Load: the main process picks the checkpoint (after letting pending saves commit), every process reads it
-and restores its own RNG and dataloader state, and ``iteration`` moves past the loaded checkpoint.
+Load: the main process picks the folder (after pending saves of it, from any Accelerator in the process,
+commit) and checks every file against the manifest; then every process runs Accelerate's own ``load_state``
+on it (``foreign.load_accelerate_folder``: nothing unpickled without restriction). Folders in the core layout
+of fastckpt <= 0.2 load through ``state.py``; folders written by stock Accelerate load as they are.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import logging
 import os
@@ -29,18 +31,22 @@ from typing import Any, Callable
 from accelerate import Accelerator
 
 import fastckpt.errors as errors
-from fastckpt import CheckpointConfig, Checkpointer, RemoteOptions, is_checkpoint, load_checkpoint
-from fastckpt.errors import CheckpointNotFoundError, ConfigError, FastCkptError, IntegrityError, StateMismatchError
+from fastckpt import CheckpointConfig, Checkpointer, RemoteOptions, load_checkpoint
+from fastckpt.errors import CheckpointNotFoundError, ConfigError, FastCkptError, IntegrityError
 from fastckpt.exithook import register_exit_hook
 
 from . import naming
 from .distributed import all_gather, broadcast_from_main, can_share_writes
+from .folder import CORE, FILES, inspect_folder, local_folder
 from .foreign import load_accelerate_folder
-from .state import capture_process_state, capture_state, read_meta, restore_process_state, restore_state
+from .native import rng_file_state, stock_files
+from .state import META_KEY, read_meta, restore_process_state, restore_state
 from .stats import StatsLogger
 from .watcher import OptimizerWatcher
 
 logger = logging.getLogger(__name__)
+_LIVE: "weakref.WeakSet[FastAccelerateCheckpointing]" = weakref.WeakSet()  # a load waits for their saves
+NATIVE_FORMAT = 2  # the meta block's format: 1 was the core layout (state.py)
 
 
 class FastAccelerateCheckpointing:
@@ -77,12 +83,13 @@ class FastAccelerateCheckpointing:
                 "several processes (torch.distributed initialized), and a root every process can write for rank 0 "
                 "to commit (an s3:// URL, or a local path with every process on one node); pass shared_writes=None"
             )
+        # Accepted for compatibility; in the native format the main process writes every file (a split of the
+        # files between the processes is not implemented yet).
         self.shared_writes = possible if shared_writes is None else bool(shared_writes)
-        if self.shared_writes and storage is not None:
-            raise ConfigError("storage= injects one process's Storage; it cannot be combined with shared_writes")
-        if accelerator.is_main_process or self.shared_writes:
-            self._checkpointer_for(self.root)
+        if config.staging.shm:
+            raise ConfigError("staging.shm does not apply to Accelerate's native folders; set staging.shm: false")
         self._closed = False
+        _LIVE.add(self)
         # A script that ends without end_training() must still commit its last checkpoints. A weak
         # reference, so that the exit hook does not keep a dropped Accelerator alive.
         register_exit_hook(functools.partial(_close_at_exit, weakref.ref(self)))  # never runs in a fork()ed child
@@ -114,10 +121,10 @@ class FastAccelerateCheckpointing:
     def save_state(
         self, output_dir: str | os.PathLike | None = None, safe_serialization: bool = True, **_: Any
     ) -> str:
-        """Replaces ``Accelerator.save_state``; returns the checkpoint URL once the snapshot is scheduled.
+        """Replaces ``Accelerator.save_state``; returns the checkpoint folder once the snapshot is scheduled.
 
-        ``safe_serialization`` and the model-saving kwargs are accepted for compatibility: fastckpt always
-        writes safetensors shards and never pickles models.
+        The folder gets the files stock ``save_state`` writes (``model.safetensors``, or ``pytorch_model.bin``
+        with ``safe_serialization=False``, ``optimizer.bin``, ...) plus ``manifest.json``, written last.
         """
         self._check_open()
         started = time.perf_counter()
@@ -125,25 +132,18 @@ class FastAccelerateCheckpointing:
         target = self._save_target(output_dir)
         checked = self._on_main(lambda: self._claim(target))
         gathered = all_gather(
-            self._accelerator, {"process": capture_process_state(self._accelerator), "error": checked.wire_error}
+            self._accelerator, {"rng": rng_file_state(self._accelerator.step), "error": checked.wire_error}
         )
         checked.raise_shared(gathered[0]["error"])
         iteration = self._accelerator.project_configuration.iteration
-        shared = self._shares(target.root)
-        if self._accelerator.is_main_process or shared:
+        if self._accelerator.is_main_process:
             checkpointer = self._checkpointer_for(target.root)
             self._watchers[target.root].sync(self._accelerator._optimizers)
-            state = capture_state(self._accelerator, iteration, [g["process"] for g in gathered])
-            try:
-                handle = checkpointer.save(state, step=iteration, name=target.name)
-            except StateMismatchError as e:
-                if not shared:
-                    raise
-                raise StateMismatchError(
-                    f"{e}. The processes share the writes of each checkpoint (shared_writes), so every process "
-                    "must hold state of the same shapes; enable(..., shared_writes=False) lets the main "
-                    "process save its own state alone, as Accelerate does"
-                ) from e
+            files = stock_files(self._accelerator, target.url, safe_serialization, [g["rng"] for g in gathered])
+            meta = {"format": NATIVE_FORMAT, "iteration": iteration, "step": self._accelerator.step,
+                    "num_processes": self._accelerator.num_processes}
+            handle = checkpointer.save_files(files, target.name, step=iteration, user={META_KEY: meta},
+                                            made=not naming.is_url(target.url))
             self._in_flight = [h for h in self._in_flight if not h.done()] + [handle]
             self._last_handle = handle
         self._accelerator.project_configuration.iteration = iteration + 1
@@ -153,22 +153,36 @@ class FastAccelerateCheckpointing:
     def load_state(
         self, input_dir: str | os.PathLike | None = None, load_kwargs: dict | None = None, **kwargs: Any
     ) -> str:
-        """Replaces ``Accelerator.load_state``; returns the URL of the checkpoint it restored."""
+        """Replaces ``Accelerator.load_state``; returns the folder it restored. A native folder's files are
+        checked against its manifest first (``IntegrityError`` names a damaged file)."""
         self._check_open()
         path = self._main_decides(lambda: self._resolve_load_path(input_dir))
         options = self._storage_options(path)
-        if not is_checkpoint(path, storage_options=options):
-            return self._load_foreign(path, load_kwargs, **kwargs)
+        verify = self.config.persist.verify_on_load
+        kind, user = self._main_decides(lambda: inspect_folder(path, options, verify))
+        for ckpt in list(self._checkpointers.values()):  # loading writes parameters lazy copies may read
+            ckpt.wait_staged()
+        if kind == CORE:
+            return self._load_core(path, **kwargs)
+        with local_folder(path, options) as local:
+            self._load_foreign(local, load_kwargs, **kwargs)
+        meta = user.get(META_KEY) if kind == FILES else None
+        iteration = meta.get("iteration") if isinstance(meta, dict) else None
+        if iteration is None:
+            iteration = naming.iteration_from_name(os.path.basename(path))
+        if isinstance(iteration, int):  # Accelerate forgets this (issues #1601, #3306): the next save would reuse it
+            self._accelerator.project_configuration.iteration = iteration + 1
+        return path
+
+    def _load_core(self, path: str, **kwargs: Any) -> str:
+        """A checkpoint in the core layout, written by fastckpt_accelerate before the native format."""
         state = self._read(path)
         meta = read_meta(state, path)
         kwargs.pop("map_location", None)  # tensors load on CPU; load_state_dict moves them to each parameter
-        for ckpt in list(self._checkpointers.values()):  # restore_state writes parameters lazy copies may read
-            ckpt.wait_staged()
         restore_state(self._accelerator, state, path, **kwargs)
         if not restore_process_state(self._accelerator, state):
             logger.warning("%s has no RNG/dataloader state for process %d", path, self._accelerator.process_index)
         self._accelerator.step = int(meta["step"])
-        # Accelerate forgets this (issues #1601, #3306); without it the next save would reuse a name.
         self._accelerator.project_configuration.iteration = int(meta["iteration"]) + 1
         return path
 
@@ -220,6 +234,8 @@ class FastAccelerateCheckpointing:
         An explicit ``output_dir`` may be saved again (Accelerate overwrites it): the new manifest replaces
         the old one atomically at commit, so the folder always holds one complete checkpoint.
         """
+        if not naming.is_url(target.url):
+            os.makedirs(target.url, exist_ok=True)  # as Accelerate: the folder exists once save_state returns
         if not self._accelerator.project_configuration.automatic_checkpoint_naming:
             return
         checkpointer = self._checkpointer_for(target.root)
@@ -232,15 +248,12 @@ class FastAccelerateCheckpointing:
                 "accelerator.project_configuration.iteration past it"
             )
 
-    def _shares(self, root: str) -> bool:
-        """Whether every process writes its part of the checkpoints under ``root`` (the same on every process)."""
-        return self.shared_writes and (root == self.root or can_share_writes(self._accelerator, root))
-
     def _checkpointer_for(self, root: str) -> Checkpointer:
-        """The Checkpointer of ``root``; when ``_shares(root)`` every process must call this together."""
+        """The Checkpointer of ``root`` (main process). It takes no root lock: ``save_files`` never does, the
+        folders are Accelerate's (several Accelerators may share a project_dir, as with stock)."""
         if root not in self._checkpointers:
             if root == self.root:
-                checkpointer = Checkpointer(self.config, storage=self._storage, distributed=self.shared_writes)
+                checkpointer = Checkpointer(self.config, storage=self._storage)
             else:
                 # Explicit output_dir folders elsewhere: same settings, but retention (total_limit) only
                 # applies to the automatic checkpoints under the configured root.
@@ -248,7 +261,7 @@ class FastAccelerateCheckpointing:
                 # folder's checkpoint could never shadow (or be shadowed by) an automatic one of the same name.
                 retention = replace(self.config.retention, keep_last=None, keep_every_n_steps=None)
                 checkpointer = Checkpointer(replace(self.config, root=root, retention=retention,
-                                                    remote=RemoteOptions()), distributed=self._shares(root))
+                                                    remote=RemoteOptions()))
             self._checkpointers[root] = checkpointer
             self._watchers[root] = OptimizerWatcher(checkpointer)
         return self._checkpointers[root]
@@ -259,8 +272,11 @@ class FastAccelerateCheckpointing:
         """Main process: the checkpoint to load, after pending saves commit."""
         self.wait()
         if input_dir is not None:
-            return naming.normalize(input_dir)
-        infos = self.checkpointer.list()
+            path = naming.normalize(input_dir)
+            _wait_for_saves_of(path)
+            return path
+        _wait_for_saves_of(self.root, under=True)
+        infos = self._checkpointer_for(self.root).list()
         if not infos:
             raise CheckpointNotFoundError(
                 f"no committed fastckpt checkpoint under {self.root}; pass load_state(path) to load another one"
@@ -359,6 +375,16 @@ def _close_at_exit(ref: "weakref.ref[FastAccelerateCheckpointing]") -> None:
         checkpointing.close()
     except Exception:  # at exit nobody can catch it: make the lost checkpoint loud
         logger.exception("fastckpt: a checkpoint failed to persist before the process exited")
+
+
+def _wait_for_saves_of(path: str, *, under: bool = False) -> None:
+    """Let the pending saves of ``path`` (``under``: of any folder under it) by any Accelerator of this process commit (a new Accelerator resuming
+    from the folder an earlier one just saved, as stock allows); their errors stay theirs to raise."""
+    for other in list(_LIVE):
+        for handle in list(other._in_flight):
+            saved = naming.normalize(handle.path)
+            if (saved == path or (under and _under(saved, path))) and not handle.done():
+                concurrent.futures.wait([handle._durable])  # not wait(): its error stays its owner's to raise
 
 
 def _looks_like_accelerate(path: str) -> bool:

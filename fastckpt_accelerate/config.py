@@ -3,7 +3,8 @@
 The schema is exactly the core's (see docs/API.md), in its own file: Accelerate's ``accelerate config``
 YAML rejects unknown keys. Two things come from the Accelerator when the file leaves them out:
 
-- ``root`` defaults to ``{project_dir}/checkpoints``, where Accelerate's automatic naming saves;
+- ``root`` defaults to ``{project_dir}/checkpoints``, where Accelerate's automatic naming saves (``./checkpoints``
+  without a project_dir; nothing is created there unless a save uses it);
 - ``retention.keep_last`` defaults to ``ProjectConfiguration.total_limit``.
 """
 
@@ -17,7 +18,6 @@ from accelerate import Accelerator
 
 from fastckpt import CheckpointConfig
 from fastckpt.config import config_mapping
-from fastckpt.errors import ConfigError
 
 from .naming import normalize
 
@@ -50,8 +50,7 @@ def resolve_config(source: ConfigSource, accelerator: Accelerator) -> Checkpoint
 
 def _default_root(project_dir: str | None) -> str:
     if project_dir is None:
-        raise ConfigError(
-            "no checkpoint root: set `root` in the fastckpt config, or pass "
-            "ProjectConfiguration(project_dir=...) to the Accelerator"
-        )
+        # save_state(output_dir) needs no root (the folder's parent is used); automatic naming without a
+        # project_dir, which stock Accelerate refuses, saves under ./checkpoints.
+        return os.path.abspath("checkpoints")
     return os.path.join(os.path.abspath(os.path.expanduser(project_dir)), "checkpoints")

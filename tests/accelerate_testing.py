@@ -93,7 +93,6 @@ class Setup:
                 "torch_rng": torch.get_rng_state(),
                 "numpy_rng": np.random.get_state(),
                 "python_rng": random.getstate(),
-                "loader_iteration": self.loader.iteration,
                 "step": acc.step,
             }
         )
@@ -144,6 +143,11 @@ class GatedStorage:
         self.write_started.set()
         self.gate.wait()
         self._inner.write_file(path, parts)
+
+    def write_file_atomic(self, path: str, parts: Any) -> None:  # the native format's files (fastckpt.bundle)
+        self.write_started.set()
+        self.gate.wait()
+        self._inner.write_file_atomic(path, parts)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
