@@ -86,7 +86,7 @@ class FastAccelerateCheckpointing:
         # Accepted for compatibility; in the native format the main process writes every file (a split of the
         # files between the processes is not implemented yet).
         self.shared_writes = possible if shared_writes is None else bool(shared_writes)
-        if config.staging.shm:
+        if config.staging.shm:  # resolve_config drops it from a YAML; a config built by hand gets this error
             raise ConfigError("staging.shm does not apply to Accelerate's native folders; set staging.shm: false")
         self._closed = False
         _LIVE.add(self)

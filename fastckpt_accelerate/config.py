@@ -11,6 +11,7 @@ YAML rejects unknown keys. Two things come from the Accelerator when the file le
 from __future__ import annotations
 
 import logging
+import warnings
 import os
 from typing import Union
 
@@ -45,6 +46,18 @@ def resolve_config(source: ConfigSource, accelerator: Accelerator) -> Checkpoint
                 "fastckpt retention.keep_last=%s overrides ProjectConfiguration.total_limit=%s", keep_last, total_limit
             )
         raw["retention"] = retention
+    staging = raw.get("staging")
+    if isinstance(staging, dict) and staging.get("shm"):
+        # The YAML is shared with the core and Lightning: the shared-memory tier holds core checkpoints only, so
+        # turn it off here (with one warning) rather than refuse a config that serves the other users.
+        warnings.warn(
+            "fastckpt_accelerate ignores `staging.shm: true`: Accelerate's native folders are written to disk "
+            "directly, the shared-memory tier does not hold them; set staging.shm: false in this config to "
+            "silence this warning.",
+            UserWarning,
+            stacklevel=3,
+        )
+        raw["staging"] = {**staging, "shm": False}
     return CheckpointConfig.from_dict(raw)
 
 

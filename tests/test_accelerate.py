@@ -360,8 +360,21 @@ def test_config_errors_name_the_problem(tmp_path):
         fastckpt_accelerate.enable(acc, str(bad))
     with pytest.raises(ConfigError, match="cannot read"):
         fastckpt_accelerate.enable(acc, str(tmp_path / "missing.yaml"))
-    with pytest.raises(ConfigError, match="staging.shm"):  # the native format's files are written whole
-        fastckpt_accelerate.enable(acc, {"staging": {"shm": True}})
+
+
+def test_shared_yaml_with_shm_saves_with_one_warning(tmp_path, closing):
+    """The YAML serves the core too: its shared-memory tier is dropped for the native folders, with one warning
+    naming the field, and saves work (they used to be refused)."""
+    shared = tmp_path / "fastckpt.yaml"
+    shared.write_text("staging:\n  shm: true\n")
+    acc = make_accelerator(tmp_path / "proj")
+    with pytest.warns(UserWarning, match="staging.shm") as caught:
+        checkpointing = enable(acc, closing, str(shared))
+    assert len([w for w in caught if "staging.shm" in str(w.message)]) == 1
+    assert checkpointing.config.staging.shm is False
+    acc.save_state()
+    checkpointing.wait()
+    assert (tmp_path / "proj" / "checkpoints" / "checkpoint_0" / "manifest.json").is_file()
 
 
 def test_explicit_root_and_retention_override(tmp_path, closing):
