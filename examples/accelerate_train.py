@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import yaml
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, broadcast_object_list, set_seed
+from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -161,10 +161,10 @@ def main() -> None:
             f"final loss {progress.losses[-1]:.5f}; {len(blocking)} saves, "
             f"save() blocked {np.median(blocking):.2f} ms (median), persisted in {np.median(persist):.3f} s (median)"
         )
-    if checkpointing.stats:  # with shared writes every process wrote a share of each checkpoint
-        written = sum(s.written_bytes for s in checkpointing.stats)
-        print(f"process {accelerator.process_index} wrote {written} bytes in {len(checkpointing.stats)} saves",
-              flush=True)
+    # Every process reports (the main one writes the checkpoint folders, as with stock Accelerate).
+    written = sum(s.written_bytes for s in checkpointing.stats)
+    print(f"process {accelerator.process_index} of {accelerator.num_processes} wrote {written} bytes "
+          f"in {len(checkpointing.stats)} saves", flush=True)
     if args.dump:
         dump_final_state(args.dump, accelerator, model, optimizer, scheduler, progress)
     accelerator.end_training()
@@ -178,9 +178,7 @@ def refuse_to_overwrite(accelerator: Accelerator, checkpointing, args: argparse.
     """
     if args.resume:
         return
-    checkpointer = checkpointing.checkpointer
-    names = [info.name for info in checkpointer.list()] if checkpointer is not None else []
-    names = broadcast_object_list([names])[0]
+    names = [info.name for info in checkpointing.list()]  # every process gets the main process's listing
     if names:
         sys.exit(f"error: {checkpointing.root} already holds checkpoints of an earlier run ({names[0]} .. "
                  f"{names[-1]}); pass --resume to continue it, or another --project-dir (or --root) to start afresh")

@@ -186,6 +186,12 @@ class FastAccelerateCheckpointing:
         self._accelerator.project_configuration.iteration = int(meta["iteration"]) + 1
         return path
 
+    def list(self) -> list[Any]:
+        """``CheckpointInfo`` of every committed checkpoint under the configured root, oldest first; the main
+        process lists and every process gets its answer (call it on every process)."""
+        self._check_open()
+        return self._main_decides(lambda: sorted(self._checkpointer_for(self.root).list(), key=lambda i: i.step))
+
     def wait(self) -> None:
         """Block until every pending save is committed; raises a background error (once)."""
         for ckpt in list(self._checkpointers.values()):
