@@ -1,0 +1,121 @@
+"""``load_into``: read a checkpoint straight into the target's own tensors.
+
+Each saved tensor's byte range is read (in parallel pieces, ``fastckpt.readers``) directly into the
+storage of the target tensor it belongs to when that tensor is a contiguous CPU tensor of the same
+dtype and shape: no file buffer, no mapping, no second copy, so the peak memory above the model is
+a few descriptors and threads. Its CRC32C is checked on the target's memory as the pieces arrive.
+
+Where the target cannot take the bytes directly the range goes through a buffer of its own and is
+copied: a non-contiguous CPU target (a copy), and a CUDA target (a pinned buffer and a copy on a
+side stream, one tensor at a time). A dtype or shape mismatch is a ``StateMismatchError`` naming the
+tensor, never a silent cast. Checkpoint tensors the target lacks (optimizer state before the first
+step) are read into new tensors, as ``load()`` would.
+
+If a checksum fails midway the target holds a mix of old and new values: the error says so, and the
+caller must load again (an earlier checkpoint) before training on.
+"""
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .errors import IntegrityError, StateMismatchError
+from .readers import Range, read_ranges, tensor_bytes
+from .table import TableEntry
+
+if TYPE_CHECKING:
+    from .loader import CheckpointReader
+
+__all__ = ["read_into"]
+
+
+class _Targets:
+    """Where each saved tensor lands: its ``Range`` and, for a buffered one, how to copy it over."""
+
+    def __init__(self) -> None:
+        self.ranges: list[Range] = []
+        self.copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(range) -> (buffer, target)
+        self.keep: list[torch.Tensor] = []  # the tensors the ranges write into
+        self.stream: Any = None
+        self.lock = threading.Lock()
+
+    def add(self, path: str, e: TableEntry, dst: torch.Tensor, crc: int | None) -> None:
+        direct = dst.device.type == "cpu" and dst.is_contiguous() and not dst.is_conj() and not dst.is_neg()
+        buf = dst if direct else torch.empty(e.shape, dtype=e.dtype, pin_memory=dst.is_cuda)
+        r = Range(path, e.offset, tensor_bytes(buf), crc, f" in tensor {e.key!r}")
+        self.ranges.append(r)
+        self.keep.append(buf)
+        if not direct:
+            self.copies[id(r)] = (buf, dst)
+
+    def done(self, r: Range) -> None:
+        """Called by the reading thread once ``r`` is verified: a buffered range is copied into its target."""
+        pair = self.copies.pop(id(r), None)
+        if pair is None:
+            return
+        buf, dst = pair
+        with torch.no_grad():
+            if not dst.is_cuda:
+                dst.copy_(buf)
+                return
+            with self.lock:  # one side stream per load: copies overlap with the reads, not with training
+                if self.stream is None:
+                    self.stream = torch.cuda.Stream(device=dst.device)
+            with torch.cuda.stream(self.stream):
+                dst.copy_(buf, non_blocking=True)
+            self.stream.synchronize()  # the pinned buffer is freed when this returns
+
+
+def read_into(reader: "CheckpointReader", target: Any) -> tuple[Any, int] | None:
+    """Load ``reader``'s checkpoint into ``target``: the saved tree built on ``target``'s tensors and the
+    number of tensor bytes read; None if ``target`` holds DTensors (the reader's resharding path loads those).
+    """
+    from .plan import flatten
+
+    flat = flatten(target)
+    if flat.dtensors:
+        return None
+    wanted = dict(zip(flat.keys, flat.tensors))
+    saved = {e.key: e for e in reader.entries}
+    _check_match(reader.dirpath, wanted, saved)
+    # The reader's own helpers: the same checks (listed file, size, confinement) as load().
+    objects = reader._objects()
+    out: list[Any] = [None] * len(reader.entries)
+    targets = _Targets()
+    for name, entries in reader._by_file().items():
+        path = reader._path(name)
+        reader._check_size(path, reader._expect(name))
+        for e in entries:
+            dst = wanted.get(e.key)
+            if dst is None:
+                dst = torch.empty(e.shape, dtype=e.dtype)  # not in the target: a new tensor, as load() makes
+                out[e.index] = dst.numpy() if e.numpy else dst
+            else:
+                out[e.index] = dst.numpy() if e.numpy else dst
+            if e.nbytes:
+                targets.add(path, e, dst, e.crc if reader.verify else None)
+    for e in reader.entries:  # zero-size tensors live in no file
+        if out[e.index] is None:
+            out[e.index] = reader._materialize(None, e, None)
+    try:
+        nbytes = read_ranges(reader.storage, targets.ranges, reader.workers, targets.done)
+    except IntegrityError as e:
+        raise IntegrityError(f"{e}. load_into() had already written part of the target, which now mixes old "
+                             "and checkpoint values: load again before training on") from e
+    return reader._decode(out, objects), nbytes
+
+
+def _check_match(dirpath: str, wanted: dict[str, torch.Tensor], saved: dict[str, TableEntry]) -> None:
+    missing = [k for k in wanted if k not in saved]
+    if missing:
+        raise StateMismatchError(
+            f"{dirpath}: target tensor(s) {missing[:5]} are not in the checkpoint; the model/optimizer "
+            "structure differs from the saved one")
+    for key, t in wanted.items():
+        e = saved[key]
+        if tuple(t.shape) != e.shape or t.dtype != e.dtype:
+            raise StateMismatchError(
+                f"{dirpath}: tensor {key!r} is {e.dtype} {list(e.shape)} in the checkpoint but "
+                f"{t.dtype} {list(t.shape)} in the target; load() it and convert, or build the target to match")
