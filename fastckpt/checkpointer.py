@@ -27,6 +27,7 @@ from .gc import collect_quietly
 from .lock import RootLock
 from .handle import CheckpointInfo, SaveHandle, SaveStats
 from .loader import CheckpointReader
+from .loadstats import LoadStats
 from .pipeline import Job, Pipeline
 from .reread import read_consistently
 from .plan import FlatState, Planner, flatten
@@ -111,6 +112,7 @@ class Checkpointer:
         self._catalog = Catalog(self.storage)
         self._streams = CopyStreams()  # per-device copy streams, created on the first CUDA save
         self.stats: list[SaveStats] = []
+        self.last_load_stats: LoadStats | None = None  # which tier served the last load, bytes, seconds
         self._priorities = ThreadPriorities(p.priority)  # built here: the training thread's policy is "normal"
         self._pipeline = Pipeline(self.storage, self._arena, p.workers, self._on_commit, self._on_failure,
                                   self._coord, priorities=self._priorities)
@@ -556,9 +558,16 @@ class Checkpointer:
         self._check_open()
         storage, target = self._locate(step, name)
         dirpath = storage.join(storage.url, target)
+
+        def run() -> Any:
+            reader = self._open_reader(storage, dirpath)
+            out = use(reader)
+            self.last_load_stats = reader.stats
+            return out
+
         if self._coord is not None:  # the ranks read together: one retrying alone would hang the others
-            return use(self._open_reader(storage, dirpath))
-        return read_consistently(storage, dirpath, lambda: use(self._open_reader(storage, dirpath)))
+            return run()
+        return read_consistently(storage, dirpath, run)
 
     def _locate(self, step: int | None, name: str | None) -> tuple[Storage, str]:
         remote = self._remote_catalog
