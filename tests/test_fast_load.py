@@ -14,6 +14,7 @@ import torch
 from fastckpt import (CheckpointConfig, Checkpointer, FsspecStorage, IntegrityError, StateMismatchError,
                       StorageError)
 from fastckpt.readers import PIECE_BYTES
+from tests.faultproxy import Mode
 from tests.helpers import assert_bit_equal
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool, torch.complex64]
@@ -198,3 +199,35 @@ def test_load_into_peak_rss_stays_near_the_model(tmp_path) -> None:
     grown, ok = res.stdout.split()
     assert ok == "True"
     assert int(grown) <= 0.1 * nbytes, f"peak RSS grew by {int(grown) / nbytes:.2f}x of the state during load_into"
+
+
+def _s3_config(proxied, url: str) -> CheckpointConfig:
+    return CheckpointConfig(root=url, storage_options=proxied.storage_options, persist={"workers": 4},
+                            network={"retries": 2, "backoff_s": 0.0})
+
+
+def test_s3_piece_cut_mid_body_is_retried(s3_fault_proxy) -> None:
+    """A ranged GET whose connection dies mid-body is retried; the load completes bit-exact."""
+    url = s3_fault_proxy.fresh_url("cutread")
+    state = {"w": torch.randn(PIECE_BYTES // 4 * 2 + 99)}  # three ranged GETs
+    with Checkpointer(_s3_config(s3_fault_proxy, url)) as ckpt:
+        ckpt.save(state, step=1).wait()
+        s3_fault_proxy.proxy.cut_download_after(PIECE_BYTES // 2, then=Mode.PASS)  # a blip inside a piece
+        got = ckpt.load()
+        assert s3_fault_proxy.proxy.cut.is_set()
+        assert torch.equal(got["w"], state["w"])
+        assert ckpt.last_load_stats.tier == "remote" and ckpt.last_load_stats.method == "read"
+
+
+def test_s3_piece_that_keeps_failing_is_raised_once_naming_the_file(s3_fault_proxy) -> None:
+    url = s3_fault_proxy.fresh_url("deadread")
+    state = {"w": torch.randn(PIECE_BYTES // 4 * 2 + 99)}
+    with Checkpointer(_s3_config(s3_fault_proxy, url)) as ckpt:
+        ckpt.save(state, step=1).wait()
+        s3_fault_proxy.proxy.cut_download_after(PIECE_BYTES // 2, then=Mode.REFUSE)  # and the network stays down
+        with pytest.raises(StorageError) as ei:
+            ckpt.load()
+        assert ".safetensors" in str(ei.value) and "step-000000001" in str(ei.value)
+        s3_fault_proxy.proxy.pass_through()
+        assert torch.equal(ckpt.load()["w"], state["w"])  # the checkpoint is intact, no error left pending
+        ckpt.save(state, step=2).wait()  # and the failed load left nothing to raise at the next save
