@@ -231,3 +231,21 @@ def test_s3_piece_that_keeps_failing_is_raised_once_naming_the_file(s3_fault_pro
         s3_fault_proxy.proxy.pass_through()
         assert torch.equal(ckpt.load()["w"], state["w"])  # the checkpoint is intact, no error left pending
         ckpt.save(state, step=2).wait()  # and the failed load left nothing to raise at the next save
+
+
+def test_the_nearest_tier_holding_the_step_serves_the_load(tmp_path) -> None:
+    """Local before remote for the same committed step; the stats say which one served (shm: test_shm_load)."""
+    import shutil
+
+    state = {"w": torch.randn(1000), "step": 1}
+    remote = f"memory://fastckpt-tiers-{uuid.uuid4().hex}"
+    with Checkpointer(CheckpointConfig(root=str(tmp_path / "local"), remote={"url": remote})) as ckpt:
+        ckpt.save(state, step=1).wait()  # committed locally and uploaded
+        assert_bit_equal(state, ckpt.load())
+        assert ckpt.last_load_stats.tier == "local"
+        shutil.rmtree(ckpt.list()[-1].path)  # the local copy is lost: the remote one is next
+        assert_bit_equal(state, ckpt.load(step=1))
+        assert ckpt.last_load_stats.tier == "remote" and ckpt.last_load_stats.method == "read"
+        target = {"w": torch.zeros(1000), "step": 0}
+        ckpt.load_into(target)
+        assert torch.equal(target["w"], state["w"]) and ckpt.last_load_stats.tier == "remote"
