@@ -591,6 +591,10 @@ def markdown(results: dict[str, Any], s: dict[str, Any], chart_rel: str) -> str:
             _fw_table(s["accelerate"]),
             "",
         ]
+    if results.get("restore") is not None:
+        from .restore_run import restore_markdown
+
+        md += restore_markdown(results["restore"])
     md += [
         "## Methodology",
         "",

@@ -21,7 +21,7 @@ from . import frameworks, peers
 from . import workload as wl
 
 REPO = Path(__file__).resolve().parent.parent
-SECTIONS = ("io", "core", "rss", "lightning", "accelerate", "busy")
+SECTIONS = ("io", "core", "rss", "lightning", "accelerate", "busy", "restore")
 
 
 @dataclass
@@ -182,6 +182,10 @@ def run_all(plan: Plan, workdir: Path, isolate: bool, sections: tuple[str, ...],
                                   n_saves=plan.rss_saves, base_steps=max(2, plan.base_steps // 3)))
     if "busy" in sections:
         results["busy"] = run_busy(run, plan, ck, peer_names)
+    if "restore" in sections:
+        from .restore_run import run_restore
+
+        results["restore"] = run_restore(run, shape, workdir, peer_names, plan.cold_load)
     fw = dict(shape=shape, root=ck, warmup=plan.warmup, every=plan.fw_every, n_ckpt=plan.fw_n_ckpt)
     for section, configs in (("lightning", frameworks.LIGHTNING_CONFIGS),
                              ("accelerate", frameworks.ACCELERATE_CONFIGS)):

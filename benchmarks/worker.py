@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 
 def _tasks() -> dict[str, Callable[..., dict[str, Any]]]:
-    from . import busy, frameworks, measure
+    from . import busy, frameworks, measure, restore
 
     return {
         "calibrate": measure.task_calibrate,
@@ -22,6 +22,10 @@ def _tasks() -> dict[str, Callable[..., dict[str, Any]]]:
         "busy": busy.task_busy,
         "lightning": frameworks.task_lightning,
         "accelerate": frameworks.task_accelerate,
+        "restore_save": restore.task_restore_save,
+        "restore_load": restore.task_restore_load,
+        "restore_shm_save": restore.task_restore_shm_save,
+        "restore_s3_whole": restore.task_restore_s3_whole,
     }
 
 

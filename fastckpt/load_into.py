@@ -23,6 +23,7 @@ import torch
 
 from .errors import IntegrityError, StateMismatchError
 from .readers import Range, read_ranges, tensor_bytes
+from .storage import FsspecStorage
 from .table import TableEntry
 
 if TYPE_CHECKING:
@@ -70,10 +71,13 @@ class _Targets:
 
 def read_into(reader: "CheckpointReader", target: Any) -> tuple[Any, int] | None:
     """Load ``reader``'s checkpoint into ``target``: the saved tree built on ``target``'s tensors and the
-    number of tensor bytes read; None if ``target`` holds DTensors (the reader's resharding path loads those).
+    number of tensor bytes read; None if ``target`` holds DTensors (the reader's resharding path loads those) or
+    the root is remote (the reader reads whole files in concurrent ranged GETs, then copies).
     """
     from .plan import flatten
 
+    if isinstance(reader.storage, FsspecStorage):
+        return None  # one request per tensor would be slow: the reader's whole-file ranged reads serve remote roots
     flat = flatten(target)
     if flat.dtensors:
         return None
