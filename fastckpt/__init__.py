@@ -15,6 +15,7 @@ from .errors import (
 )
 from .handle import CheckpointInfo, SaveHandle, SaveStats
 from .loader import CheckpointReader, is_checkpoint, load_checkpoint
+from .loadstats import LoadStats
 from .storage import FsspecStorage, LocalStorage, Storage, open_storage
 
 __version__ = "0.1.0"
@@ -32,6 +33,7 @@ __all__ = [
     "SaveStats",
     "CheckpointInfo",
     "CheckpointReader",
+    "LoadStats",
     "load_checkpoint",
     "is_checkpoint",
     "Storage",
