@@ -7,9 +7,10 @@ a few descriptors and threads. Its CRC32C is checked on the target's memory as t
 
 Where the target cannot take the bytes directly the range goes through a buffer of its own and is
 copied: a non-contiguous CPU target (a copy), and a CUDA target (a pinned buffer and a copy on a
-side stream, one tensor at a time). A dtype or shape mismatch is a ``StateMismatchError`` naming the
-tensor, never a silent cast. Checkpoint tensors the target lacks (optimizer state before the first
-step) are read into new tensors, as ``load()`` would.
+side stream), in batches of at most 256 MiB so that the buffers stay bounded. A dtype or shape
+mismatch is a ``StateMismatchError`` naming the tensor, never a silent cast. Checkpoint tensors the
+target lacks (optimizer state before the first step) are read into new tensors, as ``load()`` would.
+On a remote root the reader's whole-file path serves instead (one request per tensor would be slow).
 
 If a checksum fails midway the target holds a mix of old and new values: the error says so, and the
 caller must load again (an earlier checkpoint) before training on.
@@ -17,7 +18,7 @@ caller must load again (an earlier checkpoint) before training on.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
@@ -32,24 +33,40 @@ if TYPE_CHECKING:
 __all__ = ["read_into"]
 
 
+_BATCH_BYTES = 256 << 20  # buffered (CUDA, non-contiguous) tensors in flight at once: bounds the pinned memory
+
+
 class _Targets:
-    """Where each saved tensor lands: its ``Range`` and, for a buffered one, how to copy it over."""
+    """Where each saved tensor lands: a ``Range`` over the target itself, or (buffered) over a buffer of its
+    own that ``done`` copies into the target."""
 
     def __init__(self) -> None:
-        self.ranges: list[Range] = []
+        self.ranges: list[Range] = []  # straight into the targets
+        self.buffered: list[tuple[str, TableEntry, torch.Tensor, int | None]] = []
         self.copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(range) -> (buffer, target)
-        self.keep: list[torch.Tensor] = []  # the tensors the ranges write into
         self.stream: Any = None
         self.lock = threading.Lock()
 
     def add(self, path: str, e: TableEntry, dst: torch.Tensor, crc: int | None) -> None:
-        direct = dst.device.type == "cpu" and dst.is_contiguous() and not dst.is_conj() and not dst.is_neg()
-        buf = dst if direct else torch.empty(e.shape, dtype=e.dtype, pin_memory=dst.is_cuda)
-        r = Range(path, e.offset, tensor_bytes(buf), crc, f" in tensor {e.key!r}")
-        self.ranges.append(r)
-        self.keep.append(buf)
-        if not direct:
-            self.copies[id(r)] = (buf, dst)
+        if dst.device.type == "cpu" and dst.is_contiguous() and not dst.is_conj() and not dst.is_neg():
+            self.ranges.append(Range(path, e.offset, tensor_bytes(dst), crc, f" in tensor {e.key!r}"))
+        else:
+            self.buffered.append((path, e, dst, crc))
+
+    def batches(self) -> Iterator[list[Range]]:
+        """The buffered tensors, a batch of at most ``_BATCH_BYTES`` (or one bigger tensor) at a time; a batch's
+        buffers are dropped once its copies are done (pinned ones go back to torch's caching host allocator)."""
+        todo = list(self.buffered)
+        while todo:
+            batch, size = [], 0
+            while todo and (not batch or size + todo[0][1].nbytes <= _BATCH_BYTES):
+                path, e, dst, crc = todo.pop(0)
+                buf = torch.empty(e.shape, dtype=e.dtype, pin_memory=dst.is_cuda)
+                r = Range(path, e.offset, tensor_bytes(buf), crc, f" in tensor {e.key!r}")
+                self.copies[id(r)] = (buf, dst)
+                batch.append(r)
+                size += e.nbytes
+            yield batch
 
     def done(self, r: Range) -> None:
         """Called by the reading thread once ``r`` is verified: a buffered range is copied into its target."""
@@ -95,9 +112,7 @@ def read_into(reader: "CheckpointReader", target: Any) -> tuple[Any, int] | None
             dst = wanted.get(e.key)
             if dst is None:
                 dst = torch.empty(e.shape, dtype=e.dtype)  # not in the target: a new tensor, as load() makes
-                out[e.index] = dst.numpy() if e.numpy else dst
-            else:
-                out[e.index] = dst.numpy() if e.numpy else dst
+            out[e.index] = dst.numpy() if e.numpy else dst
             if e.nbytes:
                 targets.add(path, e, dst, e.crc if reader.verify else None)
     for e in reader.entries:  # zero-size tensors live in no file
@@ -105,6 +120,8 @@ def read_into(reader: "CheckpointReader", target: Any) -> tuple[Any, int] | None
             out[e.index] = reader._materialize(None, e, None)
     try:
         nbytes = read_ranges(reader.storage, targets.ranges, reader.workers, targets.done)
+        for batch in targets.batches():
+            nbytes += read_ranges(reader.storage, batch, reader.workers, targets.done)
     except IntegrityError as e:
         raise IntegrityError(f"{e}. load_into() had already written part of the target, which now mixes old "
                              "and checkpoint values: load again before training on") from e

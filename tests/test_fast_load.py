@@ -249,3 +249,15 @@ def test_the_nearest_tier_holding_the_step_serves_the_load(tmp_path) -> None:
         target = {"w": torch.zeros(1000), "step": 0}
         ckpt.load_into(target)
         assert torch.equal(target["w"], state["w"]) and ckpt.last_load_stats.tier == "remote"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the pinned buffer + copy stream path)")
+def test_load_into_a_cuda_target_goes_through_pinned_buffers(tmp_path) -> None:
+    state = {"w": torch.randn(PIECE_BYTES // 4 + 3), "h": torch.randn(64, 64).to(torch.bfloat16)}
+    with Checkpointer(CheckpointConfig(root=str(tmp_path))) as ckpt:
+        ckpt.save(state, step=1).wait()
+        target = {k: torch.zeros_like(v, device="cuda") for k, v in state.items()}
+        ptrs = {k: v.data_ptr() for k, v in target.items()}
+        ckpt.load_into(target)
+    for k, v in state.items():
+        assert target[k].data_ptr() == ptrs[k] and torch.equal(target[k].cpu(), v), k
