@@ -2,23 +2,30 @@
 
 ``torch.load`` reads the records one after another on one thread, copying each into a fresh storage,
 and a CRC-32 check of the file (``fastckpt.torchfile.verify_torch_file``) is a second pass over it.
-Here every storage record is read once, in parallel pieces (``fastckpt.readers``), into one
-page-aligned buffer laid out like the file; each record's CRC-32 is checked against its zip entry by
-the thread that completed it; then torch's own loader unpickles ``data.pkl`` (with its
-``weights_only`` unpickler) over that buffer, as ``torch.load(mmap=True)`` does over a mapping, so
-the storages are views of the read buffer: no second copy.
+Here the file is mapped copy-on-write (as ``LocalStorage.map_file`` maps safetensors shards for
+``load()``), its storage records are checked against the CRC-32 of their zip entries on a few
+threads at once (the page faults of those threads are the parallel reads; zlib releases the GIL),
+and torch's own loader unpickles ``data.pkl`` with its ``weights_only`` unpickler over the mapping,
+as ``torch.load(mmap=True)`` does: the storages are views of the page cache, no copy is made, and a
+write to a loaded tensor never reaches the file. The mapping assumes that the file is replaced by a
+rename (as fastckpt's Lightning plugin writes it) or deleted, never truncated in place while loaded.
+
+Measured on the 2-core benchmark VM (1.48 GB, cold cache, noisy): 1.3-1.6 s against 2.2-5.3 s for
+``torch.load`` and 1.4-2.0 s for the check pass plus ``torch.load``. Reading into fresh memory
+instead (``fastckpt.readers``) was slower there: first-touch page faults of anonymous memory cost
+more than the reads.
 """
 from __future__ import annotations
 
 import os
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from .errors import IntegrityError
-from .readers import Range, read_ranges
-from .storage import LocalStorage, aligned_buffer
+from .storage import LocalStorage
 from .torchfile import record_spans
 
 __all__ = ["load_torch_file"]
@@ -29,29 +36,29 @@ except ImportError:  # pragma: no cover - depends on the environment
     _crc32 = zlib.crc32
 
 
-def load_torch_file(path: str, *, map_location: Any = None, workers: int = 4, verify: bool = True) -> Any:
-    """``torch.load(path, map_location=map_location, weights_only=True)``, read in parallel and verified."""
-    spans = record_spans(path)
-    keep, view = aligned_buffer(os.path.getsize(path))
-    want: dict[int, tuple[str, int]] = {}
-    ranges = []
-    for name, offset, size, crc in spans:
-        if not name.startswith("data/"):
-            continue  # data.pkl, byteorder, version: torch's reader reads those few bytes itself
-        r = Range(path, offset, view[offset:offset + size])
-        ranges.append(r)
-        if verify and (crc or not size):
-            want[id(r)] = (name, crc)
-
-    def check(r: Range) -> None:
-        name, crc = want.get(id(r), ("", None))
-        if crc is not None and _crc32(r.out) & 0xFFFFFFFF != crc:
-            raise IntegrityError(f"{path}: record {name!r} has CRC-32 {_crc32(r.out) & 0xFFFFFFFF:08x}, its zip "
-                                 f"entry says {crc:08x}; the checkpoint is damaged: resume from an earlier one")
-
-    read_ranges(LocalStorage(os.path.dirname(path) or "."), ranges, workers, check)
-    overall = torch.frombuffer(keep, dtype=torch.uint8).untyped_storage()  # keeps ``keep`` alive
-    reader = torch._C.PyTorchFileReader(path)
-    # torch.load(mmap=True)'s own path, with the read buffer standing in for the mapping
+def load_torch_file(path: str, *, map_location: Any = None, workers: int = 2, verify: bool = True) -> Any:
+    """``torch.load(path, map_location=map_location, weights_only=True)``, its records CRC-checked in parallel."""
+    spans = [s for s in record_spans(path) if s[0].startswith("data/")]
+    keep, view = LocalStorage(os.path.dirname(path) or ".").map_file(path, os.path.getsize(path))
+    if verify:
+        _check(path, view, spans, workers)
+    overall = torch.frombuffer(keep, dtype=torch.uint8).untyped_storage()  # the storage keeps the mapping alive
+    reader = torch._C.PyTorchFileReader(path)  # the zip directory, data.pkl and the small records
     return torch.serialization._load(reader, map_location, torch._weights_only_unpickler,
                                      overall_storage=overall, encoding="utf-8")
+
+
+def _check(path: str, view: memoryview, spans: list[tuple[str, int, int, int]], workers: int) -> None:
+    def one(span: tuple[str, int, int, int]) -> None:
+        name, offset, size, want = span
+        if want == 0 and size:
+            return  # written with torch's crc32 option off: nothing to check against
+        got = _crc32(view[offset:offset + size]) & 0xFFFFFFFF
+        if got != want:
+            raise IntegrityError(f"{path}: record {name!r} has CRC-32 {got:08x}, its zip entry says {want:08x}; "
+                                 "the checkpoint is damaged: resume from an earlier one")
+
+    biggest_first = sorted(spans, key=lambda s: -s[2])  # the long ones start first: the threads finish together
+    with ThreadPoolExecutor(max(1, workers), thread_name_prefix="fastckpt-zipcheck") as pool:
+        for f in [pool.submit(one, s) for s in biggest_first]:
+            f.result()

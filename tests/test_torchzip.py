@@ -26,6 +26,7 @@ def test_loads_what_torch_load_loads_bit_for_bit(tmp_path) -> None:
     path = tmp_path / "x.ckpt"
     torch.save(state, path)
     got = load_torch_file(str(path), workers=4)
+    assert got["w"].untyped_storage().nbytes() > 0
     assert_bit_equal(torch.load(path, weights_only=True), got)
     assert got["view"].untyped_storage().data_ptr() == got["w"].untyped_storage().data_ptr()  # views stay views
     got["w"][0] = 1.0  # writable, like torch.load's result
