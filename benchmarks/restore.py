@@ -32,6 +32,7 @@ from .measure import Trainer, drop_cache, first_difference, reset_hwm, rss, tree
 LOADERS: dict[str, tuple[str, str, bool]] = {
     "torch_load": ("torch.load", "torch.pt", False),
     "dcp_load": ("DCP load (in place)", "dcp", True),
+    "torchzip": ("fastckpt.torchzip (the same torch file)", "torch.pt", False),
     "fastckpt_load": ("fastckpt load(), local", "fc", False),
     "fastckpt_load_into": ("fastckpt load_into(), local", "fc", True),
     "fastckpt_shm": ("fastckpt load(), shm tier", "fc_shm", False),
@@ -115,6 +116,10 @@ def _loader(loader: str, root: Path, shm_dir: str, s3: dict | None, template: An
     """The load call to time, and what to close afterwards."""
     if loader == "torch_load":
         return lambda: torch.load(root / "torch.pt", map_location="cpu", weights_only=True), None
+    if loader == "torchzip":
+        from fastckpt.torchzip import load_torch_file
+
+        return lambda: load_torch_file(str(root / "torch.pt")), None
     if loader == "dcp_load":
         import torch.distributed.checkpoint as dcp
 
@@ -180,3 +185,31 @@ def task_restore_s3_whole(s3: dict) -> dict[str, Any]:
     seconds = time.perf_counter() - t0
     nbytes = sum(len(v) for v in data.values())
     return {"objects": len(paths), "bytes": nbytes, "seconds": seconds, "GBps": nbytes / seconds / 1e9}
+
+
+def task_restore_memcpy(nbytes: int, shm_dir: str) -> dict[str, Any]:
+    """The reference of the shm tier: copying ``nbytes`` out of a shared-memory file, into fresh memory (what
+    ``load()`` must do) and into memory already faulted in (what ``load_into()`` does), with torch's copy."""
+    import mmap as _mmap
+
+    path = os.path.join(shm_dir, "memcpy-reference.bin")
+    with open(path, "wb") as f:
+        f.truncate(nbytes)
+    try:
+        with open(path, "r+b") as f:
+            mm = _mmap.mmap(f.fileno(), nbytes)
+        src = torch.frombuffer(mm, dtype=torch.uint8)
+        src.fill_(7)
+        t0 = time.perf_counter()
+        fresh = torch.empty(nbytes, dtype=torch.uint8)
+        fresh.copy_(src)
+        fresh_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        fresh.copy_(src)  # now into faulted-in memory
+        warm_s = time.perf_counter() - t0
+        del src, fresh
+        mm.close()
+    finally:
+        os.remove(path)
+    return {"bytes": nbytes, "fresh_s": fresh_s, "fresh_GBps": nbytes / fresh_s / 1e9,
+            "into_s": warm_s, "into_GBps": nbytes / warm_s / 1e9}

@@ -49,6 +49,8 @@ def run_restore(run: Any, shape: dict, workdir: Path, peer_names: list[str], col
                 res = run(f"restore: {name} ({temp})", "restore_load",
                           dict(shape=shape, root=str(root), loader=name, cold=temp == "cold", shm_dir=shm_dir, s3=s3))
                 out["loads"].append(res)
+        out["memcpy"] = run("restore: memcpy reference (shm)", "restore_memcpy",
+                            dict(nbytes=saved["result"]["state_bytes"], shm_dir=shm_dir))
         if s3 is not None:
             out["s3_whole"] = run("restore: s3fs whole-object GETs", "restore_s3_whole", dict(s3=s3))
     finally:
@@ -91,6 +93,21 @@ def restore_markdown(res: dict[str, Any]) -> list[str]:
     for r in res["loads"]:
         if not r.get("ok"):
             md.append(f"- failed: {r.get('error', '')[:300]}")
+    mc = res.get("memcpy")
+    if mc and mc.get("ok"):
+        m = mc["result"]
+        shm = {r["loader"]: r for r in rows if r["loader"].startswith("fastckpt_shm")}
+        parts = [f"- shm reference: torch's copy of {m['bytes'] / 1e9:.2f} GB out of a shared-memory file runs at "
+                 f"{m['fresh_GBps']:.2f} GB/s into fresh memory and {m['into_GBps']:.2f} GB/s into memory already "
+                 "faulted in"]
+        if "fastckpt_shm" in shm:
+            parts.append(f"; the shm-tier `load()` (fresh tensors, every tensor CRC-checked) reaches "
+                         f"{state / shm['fastckpt_shm']['seconds'] / 1e9 / m['fresh_GBps']:.0%} of the first")
+        if "fastckpt_shm_into" in shm:
+            parts.append(f", `load_into()` {state / shm['fastckpt_shm_into']['seconds'] / 1e9 / m['into_GBps']:.0%} "
+                         "of the second")
+        md.append("".join(parts) + ". Their peak RSS counts the shared-memory pages they map (already in RAM "
+                  "before the load), not new memory.")
     whole = res.get("s3_whole")
     if whole and whole.get("ok"):
         w = whole["result"]

@@ -25,6 +25,7 @@ def _tasks() -> dict[str, Callable[..., dict[str, Any]]]:
         "restore_save": restore.task_restore_save,
         "restore_load": restore.task_restore_load,
         "restore_shm_save": restore.task_restore_shm_save,
+        "restore_memcpy": restore.task_restore_memcpy,
         "restore_s3_whole": restore.task_restore_s3_whole,
     }
 
