@@ -9,8 +9,10 @@ folder, and a pid reused after a crash is not mistaken for the dead owner.
 Before ``wait_staged()`` returns, a ``staged.json`` record (``fastckpt.shm_record``)
 with the checksums of the staged bytes is renamed into the slot folder. If the process
 dies before the snapshot commits, the next ``Checkpointer`` on the same root finds the
-record, sees that its owner is gone, verifies the bytes and persists them. The record
-is removed once the snapshot commits or fails, before the buffers are reused.
+record, sees that its owner is gone, verifies the bytes and persists them. When the
+snapshot commits, the record is renamed ``committed.json``: a process restarted after a
+crash loads that checkpoint from these buffers (``fastckpt.shm_load``). When it fails,
+the record is removed; either record is gone before the buffers are reused.
 
 Every page is reserved (``posix_fallocate``) when a slot is created: on a full tmpfs
 that raises ``StorageError`` from ``save()``, where a sparse file would let the copy
