@@ -187,25 +187,37 @@ def task_restore_s3_whole(s3: dict) -> dict[str, Any]:
     return {"objects": len(paths), "bytes": nbytes, "seconds": seconds, "GBps": nbytes / seconds / 1e9}
 
 
+def _fill_shm(path: str, nbytes: int) -> None:
+    import mmap as _mmap
+
+    with open(path, "wb") as f:
+        f.truncate(nbytes)
+    with open(path, "r+b") as f:
+        mm = _mmap.mmap(f.fileno(), nbytes)
+    torch.frombuffer(mm, dtype=torch.uint8).fill_(7)
+    mm.close()
+
+
 def task_restore_memcpy(nbytes: int, shm_dir: str) -> dict[str, Any]:
-    """The reference of the shm tier: copying ``nbytes`` out of a shared-memory file, into fresh memory (what
-    ``load()`` must do) and into memory already faulted in (what ``load_into()`` does), with torch's copy."""
+    """The reference of the shm tier: copying ``nbytes`` out of a shared-memory file that another process wrote
+    (as a crashed trainer did), into fresh memory (what ``load()`` must do) and into memory already faulted in
+    (what ``load_into()`` does), with torch's copy and no checksum."""
     import mmap as _mmap
 
     path = os.path.join(shm_dir, "memcpy-reference.bin")
-    with open(path, "wb") as f:
-        f.truncate(nbytes)
+    child = mp.get_context("fork").Process(target=_fill_shm, args=(path, nbytes))
+    child.start()
+    child.join()
     try:
         with open(path, "r+b") as f:
             mm = _mmap.mmap(f.fileno(), nbytes)
         src = torch.frombuffer(mm, dtype=torch.uint8)
-        src.fill_(7)
         t0 = time.perf_counter()
         fresh = torch.empty(nbytes, dtype=torch.uint8)
         fresh.copy_(src)
         fresh_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        fresh.copy_(src)  # now into faulted-in memory
+        fresh.copy_(src)  # now into faulted-in memory (the source's page tables are warm too: a best case)
         warm_s = time.perf_counter() - t0
         del src, fresh
         mm.close()
