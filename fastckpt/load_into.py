@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 
 from .errors import IntegrityError, StateMismatchError
-from .readers import Range, read_ranges, tensor_bytes
+from .readers import Range, prefetch, read_ranges, tensor_bytes
 from .storage import FsspecStorage
 from .table import TableEntry
 
@@ -118,6 +118,7 @@ def read_into(reader: "CheckpointReader", target: Any) -> tuple[Any, int] | None
     for e in reader.entries:  # zero-size tensors live in no file
         if out[e.index] is None:
             out[e.index] = reader._materialize(None, e, None)
+    prefetch(reader.storage, sorted({r.path for r in targets.ranges} | {b[0] for b in targets.buffered}))
     try:
         nbytes = read_ranges(reader.storage, targets.ranges, reader.workers, targets.done)
         for batch in targets.batches():

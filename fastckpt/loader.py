@@ -28,7 +28,7 @@ from .loadstats import LoadStats
 from .format import MANIFEST, check_shard_header, checkpoint_dir, parse_manifest, parse_meta
 from .maplocation import placer, saved_location
 from .paths import confine
-from .readers import Range, read_ranges
+from .readers import Range, prefetch, read_ranges
 from .storage import LocalStorage, Storage, aligned_buffer
 from .table import TableEntry, numel, parse_dtype, parse_table
 
@@ -224,6 +224,8 @@ class CheckpointReader:
             for e in entries:
                 tensors[e.index] = self._materialize(buf, e, None)
 
+        if self.coord is None:  # distributed: each rank reads only some files (the others are broadcast)
+            prefetch(self.storage, [self._path(name) for name in self._by_file()])
         self._for_each_file(read)
         for e in self.entries:
             if e.nbytes == 0:
