@@ -240,7 +240,8 @@ def test_the_nearest_tier_holding_the_step_serves_the_load(tmp_path) -> None:
     state = {"w": torch.randn(1000), "step": 1}
     remote = f"memory://fastckpt-tiers-{uuid.uuid4().hex}"
     with Checkpointer(CheckpointConfig(root=str(tmp_path / "local"), remote={"url": remote})) as ckpt:
-        ckpt.save(state, step=1).wait()  # committed locally and uploaded
+        ckpt.save(state, step=1)
+        ckpt.wait()  # committed locally and uploaded (a handle's wait() is the local commit only)
         assert_bit_equal(state, ckpt.load())
         assert ckpt.last_load_stats.tier == "local"
         shutil.rmtree(ckpt.list()[-1].path)  # the local copy is lost: the remote one is next
