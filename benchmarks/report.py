@@ -615,6 +615,10 @@ def markdown(results: dict[str, Any], s: dict[str, Any], chart_rel: str) -> str:
             _fw_table(s["accelerate"]),
             "",
         ]
+    if results.get("restore") is not None:
+        from .restore_run import restore_markdown
+
+        md += restore_markdown(results["restore"])
     md += cli_markdown(results.get("cli"))
     md += [
         "## Methodology",

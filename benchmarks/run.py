@@ -21,7 +21,7 @@ from . import frameworks, peers
 from . import workload as wl
 
 REPO = Path(__file__).resolve().parent.parent
-SECTIONS = ("io", "core", "rss", "lightning", "lightning_load", "accelerate", "busy", "cli")
+SECTIONS = ("io", "core", "rss", "lightning", "lightning_load", "accelerate", "busy", "restore", "cli")
 
 
 @dataclass
@@ -185,6 +185,10 @@ def run_all(plan: Plan, workdir: Path, isolate: bool, sections: tuple[str, ...],
     if "lightning_load" in sections:
         results["lightning_load"] = run("lightning: load_from_checkpoint, fastckpt vs torch.save", "lightning_load",
                                         dict(shape=shape, root=ck, reps=plan.io_reps, cold=plan.cold_load))
+    if "restore" in sections:
+        from .restore_run import run_restore
+
+        results["restore"] = run_restore(run, shape, workdir, peer_names, plan.cold_load)
     fw = dict(shape=shape, root=ck, warmup=plan.warmup, every=plan.fw_every, n_ckpt=plan.fw_n_ckpt)
     if "cli" in sections:
         results["cli"] = _cli_help(5)

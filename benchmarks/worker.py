@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 
 def _tasks() -> dict[str, Callable[..., dict[str, Any]]]:
-    from . import busy, frameworks, measure
+    from . import busy, frameworks, measure, restore
 
     return {
         "calibrate": measure.task_calibrate,
@@ -23,6 +23,11 @@ def _tasks() -> dict[str, Callable[..., dict[str, Any]]]:
         "lightning": frameworks.task_lightning,
         "lightning_load": frameworks.task_lightning_load,
         "accelerate": frameworks.task_accelerate,
+        "restore_save": restore.task_restore_save,
+        "restore_load": restore.task_restore_load,
+        "restore_shm_save": restore.task_restore_shm_save,
+        "restore_memcpy": restore.task_restore_memcpy,
+        "restore_s3_whole": restore.task_restore_s3_whole,
     }
 
 

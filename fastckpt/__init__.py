@@ -24,6 +24,7 @@ _EXPORTS = {
     "SaveStats": ".handle",
     "CheckpointInfo": ".handle",
     "CheckpointReader": ".loader",
+    "LoadStats": ".loadstats",
     "load_checkpoint": ".loader",
     "is_checkpoint": ".loader",
     "consolidate": ".consolidate",
@@ -72,4 +73,5 @@ if TYPE_CHECKING:  # type checkers and IDEs see the eager imports
     from .handle import CheckpointInfo, SaveHandle, SaveStats
     from .consolidate import consolidate
     from .loader import CheckpointReader, is_checkpoint, load_checkpoint
+    from .loadstats import LoadStats
     from .storage import FsspecStorage, LocalStorage, Storage, open_storage

@@ -27,6 +27,8 @@ from .gc import collect_quietly
 from .lock import RootLock
 from .handle import CheckpointInfo, SaveHandle, SaveStats
 from .loader import CheckpointReader
+from .loadstats import LoadStats
+from .shm_load import load_from_shm
 from .pipeline import Job, Pipeline
 from .reread import read_consistently
 from .plan import FlatState, Planner, flatten
@@ -113,6 +115,7 @@ class Checkpointer:
         self._catalog = Catalog(self.storage)
         self._streams = CopyStreams()  # per-device copy streams, created on the first CUDA save
         self.stats: list[SaveStats] = []
+        self.last_load_stats: LoadStats | None = None  # which tier served the last load, bytes, seconds
         self._priorities = ThreadPriorities(p.priority)  # built here: the training thread's policy is "normal"
         self._pipeline = Pipeline(self.storage, self._arena, p.workers, self._on_commit, self._on_failure,
                                   self._coord, priorities=self._priorities)
@@ -583,14 +586,27 @@ class Checkpointer:
                                 workers=self.config.persist.workers, allowed_classes=self.config.allowed_classes,
                                 coord=self._coord)
 
-    def _read(self, step: int | None, name: str | None, use: Callable[[CheckpointReader], Any]) -> Any:
-        """``use`` a reader of the checkpoint; read again if a re-save of its name replaced it meanwhile."""
+    def _read(self, step: int | None, name: str | None, use: Callable[[CheckpointReader], Any],
+              shm: Callable[[CheckpointReader], Any] | None = None) -> Any:
+        """``use`` a reader of the checkpoint; read again if a re-save of its name replaced it meanwhile.
+        ``shm``: how to load it from the shared-memory tier instead, where it is still there (nearest first)."""
         self._check_open()
         storage, target = self._locate(step, name)
         dirpath = storage.join(storage.url, target)
+
+        def run() -> Any:
+            reader = self._open_reader(storage, dirpath)
+            done = shm(reader) if shm is not None and self._shm is not None else None
+            if done is not None:
+                self.last_load_stats = done[1]
+                return done[0]
+            out = use(reader)
+            self.last_load_stats = reader.stats
+            return out
+
         if self._coord is not None:  # the ranks read together: one retrying alone would hang the others
-            return use(self._open_reader(storage, dirpath))
-        return read_consistently(storage, dirpath, lambda: use(self._open_reader(storage, dirpath)))
+            return run()
+        return read_consistently(storage, dirpath, run)
 
     def _locate(self, step: int | None, name: str | None) -> tuple[Storage, str]:
         remote = self._remote_catalog
@@ -616,7 +632,8 @@ class Checkpointer:
 
     def load(self, step: int | None = None, *, name: str | None = None, map_location: Any = None) -> Any:
         """Rebuild a saved state (the latest committed by default); tensors on CPU unless ``map_location``."""
-        return self._read(step, name, lambda reader: reader.load(map_location))
+        from_shm = None if map_location is not None else lambda reader: load_from_shm(self._shm, reader)
+        return self._read(step, name, lambda reader: reader.load(map_location), from_shm)
 
     def load_into(self, target: Any, step: int | None = None, *, name: str | None = None) -> Any:
         """Copy a saved state into ``target``'s tensors in place (after pending lazy copies have read them)."""
@@ -625,7 +642,11 @@ class Checkpointer:
             self.wait_staged()
             return reader.load_into(target)
 
-        return self._read(step, name, into)
+        def from_shm(reader: CheckpointReader) -> Any:
+            self.wait_staged()
+            return load_from_shm(self._shm, reader, target)
+
+        return self._read(step, name, into, from_shm)
 
     def delete(self, name: str) -> Future:
         """Delete a committed checkpoint (both copies, with a remote tier) after every save (and upload)

@@ -12,6 +12,7 @@ block (resharding), and on each rank only the files holding such blocks are read
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
@@ -23,9 +24,12 @@ from .checksum import crc32c
 from .codec import decode_tree, loads_objects
 from .errors import CheckpointNotFoundError, FastCkptError, IntegrityError, StateMismatchError
 from .format import LAYOUT_FILES, MANIFEST, check_shard_header, checkpoint_dir, parse_manifest, parse_meta
+from .load_into import read_into
+from .loadstats import LoadStats
 from .maplocation import placer, saved_location
 from .paths import confine
-from .storage import Storage, aligned_buffer
+from .readers import Range, prefetch, read_ranges
+from .storage import LocalStorage, Storage, aligned_buffer
 from .table import TableEntry, numel, parse_dtype, parse_table
 
 __all__ = ["CheckpointReader", "load_checkpoint", "is_checkpoint"]
@@ -79,6 +83,7 @@ class CheckpointReader:
                 self._first_offset[e.file] = min(e.offset, self._first_offset.get(e.file, e.offset))
         self.dtensors = self._parse_dtensors(storage.join(dirpath, meta_name))
         self._blocks = {i for d in self.dtensors for i in d.entries}
+        self.stats: LoadStats | None = None  # set by each load()/load_into()
 
     def _parse_dtensors(self, source: str) -> list[_DTensor]:
         """The DTensor records, checked: blocks in bounds, of the right dtype, covering the tensor exactly."""
@@ -146,16 +151,17 @@ class CheckpointReader:
             # Files are immutable once written (new uid per save, deletion is unlink), so
             # mapping them is safe and skips a full copy of the checkpoint.
             keep, view = mapper(path, rec["size"])
-            buf = torch.frombuffer(keep, dtype=torch.uint8)
-        else:
-            keep, view = aligned_buffer(rec["size"])
-            buf = torch.frombuffer(keep, dtype=torch.uint8)
-            self.storage.read_into(path, 0, view)
-        if self.verify:
-            actual = crc32c(view)
-            if actual != rec["crc32c"]:
+            if self.verify and crc32c(view) != rec["crc32c"]:
                 raise IntegrityError(f"{path}: checksum mismatch{self._culprit(name, view)}; the file is corrupt. "
                                      "Load an earlier checkpoint (Checkpointer.list()).")
+        else:  # parallel ranged reads, each piece checksummed as it arrives
+            keep, view = aligned_buffer(rec["size"])
+            try:
+                read_ranges(self.storage, [Range(path, 0, view, rec["crc32c"] if self.verify else None)], self.workers)
+            except IntegrityError as e:
+                raise IntegrityError(f"{path}: checksum mismatch{self._culprit(name, view)}; the file is corrupt. "
+                                     "Load an earlier checkpoint (Checkpointer.list()).") from e
+        buf = torch.frombuffer(keep, dtype=torch.uint8)
         check_shard_header(bytes(view[:8]), len(view), self._first_offset.get(name), path)
         buf._fastckpt_keep = keep  # type: ignore[attr-defined]  # the mmap lives as long as the views
         return buf
@@ -214,6 +220,7 @@ class CheckpointReader:
     def load(self, map_location: Any = None) -> Any:
         """Rebuild the saved tree. Tensors land on ``map_location`` (default: CPU; see fastckpt.maplocation)."""
         place = placer(map_location)  # on this thread: "cuda" is the caller's current device
+        t0 = time.perf_counter()
         objects = self._objects()
         tensors: list[Any] = [None] * len(self.entries)
 
@@ -221,6 +228,8 @@ class CheckpointReader:
             for e in entries:
                 tensors[e.index] = self._materialize(buf, e, None)
 
+        if self.coord is None:  # distributed: each rank reads only some files (the others are broadcast)
+            prefetch(self.storage, [self._path(name) for name in self._by_file()])
         self._for_each_file(read)
         for e in self.entries:
             if e.nbytes == 0:
@@ -236,7 +245,14 @@ class CheckpointReader:
             for block, off in zip(blocks, d.offsets):
                 full[_region(off, block.shape)] = block
             tensors[d.entries[0]] = full
-        return self._decode(tensors, objects)
+        out = self._decode(tensors, objects)
+        self._note("map" if hasattr(self.storage, "map_file") else "read", t0)
+        return out
+
+    def _note(self, method: str, t0: float, nbytes: int | None = None) -> None:
+        tier = "local" if isinstance(self.storage, LocalStorage) else "remote"
+        total = sum(e.nbytes for e in self.entries) if nbytes is None else nbytes
+        self.stats = LoadStats(self.name, self.step, tier, method, total, time.perf_counter() - t0, self.verify)
 
     def check_structure(self) -> None:
         """Rebuild the tree around placeholders, reading no tensor bytes; ``fastckpt verify`` calls this."""
@@ -279,6 +295,12 @@ class CheckpointReader:
         """
         from .plan import flatten
 
+        t0 = time.perf_counter()
+        if not self.dtensors and self.coord is None:  # plain tensors: read straight into the target
+            done = read_into(self, target)
+            if done is not None:
+                self._note("into", t0, done[1])
+                return done[0]
         flat = flatten(target)
         block_keys = {flat.keys[i] for rec in flat.dtensors for i in rec.entries}
         wanted: dict[str, Any] = {k: t for k, t in zip(flat.keys, flat.tensors) if k not in block_keys}
@@ -347,7 +369,9 @@ class CheckpointReader:
                 out[e.index] = self._materialize(None, e, None)
         for key, full in fresh.items():
             out[saved_dt[key].entries[0]] = full
-        return self._decode(out, objects)
+        tree = self._decode(out, objects)
+        self._note("into", t0)
+        return tree
 
 
 def _region(offsets: tuple[int, ...], shape: Any) -> tuple[slice, ...]:

@@ -279,7 +279,7 @@ class Pipeline:
             self._release(job)  # after the error is recorded: a save() waiting for this slot raises it
             job.handle._durable.set_exception(err)
             return
-        self._release(job)
+        self._release(job, committed=True)
         job.handle.stats.persist_s = time.perf_counter() - job.t0
         self._on_commit(job, info)
         job.handle._durable.set_result(info)
@@ -315,9 +315,11 @@ class Pipeline:
             info = CheckpointInfo(job.handle.name, job.handle.step, job.dirpath, sum(r[1].size for r in results))
         return info
 
-    def _release(self, job: Job) -> None:
+    def _release(self, job: Job, committed: bool = False) -> None:
         if job.slot.dir is not None:
-            if job.slot.recovered:
+            if committed and job.file_format is None:  # a restart may load this checkpoint from memory
+                ShmTier.mark_committed(job.slot.dir)
+            elif job.slot.recovered:
                 ShmTier.remove(job.slot.dir)
             else:
                 ShmTier.clear_record(job.slot.dir)

@@ -29,16 +29,22 @@ def read_consistently(storage: Storage, dirpath: str, read: Callable[[], T]) -> 
     try:
         return read()
     except FastCkptError as e:
-        if _manifest(storage, mpath) == before:
-            raise  # nothing moved under the reader: the failure is the checkpoint's own
+        after = _manifest(storage, mpath)
+        if after == before or after is _UNREADABLE:
+            # nothing moved under the reader, or the storage is unreachable now (a second read would
+            # only fail on the manifest, hiding the error that says which file failed): raise it as it is
+            raise
         log.info("fastckpt: %s was saved again or deleted while being read (%s); reading it again", dirpath, e)
     return read()
 
 
-def _manifest(storage: Storage, path: str) -> bytes | None:
+_UNREADABLE = object()  # the manifest could not be read (the storage failed), which says nothing about a re-save
+
+
+def _manifest(storage: Storage, path: str) -> object:
     try:
         return storage.read_bytes(path)
     except (FileNotFoundError, NotADirectoryError):
         return None
     except FastCkptError:
-        return None  # unreadable now: the read itself will say why
+        return _UNREADABLE

@@ -24,9 +24,12 @@ from .format import shard_file_name
 from .paths import confine, plain_name
 from .plan import Plan, Shard, TensorEntry
 
-__all__ = ["RECORD", "RECORD_VERSION", "StagedRecord", "encode_record", "decode_record"]
+__all__ = ["RECORD", "COMMITTED", "RECORD_VERSION", "StagedRecord", "encode_record", "decode_record"]
 
 RECORD = "staged.json"
+# The record renamed once its snapshot committed: the buffers then hold a committed checkpoint that a restarted
+# process may load from memory (fastckpt.shm_load), until the slot is taken for the next snapshot.
+COMMITTED = "committed.json"
 RECORD_VERSION = 1
 
 

@@ -134,6 +134,8 @@ class HostArena:
                 slot = self._try_acquire(plan, pin)
                 if slot is not None:
                     slot.busy = True
+                    if slot.dir is not None and self._shm is not None:
+                        self._shm.clear_record(slot.dir)  # its committed snapshot is about to be overwritten
                     return slot
                 if not block:
                     return None

@@ -9,8 +9,10 @@ folder, and a pid reused after a crash is not mistaken for the dead owner.
 Before ``wait_staged()`` returns, a ``staged.json`` record (``fastckpt.shm_record``)
 with the checksums of the staged bytes is renamed into the slot folder. If the process
 dies before the snapshot commits, the next ``Checkpointer`` on the same root finds the
-record, sees that its owner is gone, verifies the bytes and persists them. The record
-is removed once the snapshot commits or fails, before the buffers are reused.
+record, sees that its owner is gone, verifies the bytes and persists them. When the
+snapshot commits, the record is renamed ``committed.json``: a process restarted after a
+crash loads that checkpoint from these buffers (``fastckpt.shm_load``). When it fails,
+the record is removed; either record is gone before the buffers are reused.
 
 Every page is reserved (``posix_fallocate``) when a slot is created: on a full tmpfs
 that raises ``StorageError`` from ``save()``, where a sparse file would let the copy
@@ -37,7 +39,7 @@ from .checksum import crc32c
 from .errors import FastCkptError, IntegrityError, StorageError
 from .paths import confine
 from .plan import Shard
-from .shm_record import RECORD, StagedRecord, decode_record, encode_record
+from .shm_record import COMMITTED, RECORD, StagedRecord, decode_record, encode_record
 from .staging import Slot
 
 __all__ = ["ShmTier", "StagedRecord", "staged_crcs"]
@@ -189,8 +191,19 @@ class ShmTier:
 
     @staticmethod
     def clear_record(slot_dir: str) -> None:
-        """Called when the job committed or failed, before the slot's buffers are reused."""
+        """Called when the job failed, and before the slot's buffers are reused: no record, committed or
+        not, may describe bytes that are about to change."""
         _unlink(os.path.join(slot_dir, RECORD))
+        _unlink(os.path.join(slot_dir, COMMITTED))
+
+    @staticmethod
+    def mark_committed(slot_dir: str) -> None:
+        """Called when the job committed: its record becomes ``committed.json``, so that a process restarted
+        after a crash can load that checkpoint from these buffers (never recover it again)."""
+        try:
+            os.replace(os.path.join(slot_dir, RECORD), os.path.join(slot_dir, COMMITTED))
+        except FileNotFoundError:
+            pass
 
     @staticmethod
     def remove(slot_dir: str) -> None:
@@ -205,6 +218,9 @@ class ShmTier:
             os.close(self._alive_fd)
             self._alive_fd = None
         for _, path in self._dead_owners():
+            for slot in _listdir(path):  # committed snapshots kept for loading: their memory goes back now
+                if os.path.exists(os.path.join(path, slot, COMMITTED)):
+                    self.remove(os.path.join(path, slot))
             _sweep(path)
 
     # ---- what dead owners left ----------------------------------------------------------
@@ -254,13 +270,41 @@ class ShmTier:
             confine(self.base, slot_dir, "shared-memory slot folder")
             data = _read_record(source)
             if data is None:
-                self.remove(slot_dir)  # crashed before staging finished: nothing was promised
+                if not os.path.exists(os.path.join(slot_dir, COMMITTED)):  # kept: a load may use it
+                    self.remove(slot_dir)  # crashed before staging finished: nothing was promised
                 return None
             return decode_record(data, slot_dir, source, root=self.root, join=self._join,
                                  owner=owner, rank=self.rank, world=self.world)
         except FastCkptError as e:
             self.discard(slot_dir, e)
             return None
+
+    def committed(self) -> Iterator[StagedRecord]:
+        """Validated records of committed snapshots still held by dead owners' slots (``fastckpt.shm_load``);
+        a record that fails validation is skipped with a warning, its slot left to ``close``."""
+        for owner, path in self._dead_owners():
+            for slot in _listdir(path):
+                slot_dir = os.path.join(path, slot)
+                source = os.path.join(slot_dir, COMMITTED)
+                if slot == _ALIVE or not os.path.lexists(source):
+                    continue
+                try:
+                    confine(self.base, slot_dir, "shared-memory slot folder")
+                    data = _read_record(source)
+                    if data is not None:
+                        yield decode_record(data, slot_dir, source, root=self.root, join=self._join,
+                                            owner=owner, rank=self.rank, world=self.world)
+                except FastCkptError as e:
+                    log.warning("fastckpt: ignoring the committed snapshot at %s: %s", slot_dir, e)
+
+    def buffers(self, rec: StagedRecord) -> tuple[list[object], dict[int, torch.Tensor]]:
+        """Map ``rec``'s shard buffers (unverified: the loader checks every tensor's CRC as it copies it)."""
+        keep, out = [], {}
+        for shard in rec.plan.mine(rec.plan.shards):
+            k, buf = _open_buffer(os.path.join(rec.dir, _buffer_name(shard.index)), shard.nbytes)
+            keep.append(k)
+            out[shard.index] = buf
+        return keep, out
 
     def discard(self, slot_dir: str, why: BaseException | str) -> None:
         """Drop a staged snapshot that will not be recovered, loudly."""

@@ -9,6 +9,7 @@ naming core checkpoint folders) and core checkpoint folders load too.
 from __future__ import annotations
 
 import io
+import pickle
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -19,6 +20,7 @@ from fastckpt.errors import CheckpointNotFoundError, IntegrityError, StateMismat
 from fastckpt.paths import confine
 from fastckpt.storage import LocalStorage
 from fastckpt.torchfile import is_zip, verify_torch_bytes, verify_torch_file
+from fastckpt.torchzip import load_torch_file
 from lightning.fabric.utilities.cloud_io import _load as torch_load
 
 from fastckpt_lightning import pending
@@ -59,15 +61,29 @@ def _read_torch_file(
         raise CheckpointNotFoundError(f"Checkpoint file not found: {path}")
     location = _keep_on_cpu if map_location is None else map_location
     if isinstance(storage, LocalStorage):
+        with open(file, "rb") as f:
+            head = f.read(4)
+        if is_zip(head) and map_location is None and weights_only is not False:
+            return _read_fast(file, weights_only, verify)
         if verify:
-            with open(file, "rb") as f:
-                head = f.read(4)
             _raise_problems(verify_torch_file(file) if is_zip(head) else [])
         return torch_load(file, map_location=location, weights_only=weights_only)
     data = storage.read_bytes(file)  # one read serves the check and the load
     if verify and is_zip(data[:4]):
         _raise_problems(verify_torch_bytes(data, path))
     return torch_load(io.BytesIO(data), map_location=location, weights_only=weights_only)
+
+
+def _read_fast(file: str, weights_only: Optional[bool], verify: bool) -> dict[str, Any]:
+    """Records read in parallel, each CRC-32 checked as it arrives, storages over the read buffer (one pass
+    instead of a check pass and torch.load's pass). ``weights_only=None`` means torch's default: if the
+    weights-only unpickler refuses the file, torch.load decides, as it would have."""
+    try:
+        return load_torch_file(file, verify=verify)
+    except pickle.UnpicklingError:
+        if weights_only:
+            raise
+        return torch_load(file, map_location=_keep_on_cpu, weights_only=None)
 
 
 def _raise_problems(problems: list[str]) -> None:

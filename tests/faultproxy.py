@@ -5,6 +5,7 @@
         proxy.blackhole()                 # connections open, nothing ever answers (timeouts)
         proxy.stall()                     # a silent partition: open connections stop moving bytes too
         proxy.cut_upload_after(1 << 20)   # the network dies after 1 MiB more of upload
+        proxy.cut_download_after(1 << 20) # ... or after 1 MiB more of download (a GET dies mid-body)
         proxy.cut.wait(timeout=10)        # ... set once that cut happened
         proxy.pass_through()              # healthy again
 
@@ -35,6 +36,7 @@ class Mode(enum.Enum):
     BLACKHOLE = "blackhole"  # accept and hold, never read or answer: the client times out
     CUT_UPLOAD = "cut"       # forward until an upload byte budget is spent, then reset
     STALL = "stall"          # nothing moves on any connection, nothing is reset: a silent partition
+    CUT_DOWNLOAD = "cutdown"  # forward until a download byte budget is spent, then reset
 
 
 class FaultProxy:
@@ -46,6 +48,7 @@ class FaultProxy:
         self.cut = threading.Event()  # set when cut_upload_after() spent its budget
         self.accepted = 0             # connections accepted in any mode
         self.bytes_up = 0             # client -> server bytes forwarded
+        self.cuts = 0                 # connections reset by an upload or download budget
         self._lock = threading.Lock()
         self._mode = Mode.PASS
         self._budget = 0
@@ -138,6 +141,17 @@ class FaultProxy:
             self._budget, self._then = nbytes, then
         self._set_mode(Mode.CUT_UPLOAD)
 
+    def cut_download_after(self, nbytes: int, *, then: Mode = Mode.REFUSE) -> None:
+        """Forward `nbytes` more download bytes (server -> client, all connections together), then
+        reset the connection that crosses the budget and switch to `then`, as `cut_upload_after`."""
+        if nbytes < 0 or then in (Mode.CUT_UPLOAD, Mode.CUT_DOWNLOAD):
+            raise ValueError(f"cut_download_after(nbytes={nbytes}, then={then}): nbytes must be "
+                             ">= 0 and `then` one of PASS, REFUSE, BLACKHOLE")
+        with self._lock:
+            self.cut.clear()
+            self._budget, self._then = nbytes, then
+        self._set_mode(Mode.CUT_DOWNLOAD)
+
     def _set_mode(self, mode: Mode) -> None:
         with self._lock:
             self._mode = mode
@@ -193,21 +207,23 @@ class FaultProxy:
             self._relays.add(relay)
         relay.start()
 
-    def _allow_upload(self, n: int) -> tuple[int, bool]:
-        """Called by an upload pump with `n` bytes in hand: how many to forward, and whether
-        to reset its connection afterwards."""
+    def _allow(self, n: int, upload: bool) -> tuple[int, bool]:
+        """Called by a pump with `n` bytes in hand: how many to forward, and whether to reset its
+        connection afterwards. A budget counts the bytes of its own direction only."""
+        budgeted = Mode.CUT_UPLOAD if upload else Mode.CUT_DOWNLOAD
         with self._lock:
-            if self._mode is Mode.PASS:
-                self.bytes_up += n
+            if self._mode is Mode.PASS or self._mode is (Mode.CUT_DOWNLOAD if upload else Mode.CUT_UPLOAD):
+                self.bytes_up += n if upload else 0
                 return n, False
-            if self._mode is not Mode.CUT_UPLOAD:
-                return 0, True  # the mode changed under a pump that was already reading
+            if self._mode is not budgeted:  # the mode changed under a pump that was already reading:
+                return (0, True) if upload else (n, False)  # downloads are cut only by their budget
             if n <= self._budget:
                 self._budget -= n
-                self.bytes_up += n
+                self.bytes_up += n if upload else 0
                 return n, False
             allowed, self._budget = self._budget, 0
-            self.bytes_up += allowed
+            self.bytes_up += allowed if upload else 0
+            self.cuts += 1
         self._set_mode(self._then)
         self.cut.set()
         return allowed, True
@@ -268,8 +284,8 @@ class _Relay:
                         dst.shutdown(socket.SHUT_WR)  # pass the half-close on
                     break
                 cut = False
-                if upload:
-                    allowed, cut = self._proxy._allow_upload(len(data))
+                if upload or self._proxy.mode is Mode.CUT_DOWNLOAD:
+                    allowed, cut = self._proxy._allow(len(data), upload)
                     data = data[:allowed]
                 if data:
                     dst.sendall(data)

@@ -209,3 +209,14 @@ def kill(*procs: Any) -> None:
 # The first optimizer built in a process imports torch._dynamo (seconds): pay that once, in the
 # forkserver that preloads this module, rather than in every forked trial.
 model()
+
+
+def save_committed(conn: Connection, root: str, shm: str, steps: int) -> None:
+    """Save steps 1..steps, reporting each once committed (its snapshot stays in shared memory)."""
+    ck = Checkpointer(config(root, shm))
+    m, _ = model()
+    for step in range(1, steps + 1):
+        set_step(m, step)
+        ck.save(state(m, step), step=step).wait()
+        conn.send(step)
+    threading.Event().wait()  # wait for the SIGKILL

@@ -386,3 +386,30 @@ def test_resumes_from_a_plain_torch_checkpoint(tmp_path):
     resumed.fit(TinyModule(), ResumableBatches(), ckpt_path=torch_file)
     assert resumed.global_step == 3
     assert torch.load(torch_file, weights_only=False)["global_step"] == 2
+
+
+def test_a_torch_checkpoint_loads_through_the_parallel_verified_reader(tmp_path, monkeypatch):
+    """Resume reads a genuine .ckpt with fastckpt's torch-zip reader (one verified pass, issue 13): the same
+    dict as torch.load, and a damaged record is named instead of loaded."""
+    import fastckpt_lightning.reader as reader
+    from fastckpt.errors import IntegrityError
+    from fastckpt.torchfile import record_spans
+
+    calls = []
+    real = reader.load_torch_file
+    monkeypatch.setattr(reader, "load_torch_file", lambda *a, **kw: calls.append(a) or real(*a, **kw))
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=1)
+    make_trainer([checkpoints], None, max_steps=2).fit(TinyModule(), ResumableBatches())
+    path = checkpoints.best_model_path
+    plugin = FastCheckpointIO(persist={"fsync": False})
+    got = plugin.load_checkpoint(path, weights_only=True)
+    assert calls, "the fast reader was not used"
+    assert_bit_equal(_weights(torch.load(path, weights_only=True)), _weights(got))
+    name, offset, size, _ = max(record_spans(path), key=lambda s: s[2])
+    with open(path, "r+b") as f:
+        f.seek(offset + size // 2)
+        b = f.read(1)
+        f.seek(offset + size // 2)
+        f.write(bytes([b[0] ^ 0x10]))
+    with pytest.raises(IntegrityError, match=f"record '{name}' has CRC-32"):
+        plugin.load_checkpoint(path, weights_only=True)

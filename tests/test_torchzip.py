@@ -1,0 +1,54 @@
+"""The parallel torch-zip reader (issue 13): torch.load's result, verified records, storages over the read buffer."""
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+from fastckpt import IntegrityError
+from fastckpt.readers import PIECE_BYTES
+from fastckpt.torchfile import record_spans
+from fastckpt.torchzip import load_torch_file
+from tests.helpers import assert_bit_equal
+
+
+def _state() -> dict:
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(PIECE_BYTES // 4 + 17, generator=g)  # a record of two pieces
+    return {"w": w, "view": w[10:20], "bf16": torch.randn(33, 7, generator=g).to(torch.bfloat16),
+            "i": torch.arange(5), "mask": torch.tensor([True, False]), "epoch": 3, "names": ["a", "b"],
+            "nested": {"c": torch.randn(3, dtype=torch.complex64, generator=g)}}
+
+
+def test_loads_what_torch_load_loads_bit_for_bit(tmp_path) -> None:
+    state = _state()
+    path = tmp_path / "x.ckpt"
+    torch.save(state, path)
+    got = load_torch_file(str(path), workers=4)
+    assert got["w"].untyped_storage().nbytes() > 0
+    assert_bit_equal(torch.load(path, weights_only=True), got)
+    assert got["view"].untyped_storage().data_ptr() == got["w"].untyped_storage().data_ptr()  # views stay views
+    got["w"][0] = 1.0  # writable, like torch.load's result
+
+
+def test_a_corrupt_record_is_named(tmp_path) -> None:
+    path = tmp_path / "x.ckpt"
+    torch.save(_state(), path)
+    name, offset, size, crc = max(record_spans(str(path)), key=lambda s: s[2])  # the big record
+    with open(path, "r+b") as f:
+        f.seek(offset + size - 5)
+        b = f.read(1)
+        f.seek(offset + size - 5)
+        f.write(bytes([b[0] ^ 1]))
+    with pytest.raises(IntegrityError, match=rf"record '{name}' has CRC-32 .* its zip entry says {crc:08x}") as ei:
+        load_torch_file(str(path))
+    assert str(path) in str(ei.value)
+    assert load_torch_file(str(path), verify=False)["epoch"] == 3  # verify=False loads it anyway
+
+
+def test_refuses_what_weights_only_refuses(tmp_path) -> None:
+    path = tmp_path / "x.ckpt"
+    torch.save({"f": zlib.compressobj}, path)  # a function: not a weights-only object
+    with pytest.raises(Exception, match="weights_only|Unsupported"):
+        load_torch_file(str(path))
