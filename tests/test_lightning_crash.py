@@ -46,7 +46,9 @@ def _check_folder(dirpath: Path, lines: list[list[str]]) -> bool:
     """Every ``.ckpt`` is sound and holds its step's state; the newest durable checkpoint survived. Returns whether
     the child died inside a file's write."""
     crcs = {int(line[1]): int(line[2]) for line in lines if line[0] == "state"}
-    durable = [int(line[2]) for line in lines if line[0] == "durable"]
+    # Each file lands on its own (last.ckpt after the step's epoch= file): track the two names apart.
+    durable_last = [int(line[2]) for line in lines if line[0] == "durable" and line[1].endswith("/last.ckpt")]
+    durable_top = [int(line[2]) for line in lines if line[0] == "durable" and not line[1].endswith("/last.ckpt")]
 
     names = [name for name in os.listdir(dirpath) if name.endswith(".ckpt")]
     steps = {}
@@ -59,10 +61,12 @@ def _check_folder(dirpath: Path, lines: list[list[str]]) -> bool:
         assert state_crc(checkpoint["state_dict"]) == crcs[steps[name]], f"{name} does not hold its step's state"
         if name.startswith("epoch="):
             assert name.endswith(f"step={steps[name]}.ckpt"), name
-    if durable:
-        # The previous checkpoint is intact: the newest one known durable, or a newer one, is under both names.
-        assert steps.get("last.ckpt", -1) >= max(durable), (steps, durable)
-        assert any(name.startswith("epoch=") and step >= max(durable) for name, step in steps.items()), steps
+    # The previous checkpoint is intact: under each name, the newest file known durable, or a newer one.
+    if durable_last:
+        assert steps.get("last.ckpt", -1) >= max(durable_last), (steps, durable_last)
+    if durable_top:
+        assert any(name.startswith("epoch=") and step >= max(durable_top) for name, step in steps.items()), \
+            (steps, durable_top)
     return lines[-1][0] == "write"
 
 
