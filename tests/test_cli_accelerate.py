@@ -169,3 +169,38 @@ def test_every_command_on_s3(project, s3_root, tmp_path, capsys) -> None:
     assert code == 0 and out.split()[:2] == ["removed", f"{url}/checkpoint_0"]
     assert not fs.exists(f"{base}/checkpoints/checkpoint_0/model.safetensors")
     assert fs.exists(f"{base}/checkpoints/checkpoint_1/model.safetensors")
+
+
+def test_native_folder_written_by_fastckpt_accelerate(tmp_path, capsys) -> None:
+    """A ``checkpoint_N/`` written by fastckpt_accelerate (stock files + manifest.json) is an Accelerate folder to
+    every command: inspect, export and import read its files (they once took it for a core checkpoint and
+    refused), verify checks the manifest's CRC32C of each file."""
+    import fastckpt_accelerate
+
+    acc = make_accelerator(tmp_path / "proj")
+    setup = Setup(acc)
+    hook = fastckpt_accelerate.enable(acc)
+    try:
+        setup.step()
+        saved = setup.snapshot()
+        acc.save_state()
+        hook.wait()
+    finally:
+        hook.close()
+        reset_accelerate()
+    folder = tmp_path / "proj" / "checkpoints" / "checkpoint_0"
+    assert (folder / "manifest.json").is_file() and (folder / "model.safetensors").is_file()
+
+    code, out, _ = run(["inspect", str(folder), "--json"], capsys)
+    assert code == 0 and "accelerate" in out
+    code, _, err = run(["export", str(folder), str(tmp_path / "w.safetensors"), "--to", "safetensors"], capsys)
+    assert code == 0, err
+    assert_bit_equal(sorted_dict(load_file(tmp_path / "w.safetensors")), sorted_dict(saved["model"]))
+    code, _, err = run(["import", str(folder), str(tmp_path / "core"), "--step", "3"], capsys)
+    assert code == 0, err
+    with Checkpointer(CheckpointConfig(root=str(tmp_path / "core"))) as ckpt:
+        assert_bit_equal(sorted_dict(ckpt.load(3)["model"]), sorted_dict(saved["model"]))
+    assert run(["verify", str(folder)], capsys)[0] == 0
+    flip_file(folder / "optimizer.bin")
+    code, _, err = run(["verify", str(folder)], capsys)
+    assert code == 1 and "optimizer.bin" in err

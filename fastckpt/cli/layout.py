@@ -84,12 +84,14 @@ def kind_of(loc: Located) -> str:
     names = children(loc)
     if names is None:
         return "pointer" if pointer_parts(loc) is not None else "torch"
+    # Checked before the manifest: fastckpt_accelerate's native folders hold stock Accelerate files plus a
+    # manifest.json (layout "files") that lists them; a core checkpoint's shards never take those names.
+    if any(ACCELERATE_FILE.fullmatch(n) for n in names):
+        return "accelerate"
     if MANIFEST in names:
         return "core"
     if ".metadata" in names:
         return "dcp"
-    if any(ACCELERATE_FILE.fullmatch(n) for n in names):
-        return "accelerate"
     raise IntegrityError(f"{loc.path}: not a checkpoint (no {MANIFEST}, no DCP .metadata, no Accelerate files); "
                          "pass a checkpoint folder or a .ckpt file")
 
