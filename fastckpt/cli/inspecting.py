@@ -12,7 +12,7 @@ import struct
 from typing import Any
 
 from ..errors import IntegrityError
-from .layout import ACCELERATE_FILE, Located, children, kind_of, locate, pointer_parts, read_skeleton
+from .layout import accelerate_files, kind_of, locate, Located, pointer_parts, read_skeleton
 from .options import CliOptions, print_json
 from .states import leaves
 
@@ -66,11 +66,7 @@ def _tree(obj: Any, prefix: str, tensors: list[dict[str, Any]], objects: list[di
 
 
 def _accelerate(loc: Located, tensors: list[dict[str, Any]], objects: list[dict[str, Any]]) -> None:
-    for name in children(loc) or []:
-        if not ACCELERATE_FILE.fullmatch(name):
-            continue
-        file = Located(loc.storage, loc.storage.join(loc.path, name))
-        stem = name.rsplit(".", 1)[0]
+    for name, file, stem in accelerate_files(loc):
         if name.endswith(".safetensors"):
             tensors.extend(_row(f"{stem}.{k}", dtype, shape, nbytes) for k, dtype, shape, nbytes in _header(file))
             continue

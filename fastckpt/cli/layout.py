@@ -18,7 +18,7 @@ import os
 import posixpath
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 from ..errors import CheckpointNotFoundError, IntegrityError
 from ..format import MANIFEST, checkpoint_dir
@@ -26,7 +26,7 @@ from ..paths import confine, plain_name
 from ..storage import LocalStorage, Storage, open_storage
 
 __all__ = ["Located", "locate", "children", "kind_of", "read_skeleton", "pointer_parts", "pointer_step",
-           "has_zip_end", "is_torch_name", "ACCELERATE_FILE"]
+           "has_zip_end", "is_torch_name", "ACCELERATE_FILE", "accelerate_files"]
 
 # The files stock Accelerate's save_state writes (model_1.safetensors, optimizer_1.bin... for more objects).
 ACCELERATE_FILE = re.compile(r"(model|pytorch_model|optimizer|scheduler|sampler|dl_state_dict|scaler|"
@@ -94,6 +94,13 @@ def kind_of(loc: Located) -> str:
         return "dcp"
     raise IntegrityError(f"{loc.path}: not a checkpoint (no {MANIFEST}, no DCP .metadata, no Accelerate files); "
                          "pass a checkpoint folder or a .ckpt file")
+
+
+def accelerate_files(loc: Located) -> Iterator[tuple[str, Located, str]]:
+    """``(name, file, stem)`` of each stock Accelerate file in the folder ``loc`` (other names are not its)."""
+    for name in children(loc) or []:
+        if ACCELERATE_FILE.fullmatch(name):
+            yield name, Located(loc.storage, loc.storage.join(loc.path, name)), name.rsplit(".", 1)[0]
 
 
 def is_torch_name(name: str) -> bool:

@@ -12,7 +12,7 @@ from typing import Any, Iterator
 
 from ..errors import CheckpointNotFoundError, ConfigError, UnsafeCheckpointError
 from ..storage import LocalStorage
-from .layout import ACCELERATE_FILE, Located, children, kind_of, locate, pointer_parts
+from .layout import accelerate_files, kind_of, locate, Located, pointer_parts
 
 __all__ = ["load_state", "torch_load", "leaves", "subtree", "DEFAULT_KEY"]
 
@@ -63,11 +63,7 @@ def _accelerate_state(loc: Located) -> dict[str, Any]:
     from safetensors.torch import load as load_safetensors
 
     state: dict[str, Any] = {}
-    for name in children(loc) or []:
-        if not ACCELERATE_FILE.fullmatch(name):
-            continue
-        file = Located(loc.storage, loc.storage.join(loc.path, name))
-        stem = name.rsplit(".", 1)[0]
+    for name, file, stem in accelerate_files(loc):
         if name.endswith(".safetensors"):
             state[stem] = load_safetensors(loc.storage.read_bytes(file.path))
             continue
