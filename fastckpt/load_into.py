@@ -30,7 +30,7 @@ from .table import TableEntry
 if TYPE_CHECKING:
     from .loader import CheckpointReader
 
-__all__ = ["read_into"]
+__all__ = ["read_into", "check_targets"]
 
 
 _BATCH_BYTES = 256 << 20  # buffered (CUDA, non-contiguous) tensors in flight at once: bounds the pinned memory
@@ -99,8 +99,7 @@ def read_into(reader: "CheckpointReader", target: Any) -> tuple[Any, int] | None
     if flat.dtensors:
         return None
     wanted = dict(zip(flat.keys, flat.tensors))
-    saved = {e.key: e for e in reader.entries}
-    _check_match(reader.dirpath, wanted, saved)
+    check_targets(reader.dirpath, wanted, {e.key: (e.dtype, e.shape) for e in reader.entries})
     # The reader's own helpers: the same checks (listed file, size, confinement) as load().
     objects = reader._objects()
     out: list[Any] = [None] * len(reader.entries)
@@ -129,15 +128,18 @@ def read_into(reader: "CheckpointReader", target: Any) -> tuple[Any, int] | None
     return reader._decode(out, objects), nbytes
 
 
-def _check_match(dirpath: str, wanted: dict[str, torch.Tensor], saved: dict[str, TableEntry]) -> None:
+def check_targets(dirpath: str, wanted: dict[str, torch.Tensor],
+                  saved: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> None:
+    """Raise ``StateMismatchError`` unless every target tensor is in the checkpoint (``saved``: key -> dtype,
+    shape) with the same dtype and shape: loading into a target never casts or reshapes."""
     missing = [k for k in wanted if k not in saved]
     if missing:
         raise StateMismatchError(
             f"{dirpath}: target tensor(s) {missing[:5]} are not in the checkpoint; the model/optimizer "
             "structure differs from the saved one")
     for key, t in wanted.items():
-        e = saved[key]
-        if tuple(t.shape) != e.shape or t.dtype != e.dtype:
+        dtype, shape = saved[key]
+        if tuple(t.shape) != shape or t.dtype != dtype:
             raise StateMismatchError(
-                f"{dirpath}: tensor {key!r} is {e.dtype} {list(e.shape)} in the checkpoint but "
+                f"{dirpath}: tensor {key!r} is {dtype} {list(shape)} in the checkpoint but "
                 f"{t.dtype} {list(t.shape)} in the target; load() it and convert, or build the target to match")

@@ -24,7 +24,7 @@ from .checksum import crc32c
 from .codec import decode_tree, loads_objects
 from .errors import CheckpointNotFoundError, FastCkptError, IntegrityError, StateMismatchError
 from .format import LAYOUT_FILES, MANIFEST, check_shard_header, checkpoint_dir, parse_manifest, parse_meta
-from .load_into import read_into
+from .load_into import check_targets, read_into
 from .loadstats import LoadStats
 from .maplocation import placer, saved_location
 from .paths import confine
@@ -308,17 +308,7 @@ class CheckpointReader:
         saved: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {
             e.key: (e.dtype, e.shape) for e in self.entries if e.index not in self._blocks}
         saved.update((d.key, (d.dtype, d.shape)) for d in self.dtensors)
-        missing = [k for k in wanted if k not in saved]
-        if missing:
-            raise StateMismatchError(
-                f"{self.dirpath}: target tensor(s) {missing[:5]} are not in the checkpoint; the model/optimizer "
-                "structure differs from the saved one")
-        for key, t in wanted.items():
-            dtype, shape = saved[key]
-            if tuple(t.shape) != shape or t.dtype != dtype:
-                raise StateMismatchError(
-                    f"{self.dirpath}: tensor {key!r} is {dtype} {list(shape)} in the checkpoint but "
-                    f"{t.dtype} {list(t.shape)} in the target")
+        check_targets(self.dirpath, wanted, saved)
         # Where each saved tensor goes: (target, region of the target's own data it covers, in global offsets).
         # A plain saved tensor is one block at offset 0; a DTensor target holds only its local block.
         regions = {key: dt.local_region(t) for key, t in wanted.items()}
