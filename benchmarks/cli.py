@@ -38,8 +38,10 @@ def markdown(res: dict[str, Any] | None) -> list[str]:
         return []
     if not res.get("ok"):
         return ["## Command line", "", f"`fastckpt --help`: n/a ({res.get('error')})", ""]
+    from .report import own_run_label
+
     r = res["result"]
-    return ["## Command line", "",
+    return ["## Command line", ""] + own_run_label(res.get("meta")) + [
             f"`fastckpt --help` answers in **{r['cli_help_s'] * 1000:.0f} ms** (min of {r['reps']} fresh "
             f"interpreters; median {r['cli_help_median_s'] * 1000:.0f} ms), timed from outside with subprocess "
             "(`cli_help_s`): the command imports torch only inside the commands that need it.", ""]

@@ -391,6 +391,18 @@ def console_table(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def own_run_label(meta: dict[str, Any] | None) -> list[str]:
+    """The line that labels a section measured by a later run of its own (``--merge-into``), or nothing."""
+    if not meta:
+        return []
+    return [f"> Measured by its own {'QUICK smoke ' if meta.get('quick') else ''}run: `{meta.get('command')}` "
+            f"on {meta.get('started')} "
+            f"({meta.get('cpu')}, {meta.get('logical_cpus')} logical cores, fastckpt git "
+            f"{meta.get('git', {}).get('commit', '?')}; load average {meta.get('loadavg_start', [0])[0]:.1f} at "
+            f"the start and {meta.get('loadavg_end', [0])[0]:.1f} at the end), not by the run above. Compare "
+            "ratios, not absolute times.", ""]
+
+
 def markdown(results: dict[str, Any], s: dict[str, Any], chart_rel: str) -> str:
     meta = s["meta"]
     plan = s["plan"]
@@ -425,7 +437,8 @@ def markdown(results: dict[str, Any], s: dict[str, Any], chart_rel: str) -> str:
         "table. `--only io,core,rss,lightning,accelerate,busy` and `--peers ...` select "
         "parts; `--workdir DIR` puts the checkpoints on another disk (default `bench_out/`, refused on tmpfs); "
         "`--from-json benchmarks/results.json` re-renders this report without measuring, and `--only busy "
-        "--merge-into benchmarks/results.json` adds a busy-host section measured by its own run. Stall verdicts are "
+        "--merge-into benchmarks/results.json` (or `restore`, `cli`) replaces that section with one measured by its "
+        "own run, labelled as such. Stall verdicts are "
         "three-way: met only if fastckpt's stall plus its noise beats the target against the reference minus "
         "its noise, NOT met only if it misses even the other way round, inconclusive otherwise. "
         f"Raw numbers: `{os.path.relpath(Path(chart_rel).with_suffix('.json'))}`, per-task logs: `bench_out/logs/`.",
@@ -687,13 +700,7 @@ def busy_markdown(busy: dict[str, Any], rows: list[dict[str, Any]], plan: dict[s
     fast = _row(ok, "fastckpt")
     shape = plan.get("busy_shape") or {}
     md = ["## Busy host: CPU-bound neighbours (DataLoader workers)", ""]
-    if meta:
-        md += [f"> Measured by its own {'QUICK smoke ' if meta.get('quick') else ''}run: `{meta.get('command')}` "
-               f"on {meta.get('started')} "
-               f"({meta.get('cpu')}, {meta.get('logical_cpus')} logical cores, fastckpt git "
-               f"{meta.get('git', {}).get('commit', '?')}; load average {meta.get('loadavg_start', [0])[0]:.1f} at "
-               f"the start and {meta.get('loadavg_end', [0])[0]:.1f} at the end: a shared VM other jobs were "
-               "using), not by the run above. Compare ratios, not absolute times.", ""]
+    md += own_run_label(meta)
     md += [
         f"The plain loop (model `{shape.get('layers')} x d{shape.get('d_model')}`, vocab {shape.get('vocab')}: "
         f"{ok[0]['state_bytes'] / 1e6 if ok else 0:.1f} MB of state) with **{busy.get('neighbours')} CPU-bound neighbour "

@@ -65,7 +65,9 @@ def restore_markdown(res: dict[str, Any]) -> list[str]:
     """The report's restore section: one row per loader, cold and warm, with peak RSS and the serving tier."""
     from .restore import LOADERS
 
-    md = ["## Restore (issue 13)", "",
+    from .report import own_run_label
+
+    md = ["## Restore (issue 13)", ""] + own_run_label(res.get("meta")) + [
           "Each load in a fresh process; cold = the files' pages dropped first (fsync + POSIX_FADV_DONTNEED), "
           "warm = read once before. Peak RSS = VmHWM above the process's RSS before the call (a template "
           "filled in place is allocated before, as the model is). 'vs torch.load' divides by the same "

@@ -22,6 +22,9 @@ from . import workload as wl
 
 REPO = Path(__file__).resolve().parent.parent
 SECTIONS = ("io", "core", "rss", "lightning", "lightning_load", "accelerate", "busy", "restore", "cli")
+# Sections whose report needs nothing from the rest of the run (no shared calibration): a later run may
+# replace them in a saved report with --merge-into, each labelled with the run that measured it.
+MERGEABLE = ("busy", "restore", "cli")
 
 
 @dataclass
@@ -273,8 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--from-json", default=None,
                     help="re-render the report and chart from a saved results.json, measuring nothing")
     ap.add_argument("--merge-into", default=None, metavar="RESULTS_JSON",
-                    help="with --only busy: add this run's busy-host section (labelled with its own command, "
-                         "machine and date) to a saved results.json, then re-render that run's report")
+                    help="with --only among " + ",".join(MERGEABLE) + ": add this run's sections (each labelled "
+                         "with its own command, machine and date) to a saved results.json, then re-render that "
+                         "run's report")
     args = ap.parse_args(argv)
 
     from . import report
@@ -301,8 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     isolate = (not args.quick) if args.isolate is None else args.isolate
     sections = tuple(s for s in args.only.split(",") if s)
     bad = [s for s in sections if s not in SECTIONS]
-    if args.merge_into and sections != ("busy",):
-        ap.error("--merge-into merges only the busy-host section: use it with --only busy")
+    if args.merge_into and (not sections or any(sec not in MERGEABLE for sec in sections)):
+        ap.error(f"--merge-into merges only self-contained sections: use it with --only among {','.join(MERGEABLE)}")
     peer_names = [p for p in args.peers.split(",") if p]
     bad += [p for p in peer_names if p not in peers.PEERS]
     if bad:
@@ -321,10 +325,14 @@ def main(argv: list[str] | None = None) -> int:
     meta["wall_s"] = time.perf_counter() - t0
     meta["loadavg_end"] = os.getloadavg()
     results["meta"] = meta
-    if args.merge_into:  # the other run's report, plus this section (it names its own run)
-        results["busy"]["meta"] = meta
+    if args.merge_into:  # the other run's report, plus these sections (each names its own run)
         json_path = Path(args.merge_into)
-        results = {**json.loads(json_path.read_text()), "busy": results["busy"]}
+        merged = json.loads(json_path.read_text())
+        for sec in sections:
+            if isinstance(results.get(sec), dict):
+                results[sec]["meta"] = meta
+                merged[sec] = results[sec]
+        results = merged
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(results, indent=1))
     summary = report.summarize(results)
