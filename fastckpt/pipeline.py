@@ -385,7 +385,7 @@ class Pipeline:
         views, crcs = self._staged_views(job, results)
         size = fmt.commit(self.storage, views, crcs, self._writers())  # <- the commit point
         path = getattr(fmt, "path", job.dirpath)
-        job.handle.stats.nbytes = size
+        job.handle.stats.nbytes = job.handle.stats.written_bytes = size  # one process wrote it all
         return CheckpointInfo(job.handle.name, job.handle.step, path, size)
 
     def _commit_shared_file(self, job: Job, results: list[tuple[int, FileRecord, list[int]]],

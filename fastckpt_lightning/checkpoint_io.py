@@ -158,6 +158,11 @@ class FastCheckpointIO(CheckpointIO):
         if self._lazy and not self._optimizers:
             self._warn_eager()
         handle = checkpointer.save_file(checkpoint, name, step=self._step_of(checkpoint))
+        self._track(path, name, handle)
+
+    def _track(self, path: str, name: str, handle: SaveHandle) -> None:
+        """After a file's save is submitted: make it visible as pending, record its stats once durable, and finish
+        it now where nothing follows that it could overlap with."""
         pending.add(path, handle)
         handle._durable.add_done_callback(lambda _: self._record(path, handle))
         if _REQUEUE_SAVE.fullmatch(name) and self._overlapping():
@@ -209,6 +214,21 @@ class FastCheckpointIO(CheckpointIO):
             self._close(quiet=True)
             raise
         self._close(quiet=False)
+
+    # ---- called by FastDDPStrategy on every rank (one file, shared writes) ----------------------------------
+
+    def save_shared(self, checkpoint: dict[str, Any], path: str, trainer: pl.Trainer) -> None:
+        """Every DDP rank, with its own ``checkpoint`` of the same training state: the ranks share the writes of the
+        one file ``path`` (parameters and optimizer state split by bytes; everything else rank 0's), and rank 0
+        commits it once every rank's part is durable. Collective: every rank calls it, in the same order."""
+        self.attach(trainer)
+        folder, name = split_path(path)
+        os.makedirs(folder, exist_ok=True)  # as in save_checkpoint: Lightning may use the folder right away
+        checkpointer = self._folder(folder, distributed=True)
+        if self._lazy and not self._optimizers:
+            self._warn_eager()
+        handle = checkpointer.save_file(checkpoint, name, step=self._step_of(checkpoint))
+        self._track(path, name, handle)
 
     # ---- called by FastModelParallelStrategy on every rank (sharded state) -------------------------------
 
@@ -280,8 +300,8 @@ class FastCheckpointIO(CheckpointIO):
         return Checkpointer(config)
 
     def _create_distributed_checkpointer(self, config: CheckpointConfig) -> Checkpointer:
-        """Build the distributed core Checkpointer of one sharded folder (collective: every rank, same order). Tests
-        override this to inject faulty storage."""
+        """Build the distributed core Checkpointer of one folder, sharded or of shared files (collective: every rank,
+        same order). Tests override this to inject faulty storage."""
         return Checkpointer(config, distributed=True)
 
     # ---- internals -----------------------------------------------------------------------------------------
@@ -292,6 +312,14 @@ class FastCheckpointIO(CheckpointIO):
 
     def _folder(self, url: str, distributed: bool = False) -> Checkpointer:
         checkpointer = self._folders.get(url)
+        if checkpointer is not None and distributed and not checkpointer.distributed:
+            # Rank 0 alone removed a file here before the first shared save (only rank 0 removes): its one-process
+            # Checkpointer finishes that removal and gives way to the collective one the other ranks build now.
+            del self._folders[url]
+            for watch in self._watches.pop(url, []):
+                watch.remove()
+            checkpointer.close()
+            checkpointer = None
         if checkpointer is None:
             config = for_directory(self.config, url)
             # Sharded strategies: every rank writes its own blocks (collective, on every rank's first use).

@@ -1,0 +1,169 @@
+"""Two CPU processes with ``FastDDPStrategy``: every rank writes its share of each ``.ckpt``, rank 0 commits it.
+
+Lightning's DDP launcher starts the second rank by re-running the command line, so each phase runs this file as a
+script (as ``test_lightning_ddp.py`` does). Each rank trains on batches of its own, so BatchNorm's running statistics
+differ between the ranks, as they do under DDP.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+HERE = Path(__file__).resolve().parent
+STOP_AT, TOTAL_STEPS = 3, 6
+
+pytestmark = pytest.mark.slow
+
+
+def _run_phase(root: Path, phase: str, ok: bool = True) -> str:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, __file__, phase, str(root)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert (done.returncode == 0) == ok, f"{phase} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    return done.stderr
+
+
+def _result(root: Path, phase: str, rank: int) -> dict[str, Any]:
+    return torch.load(root / f"{phase}-rank{rank}.pt", weights_only=False)
+
+
+def test_ranks_share_each_file_and_an_interrupted_run_resumes_bit_exact(tmp_path) -> None:
+    from helpers import assert_bit_equal
+
+    _run_phase(tmp_path, "straight")
+    _run_phase(tmp_path, "train")
+    ckpt = tmp_path / "ckpt"
+    assert sorted(p.name for p in ckpt.iterdir()) == [".fastckpt.lock", "epoch=0-step=3.ckpt", "last.ckpt"], \
+        "top-k removed the older files, and no temporary file is left"
+
+    train = [_result(tmp_path, "train", rank) for rank in (0, 1)]
+    for path in ("epoch=0-step=3.ckpt", "last.ckpt"):
+        parts = [r["written"][str(ckpt / path)] for r in train]
+        print(f"{path}: rank 0 wrote {parts[0][0]} bytes, rank 1 {parts[1][0]}, of {parts[0][1]}")
+        assert parts[0][0] > 0 and parts[1][0] > 0, f"both ranks wrote part of {path}: {parts}"
+        assert parts[0][0] + parts[1][0] == parts[0][1] == (ckpt / path).stat().st_size
+
+    # The file: parameters and AdamW state as both ranks hold them, BatchNorm's running statistics rank 0's.
+    saved = torch.load(ckpt / "last.ckpt", weights_only=True)
+    at_save = [r["by_step"][STOP_AT] for r in train]
+    assert_bit_equal(saved["state_dict"], at_save[0]["state_dict"])
+    assert_bit_equal(saved["optimizer_states"], at_save[0]["optimizer_states"])
+    assert_bit_equal(at_save[1]["state_dict"]["net.0.weight"], at_save[0]["state_dict"]["net.0.weight"])
+    for buffer in ("net.1.running_mean", "net.1.running_var"):  # rank 1's own: had it written them, this would fail
+        assert not torch.equal(at_save[1]["state_dict"][buffer], at_save[0]["state_dict"][buffer]), buffer
+
+    # A genuine torch file: plain torch (no fastckpt imported) loads it, and any zip tool verifies it.
+    check = ("import sys, torch; s = torch.load(sys.argv[1], weights_only=True); "
+             "assert not any(m.startswith('fastckpt') for m in sys.modules); print(s['global_step'])")
+    done = subprocess.run([sys.executable, "-c", check, str(ckpt / "last.ckpt")], capture_output=True, text=True,
+                          timeout=120, cwd="/")
+    assert done.returncode == 0 and done.stdout.strip() == str(STOP_AT), done.stderr[-3000:]
+    done = subprocess.run([sys.executable, "-m", "zipfile", "-t", str(ckpt / "epoch=0-step=3.ckpt")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "Done testing" in done.stdout, done.stdout + done.stderr
+    with zipfile.ZipFile(ckpt / "last.ckpt") as z:
+        assert z.testzip() is None
+
+    _run_phase(tmp_path, "resume")
+    for rank in (0, 1):
+        resumed, straight = _result(tmp_path, "resume", rank), _result(tmp_path, "straight", rank)
+        assert resumed["start_step"] == STOP_AT, "the rank did not restore the checkpoint"
+        assert_bit_equal(resumed["state"], straight["state"])
+    assert torch.load(ckpt / "last.ckpt", weights_only=True)["global_step"] == TOTAL_STEPS
+
+
+def test_a_write_failing_on_rank_1_fails_that_file_on_both_ranks(tmp_path) -> None:
+    err = _run_phase(tmp_path, "fail", ok=False)
+    assert "injected: ENOSPC" in err and "rank 1" in err and "epoch=0-step=2.ckpt" in err, err[-6000:]
+    ckpt = tmp_path / "ckpt"
+    names = sorted(p.name for p in ckpt.iterdir())
+    assert "epoch=0-step=2.ckpt" not in names and not any("fastckpt-tmp" in n for n in names), names
+    assert torch.load(ckpt / "epoch=0-step=1.ckpt", weights_only=True)["global_step"] == 1
+
+
+def test_rank_1_killed_while_writing_leaves_no_file_for_that_step(tmp_path) -> None:
+    _run_phase(tmp_path, "kill", ok=False)
+    ckpt = tmp_path / "ckpt"
+    names = sorted(p.name for p in ckpt.iterdir())
+    assert "epoch=0-step=2.ckpt" not in names, names
+    assert all(n.startswith(".") for n in names if n != "epoch=0-step=1.ckpt"), names  # at most a hidden temporary
+    assert torch.load(ckpt / "epoch=0-step=1.ckpt", weights_only=True)["global_step"] == 1
+    with zipfile.ZipFile(ckpt / "epoch=0-step=1.ckpt") as z:
+        assert z.testzip() is None
+
+
+# ---- the script (every rank) -------------------------------------------------------------------------------------
+
+
+def _main(phase: str, root: Path) -> None:
+    import errno
+
+    import torch.distributed as dist
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+    from fastckpt import Checkpointer, open_storage
+    from fastckpt_lightning import FastCheckpointIO, FastDDPStrategy
+    from helpers import WrappedStorage
+    from lightning_support import INPUTS, ResumableBatches, RecordAfterStep, TinyModule, make_trainer, training_state
+
+    rank = int(os.environ.get("LOCAL_RANK", "0"))  # Lightning's launcher sets it for the ranks it starts
+
+    class RankBatches(ResumableBatches):
+        """Each rank's own batches (as a DistributedSampler gives): BatchNorm's statistics differ per rank."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self._batches = [(x + rank, y) for x, y in self._batches]
+
+    class Faulty(WrappedStorage):
+        """Rank 1's writes into the step-2 file fail (a full disk), or kill it halfway (``kill``)."""
+
+        def write_at(self, path: str, pieces: Any) -> None:
+            if "step=2.ckpt" in path and phase == "kill":
+                offset, data = pieces[0]
+                self.inner.write_at(path, [(offset, data[: len(data) // 2])])
+                os.kill(os.getpid(), 9)
+            if "step=2.ckpt" in path:
+                raise OSError(errno.ENOSPC, "injected: ENOSPC", path)
+            self.inner.write_at(path, pieces)
+
+    class FaultyIO(FastCheckpointIO):
+        def _create_distributed_checkpointer(self, config: Any) -> Checkpointer:
+            storage = open_storage(config.root)
+            return Checkpointer(config, storage=Faulty(storage) if dist.get_rank() == 1 else storage, distributed=True)
+
+    class StartStep(Callback):
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            self.step = trainer.global_step
+
+    assert INPUTS.shape[0] >= 4
+    start, record = StartStep(), RecordAfterStep()
+    faulty = phase in ("fail", "kill")
+    plugin = (FaultyIO if faulty else FastCheckpointIO)(persist={"fsync": False, "chunk_bytes": 4096})
+    callbacks: list[Any] = [start, record]
+    if phase != "straight":
+        keep = -1 if faulty else 1
+        callbacks.append(ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=1, save_top_k=keep,
+                                         save_last=not faulty))
+    max_steps = {"train": STOP_AT, "fail": 4, "kill": 4}.get(phase, TOTAL_STEPS)
+    trainer = make_trainer(callbacks, plugin, devices=2, strategy=FastDDPStrategy(), max_steps=max_steps,
+                           enable_checkpointing=phase != "straight")
+    module = TinyModule(batchnorm=True)
+    trainer.fit(module, RankBatches(), ckpt_path="last" if phase == "resume" else None)
+    assert trainer.global_rank == rank
+    written = {s.path: (s.written_bytes, s.nbytes) for s in plugin.stats}
+    result = {"start_step": start.step, "state": training_state(module), "by_step": record.by_step,
+              "written": written}
+    torch.save(result, root / f"{phase}-rank{rank}.pt")
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1], Path(sys.argv[2]))
