@@ -82,7 +82,10 @@ def test_ranks_share_each_file_and_an_interrupted_run_resumes_bit_exact(tmp_path
 
 def test_a_write_failing_on_rank_1_fails_that_file_on_both_ranks(tmp_path) -> None:
     err = _run_phase(tmp_path, "fail", ok=False)
-    assert "injected: ENOSPC" in err and "rank 1" in err and "epoch=0-step=2.ckpt" in err, err[-6000:]
+    for rank in (0, 1):  # the same error on both ranks, naming the rank and the file, raised once on each
+        raised = [line for line in err.splitlines() if line.startswith(f"[rank{rank}]: fastckpt.errors.StorageError")]
+        assert len(raised) == 1, err[-6000:]
+        assert "'epoch=0-step=2.ckpt'" in raised[0] and "rank 1: [Errno 28] injected: ENOSPC" in raised[0], raised
     ckpt = tmp_path / "ckpt"
     names = sorted(p.name for p in ckpt.iterdir())
     assert "epoch=0-step=2.ckpt" not in names and not any("fastckpt-tmp" in n for n in names), names
@@ -91,6 +94,7 @@ def test_a_write_failing_on_rank_1_fails_that_file_on_both_ranks(tmp_path) -> No
 
 def test_rank_1_killed_while_writing_leaves_no_file_for_that_step(tmp_path) -> None:
     _run_phase(tmp_path, "kill", ok=False)
+    assert (tmp_path / "killed-mid-write").exists(), "rank 1 died somewhere else"
     ckpt = tmp_path / "ckpt"
     names = sorted(p.name for p in ckpt.iterdir())
     assert "epoch=0-step=2.ckpt" not in names, names
@@ -130,6 +134,7 @@ def _main(phase: str, root: Path) -> None:
             if "step=2.ckpt" in path and phase == "kill":
                 offset, data = pieces[0]
                 self.inner.write_at(path, [(offset, data[: len(data) // 2])])
+                (root / "killed-mid-write").touch()
                 os.kill(os.getpid(), 9)
             if "step=2.ckpt" in path:
                 raise OSError(errno.ENOSPC, "injected: ENOSPC", path)
