@@ -160,23 +160,6 @@ class FastCheckpointIO(CheckpointIO):
         handle = checkpointer.save_file(checkpoint, name, step=self._step_of(checkpoint))
         self._track(path, name, handle)
 
-    def _track(self, path: str, name: str, handle: SaveHandle) -> None:
-        """After a file's save is submitted: make it visible as pending, record its stats once durable, and finish
-        it now where nothing follows that it could overlap with."""
-        pending.add(path, handle)
-        handle._durable.add_done_callback(lambda _: self._record(path, handle))
-        if _REQUEUE_SAVE.fullmatch(name) and self._overlapping():
-            # Lightning's SLURM handler saves `hpc_ckpt_N.ckpt`, then asks SLURM to requeue the job, which kills this
-            # process: the file must be complete when this returns, as with stock Lightning (and `hpc_save_path`
-            # numbers the next one from the files on disk). The rest of the run keeps its threads.
-            self.wait_staged()
-            handle.wait()
-        elif not self._overlapping():
-            # Nothing runs next that a background save could overlap with (a save after fit, a script's direct
-            # call): finish it here, so its errors surface here and the file exists when this returns; and stop
-            # the threads, as no teardown may follow (stock Lightning leaves no thread behind either).
-            self.teardown()
-
     def load_checkpoint(
         self, path: _PATH, map_location: Optional[Any] = None, weights_only: Optional[bool] = None
     ) -> dict[str, Any]:
@@ -305,6 +288,23 @@ class FastCheckpointIO(CheckpointIO):
         return Checkpointer(config, distributed=True)
 
     # ---- internals -----------------------------------------------------------------------------------------
+
+    def _track(self, path: str, name: str, handle: SaveHandle) -> None:
+        """After a file's save is submitted: make it visible as pending, record its stats once durable, and finish
+        it now where nothing follows that it could overlap with."""
+        pending.add(path, handle)
+        handle._durable.add_done_callback(lambda _: self._record(path, handle))
+        if _REQUEUE_SAVE.fullmatch(name) and self._overlapping():
+            # Lightning's SLURM handler saves `hpc_ckpt_N.ckpt`, then asks SLURM to requeue the job, which kills this
+            # process: the file must be complete when this returns, as with stock Lightning (and `hpc_save_path`
+            # numbers the next one from the files on disk). The rest of the run keeps its threads.
+            self.wait_staged()
+            handle.wait()
+        elif not self._overlapping():
+            # Nothing runs next that a background save could overlap with (a save after fit, a script's direct
+            # call): finish it here, so its errors surface here and the file exists when this returns; and stop
+            # the threads, as no teardown may follow (stock Lightning leaves no thread behind either).
+            self.teardown()
 
     def _record(self, path: str, handle: SaveHandle) -> None:
         if handle._durable.exception() is None:  # failures are raised, not recorded

@@ -119,6 +119,31 @@ def test_rank_1_killed_while_writing_leaves_no_file_for_that_step(tmp_path) -> N
         assert z.testzip() is None
 
 
+@pytest.mark.parametrize("shared_writes,nodes,path,shares", [
+    (None, 1, "/ckpt/a.ckpt", True), (None, 1, "file:///ckpt/a.ckpt", True), (None, 2, "/ckpt/a.ckpt", False),
+    (None, 1, "s3://bucket/a.ckpt", False), (True, 2, "/ckpt/a.ckpt", True), (True, 1, "s3://bucket/a.ckpt", None),
+    (False, 1, "/ckpt/a.ckpt", False),
+])
+def test_which_saves_the_ranks_share(shared_writes, nodes, path, shares) -> None:
+    from fastckpt import ConfigError
+    from fastckpt_lightning import FastDDPStrategy
+
+    class Ranks(FastDDPStrategy):
+        world_size = 4  # as set up by the launcher
+
+    strategy = Ranks(shared_writes=shared_writes)
+    strategy.num_nodes = nodes
+    if shares is None:  # an object store takes one writer per file
+        with pytest.raises(ConfigError, match="object store"):
+            strategy.shares(path)
+    else:
+        assert strategy.shares(path) is shares
+    single = FastDDPStrategy(shared_writes=True)
+    assert single.world_size == 1 and single.shares("/ckpt/a.ckpt") is False  # one process: nothing to share
+    with pytest.raises(ConfigError):
+        FastDDPStrategy(shared_writes="auto")
+
+
 # ---- the script (every rank) -------------------------------------------------------------------------------------
 
 
