@@ -134,8 +134,8 @@ class SharedFileWrite:
                 f.result()
         else:
             self.storage.write_at(self.tmp, pieces)
-        if pieces or self.coord.rank == 0:
-            self.storage.sync(self.tmp)
+        if pieces and self.coord.rank != 0:  # rank 0 syncs once, at its commit: one fsync covers the whole file
+            self.storage.sync(self.tmp)  # here: rank 0's commit must find this rank's bytes durable (a shared FS)
         self.written += sum(len(v) for _, v in pieces)
 
     def _commit(self, merged: list[dict[int, int]]) -> str | None:

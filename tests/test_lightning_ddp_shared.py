@@ -1,4 +1,5 @@
-"""Two (and four) CPU processes with ``FastDDPStrategy``: every rank writes its share of each ``.ckpt``, rank 0 commits it.
+"""Two (and four) CPU processes with ``FastDDPStrategy``: every rank writes its share of each ``.ckpt``, rank 0
+commits it.
 
 Lightning's DDP launcher starts the second rank by re-running the command line, so each phase runs this file as a
 script (as ``test_lightning_ddp.py`` does). Each rank trains on batches of its own, so BatchNorm's running statistics
@@ -27,7 +28,8 @@ def _run_phase(root: Path, phase: str, ok: bool = True, devices: int = 2) -> str
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run([sys.executable, __file__, phase, str(root), str(devices)], env=env, capture_output=True,
                           text=True, timeout=400)
-    assert (done.returncode == 0) == ok, f"{phase} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    output = f"{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    assert (done.returncode == 0) == ok, f"{phase} exited {done.returncode}:\n{output}"
     return done.stderr
 
 
@@ -193,7 +195,8 @@ def _main(phase: str, root: Path, devices: int) -> None:
     start, record = StartStep(), RecordAfterStep()
     faulty = phase in ("fail", "kill")
     stock = phase.startswith("stock-")  # DDPStrategy and torch.save on rank 0: the reference
-    plugin = None if stock else (FaultyIO if faulty else FastCheckpointIO)(persist={"fsync": False, "chunk_bytes": 4096})
+    io_class = FaultyIO if faulty else FastCheckpointIO
+    plugin = None if stock else io_class(persist={"fsync": False, "chunk_bytes": 4096})
     callbacks: list[Any] = [start, record]
     if phase != "straight":
         keep = -1 if faulty else 1
