@@ -293,9 +293,12 @@ class Checkpointer:
         except (TypeError, AttributeError, RuntimeError, pickle.PicklingError) as e:
             raise StateMismatchError(f"cannot save this state as a torch file {path!r}: {e}") from e
         owners = [-1] * len(tensors)
+        chunk = None
         if self._coord is not None:  # only what DDP keeps identical on every rank may come from another rank
             shared = self._optimizer_ptrs()
             owners = [-1 if t.data_ptr() in shared else self._coord.leader for t in tensors]
+            chunk = _shared_chunk(self.config.persist.chunk_bytes, [r.nbytes for r in fmt.layout.records],
+                                  self._coord.world)
         flat = FlatState(tree=None, tensors=tensors, keys=keys, numpy=[False] * len(tensors), objects=[],
                          owners=owners, lazy_src=list(tensors))
         limit = self.config.staging.max_host_bytes
@@ -305,7 +308,8 @@ class Checkpointer:
         # No root lock or garbage collection here: the folder is the framework's (Lightning lists it), and a
         # file appears by rename only once complete, so a killed save leaves no folder to collect.
         lazy_ptrs = self._lazy_ptrs(set(), set())
-        return self._submit(flat, step, name, path, None, t0, lazy_ptrs, file_format=fmt, version_src=sources)
+        return self._submit(flat, step, name, path, None, t0, lazy_ptrs, file_format=fmt, version_src=sources,
+                            chunk_bytes=chunk)
 
     def save_files(self, files: dict[str, tuple[str, Any]], name: str, *, step: int = 0,
                    user: dict[str, Any] | None = None, made: bool = False) -> SaveHandle:
@@ -345,9 +349,10 @@ class Checkpointer:
 
     def _submit(self, flat: FlatState, step: int, name: str, dirpath: str, objects: bytes | None, t0: float,
                 lazy_ptrs: set[int], *, dtensors: list[dict[str, Any]] | None = None,
-                file_format: TorchFileFormat | FileBundle | None = None, version_src: list[Any] | None = None) -> SaveHandle:
+                file_format: TorchFileFormat | FileBundle | None = None, version_src: list[Any] | None = None,
+                chunk_bytes: int | None = None) -> SaveHandle:
         """Plan, take a staging slot, copy the eager shards now and queue the rest (both save paths)."""
-        plan = self._planner.plan(flat, lambda t: t.data_ptr() in lazy_ptrs)
+        plan = self._planner.plan(flat, lambda t: t.data_ptr() in lazy_ptrs, chunk_bytes)
         writers = None
         if self._coord is not None and isinstance(file_format, TorchFileFormat):
             writers = self._coord.assign_file(plan)
@@ -852,6 +857,13 @@ def _named_ptrs(flat: Any, names: Any, what: str) -> set[int]:
         ptrs.update(_address(src) for key, src in zip(flat.keys, flat.lazy_src)
                     if any(fnmatch.fnmatchcase(key, p) for p in patterns))
     return ptrs
+
+
+def _shared_chunk(chunk_bytes: int, sizes: list[int], world: int) -> int:
+    """The shard size of a torch file shared by ``world`` ranks: about four shards per rank, so that the balance by
+    bytes (in whole shards) evens out, and never above ``persist.chunk_bytes``. A function of the structure only, so
+    every rank plans alike and the plan stays cached."""
+    return max(4096, min(chunk_bytes, sum(sizes) // (4 * world)))
 
 
 def _check_storage(storage: Storage, what: str) -> None:
