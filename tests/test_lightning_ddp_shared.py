@@ -86,6 +86,10 @@ def test_ranks_share_each_file_and_an_interrupted_run_resumes_bit_exact(tmp_path
     assert done.returncode == 0 and "Done testing" in done.stdout, done.stdout + done.stderr
     with zipfile.ZipFile(ckpt / "last.ckpt") as z:
         assert z.testzip() is None
+    from lightning_models import TinyModule
+
+    loaded = TinyModule.load_from_checkpoint(ckpt / "last.ckpt", map_location="cpu")  # Lightning's own reader
+    assert_bit_equal(loaded.state_dict(), at_save[0]["state_dict"])
 
     if devices != 2:
         _run_phase(tmp_path, "stock-resume", devices=devices)
