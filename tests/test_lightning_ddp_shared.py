@@ -150,6 +150,27 @@ def test_which_saves_the_ranks_share(shared_writes, nodes, path, shares) -> None
         FastDDPStrategy(shared_writes="auto")
 
 
+def _replaced(rank: int, world: int, folder: str) -> None:
+    from fastckpt_lightning import FastCheckpointIO
+
+    plugin = FastCheckpointIO(persist={"fsync": False})
+    if rank == 0:  # rank 0 alone removed a file here first (only it removes): a one-process Checkpointer
+        plugin._folder(folder).remove_file("old.ckpt").result()
+    ckpt = plugin._folder(folder, distributed=True)  # the first shared save: built on every rank together
+    assert ckpt.distributed and plugin._folder(folder, distributed=True) is ckpt
+    ckpt.save_file({"w": torch.full((64,), float(rank)), "step": 1}, "new.ckpt", step=1).wait()
+    plugin.teardown()
+
+
+def test_a_folder_rank_0_removed_from_first_gets_the_shared_checkpointer(tmp_path) -> None:
+    from tests.dist_launcher import run_ranks
+
+    (tmp_path / "old.ckpt").write_bytes(b"old")
+    run_ranks(_replaced, 2, str(tmp_path))
+    assert not (tmp_path / "old.ckpt").exists()
+    assert torch.load(tmp_path / "new.ckpt", weights_only=True)["w"].eq(0).all(), "rank 0's unwatched tensor"
+
+
 # ---- the script (every rank) -------------------------------------------------------------------------------------
 
 
