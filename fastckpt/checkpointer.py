@@ -43,6 +43,7 @@ from .tiers import ShmTier
 from .storage import Storage, open_storage
 from .paths import is_plain_name
 from .bundle import FileBundle
+from .sharedfile import can_share
 from .torchfile import TorchFileFormat
 
 __all__ = ["Checkpointer", "WatchHandle"]
@@ -268,13 +269,20 @@ class Checkpointer:
         """Snapshot ``state`` as one torch checkpoint file ``root/name``: the file ``torch.save(state, ...)``
         writes (its zip CRC-32 fields filled in), read back by plain ``torch.load``. Returns once the eager
         storages are copied; the file appears under its name only once complete and durable. Retention does not
-        apply: the caller (a framework such as Lightning) decides which files to keep."""
+        apply: the caller (a framework such as Lightning) decides which files to keep.
+
+        With ``distributed=True``, every rank calls this with its own copy of the same data-parallel state and the
+        ranks share the writes of the one file (``fastckpt.sharedfile``): the parameters and optimizer state of
+        the watched optimizers (kept identical by DDP) are split between the ranks by bytes; everything else
+        (buffers such as BatchNorm's running statistics, plain values, the pickle) is rank 0's. The root must be a
+        file system every rank sees (one node, or a shared POSIX file system)."""
         t0 = time.perf_counter()
         self._check_open()
         name = _check_file_name(name)
-        if self._coord is not None:
-            raise ConfigError("save_file() writes one file from one process; save it on one rank, with a "
-                              "Checkpointer built without distributed=True")
+        if self._coord is not None and not can_share(self.storage):
+            raise ConfigError(f"save_file() with distributed=True needs a file system every rank writes into; "
+                              f"{self.storage.url} is not one (an object store takes one writer per file): save it "
+                              "on rank 0, with a Checkpointer built without distributed=True")
         if self.config.staging.shm:
             raise ConfigError("staging.shm does not apply to single-file torch checkpoints (save_file); "
                               "set staging.shm: false, or use save() for the shared-memory tier")
@@ -284,8 +292,15 @@ class Checkpointer:
             fmt, tensors, keys, sources = TorchFileFormat.plan(state, path)
         except (TypeError, AttributeError, RuntimeError, pickle.PicklingError) as e:
             raise StateMismatchError(f"cannot save this state as a torch file {path!r}: {e}") from e
+        owners = [-1] * len(tensors)
+        chunk = None
+        if self._coord is not None:  # only what DDP keeps identical on every rank may come from another rank
+            shared = self._optimizer_ptrs()
+            owners = [-1 if t.data_ptr() in shared else self._coord.leader for t in tensors]
+            chunk = _shared_chunk(self.config.persist.chunk_bytes, [r.nbytes for r in fmt.layout.records],
+                                  self._coord.world)
         flat = FlatState(tree=None, tensors=tensors, keys=keys, numpy=[False] * len(tensors), objects=[],
-                         owners=[-1] * len(tensors), lazy_src=list(tensors))
+                         owners=owners, lazy_src=list(tensors))
         limit = self.config.staging.max_host_bytes
         if limit is not None and fmt.layout.size > limit:
             raise ConfigError(f"staging.max_host_bytes ({limit}) is smaller than the torch file {path!r} "
@@ -293,7 +308,8 @@ class Checkpointer:
         # No root lock or garbage collection here: the folder is the framework's (Lightning lists it), and a
         # file appears by rename only once complete, so a killed save leaves no folder to collect.
         lazy_ptrs = self._lazy_ptrs(set(), set())
-        return self._submit(flat, step, name, path, None, t0, lazy_ptrs, file_format=fmt, version_src=sources)
+        return self._submit(flat, step, name, path, None, t0, lazy_ptrs, file_format=fmt, version_src=sources,
+                            chunk_bytes=chunk)
 
     def save_files(self, files: dict[str, tuple[str, Any]], name: str, *, step: int = 0,
                    user: dict[str, Any] | None = None, made: bool = False) -> SaveHandle:
@@ -333,10 +349,14 @@ class Checkpointer:
 
     def _submit(self, flat: FlatState, step: int, name: str, dirpath: str, objects: bytes | None, t0: float,
                 lazy_ptrs: set[int], *, dtensors: list[dict[str, Any]] | None = None,
-                file_format: TorchFileFormat | FileBundle | None = None, version_src: list[Any] | None = None) -> SaveHandle:
+                file_format: TorchFileFormat | FileBundle | None = None, version_src: list[Any] | None = None,
+                chunk_bytes: int | None = None) -> SaveHandle:
         """Plan, take a staging slot, copy the eager shards now and queue the rest (both save paths)."""
-        plan = self._planner.plan(flat, lambda t: t.data_ptr() in lazy_ptrs)
-        if self._coord is not None:
+        plan = self._planner.plan(flat, lambda t: t.data_ptr() in lazy_ptrs, chunk_bytes)
+        writers = None
+        if self._coord is not None and isinstance(file_format, TorchFileFormat):
+            writers = self._coord.assign_file(plan)
+        elif self._coord is not None:
             self._coord.assign(plan)
         devices = cuda_devices(flat.tensors)
         pin = bool(devices)
@@ -355,7 +375,7 @@ class Checkpointer:
         if self._uploader is not None and file_format is None:
             handle._upload = Future()
         job = Job(handle, plan, slot, flat.tensors, flat.keys, flat.numpy, flat.tree, objects, dirpath, t0,
-                  dtensors=dtensors or [], file_format=file_format, version_src=version_src)
+                  dtensors=dtensors or [], file_format=file_format, version_src=version_src, file_writers=writers)
         if self._coord is not None:
             job.uid = self._coord.next_uid()
         if cuda is not None:
@@ -414,6 +434,10 @@ class Checkpointer:
     def _lazy_ptrs(self, also: set[int], never: set[int]) -> set[int]:
         if self.config.staging.mode != "lazy":
             return set()  # eager mode: save(lazy=...) is ignored too
+        return (self._optimizer_ptrs() | also) - never
+
+    def _optimizer_ptrs(self) -> set[int]:
+        """Where the watched optimizers' parameters and state tensors start."""
         # Addresses, not tensor objects: state_dict() hands out detached aliases. A tensor is
         # lazy only if it starts exactly where a watched param/state tensor starts.
         ptrs: set[int] = set()
@@ -423,7 +447,7 @@ class Checkpointer:
             for st in opt.state.values():
                 ptrs.update(_address(v) for v in st.values() if isinstance(v, torch.Tensor))
         ptrs.discard(0)
-        return (ptrs | also) - never
+        return ptrs
 
     def pending_names(self) -> list[str]:
         """Names of saves submitted but not yet committed or failed, oldest first."""
@@ -716,6 +740,11 @@ class Checkpointer:
     # ---- lifecycle -----------------------------------------------------------------
 
     @property
+    def distributed(self) -> bool:
+        """Whether the ranks of a process group share this Checkpointer's saves (``distributed=True``)."""
+        return self._coord is not None
+
+    @property
     def _leader(self) -> bool:
         return self._coord is None or self._coord.rank == 0
 
@@ -828,6 +857,13 @@ def _named_ptrs(flat: Any, names: Any, what: str) -> set[int]:
         ptrs.update(_address(src) for key, src in zip(flat.keys, flat.lazy_src)
                     if any(fnmatch.fnmatchcase(key, p) for p in patterns))
     return ptrs
+
+
+def _shared_chunk(chunk_bytes: int, sizes: list[int], world: int) -> int:
+    """The shard size of a torch file shared by ``world`` ranks: about four shards per rank, so that the balance by
+    bytes (in whole shards) evens out, and never above ``persist.chunk_bytes``. A function of the structure only, so
+    every rank plans alike and the plan stays cached."""
+    return max(4096, min(chunk_bytes, sum(sizes) // (4 * world)))
 
 
 def _check_storage(storage: Storage, what: str) -> None:

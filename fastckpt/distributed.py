@@ -54,7 +54,8 @@ def balance(sizes: list[int], world: int, start: list[int] | None = None) -> lis
     return owner
 
 
-def shard_owners(plan: Plan, world: int, group_rank: Callable[[int], int] = int) -> dict[int, int]:
+def shard_owners(plan: Plan, world: int, group_rank: Callable[[int], int] = int, *,
+                 spread_eager: bool = False) -> dict[int, int]:
     """The rank (in the group) that stages and writes each shard of ``plan``, computed alike on every rank.
 
     DTensor blocks are written by the rank that holds them (``group_rank`` maps the block's global
@@ -62,14 +63,17 @@ def shard_owners(plan: Plan, world: int, group_rank: Callable[[int], int] = int)
     ranks; DDP treats rank 0's as the truth (broadcast_buffers), so rank 0 writes all of them. Only
     optimizer-managed replicated tensors, identical on every rank, are spread out, first onto the
     ranks the blocks and eager tensors left lightest (FSDP2's uneven splits give low ranks more rows).
+
+    ``spread_eager``: the caller marked what only rank 0 may write with an owner (``save_file`` on several
+    ranks: everything but the optimizers' parameters and state), so eager shards without one are spread too.
     """
     owners: dict[int, int] = {}
     load = [0] * world
     for s in plan.shards:
-        if s.owner >= 0 or not s.lazy:
+        if s.owner >= 0 or not (s.lazy or spread_eager):
             owners[s.index] = group_rank(s.owner) if s.owner >= 0 else 0
             load[owners[s.index]] += s.nbytes
-    lazy = [s for s in plan.shards if s.lazy and s.owner < 0]
+    lazy = [s for s in plan.shards if (s.lazy or spread_eager) and s.owner < 0]
     owners.update((s.index, r) for s, r in zip(lazy, balance([s.nbytes for s in lazy], world, load)))
     return owners
 
@@ -117,6 +121,19 @@ class Coordinator:
         plan.owned = mine
         self._checked.add(plan.plan_id)
 
+    def assign_file(self, plan: Plan) -> list[int]:
+        """Give ``plan`` (one torch file shared by the ranks) its owned shards; return the rank that writes each
+        entry. No collective here, as the ranks' plans may differ: the commit protocol compares what this returns
+        (``fastckpt.sharedfile``)."""
+        owners = shard_owners(plan, self.world, self._group_rank, spread_eager=True)
+        plan.owned = {index for index, r in owners.items() if r == self.rank}
+        return [owners[e.shard] for e in plan.entries]
+
+    @property
+    def leader(self) -> int:
+        """The global rank of this group's rank 0 (the committer)."""
+        return self._dst()
+
     def _group_rank(self, global_rank: int) -> int:
         """The rank in this Checkpointer's group of a DTensor block's owner."""
         try:
@@ -143,7 +160,11 @@ class Coordinator:
 
     def outcome(self, error: str | None) -> str | None:
         """All ranks: rank 0's verdict (None for committed, else the error text)."""
-        box = [error]
+        return self.share(error)
+
+    def share(self, obj: Any) -> Any:
+        """All ranks: rank 0's ``obj`` (small, picklable)."""
+        box = [obj]
         dist.broadcast_object_list(box, src=self._dst(), group=self.group)
         return box[0]
 

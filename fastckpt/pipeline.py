@@ -38,6 +38,7 @@ from .distributed import Coordinator
 from .storage import Storage, aligned_buffer
 from .tiers import ShmTier, staged_crcs
 from .bundle import FileBundle
+from .sharedfile import SharedFileWrite
 from .torchfile import TorchFileFormat
 
 __all__ = ["Job", "Pipeline"]
@@ -73,6 +74,7 @@ class Job:
     staged_crcs: dict[int, list[int]] = field(default_factory=dict)  # shm: per shard, each tensor's CRC32C as staged
     file_format: TorchFileFormat | FileBundle | None = None  # framework files instead of safetensors shards + manifest
     version_src: list[Any] | None = None  # what the mutation guard watches, per tensor (default: the tensors)
+    file_writers: list[int] | None = None  # one torch file shared by the ranks: the rank writing each record
 
 
 class Pipeline:
@@ -251,7 +253,9 @@ class Pipeline:
         try:
             results = self._written(job)
             job.handle.stats.written_bytes = sum(r[1].size for r in results)  # this rank's share
-            if job.file_format is not None:
+            if job.file_writers is not None:
+                info = self._commit_shared_file(job, results, None)
+            elif job.file_format is not None:
                 info = self._commit_file(job, results)
             elif self._coord is None:
                 info = self._commit(job, results)
@@ -262,9 +266,13 @@ class Pipeline:
                 # This rank failed before the protocol: it still takes part, reporting its
                 # error, so no rank hangs. The verdict is then a failure that we already hold.
                 try:
-                    self._commit_together(job, [], e)
-                except BaseException:  # noqa: BLE001 - the local error ``e`` is the one to raise
-                    pass
+                    if job.file_writers is not None:
+                        self._commit_shared_file(job, [], e)
+                    else:
+                        self._commit_together(job, [], e)
+                except BaseException as agreed:  # noqa: BLE001 - the local error ``e`` is the one to raise
+                    if job.file_writers is not None:
+                        e = agreed  # the same verdict on every rank, naming the failing rank (``e`` chained)
             host_wait((d, ev) for (_, d), ev in job.shard_events.items())  # never recycle a buffer a DMA may still be writing
             for f in job.writes:
                 if not f.done():
@@ -374,6 +382,27 @@ class Pipeline:
         """Write the framework file(s): fixed bytes and staged records back to back, published atomically."""
         fmt = job.file_format
         assert fmt is not None
+        views, crcs = self._staged_views(job, results)
+        size = fmt.commit(self.storage, views, crcs, self._writers())  # <- the commit point
+        path = getattr(fmt, "path", job.dirpath)
+        job.handle.stats.nbytes = job.handle.stats.written_bytes = size  # one process wrote it all
+        return CheckpointInfo(job.handle.name, job.handle.step, path, size)
+
+    def _commit_shared_file(self, job: Job, results: list[tuple[int, FileRecord, list[int]]],
+                            error: BaseException | None) -> CheckpointInfo:
+        """One torch file written by every rank (``fastckpt.sharedfile``): each its own records, rank 0 commits."""
+        fmt, coord = job.file_format, self._coord
+        assert isinstance(fmt, TorchFileFormat) and coord is not None and job.file_writers is not None
+        views, crcs = self._staged_views(job, results) if error is None else ({}, {})
+        write = SharedFileWrite(coord, self.storage, fmt, job.uid, job.file_writers, job.handle.name)
+        size = write.run(views, crcs, error, self._writers())  # <- rank 0 commits; every rank gets the verdict
+        job.handle.stats.nbytes = size
+        job.handle.stats.written_bytes = write.written
+        return CheckpointInfo(job.handle.name, job.handle.step, fmt.path, size)
+
+    def _staged_views(self, job: Job, results: list[tuple[int, FileRecord, list[int]]]
+                      ) -> tuple[dict[int, memoryview], dict[int, int]]:
+        """Each staged record's bytes (held in the slot until the commit) and CRC-32, by table index."""
         by_shard = {s.index: s for s in job.plan.shards}
         crcs: dict[int, int] = {}
         views: dict[int, memoryview] = {}
@@ -383,10 +412,7 @@ class Pipeline:
             for e, c in zip(shard.entries, tcrcs):
                 crcs[e.index] = c
                 views[e.index] = data[e.offset:e.offset + e.nbytes]
-        size = fmt.commit(self.storage, views, crcs, self._writers())  # <- the commit point
-        path = getattr(fmt, "path", job.dirpath)
-        job.handle.stats.nbytes = size
-        return CheckpointInfo(job.handle.name, job.handle.step, path, size)
+        return views, crcs
 
     def _old_files(self, dirpath: str) -> set[str]:
         try:

@@ -262,12 +262,16 @@ class Planner:
         self._lock = threading.Lock()
         self.plans_built = 0
 
-    def plan(self, flat: FlatState, is_lazy: Callable[[torch.Tensor], bool]) -> Plan:
-        """Return the cached plan for this structure, building it on the first sight."""
+    def plan(self, flat: FlatState, is_lazy: Callable[[torch.Tensor], bool], chunk_bytes: int | None = None) -> Plan:
+        """Return the cached plan for this structure, building it on the first sight. ``chunk_bytes``: this
+        plan's shard size instead of the Planner's (a smaller one splits a shared file finer between ranks)."""
         lazy = [(not n) and is_lazy(src) for src, n in zip(flat.lazy_src, flat.numpy)]
         # Names are not part of the key: a state whose keys change every save (Lightning's
         # best_k_models is keyed by file path) still reuses one plan and one set of buffers.
         key = tuple((t.dtype, tuple(t.shape), lz, o) for t, lz, o in zip(flat.tensors, lazy, flat.owners))
+        chunk = self._chunk_bytes if chunk_bytes is None else chunk_bytes
+        if chunk != self._chunk_bytes:
+            key = (("chunk_bytes", chunk),) + key
         with self._lock:
             plan = self._cache.get(key)
             if plan is not None:
@@ -277,7 +281,7 @@ class Planner:
                 TensorEntry(i, t.dtype, tuple(t.shape), t.numel() * t.element_size(), lz, owner=o)
                 for i, (t, lz, o) in enumerate(zip(flat.tensors, lazy, flat.owners))
             ]
-            plan = _build_plan(key, entries, self._chunk_bytes)
+            plan = _build_plan(key, entries, chunk)
             self.plans_built += 1
             plan.plan_id = self.plans_built
             self._cache[key] = plan

@@ -162,6 +162,43 @@ class LocalStorage:
             _silent_remove(tmp)
             raise storage_error("writing", path, e) from e
 
+    # ---- one file written by several processes (fastckpt.sharedfile) -----------------------------------------
+
+    def write_at(self, path: str, pieces: Sequence[tuple[int, memoryview]]) -> None:
+        """Write each ``(offset, bytes)`` of ``pieces`` into ``path``, created if absent and never truncated: other
+        processes write other ranges of the same file at the same time. Durable only after ``sync``."""
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+            try:
+                for offset, part in pieces:
+                    _pwrite_all(fd, part, offset)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise storage_error("writing", path, e) from e
+
+    def sync(self, path: str) -> None:
+        """Make what every process wrote into ``path`` durable (one fsync covers the whole inode)."""
+        if not self._fsync:
+            return
+        try:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise storage_error("syncing", path, e) from e
+
+    def publish(self, tmp: str, path: str) -> None:
+        """Rename the complete, synced ``tmp`` to ``path`` (the commit point) and make the rename durable."""
+        try:
+            os.replace(tmp, path)
+            if self._fsync:
+                _fsync_dir(os.path.dirname(path))
+        except OSError as e:
+            raise storage_error("committing", path, e) from e
+
     def read_into(self, path: str, offset: int, out: memoryview) -> None:
         try:
             with open(path, "rb", buffering=0) as f:
@@ -255,6 +292,13 @@ def _write_all(fd: int, data: memoryview) -> None:
     while len(data):
         n = os.write(fd, data[: 1 << 30])
         data = data[n:]
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    data = memoryview(data).cast("B")
+    while len(data):
+        n = os.pwrite(fd, data[: 1 << 30], offset)
+        data, offset = data[n:], offset + n
 
 
 def _fsync_dir(path: str) -> None:

@@ -52,6 +52,7 @@ class TorchRecord:
     nbytes: int
     descriptor_crc: int  # file offset of the CRC-32 field in its data descriptor (-1: empty, none to fill)
     central_crc: int  # file offset of the CRC-32 field in its central-directory entry (-1: empty)
+    dtype: str = ""  # the storage type torch pickled (``FloatStorage``): ranks sharing a file compare it
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,7 @@ class _Recorder(io.RawIOBase):
         return self.pos
 
 
-def _recording_pickle_module(storages: dict[str, Any]) -> Any:
+def _recording_pickle_module(storages: dict[str, Any], dtypes: dict[str, str]) -> Any:
     """A ``pickle_module`` for ``torch.save`` whose pickler also tells us which storage got which key.
 
     torch's pickler subclass overrides ``persistent_id``; the C pickler reads that method once, in
@@ -119,6 +120,7 @@ def _recording_pickle_module(storages: dict[str, Any]) -> Any:
                 if pid is not None:  # ("storage", type, key, location, numel)
                     storage = obj._untyped_storage if isinstance(obj, torch.storage.TypedStorage) else obj
                     storages.setdefault(pid[2], storage)
+                    dtypes.setdefault(pid[2], getattr(pid[1], "__name__", str(pid[1])))
                 return pid
 
             setter.__set__(self, persistent_id)
@@ -131,11 +133,12 @@ def _recording_pickle_module(storages: dict[str, Any]) -> Any:
 def plan_torch_file(obj: Any) -> TorchFileLayout:
     """Run ``torch.save(obj)`` without its data and return the file's layout (milliseconds: no tensor bytes move)."""
     storages: dict[str, Any] = {}
+    dtypes: dict[str, str] = {}
     out = _Recorder()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # TypedStorage deprecation, from torch's own pickler
         with torch.serialization.skip_data():
-            torch.save(obj, out, pickle_module=_recording_pickle_module(storages))
+            torch.save(obj, out, pickle_module=_recording_pickle_module(storages, dtypes))
     segments = tuple(out.segments)
     size = out.end
     view = _Sparse(segments, size)
@@ -151,11 +154,11 @@ def plan_torch_file(obj: Any) -> TorchFileLayout:
         offset = _data_offset(view, header)
         desc = offset + nbytes
         if nbytes == 0:  # an empty record's CRC is 0, already right, and it has no data descriptor
-            records.append(TorchRecord(key, storages[key], offset, 0, -1, -1))
+            records.append(TorchRecord(key, storages[key], offset, 0, -1, -1, dtypes.get(key, "")))
             continue
         if view.read(desc, 4) != _DESC_SIG:
             raise IntegrityError(f"no data descriptor after record {name!r}: unsupported torch zip layout")
-        records.append(TorchRecord(key, storages[key], offset, nbytes, desc + 4, central + 16))
+        records.append(TorchRecord(key, storages[key], offset, nbytes, desc + 4, central + 16, dtypes.get(key, "")))
     if len(records) != len(storages):
         raise IntegrityError(f"torch.save reported {len(storages)} storages but wrote {len(records)} records")
     return TorchFileLayout(size, segments, tuple(sorted(records, key=lambda r: r.offset)))
@@ -347,21 +350,34 @@ class TorchFileFormat:
 
     def parts(self, views: dict[int, memoryview], crcs: dict[int, int]) -> list[memoryview]:
         """Called by the committer: the whole file as buffers, fixed bytes (CRCs filled in) around records."""
+        out: list[memoryview] = []
+        for i, (_, gap) in enumerate(self.fixed(crcs)):
+            out.append(memoryview(gap))
+            if i < len(self.layout.records) and self.layout.records[i].nbytes:
+                out.append(views[i])
+        return [p for p in out if len(p)]
+
+    def fixed(self, crcs: dict[int, int]) -> list[tuple[int, bytearray]]:
+        """Everything but the records' bytes, CRC-32 fields filled in: ``(offset, bytes)`` of the gap before each
+        record, then of the tail (the central directory). Ranks sharing the file write the records; one writes this."""
         size, recs = self.layout.size, self.layout.records
         fields = {}
         for i, r in enumerate(recs):
             if r.nbytes:
                 fields[r.descriptor_crc] = fields[r.central_crc] = struct.pack("<I", crcs[i])
         sparse = _Sparse(self.layout.segments, size)
-        out: list[memoryview] = []
+        out: list[tuple[int, bytearray]] = []
         cursor = 0
-        for i, r in enumerate(recs):
-            out.append(memoryview(_patched(sparse, cursor, r.offset, fields)))
-            if r.nbytes:
-                out.append(views[i])
+        for r in recs:
+            out.append((cursor, _patched(sparse, cursor, r.offset, fields)))
             cursor = r.offset + r.nbytes
-        out.append(memoryview(_patched(sparse, cursor, size, fields)))
-        return [p for p in out if len(p)]
+        out.append((cursor, _patched(sparse, cursor, size, fields)))
+        return out
+
+    def signature(self) -> list[tuple[int, str]]:
+        """Each record's size and storage type, in file order: what ranks sharing one file must agree on (their
+        offsets may differ, as the pickled bytes around the records may)."""
+        return [(r.nbytes, r.dtype) for r in self.layout.records]
 
 
 def _storage_tensors(state: Any) -> dict[tuple[str, int], tuple[str, torch.Tensor]]:

@@ -2,6 +2,7 @@
 
 from fastckpt_lightning.callback import FastCheckpointCallback
 from fastckpt_lightning.checkpoint_io import FastCheckpointIO
+from fastckpt_lightning.ddp import FastDDPStrategy
 from fastckpt_lightning.model_checkpoint import FastModelCheckpoint, find_last_checkpoint
 from fastckpt_lightning.sharded import FastModelParallelStrategy
 from fastckpt_lightning.stats import CheckpointStats
@@ -10,6 +11,7 @@ __all__ = [
     "CheckpointStats",
     "FastCheckpointCallback",
     "FastCheckpointIO",
+    "FastDDPStrategy",
     "FastModelCheckpoint",
     "FastModelParallelStrategy",
     "find_last_checkpoint",

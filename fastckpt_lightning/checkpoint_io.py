@@ -158,19 +158,7 @@ class FastCheckpointIO(CheckpointIO):
         if self._lazy and not self._optimizers:
             self._warn_eager()
         handle = checkpointer.save_file(checkpoint, name, step=self._step_of(checkpoint))
-        pending.add(path, handle)
-        handle._durable.add_done_callback(lambda _: self._record(path, handle))
-        if _REQUEUE_SAVE.fullmatch(name) and self._overlapping():
-            # Lightning's SLURM handler saves `hpc_ckpt_N.ckpt`, then asks SLURM to requeue the job, which kills this
-            # process: the file must be complete when this returns, as with stock Lightning (and `hpc_save_path`
-            # numbers the next one from the files on disk). The rest of the run keeps its threads.
-            self.wait_staged()
-            handle.wait()
-        elif not self._overlapping():
-            # Nothing runs next that a background save could overlap with (a save after fit, a script's direct
-            # call): finish it here, so its errors surface here and the file exists when this returns; and stop
-            # the threads, as no teardown may follow (stock Lightning leaves no thread behind either).
-            self.teardown()
+        self._track(path, name, handle)
 
     def load_checkpoint(
         self, path: _PATH, map_location: Optional[Any] = None, weights_only: Optional[bool] = None
@@ -209,6 +197,21 @@ class FastCheckpointIO(CheckpointIO):
             self._close(quiet=True)
             raise
         self._close(quiet=False)
+
+    # ---- called by FastDDPStrategy on every rank (one file, shared writes) ----------------------------------
+
+    def save_shared(self, checkpoint: dict[str, Any], path: str, trainer: pl.Trainer) -> None:
+        """Every DDP rank, with its own ``checkpoint`` of the same training state: the ranks share the writes of the
+        one file ``path`` (parameters and optimizer state split by bytes; everything else rank 0's), and rank 0
+        commits it once every rank's part is durable. Collective: every rank calls it, in the same order."""
+        self.attach(trainer)
+        folder, name = split_path(path)
+        os.makedirs(folder, exist_ok=True)  # as in save_checkpoint: Lightning may use the folder right away
+        checkpointer = self._folder(folder, distributed=True)
+        if self._lazy and not self._optimizers:
+            self._warn_eager()
+        handle = checkpointer.save_file(checkpoint, name, step=self._step_of(checkpoint))
+        self._track(path, name, handle)
 
     # ---- called by FastModelParallelStrategy on every rank (sharded state) -------------------------------
 
@@ -280,11 +283,28 @@ class FastCheckpointIO(CheckpointIO):
         return Checkpointer(config)
 
     def _create_distributed_checkpointer(self, config: CheckpointConfig) -> Checkpointer:
-        """Build the distributed core Checkpointer of one sharded folder (collective: every rank, same order). Tests
-        override this to inject faulty storage."""
+        """Build the distributed core Checkpointer of one folder, sharded or of shared files (collective: every rank,
+        same order). Tests override this to inject faulty storage."""
         return Checkpointer(config, distributed=True)
 
     # ---- internals -----------------------------------------------------------------------------------------
+
+    def _track(self, path: str, name: str, handle: SaveHandle) -> None:
+        """After a file's save is submitted: make it visible as pending, record its stats once durable, and finish
+        it now where nothing follows that it could overlap with."""
+        pending.add(path, handle)
+        handle._durable.add_done_callback(lambda _: self._record(path, handle))
+        if _REQUEUE_SAVE.fullmatch(name) and self._overlapping():
+            # Lightning's SLURM handler saves `hpc_ckpt_N.ckpt`, then asks SLURM to requeue the job, which kills this
+            # process: the file must be complete when this returns, as with stock Lightning (and `hpc_save_path`
+            # numbers the next one from the files on disk). The rest of the run keeps its threads.
+            self.wait_staged()
+            handle.wait()
+        elif not self._overlapping():
+            # Nothing runs next that a background save could overlap with (a save after fit, a script's direct
+            # call): finish it here, so its errors surface here and the file exists when this returns; and stop
+            # the threads, as no teardown may follow (stock Lightning leaves no thread behind either).
+            self.teardown()
 
     def _record(self, path: str, handle: SaveHandle) -> None:
         if handle._durable.exception() is None:  # failures are raised, not recorded
@@ -292,6 +312,14 @@ class FastCheckpointIO(CheckpointIO):
 
     def _folder(self, url: str, distributed: bool = False) -> Checkpointer:
         checkpointer = self._folders.get(url)
+        if checkpointer is not None and distributed and not checkpointer.distributed:
+            # Rank 0 alone removed a file here before the first shared save (only rank 0 removes): its one-process
+            # Checkpointer finishes that removal and gives way to the collective one the other ranks build now.
+            del self._folders[url]
+            for watch in self._watches.pop(url, []):
+                watch.remove()
+            checkpointer.close()
+            checkpointer = None
         if checkpointer is None:
             config = for_directory(self.config, url)
             # Sharded strategies: every rank writes its own blocks (collective, on every rank's first use).

@@ -33,6 +33,8 @@ class CheckpointStats:
     """Size of the file."""
     throughput_mb_s: float
     """``nbytes`` over ``persist_s``, in MB/s."""
+    written_bytes: int = 0
+    """What this process wrote of the file: all of it, unless the DDP ranks share its writes (``FastDDPStrategy``)."""
 
     @property
     def stall_ms(self) -> float:
@@ -51,6 +53,7 @@ class CheckpointStats:
             persist_s=stats.persist_s,
             nbytes=stats.nbytes,
             throughput_mb_s=stats.throughput_mb_s,
+            written_bytes=stats.written_bytes,
         )
 
     def metrics(self) -> dict[str, float]:
