@@ -29,13 +29,57 @@ from .format import MANIFEST
 from .paths import is_plain_name
 from .storage import Storage
 
-__all__ = ["collect", "collect_quietly", "is_save_folder"]
+__all__ = ["collect", "collect_quietly", "collect_temp_files", "is_save_folder", "is_temp_file"]
 
 log = logging.getLogger("fastckpt")
 
 # What a save writes into its folder (uids are 12 hex digits; the tmp suffix is pid-thread).
 _OURS = re.compile(r"shard-\d{5}\.[0-9a-f]{12}\.safetensors|meta\.[0-9a-f]{12}\.json|objects\.[0-9a-f]{12}\.pt"
                    rf"|{re.escape(MANIFEST)}\.tmp-\d+-\d+")
+
+# The hidden file a single-file save (a Lightning .ckpt) is written into before its rename:
+# ``.NAME.fastckpt-tmp-PID-TID`` (one writer) or ``.NAME.fastckpt-tmp-UID`` (FastDDPStrategy's shared writes).
+_TEMP = re.compile(r"\..+\.fastckpt-tmp-[0-9A-Za-z_-]+")
+
+
+def is_temp_file(name: str) -> bool:
+    """Whether ``name`` is the temporary file of a single-file save (never a checkpoint)."""
+    return bool(_TEMP.fullmatch(name))
+
+
+def collect_temp_files(storage: Storage, grace_s: float | None, *, dry_run: bool = False) -> list[str]:
+    """Remove the temporary files of single-file saves in ``storage.url`` unchanged for ``grace_s`` seconds.
+
+    A save killed before its rename leaves ``.NAME.fastckpt-tmp-*`` next to the checkpoints; a live one keeps
+    writing it until it is renamed, so age is the proof of death here too (``None``: never collect). Problems are
+    logged, never raised: housekeeping must not fail a save."""
+    modified = getattr(storage, "modified", None)
+    if grace_s is None or modified is None:
+        return []
+    removed = []
+    now = time.time()
+    try:
+        names = sorted(storage.listdir(storage.url))
+    except (OSError, FastCkptError) as e:
+        log.info("fastckpt: temporary files under %s were not collected: %s", storage.url, e)
+        return []
+    for name in names:
+        if not is_temp_file(name):
+            continue
+        path = storage.join(storage.url, name)
+        try:
+            age = now - modified(path)
+            if age < grace_s:
+                continue
+            if not dry_run:
+                storage.delete(path)
+        except (OSError, FastCkptError) as e:
+            log.info("fastckpt: cannot collect %s: %s", path, e)
+            continue
+        log.warning("fastckpt: %s %s: the temporary file of a save that died before its rename, last written "
+                    "%.0f s ago", "would remove" if dry_run else "removed", path, age)
+        removed.append(path)
+    return removed
 
 
 def collect(storage: Storage, grace_s: float, *, protected: Callable[[str], bool] = lambda name: False,

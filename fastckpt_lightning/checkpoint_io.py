@@ -24,6 +24,7 @@ import lightning.pytorch as pl
 from fastckpt import Checkpointer, CheckpointConfig, SaveHandle, open_storage
 from fastckpt.catalog import Catalog
 from fastckpt.errors import ConfigError, FastCkptError
+from fastckpt.gc import collect_temp_files
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.trainer.states import TrainerStatus
@@ -327,6 +328,8 @@ class FastCheckpointIO(CheckpointIO):
             checkpointer = make(config)
             self._folders[url] = checkpointer
             self._watch(url)
+            if _is_rank_zero():  # rank 0 alone: the ranks of a shared save see one folder
+                collect_temp_files(checkpointer.storage, config.orphan_grace_s)
         return checkpointer
 
     def _watch(self, url: str) -> None:
@@ -413,3 +416,9 @@ class FastCheckpointIO(CheckpointIO):
                 if not quiet:
                     raise
                 log.exception("fastckpt_lightning: error while closing after an earlier error")
+
+
+def _is_rank_zero() -> bool:
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0

@@ -243,3 +243,22 @@ def test_every_command_on_s3(dirpath, s3_root, tmp_path, capsys) -> None:
     fs.pipe_file(f"{base}/last.ckpt", flip_record_byte((dirpath / "last.ckpt").read_bytes()))
     code, _, err = run(["verify", f"{s3_root.url}/last.ckpt", *opts], capsys)
     assert code == 1 and f"{s3_root.url}/last.ckpt" in err and "CRC-32" in err
+
+
+def test_gc_removes_the_temporary_files_of_dead_saves_only(copy, capsys) -> None:
+    """A save killed before its rename leaves `.NAME.fastckpt-tmp-*`; gc removes it once unchanged for the grace
+    period, and leaves a fresh one (a live save may still be writing it) and every checkpoint alone."""
+    dead = copy / ".epoch=2-step=8.ckpt.fastckpt-tmp-4242-777"
+    shared = copy / ".epoch=2-step=9.ckpt.fastckpt-tmp-0a1b2c3d4e5f"
+    live = copy / ".epoch=3-step=10.ckpt.fastckpt-tmp-4243-778"
+    for f in (dead, shared, live):
+        f.write_bytes(b"\0" * 100)
+    for f in (dead, shared):
+        os.utime(f, (1, 1))
+    argv = ["gc", str(copy), "--grace-s", "60"]
+    code, out, _ = run([*argv, "--dry-run"], capsys)
+    assert code == 0 and out.count("(temporary file of a dead save)") == 2 and dead.exists()
+    code, out, _ = run(argv, capsys)
+    assert code == 0 and str(dead) in out and str(shared) in out
+    assert not dead.exists() and not shared.exists() and live.exists()
+    assert all((copy / n).exists() for n in NAMES)

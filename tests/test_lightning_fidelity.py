@@ -221,3 +221,29 @@ def test_shared_yaml_with_shm_saves_with_one_warning(tmp_path):
     for step in (1, 2, 3):
         saved = torch.load(tmp_path / "ckpt" / f"epoch=0-step={step}.ckpt", weights_only=True)
         assert_bit_equal(_weights(saved), recorder.by_step[step])
+
+
+# ---- temporary files left by a killed save -----------------------------------------------------------------------
+
+
+def test_the_first_save_into_a_folder_collects_the_temporary_files_of_dead_saves(tmp_path) -> None:
+    """A SIGKILL between a save's first byte and its rename leaves `.NAME.fastckpt-tmp-*` in dirpath (the SIGKILL
+    loop in test_lightning_crash.py makes them). The next run's first save there removes those unchanged for
+    `orphan_grace_s`, never a recent one (another process may be writing it) nor anything else."""
+    dirpath = tmp_path / "ckpts"
+    dirpath.mkdir()
+    dead = dirpath / ".epoch=0-step=4.ckpt.fastckpt-tmp-4242-777"
+    recent = dirpath / ".epoch=0-step=6.ckpt.fastckpt-tmp-4243-778"
+    foreign = dirpath / ".notes.txt"
+    for f in (dead, recent, foreign):
+        f.write_bytes(b"x" * 10)
+    os.utime(dead, (1, 1))
+    os.utime(foreign, (1, 1))
+    plugin = FastCheckpointIO({"orphan_grace_s": 600})
+    callback = ModelCheckpoint(dirpath=dirpath, every_n_train_steps=2, save_top_k=-1)
+    make_trainer([callback], plugin, max_steps=2).fit(TinyModule(), ResumableBatches())
+    assert not dead.exists()
+    assert recent.exists() and foreign.exists()
+    assert (dirpath / "epoch=0-step=2.ckpt").exists()
+    saved = torch.load(dirpath / "epoch=0-step=2.ckpt", weights_only=True)
+    assert saved["global_step"] == 2

@@ -54,7 +54,7 @@ def _collect(storage: Any, args: argparse.Namespace, opts: CliOptions) -> list[s
     """What gc removes (or would): checkpoints retention does not keep, then dead uncommitted saves."""
     from ..catalog import Catalog, doomed
     from ..config import RetentionOptions
-    from ..gc import collect
+    from ..gc import collect, collect_temp_files
     from .listing import list_root
 
     rules = RetentionOptions(keep_last=args.keep_last, keep_every_n_steps=args.keep_every)
@@ -79,6 +79,9 @@ def _collect(storage: Any, args: argparse.Namespace, opts: CliOptions) -> list[s
         if not args.dry_run:
             (storage.delete_tree if row.layout == "accelerate" else storage.delete)(row.path)
         lines.append(f"{row.path}  ({why})")
+    if any(r.layout == "lightning" for r in rows):  # a save killed before its rename left its temporary file
+        lines += [f"{path}  (temporary file of a dead save)"
+                  for path in collect_temp_files(storage, args.grace_s, dry_run=args.dry_run)]
     return lines
 
 
