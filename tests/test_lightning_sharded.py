@@ -50,6 +50,11 @@ def test_model_parallel_saves_sharded_and_resumes_on_other_world_sizes(tmp_path)
     _run_phase(tmp_path, "resume1", 1, 6, str(ckpt / "epoch=0-step=5.ckpt"))
     assert_bit_equal(_load(tmp_path, "resume2-end"), _load(tmp_path, "resume1-start"))
 
+    # validate(ckpt_path=<sharded folder>) on another world size loads the folder's weights into the model
+    _run_phase(tmp_path, "validate2", 2, 0, str(ckpt / "epoch=0-step=5.ckpt"))
+    validated = torch.load(tmp_path / "validate2-start.pt", weights_only=True)
+    assert_bit_equal(_load(tmp_path, "resume2-end")["model"], validated["model"])
+
     full = sum(t.numel() * t.element_size() for t in _tensors(_load(tmp_path, "train4-end")))
     for rank in range(4):
         growth = int((tmp_path / f"train4-rss-{rank}.txt").read_text())
@@ -122,6 +127,9 @@ def _main(root: Path, phase: str, devices: int, max_steps: int, ckpt_path: str) 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             return self.net(batch[0]).square().mean()
 
+        def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return self.net(batch[0]).square().mean()
+
         def configure_optimizers(self) -> Any:
             return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
@@ -139,6 +147,12 @@ def _main(root: Path, phase: str, devices: int, max_steps: int, ckpt_path: str) 
 
         def on_train_end(self, trainer: pl.Trainer, module: Net) -> None:
             self._dump(trainer, module, f"{phase}-end")
+
+        def on_validation_start(self, trainer: pl.Trainer, module: Net) -> None:
+            if phase.startswith("validate"):  # no optimizer here: the weights the sharded folder gave the model
+                model = get_model_state_dict(module.net, options=StateDictOptions(full_state_dict=True))
+                if trainer.is_global_zero:
+                    torch.save({"model": model}, root / f"{phase}-start.pt")
 
         def _dump(self, trainer: pl.Trainer, module: Net, name: str) -> None:
             state = full_state(trainer, module)
@@ -202,6 +216,9 @@ def _main(root: Path, phase: str, devices: int, max_steps: int, ckpt_path: str) 
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
     gen = torch.Generator().manual_seed(1)
     data = DataLoader(TensorDataset(torch.randn(64, WIDTH, generator=gen)), batch_size=4)
+    if phase.startswith("validate"):
+        trainer.validate(Net(), data, ckpt_path=ckpt_path)
+        return
     trainer.fit(Net(), data, ckpt_path=None if ckpt_path == "none" else ckpt_path)
 
 
