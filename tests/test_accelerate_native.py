@@ -15,9 +15,10 @@ import torch
 from safetensors.torch import load_file
 
 import fastckpt_accelerate
-from accelerate_testing import Setup, assert_same, make_accelerator, reset_accelerate
+from accelerate_testing import (Setup, assert_same, make_accelerator, reset_accelerate,
+                                closing, fresh_accelerate)  # noqa: F401 (the last two are fixtures)
 from fastckpt import CheckpointConfig, Checkpointer
-from fastckpt.errors import CheckpointNotFoundError, FastCkptError, IntegrityError
+from fastckpt.errors import CheckpointNotFoundError, IntegrityError
 from fastckpt.storage import LocalStorage
 from fastckpt.verify import verify_checkpoint
 from fastckpt_accelerate.state import capture_state
@@ -26,24 +27,6 @@ pytestmark = pytest.mark.timeout(240)
 REPO = Path(__file__).resolve().parents[1]
 STOCK_FILES = {"model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl",
                "custom_checkpoint_0.pkl", "manifest.json"}
-
-
-@pytest.fixture(autouse=True)
-def _fresh_accelerate():
-    reset_accelerate()
-    yield
-    reset_accelerate()
-
-
-@pytest.fixture
-def closing():
-    opened: list = []
-    yield opened
-    for checkpointing in opened:
-        try:
-            checkpointing.close()
-        except FastCkptError:
-            pass
 
 
 def _saved(tmp_path: Path, closing: list, safe: bool = True) -> tuple[Setup, str, dict]:
