@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterator
 import accelerate.accelerator as accelerator_module
 import accelerate.checkpointing as checkpointing_module
 import torch
+from accelerate.utils.other import TORCH_SAFE_GLOBALS
 
 from fastckpt.errors import UnsafeCheckpointError
 
@@ -39,6 +40,7 @@ OPT_IN = "fastckpt_accelerate.enable(accelerator, config, allow_unsafe_pickle=Tr
 _PATCH_LOCK = threading.Lock()  # the patched names are module-global: one patched load at a time
 # Files Accelerate loads with the caller's load_kwargs (checkpointing.load_accelerator_state).
 _KWARGS_FILES = ("optimizer", "scheduler", "dl_state_dict")
+_ACCELERATE_GLOBALS = tuple(TORCH_SAFE_GLOBALS)  # what Accelerate's ``load`` allows in weights-only unpickling
 
 
 def load_accelerate_folder(load_state: Callable[..., Any], path: str, load_kwargs: dict | None,
@@ -64,7 +66,7 @@ def _patched(reader: FolderReader | None, safe_custom_state: bool) -> Iterator[N
             accelerator_module.load_custom_state = functools.partial(_load_custom_state, reader)
         if reader is not None:
             load, load_model = originals[1], originals[2]
-            checkpointing_module.load = functools.partial(reader.load_with, load)
+            checkpointing_module.load = functools.partial(reader.load_with, load, extra_globals=_ACCELERATE_GLOBALS)
             checkpointing_module.load_model = functools.partial(reader.load_model, load_model)
         try:
             yield

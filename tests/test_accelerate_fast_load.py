@@ -55,9 +55,9 @@ def test_resume_through_the_fast_path_is_bit_exact(tmp_path, closing, safe):
     assert setup.accelerator.load_state(path) == path
     assert_same({k: expected[k] for k in RESTORED}, {k: v for k, v in setup.snapshot().items() if k in RESTORED})
     stats = checkpointing.last_load_stats
-    weights = {"model.safetensors": "into"} if safe else {"pytorch_model.bin": "map"}
-    assert stats.files == {**weights, "optimizer.bin": "map", "scheduler.bin": "map", "random_states_0.pkl": "map",
-                           "custom_checkpoint_0.pkl": "map"}, stats
+    weights = {"model.safetensors": "into"} if safe else {"pytorch_model.bin": "read"}
+    assert stats.files == {**weights, "optimizer.bin": "read", "scheduler.bin": "read", "random_states_0.pkl": "read",
+                           "custom_checkpoint_0.pkl": "read"}, stats
     assert stats.fallbacks == {} and stats.verified and stats.kind == "files"
     assert stats.nbytes >= sum(os.path.getsize(os.path.join(path, n)) for n in stats.files)
     if safe:  # read in place: the parameters kept their memory
@@ -157,7 +157,7 @@ def test_a_stock_folder_loads_through_the_readers_checked_by_zip_crc(tmp_path, c
     assert_same({k: expected[k] for k in RESTORED}, {k: v for k, v in setup.snapshot().items() if k in RESTORED})
     stats = closing[-1].last_load_stats
     assert stats.kind == "stock" and stats.files["model.safetensors"] == "into"
-    assert stats.files["optimizer.bin"] == "map"
+    assert stats.files["optimizer.bin"] == "read"
     file = Path(folder, "optimizer.bin")
     data = bytearray(file.read_bytes())
     _, offset, size, _ = max(record_spans(str(file)), key=lambda span: span[2])  # the biggest storage record
@@ -221,8 +221,8 @@ def test_two_process_ddp_resume_reads_fast_on_every_rank(tmp_path):
     expected = [torch.load(tmp_path / f"expected.{r}.pt", weights_only=False) for r in range(2)]
     for rank in range(2):
         loaded = torch.load(tmp_path / f"loaded.{rank}.pt", weights_only=False)
-        assert loaded["files"]["model.safetensors"] == "into" and loaded["files"]["optimizer.bin"] == "map"
-        assert loaded["files"][f"random_states_{rank}.pkl"] == "map" and loaded["fallbacks"] == {}
+        assert loaded["files"]["model.safetensors"] == "into" and loaded["files"]["optimizer.bin"] == "read"
+        assert loaded["files"][f"random_states_{rank}.pkl"] == "read" and loaded["fallbacks"] == {}
         got = loaded["state"]
         # the weights (rank 0's, written once) everywhere; each rank its own RNG streams
         assert_same(expected[0]["model"], got["model"], f"rank{rank}/model")
