@@ -14,8 +14,9 @@ Save (every process calls ``save_state``, as Accelerate requires):
 Load: the main process picks the folder (after pending saves of it, from any Accelerator in the process,
 commit) and reads its manifest; then every process runs Accelerate's own ``load_state`` on it
 (``foreign.load_accelerate_folder``: nothing unpickled without restriction), its reads routed through
-``fastload.FolderReader``: the model's safetensors straight into its tensors, the torch files checked and mapped,
-each file checked against the manifest as it is read, an error on one process raised on all. Folders in the core
+``fastload.FolderReader``: the model's safetensors straight into its tensors, the torch files read whole and
+unpickled over those bytes, each file checked against the manifest as it is read, an error on one process raised
+on all. Folders in the core
 layout of fastckpt <= 0.2 load through ``state.py``; folders written by stock Accelerate load through the same
 reader (their torch files checked against their zip CRC-32).
 """
@@ -162,8 +163,8 @@ class FastAccelerateCheckpointing:
         """Replaces ``Accelerator.load_state``; returns the folder it restored.
 
         Stock ``load_state`` restores the folder, its reads routed through ``fastload.FolderReader``: the model's
-        safetensors read straight into its tensors, the torch files checked and then mapped, every byte checked
-        against the manifest as it is read (``IntegrityError`` names a damaged file). ``load_kwargs`` other than
+        safetensors read straight into its tensors, the torch files read whole and unpickled over those bytes,
+        every byte checked against the manifest as it is read (``IntegrityError`` names a damaged file). ``load_kwargs`` other than
         ``weights_only`` take stock's reads, after a check of every file (``last_load_stats`` says which)."""
         self._check_open()
         started = time.perf_counter()
@@ -186,7 +187,8 @@ class FastAccelerateCheckpointing:
             # Every process loads; an error on one is raised on all (a lone failure would hang the others later).
             self._on_every_process(lambda: self._load_foreign(local, load_kwargs, reader, **kwargs))
         stats = reader.stats if reader is not None else LoadStateStats(
-            path, kind, fallbacks={"*": f"load_kwargs {sorted(load_kwargs or {})}: stock reads, after a check"},
+            path, kind, fallbacks={"*": f"load_kwargs {sorted(load_kwargs or {})}: stock reads"
+                                         + (", after a check of every file" if verify and kind == FILES else "")},
             verified=verify and kind == FILES)
         stats.path, stats.seconds = path, time.perf_counter() - started
         self.last_load_stats = stats

@@ -144,6 +144,35 @@ def test_a_model_with_a_load_hook_takes_stock_reads_after_a_check(tmp_path, clos
         setup.accelerator.load_state(path)
 
 
+def test_other_load_kwargs_take_stock_reads_after_a_check_of_every_file(tmp_path, closing):
+    setup, path, expected = _saved(tmp_path, closing)
+    setup.accelerator.load_state(path, load_kwargs={"mmap": True})  # torch.load's own mapping: stock reads
+    stats = closing[-1].last_load_stats
+    assert stats.files == {} and "mmap" in stats.fallbacks["*"] and "after a check" in stats.fallbacks["*"]
+    assert_same({k: expected[k] for k in RESTORED}, {k: v for k, v in setup.snapshot().items() if k in RESTORED})
+    file = Path(path, "scheduler.bin")
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    file.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match="scheduler.bin"):  # the verification pass still runs first
+        setup.accelerator.load_state(path, load_kwargs={"mmap": True})
+
+
+def test_verify_on_load_false_reads_fast_without_checksums(tmp_path, closing):
+    _, path, _ = _saved(tmp_path, closing)
+    file = Path(path, "model.safetensors")
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    file.write_bytes(bytes(data))
+    acc = make_accelerator(tmp_path / "other", automatic=False)
+    closing.append(fastckpt_accelerate.enable(acc, {"persist": {"verify_on_load": False}}))
+    other = Setup(acc, seed=9)
+    acc.load_state(path)  # the damage goes unnoticed: nothing is checked (the sizes still are)
+    assert_same(load_file(str(file)), other.snapshot()["model"])
+    stats = closing[-1].last_load_stats
+    assert stats.verified is False and stats.files["model.safetensors"] == "into"
+
+
 def test_a_stock_folder_loads_through_the_readers_checked_by_zip_crc(tmp_path, closing):
     acc = make_accelerator(tmp_path, automatic=False)
     setup = Setup(acc)
@@ -192,8 +221,19 @@ _DDP_CHILD = textwrap.dedent("""
             damaged = "loaded"
         except IntegrityError as e:
             damaged = str(e)
+
+        def fail_on_rank_1(models, input_dir):
+            if rank == 1:
+                raise RuntimeError("rank 1's load pre-hook failed")
+
+        acc.register_load_state_pre_hook(fail_on_rank_1)
+        try:
+            acc.load_state(os.path.join(work, "ckpt"))
+            lone = "loaded"
+        except RuntimeError as e:
+            lone = str(e)
         torch.save({"state": setup.snapshot(), "files": stats.files, "fallbacks": stats.fallbacks,
-                    "damaged": damaged}, os.path.join(work, f"loaded.{rank}.pt"))
+                    "damaged": damaged, "lone": lone}, os.path.join(work, f"loaded.{rank}.pt"))
     acc.end_training()
 """)
 
@@ -201,6 +241,8 @@ _DDP_CHILD = textwrap.dedent("""
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_two_process_ddp_resume_reads_fast_on_every_rank(tmp_path):
+    """Both ranks read through the fast path and restore bit-exact (rank 0's weights, each rank its own RNG);
+    a damaged file, and a failure on one rank only, raise on both."""
     child = tmp_path / "child.py"
     child.write_text(_DDP_CHILD)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"}
@@ -229,4 +271,7 @@ def test_two_process_ddp_resume_reads_fast_on_every_rank(tmp_path):
         for key in ("optimizer", "scheduler", "counter", "torch_rng", "numpy_rng", "python_rng", "step"):
             assert_same(expected[rank][key], got[key], f"rank{rank}/{key}")
         assert "random_states_1.pkl" in loaded["damaged"], loaded["damaged"]  # raised on every rank
+        # A failure on one process only is raised on every process (stock would let rank 0 train on alone).
+        assert "rank 1's load pre-hook failed" in loaded["lone"], loaded["lone"]
+        assert ("on process 1" in loaded["lone"]) == (rank == 0), loaded["lone"]
     assert not torch.equal(expected[0]["torch_rng"], expected[1]["torch_rng"])
