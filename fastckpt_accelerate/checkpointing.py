@@ -37,7 +37,8 @@ from accelerate import Accelerator
 
 import fastckpt.errors as errors
 from fastckpt import CheckpointConfig, Checkpointer, RemoteOptions, load_checkpoint
-from fastckpt.errors import CheckpointNotFoundError, ConfigError, FastCkptError, IntegrityError
+from fastckpt.errors import (CheckpointNotFoundError, ConfigError, FastCkptError, IntegrityError,
+                             UnsafeCheckpointError)
 from fastckpt.exithook import register_exit_hook
 
 from . import naming
@@ -184,8 +185,17 @@ class FastAccelerateCheckpointing:
             if fast:
                 records = manifest.get("files") if kind == FILES else None
                 reader = FolderReader(local, kind, records, workers=self.config.persist.workers, verify=verify)
+
+            def load() -> None:
+                try:
+                    self._load_foreign(local, load_kwargs, reader, **kwargs)
+                except IntegrityError as e:
+                    if isinstance(e, UnsafeCheckpointError):
+                        raise
+                    raise IntegrityError(f"checkpoint {path} is corrupt: {e}") from e
+
             # Every process loads; an error on one is raised on all (a lone failure would hang the others later).
-            self._on_every_process(lambda: self._load_foreign(local, load_kwargs, reader, **kwargs))
+            self._on_every_process(load)
         stats = reader.stats if reader is not None else LoadStateStats(
             path, kind, fallbacks={"*": f"load_kwargs {sorted(load_kwargs or {})}: stock reads"
                                          + (", after a check of every file" if verify and kind == FILES else "")},
