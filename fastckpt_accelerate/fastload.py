@@ -291,16 +291,15 @@ def _plan_model(model: nn.Module, path: str, size: int, device: str, strict: boo
         if start != end:
             return None, "the tensors do not cover the file back to back"
         end = stop
-        if start == stop:
-            continue
         t = targets.get(key)
         if t is None:  # not in the model (strict=False): read it anyway, the file's CRC covers it
             t = torch.empty(stop - start, dtype=torch.uint8)
             keep.append(t)
         elif list(t.shape) != shape or st_dtype(t.dtype) != dtype or (dtype == "U8" and t.dtype != torch.uint8) \
                 or t.numel() * t.element_size() != stop - start:
-            return None, f"tensor {key!r}: shape/dtype differ (stock raises its error)"
-        ranges.append((base + start, tensor_bytes(t)))
+            return None, f"tensor {key!r}: shape/dtype differ (stock raises its error or adapts it)"
+        if start < stop:
+            ranges.append((base + start, tensor_bytes(t)))
     if base + end != size:
         return None, "the file's size does not match its header"
     return _ModelPlan(header, ranges, keep, missing, unexpected), ""

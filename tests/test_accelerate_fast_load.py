@@ -129,6 +129,36 @@ def test_missing_keys_raise_as_stock_and_strict_false_loads_as_stock(tmp_path, c
     assert_same(expected["model"], {k: v for k, v in results[True]["model"].items() if not k.startswith("extra")})
 
 
+class _Tied(nn.Module):
+    """An embedding and an output layer sharing one weight (as GPT-2's): the file holds it once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 8)
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 10, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def test_tied_weights_stored_once_are_read_into_the_shared_parameter(tmp_path, closing):
+    acc = make_accelerator(tmp_path, automatic=False)
+    closing.append(fastckpt_accelerate.enable(acc))
+    torch.manual_seed(0)
+    model = acc.prepare(_Tied())
+    path = acc.save_state(str(tmp_path / "checkpoint_0"))
+    closing[-1].wait()
+    assert set(load_file(os.path.join(path, "model.safetensors"))) == {"embed.weight", "norm.weight", "norm.bias"}
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    other = make_accelerator(tmp_path / "other", automatic=False)
+    closing.append(fastckpt_accelerate.enable(other))
+    torch.manual_seed(1)
+    fresh = other.prepare(_Tied())
+    other.load_state(path)
+    assert closing[-1].last_load_stats.files["model.safetensors"] == "into"
+    assert_same(expected, fresh.state_dict())
+    assert fresh.head.weight is fresh.embed.weight  # still one parameter
+
+
 def test_a_model_with_a_load_hook_takes_stock_reads_after_a_check(tmp_path, closing):
     setup, path, expected = _saved(tmp_path, closing)
     calls = []
