@@ -16,6 +16,7 @@ before a change), labelled by its directory name.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -28,7 +29,7 @@ from typing import Any
 import torch
 
 from . import workload as wl
-from .measure import drop_cache, warm_cache
+from .measure import drop_cache, reset_hwm, rss, vm_hwm, warm_cache
 
 __all__ = ["main"]
 
@@ -79,9 +80,15 @@ def load_once(workdir: Path, config: str) -> dict[str, Any]:
         import fastckpt_accelerate
 
         fast = fastckpt_accelerate.enable(acc, {"root": str(workdir / "fc")})
+    gc.collect()
+    before = rss()
+    hwm = reset_hwm()
     t0 = time.perf_counter()
     acc.load_state(str(folder))
     load_s = time.perf_counter() - t0
+    peak = vm_hwm() if hwm else None
+    peak_gb = None if peak is None else (peak - before) / 1e9  # above what the process held before the load
+    after_gb = (rss() - before) / 1e9
     got = _fingerprint(acc.unwrap_model(model), opt)
     exact = got == json.loads((workdir / "fingerprint.json").read_text())
     batches = wl.Batches(wl.FULL)
@@ -97,7 +104,7 @@ def load_once(workdir: Path, config: str) -> dict[str, Any]:
     import fastckpt_accelerate as fa
 
     return {"config": config, "load_s": load_s, "first_step_s": first_step_s, "second_step_s": second_step_s,
-            "resume_s": load_s + first_step_s, "exact": exact, "files": getattr(stats, "files", None),
+            "resume_s": load_s + first_step_s, "peak_gb": peak_gb, "after_gb": after_gb, "exact": exact, "files": getattr(stats, "files", None),
             "code": os.path.dirname(os.path.dirname(fa.__file__))}
 
 
@@ -146,7 +153,8 @@ def main(argv: list[str] | None = None) -> None:
             xs = [r for r in runs if r["label"] == label and r["cold"] == cold]
             key = f"{label} {'cold' if cold else 'warm'}"
             summary[key] = {m: {"median": statistics.median(r[m] for r in xs), "min": min(r[m] for r in xs),
-                                "max": max(r[m] for r in xs)} for m in ("load_s", "first_step_s", "resume_s")}
+                                "max": max(r[m] for r in xs)} for m in ("load_s", "first_step_s", "resume_s", "peak_gb", "after_gb")
+                                if all(r[m] is not None for r in xs)}
             summary[key]["exact"] = all(r["exact"] for r in xs)
             print(key, json.dumps(summary[key]), flush=True)
     if args.out:
