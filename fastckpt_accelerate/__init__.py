@@ -3,5 +3,6 @@
 from .checkpointing import FastAccelerateCheckpointing
 from .config import resolve_config
 from .enable import enable, get_checkpointing
+from .fastload import LoadStateStats
 
-__all__ = ["FastAccelerateCheckpointing", "enable", "get_checkpointing", "resolve_config"]
+__all__ = ["FastAccelerateCheckpointing", "LoadStateStats", "enable", "get_checkpointing", "resolve_config"]

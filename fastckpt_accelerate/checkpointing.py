@@ -12,13 +12,18 @@ Save (every process calls ``save_state``, as Accelerate requires):
 4. ``project_configuration.iteration`` advances, as in Accelerate.
 
 Load: the main process picks the folder (after pending saves of it, from any Accelerator in the process,
-commit) and checks every file against the manifest; then every process runs Accelerate's own ``load_state``
-on it (``foreign.load_accelerate_folder``: nothing unpickled without restriction). Folders in the core layout
-of fastckpt <= 0.2 load through ``state.py``; folders written by stock Accelerate load as they are.
+commit) and reads its manifest; then every process runs Accelerate's own ``load_state`` on it
+(``foreign.load_accelerate_folder``: nothing unpickled without restriction), its reads routed through
+``fastload.FolderReader``: the model's safetensors straight into its tensors, the torch files read whole and
+unpickled over those bytes, each file checked against the manifest as it is read, an error on one process raised
+on all. Folders in the core
+layout of fastckpt <= 0.2 load through ``state.py``; folders written by stock Accelerate load through the same
+reader (their torch files checked against their zip CRC-32).
 """
 
 from __future__ import annotations
 
+import builtins
 import concurrent.futures
 import functools
 import logging
@@ -32,11 +37,13 @@ from accelerate import Accelerator
 
 import fastckpt.errors as errors
 from fastckpt import CheckpointConfig, Checkpointer, RemoteOptions, load_checkpoint
-from fastckpt.errors import CheckpointNotFoundError, ConfigError, FastCkptError, IntegrityError
+from fastckpt.errors import (CheckpointNotFoundError, ConfigError, FastCkptError, IntegrityError,
+                             UnsafeCheckpointError)
 from fastckpt.exithook import register_exit_hook
 
 from . import naming
 from .distributed import all_gather, broadcast_from_main, can_share_writes
+from .fastload import FolderReader, LoadStateStats
 from .folder import CORE, FILES, inspect_folder, local_folder
 from .foreign import load_accelerate_folder
 from .native import rng_file_state, stock_files
@@ -76,6 +83,7 @@ class FastAccelerateCheckpointing:
         self._in_flight: list[Any] = []  # SaveHandles not known to be finished (pruned at each save)
         self._last_handle: Any | None = None
         self.save_state_ms: list[float] = []
+        self.last_load_stats: LoadStateStats | None = None  # what the last load_state read, and how
         possible = can_share_writes(accelerator, self.root)
         if shared_writes and not possible:
             raise ConfigError(
@@ -153,20 +161,48 @@ class FastAccelerateCheckpointing:
     def load_state(
         self, input_dir: str | os.PathLike | None = None, load_kwargs: dict | None = None, **kwargs: Any
     ) -> str:
-        """Replaces ``Accelerator.load_state``; returns the folder it restored. A native folder's files are
-        checked against its manifest first (``IntegrityError`` names a damaged file)."""
+        """Replaces ``Accelerator.load_state``; returns the folder it restored.
+
+        Stock ``load_state`` restores the folder, its reads routed through ``fastload.FolderReader``: the model's
+        safetensors read straight into its tensors, the torch files read whole and unpickled over those bytes,
+        every byte checked against the manifest as it is read (``IntegrityError`` names a damaged file). ``load_kwargs`` other than
+        ``weights_only`` take stock's reads, after a check of every file (``last_load_stats`` says which)."""
         self._check_open()
+        started = time.perf_counter()
         path = self._main_decides(lambda: self._resolve_load_path(input_dir))
         options = self._storage_options(path)
         verify = self.config.persist.verify_on_load
-        kind, user = self._main_decides(lambda: inspect_folder(path, options, verify))
+        fast = set(load_kwargs or {}) <= {"weights_only"}  # anything else (mmap, encoding, ...): stock reads
+        kind, manifest = self._main_decides(lambda: inspect_folder(path, options, verify and not fast))
         for ckpt in list(self._checkpointers.values()):  # loading writes parameters lazy copies may read
             ckpt.wait_staged()
         if kind == CORE:
-            return self._load_core(path, **kwargs)
+            self._load_core(path, **kwargs)
+            self.last_load_stats = LoadStateStats(path, kind, seconds=time.perf_counter() - started)
+            return path
         with local_folder(path, options) as local:
-            self._load_foreign(local, load_kwargs, **kwargs)
-        meta = user.get(META_KEY) if kind == FILES else None
+            reader = None
+            if fast:
+                records = manifest.get("files") if kind == FILES else None
+                reader = FolderReader(local, kind, records, workers=self.config.persist.workers, verify=verify)
+
+            def load() -> None:
+                try:
+                    self._load_foreign(local, load_kwargs, reader, **kwargs)
+                except IntegrityError as e:
+                    if isinstance(e, UnsafeCheckpointError):
+                        raise
+                    raise IntegrityError(f"checkpoint {path} is corrupt: {e}") from e
+
+            # Every process loads; an error on one is raised on all (a lone failure would hang the others later).
+            self._on_every_process(load)
+        stats = reader.stats if reader is not None else LoadStateStats(
+            path, kind, fallbacks={"*": f"load_kwargs {sorted(load_kwargs or {})}: stock reads"
+                                         + (", after a check of every file" if verify and kind == FILES else "")},
+            verified=verify and kind == FILES)
+        stats.path, stats.seconds = path, time.perf_counter() - started
+        self.last_load_stats = stats
+        meta = (manifest.get("user") or {}).get(META_KEY) if kind == FILES else None
         iteration = meta.get("iteration") if isinstance(meta, dict) else None
         if iteration is None:
             iteration = naming.iteration_from_name(os.path.basename(path))
@@ -303,15 +339,19 @@ class FastAccelerateCheckpointing:
                 f"checkpoint {path} is corrupt ({e}); load an older one with accelerator.load_state(<path>)"
             ) from e
 
-    def _load_foreign(self, path: str, load_kwargs: dict | None, **kwargs: Any) -> str:
-        """A folder written by Accelerate itself: delegate, then fix the iteration Accelerate forgets."""
+    def _load_foreign(self, path: str, load_kwargs: dict | None, reader: FolderReader | None,
+                      **kwargs: Any) -> str:
+        """A folder of Accelerate's files (native or stock): stock ``load_state``, reading through ``reader``."""
         if naming.is_url(path) or not os.path.isdir(path) or not _looks_like_accelerate(path):
             raise CheckpointNotFoundError(
                 f"{path} is not a committed fastckpt checkpoint (no manifest: missing, or its save never "
                 "finished) and not a folder written by Accelerate's save_state"
             )
         assert self._original_load_state is not None
-        load_accelerate_folder(self._original_load_state, path, load_kwargs, self.allow_unsafe_pickle, **kwargs)
+        if reader is not None:
+            reader.precheck()  # every file but the model's weights, before anything is loaded
+        load_accelerate_folder(self._original_load_state, path, load_kwargs, self.allow_unsafe_pickle, reader,
+                               **kwargs)
         iteration = naming.iteration_from_name(os.path.basename(path))
         if iteration is not None:
             self._accelerator.project_configuration.iteration = iteration + 1
@@ -331,6 +371,20 @@ class FastAccelerateCheckpointing:
         value, wire_error = broadcast_from_main(self._accelerator, (outcome.value, outcome.wire_error))
         outcome.raise_shared(wire_error)
         return value
+
+    def _on_every_process(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn`` on every process; if it raised on any, raise on all (one small collective)."""
+        error: Exception | None = None
+        try:
+            fn()
+        except Exception as e:  # shared below, then re-raised as it is
+            error = e
+        wires = all_gather(self._accelerator, None if error is None else (type(error).__name__, str(error)))
+        if error is not None:
+            raise error
+        for rank, wire in enumerate(wires):
+            if wire is not None:
+                raise _remote_error(rank, *wire)
 
     def _on_main(self, fn: Callable[[], Any]) -> "_Outcome":
         if not self._accelerator.is_main_process:
@@ -371,6 +425,17 @@ class _Outcome:
             if not (isinstance(cls, type) and issubclass(cls, FastCkptError)):
                 cls = FastCkptError
             raise cls(f"on the main process: {message}")
+
+
+def _remote_error(rank: int, name: str, message: str) -> Exception:
+    """The error another process raised, rebuilt here: its fastckpt or built-in class, else ``FastCkptError``."""
+    cls = getattr(errors, name, None) or getattr(builtins, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, Exception)):
+        cls = FastCkptError
+    try:
+        return cls(f"on process {rank}: {message}")
+    except TypeError:  # a class whose constructor wants more than a message
+        return FastCkptError(f"on process {rank}: {name}: {message}")
 
 
 def _close_at_exit(ref: "weakref.ref[FastAccelerateCheckpointing]") -> None:

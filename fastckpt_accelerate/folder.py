@@ -24,7 +24,8 @@ FILES, CORE, STOCK = "files", "core", "stock"
 
 
 def inspect_folder(path: str, options: dict | None, verify: bool) -> tuple[str, dict[str, Any]]:
-    """``(kind, user block of the manifest)``; a native folder's files are checked first when ``verify``.
+    """``(kind, the manifest)`` (``{}`` for a stock folder); a native folder's files are checked first when
+    ``verify`` (the fast load checks them as it reads them instead: ``fastload``).
 
     Raises ``CheckpointNotFoundError`` for an uncommitted fastckpt folder and ``IntegrityError`` naming the
     first damaged file."""
@@ -47,7 +48,7 @@ def inspect_folder(path: str, options: dict | None, verify: bool) -> tuple[str, 
             raise IntegrityError(f"checkpoint {path} is corrupt: {problems[0]}"
                                  + (f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else "")
                                  + "; load an older one with accelerator.load_state(<path>)")
-    return FILES, doc.get("user") or {}
+    return FILES, doc
 
 
 @contextmanager

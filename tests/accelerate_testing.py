@@ -1,4 +1,6 @@
-"""Helpers shared by the tests/test_accelerate*.py files: a tiny training setup and a gated storage."""
+"""Helpers shared by the tests/test_accelerate*.py files: a tiny training setup, a gated storage, and the two
+fixtures every such file uses (import them by name: ``from accelerate_testing import closing, fresh_accelerate``;
+pytest finds fixtures in a module's namespace, and an imported autouse fixture applies to that module only)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import threading
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
@@ -15,12 +18,34 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from fastckpt import LocalStorage
+from fastckpt.errors import FastCkptError
 
 
 def reset_accelerate() -> None:
     """Accelerate keeps process-wide singletons; each test builds its Accelerator from scratch."""
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate() -> Any:
+    """Accelerate's process-wide singletons reset before and after each test of a module that imports this."""
+    reset_accelerate()
+    yield
+    reset_accelerate()
+
+
+@pytest.fixture
+def closing() -> Any:
+    """A list the test appends each enabled ``FastAccelerateCheckpointing`` to; all are closed at teardown, even
+    when the test failed (a background error at close is the test's own business, not the teardown's)."""
+    opened: list = []
+    yield opened
+    for checkpointing in opened:
+        try:
+            checkpointing.close()
+        except FastCkptError:
+            pass
 
 
 def make_accelerator(

@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import fastckpt_accelerate
-from accelerate_testing import GatedStorage, Setup, assert_same, clone, make_accelerator, reset_accelerate
+from accelerate_testing import (GatedStorage, Setup, assert_same, clone, make_accelerator,
+                                closing, fresh_accelerate)  # noqa: F401 (the last two are fixtures)
 import json
 
 from fastckpt import CheckpointConfig, Checkpointer
@@ -25,25 +26,6 @@ from fastckpt.errors import CheckpointNotFoundError, ConfigError, FastCkptError,
 from tests.helpers import listed as _listed
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_accelerate():
-    reset_accelerate()
-    yield
-    reset_accelerate()
-
-
-@pytest.fixture
-def closing():
-    """Close every FastAccelerateCheckpointing a test enabled, even when it fails."""
-    opened: list = []
-    yield opened
-    for checkpointing in opened:
-        try:
-            checkpointing.close()
-        except FastCkptError:
-            pass
 
 
 @pytest.fixture

@@ -15,9 +15,10 @@ import torch
 from safetensors.torch import load_file
 
 import fastckpt_accelerate
-from accelerate_testing import Setup, assert_same, make_accelerator, reset_accelerate
+from accelerate_testing import (Setup, assert_same, make_accelerator, reset_accelerate,
+                                closing, fresh_accelerate)  # noqa: F401 (the last two are fixtures)
 from fastckpt import CheckpointConfig, Checkpointer
-from fastckpt.errors import CheckpointNotFoundError, FastCkptError, IntegrityError
+from fastckpt.errors import CheckpointNotFoundError, IntegrityError
 from fastckpt.storage import LocalStorage
 from fastckpt.verify import verify_checkpoint
 from fastckpt_accelerate.state import capture_state
@@ -26,24 +27,6 @@ pytestmark = pytest.mark.timeout(240)
 REPO = Path(__file__).resolve().parents[1]
 STOCK_FILES = {"model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl",
                "custom_checkpoint_0.pkl", "manifest.json"}
-
-
-@pytest.fixture(autouse=True)
-def _fresh_accelerate():
-    reset_accelerate()
-    yield
-    reset_accelerate()
-
-
-@pytest.fixture
-def closing():
-    opened: list = []
-    yield opened
-    for checkpointing in opened:
-        try:
-            checkpointing.close()
-        except FastCkptError:
-            pass
 
 
 def _saved(tmp_path: Path, closing: list, safe: bool = True) -> tuple[Setup, str, dict]:
@@ -127,6 +110,8 @@ def test_fastckpt_resumes_from_a_folder_stock_accelerate_wrote(tmp_path, closing
 
 
 def test_a_flipped_byte_in_any_file_is_named_before_anything_loads(tmp_path, closing):
+    """Every file but the model's weights is checked before anything loads. The weights are read into the model
+    as they are checked: a damaged model.safetensors leaves the model holding the file's values, nothing else."""
     setup, path, expected = _saved(tmp_path, closing)
     acc = setup.accelerator
     storage = LocalStorage(path)
@@ -136,10 +121,17 @@ def test_a_flipped_byte_in_any_file_is_named_before_anything_loads(tmp_path, clo
         data = bytearray(file.read_bytes())
         data[len(data) // 2] ^= 0x01
         file.write_bytes(bytes(data))
+        setup.step()  # away from the saved state
         before = setup.snapshot()
-        with pytest.raises(IntegrityError, match=name):
+        with pytest.raises(IntegrityError, match=name) as raised:
             acc.load_state(path)
-        assert_same(before["model"], setup.snapshot()["model"])  # nothing was loaded
+        after = setup.snapshot()
+        if name == "model.safetensors":
+            assert "the model now holds the file's (damaged) values" in str(raised.value)
+            assert_same(load_file(str(file)), after["model"])  # exactly the damaged file's tensors
+            assert not torch.equal(load_file(str(file))["0.weight"], expected["model"]["0.weight"])
+            after["model"] = before["model"]
+        assert_same(before, after)  # nothing else was loaded (RNG, step, optimizer, scheduler, counter)
         problems = verify_checkpoint(storage, path)[1]
         assert len(problems) == 1 and name in problems[0]
         data[len(data) // 2] ^= 0x01

@@ -5,17 +5,10 @@ from __future__ import annotations
 import pytest
 
 import fastckpt_accelerate
-from accelerate_testing import Setup, assert_same, make_accelerator, reset_accelerate
+from accelerate_testing import Setup, assert_same, fresh_accelerate, make_accelerator  # noqa: F401 (fixture)
 from fastckpt import is_checkpoint
 
 pytestmark = pytest.mark.timeout(180)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_accelerate():
-    reset_accelerate()
-    yield
-    reset_accelerate()
 
 
 def test_save_and_resume_through_s3(tmp_path, s3_root):
