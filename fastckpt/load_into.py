@@ -100,23 +100,21 @@ def read_into(reader: "CheckpointReader", target: Any) -> tuple[Any, int] | None
         return None
     wanted = dict(zip(flat.keys, flat.tensors))
     check_targets(reader.dirpath, wanted, {e.key: (e.dtype, e.shape) for e in reader.entries})
-    # The reader's own helpers: the same checks (listed file, size, confinement) as load().
-    objects = reader._objects()
+    objects = reader.objects()
     out: list[Any] = [None] * len(reader.entries)
     targets = _Targets()
-    for name, entries in reader._by_file().items():
-        path = reader._path(name)
-        reader._check_size(path, reader._expect(name))
-        for e in entries:
+    for f in reader.read_plan():  # the same checks (listed file, size, confinement) as load()
+        for e in f.entries:
             dst = wanted.get(e.key)
             if dst is None:
                 dst = torch.empty(e.shape, dtype=e.dtype)  # not in the target: a new tensor, as load() makes
             out[e.index] = dst.numpy() if e.numpy else dst
             if e.nbytes:
-                targets.add(path, e, dst, e.crc if reader.verify else None)
+                targets.add(f.path, e, dst, e.crc if reader.verify else None)
     for e in reader.entries:  # zero-size tensors live in no file
         if out[e.index] is None:
-            out[e.index] = reader._materialize(None, e, None)
+            t = torch.empty(e.shape, dtype=e.dtype)
+            out[e.index] = t.numpy() if e.numpy else t
     prefetch(reader.storage, sorted({r.path for r in targets.ranges} | {b[0] for b in targets.buffered}))
     try:
         nbytes = read_ranges(reader.storage, targets.ranges, reader.workers, targets.done)
@@ -125,7 +123,7 @@ def read_into(reader: "CheckpointReader", target: Any) -> tuple[Any, int] | None
     except IntegrityError as e:
         raise IntegrityError(f"{e}. load_into() had already written part of the target, which now mixes old "
                              "and checkpoint values: load again before training on") from e
-    return reader._decode(out, objects), nbytes
+    return reader.decode(out, objects), nbytes
 
 
 def check_targets(dirpath: str, wanted: dict[str, torch.Tensor],

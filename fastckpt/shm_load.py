@@ -41,7 +41,10 @@ class _ShmShards:
     """A ``Storage`` stand-in for ``read_ranges``: the shard files' tensor ranges, served from shared memory.
 
     Everything else (sizes, small files) is the root's; only ``read_into`` of a tensor range is redirected.
+    ``in_memory`` tells ``read_ranges`` to copy and checksum in small steps (the CRC reads the copy from cache).
     """
+
+    in_memory = True
 
     def __init__(self, inner: Any, keep: list[object], where: dict[str, list[tuple[int, int, torch.Tensor, int]]]):
         self._inner = inner
