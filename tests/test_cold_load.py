@@ -148,3 +148,16 @@ def test_a_filesystem_refusing_o_direct_is_read_buffered(tmp_path) -> None:
         del view, keep
     finally:
         path.unlink()
+
+
+def test_a_load_onto_a_device_maps_even_cold_shards(saved) -> None:
+    ckpt, state, folder = saved
+    for s in _shards(folder):
+        _cold_capable(s)
+    got = ckpt.load(step=1, map_location="meta")  # copied onto a device: the host buffers are transient
+    assert ckpt.last_load_stats.method == "map"
+    assert got["big"].device.type == "meta" and got["big"].shape == state["big"].shape
+    for s in _shards(folder):
+        _drop(s)
+    assert_bit_equal(state, ckpt.load(step=1, map_location="cpu"))  # CPU tensors: private memory, read
+    assert ckpt.last_load_stats.method == "read"
