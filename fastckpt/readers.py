@@ -13,8 +13,7 @@ Local files are read with ``os.preadv`` on one descriptor per file (thread-safe,
 disk, and the virtual disk of the benchmark VM delivers ~2.5 GB/s only with several requests queued
 (one buffered stream: ~1.5-1.9 GB/s). A ``Range`` marked ``direct`` (page-aligned file offset and memory:
 a whole shard read into a fresh buffer by ``load()``) is read with O_DIRECT, which skips the page cache
-copy and faults the fresh pages in from the kernel (~1.2 us a page here against ~2.2 us for a user
-fault: the VM's first touch of memory is slow); its sub-page tail is read buffered, and a filesystem that
+and its copy to user memory; its sub-page tail is read buffered, and a filesystem that
 refuses O_DIRECT (tmpfs) is read buffered. Plain buffered reads serve ranges that land in a tensor's own
 storage (``load_into``: neither side is page-aligned). Reading through a reused aligned buffer per
 thread and copying was measured slower (1.48 GB ``load_into``: cold 1.98 s against 1.15-1.63 s buffered).

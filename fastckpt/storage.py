@@ -23,7 +23,6 @@ __all__ = ["Storage", "LocalStorage", "FsspecStorage", "open_storage"]
 log = logging.getLogger("fastckpt")
 
 _DIRECT_ALIGN = 4096
-_HUGE_PAGE = 2 << 20
 
 
 @runtime_checkable
@@ -282,17 +281,7 @@ def open_storage(root: str, storage_options: dict[str, Any] | None = None, *, di
     return FsspecStorage(root, storage_options or {}, workers=workers, network=network)
 
 
-def aligned_buffer(nbytes: int, huge: bool = False, populate: bool = False) -> tuple[mmap.mmap, memoryview]:
-    """A page-aligned anonymous buffer (usable for O_DIRECT).
-
-    ``huge``: ask for transparent huge pages where the kernel offers them on request (``madvise`` mode).
-    ``populate``: fault every page in now, in the kernel (MAP_POPULATE), for a buffer about to be filled whole.
-    On the benchmark VM the first touch of fresh memory is the dominant cost of reading a cold checkpoint into
-    it: 1.48 GB took ~0.8 s of CPU faulted from user space or by O_DIRECT, ~0.43 s populated (1.05 s against
-    0.70 s of CPU for a whole cold ``load()``, huge pages or not).
-    """
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
-    mm = mmap.mmap(-1, max(nbytes, 1), flags=flags)
-    if huge and nbytes >= _HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE"):
-        mm.madvise(mmap.MADV_HUGEPAGE)
+def aligned_buffer(nbytes: int) -> tuple[mmap.mmap, memoryview]:
+    """A page-aligned anonymous buffer (usable for O_DIRECT)."""
+    mm = mmap.mmap(-1, max(nbytes, 1))
     return mm, memoryview(mm)[:nbytes]

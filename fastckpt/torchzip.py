@@ -11,7 +11,7 @@ write to a loaded tensor never reaches the file. The mapping assumes that the fi
 rename (as fastckpt's Lightning plugin writes it) or deleted, never truncated in place while loaded.
 
 A file that is not in the page cache (``fastckpt.pagecache``) is read instead, with O_DIRECT on
-several threads into one fresh huge-page buffer (``fastckpt.readers``), and the storages view that
+several threads into one fresh page-aligned buffer (``fastckpt.readers``), and the storages view that
 buffer: the same zero-copy load without waiting on one readahead stream. Faulting fresh 4 KiB pages in
 from user space was what made an earlier buffered read slower than the mapping here.
 
@@ -46,7 +46,7 @@ def load_torch_file(path: str, *, map_location: Any = None, workers: int = 2, ve
     size = os.path.getsize(path)
     storage = LocalStorage(os.path.dirname(path) or ".")
     if size and resident_fraction(path, size) < 0.5:  # cold: parallel O_DIRECT reads into fresh memory
-        keep, view = aligned_buffer(size, huge=True)
+        keep, view = aligned_buffer(size)
         read_ranges(storage, [Range(path, 0, view, direct=True)], workers)
     else:  # cached: view the page cache
         keep, view = storage.map_file(path, size) if size else (None, memoryview(b""))

@@ -137,7 +137,7 @@ def test_a_filesystem_refusing_o_direct_is_read_buffered(tmp_path) -> None:
     path = Path("/dev/shm") / f"fastckpt-test-{os.getpid()}-{tmp_path.name}.bin"
     path.write_bytes(data)
     try:
-        keep, view = aligned_buffer(len(data), huge=True)
+        keep, view = aligned_buffer(len(data))
         r = Range(str(path), 0, view, crc32c(data), direct=True)
         assert read_ranges(LocalStorage(str(path.parent)), [r], 2) == len(data)
         assert bytes(view) == data
