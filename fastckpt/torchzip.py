@@ -16,7 +16,11 @@ buffer: the same zero-copy load without waiting on one readahead stream. Faultin
 from user space was what made an earlier buffered read slower than the mapping here.
 
 Measured on the 2-core benchmark VM (1.48 GB, cold cache, noisy): 1.3-1.6 s against 2.2-5.3 s for
-``torch.load`` and 1.4-2.0 s for the check pass plus ``torch.load`` (mapped, before cold reads).
+``torch.load`` and 1.4-2.0 s for the check pass plus ``torch.load`` (mapped, before cold reads). With cold
+reads, fresh process per load, page cache dropped, shared VM (load average 3-6), two runs of 4-5
+alternating rounds: 0.79 s median (0.66-1.55) against 1.17 s mapped, then 2.24 s (1.92-2.71) against
+1.38 s mapped; writing every page once afterwards takes 0.01 s against 0.9-1.6 s for the mapped load
+(copy-on-write). The in-call time of the read path swings with the cost of fresh memory on this VM.
 """
 from __future__ import annotations
 
