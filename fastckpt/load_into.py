@@ -16,7 +16,8 @@ The pieces are 8 MiB on at least ``fastckpt.readers.READS_IN_FLIGHT`` (8) thread
 allocated template, one fresh process per load, page cache dropped, 5 alternating rounds on the shared
 2-core VM: median 1.30 s (1.09-1.36; 0.49x of torch.load's 2.66 s median there) against 2.30 s (1.97-2.95)
 with 16 MiB pieces on ``persist.workers`` (2) threads; CPU time 0.56 s against 1.25 s. Warm: 0.32 s
-against 0.43 s. Nothing is deferred: the first write afterwards takes 0.01 s.
+against 0.43 s. A second run of 5: 1.17 s (0.95-1.33; 0.97x of torch.load's 1.21 s) against 1.76 s
+(1.13-2.13). Nothing is deferred: the first write afterwards takes 0.01 s.
 
 If a checksum fails midway the target holds a mix of old and new values: the error says so, and the
 caller must load again (an earlier checkpoint) before training on.

@@ -15,7 +15,9 @@ Measured (1.48 GB GPT-2-small + AdamW state, one fresh process per load as bench
 page cache dropped, 5 alternating rounds on the 2-core VM shared with other jobs, load average 3-6):
 torch.load median 2.66 s (1.30-5.48); this read path 1.71 s (1.38-2.37, 0.64x), then 0.03 s to write
 every page once; mapping cold shards (the previous design) 1.20 s (0.76-3.15, 0.45x), then 1.65 s to
-write every page once (copy-on-write). Load plus first write: 1.74 s against 2.85 s. In-call, the read
+write every page once (copy-on-write). Load plus first write: 1.74 s against 2.85 s. A second run of 5
+(load average ~3.5): torch.load 1.21 s (0.93-3.28), read path 1.28 s (1.13-1.55, 1.06x) + 0.01 s, mapped
+1.19 s (0.67-1.92, 0.98x) + 0.95 s. In-call, the read
 path loses to mapping here: the first touch of fresh anonymous memory costs ~0.7-1.1 s of CPU per 1.48
 GB on this VM (torch.load pays it too), where page-cache pages are filled by the host. The 0.5x of
 torch.load was not reached by the read path on this machine.
