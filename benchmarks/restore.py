@@ -7,6 +7,10 @@ loopback, when ``weed`` is installed) and the peers that are installed. Then eve
 process of its own, cold (the files' pages dropped from the page cache, as the io section does) and warm:
 the wall time of the load call and the peak RSS above what the process held before it (VmHWM reset
 through /proc/self/clear_refs; the template a loader fills in place is allocated before, as a model is).
+After the bit-exact check, "first write": the time to write one byte of every 4 KiB page of the loaded
+CPU tensors (bits unchanged), what the first optimizer step pays on top of the load. A loader that maps
+the file (``mmap=True``-style zero copy) defers its page copies (copy-on-write) to that moment; one that
+returns private memory pays nothing there. Without it, a mapped load's time understates the resume.
 
 The S3 figures come with the bandwidth of N concurrent whole-object s3fs GETs of the same shards, the
 reference of the "remote" target.
@@ -169,9 +173,19 @@ def task_restore_load(shape: dict, root: str, loader: str, cold: bool, shm_dir: 
         out["bit_exact"] = diff is None
         if diff:
             out["diff"] = diff
+    out["first_write_s"] = _first_write(got)
     if closer is not None:
         closer.close()
     return out
+
+
+def _first_write(obj: Any) -> float:
+    """Seconds to write one byte of every 4 KiB page of the CPU tensors in ``obj``, leaving every bit as it was."""
+    t0 = time.perf_counter()
+    for t in _tensors(obj):
+        if t.device.type == "cpu" and t.is_contiguous() and t.numel() * t.element_size() >= 4096:
+            t.detach().reshape(-1).view(torch.uint8)[::4096].add_(0)  # uint8 + 0: exact
+    return time.perf_counter() - t0
 
 
 def task_restore_s3_whole(s3: dict) -> dict[str, Any]:

@@ -12,6 +12,13 @@ mismatch is a ``StateMismatchError`` naming the tensor, never a silent cast. Che
 target lacks (optimizer state before the first step) are read into new tensors, as ``load()`` would.
 On a remote root the reader's whole-file path serves instead (one request per tensor would be slow).
 
+The pieces are 8 MiB on at least ``fastckpt.readers.READS_IN_FLIGHT`` (8) threads: cold 1.48 GB into an
+allocated template, one fresh process per load, page cache dropped, 5 alternating rounds on the shared
+2-core VM: median 1.30 s (1.09-1.36; 0.49x of torch.load's 2.66 s median there) against 2.30 s (1.97-2.95)
+with 16 MiB pieces on ``persist.workers`` (2) threads; CPU time 0.56 s against 1.25 s. Warm: 0.32 s
+against 0.43 s. A second run of 5: 1.17 s (0.95-1.33; 0.97x of torch.load's 1.21 s) against 1.76 s
+(1.13-2.13). Nothing is deferred: the first write afterwards takes 0.01 s.
+
 If a checksum fails midway the target holds a mix of old and new values: the error says so, and the
 caller must load again (an earlier checkpoint) before training on.
 """
@@ -100,23 +107,21 @@ def read_into(reader: "CheckpointReader", target: Any) -> tuple[Any, int] | None
         return None
     wanted = dict(zip(flat.keys, flat.tensors))
     check_targets(reader.dirpath, wanted, {e.key: (e.dtype, e.shape) for e in reader.entries})
-    # The reader's own helpers: the same checks (listed file, size, confinement) as load().
-    objects = reader._objects()
+    objects = reader.objects()
     out: list[Any] = [None] * len(reader.entries)
     targets = _Targets()
-    for name, entries in reader._by_file().items():
-        path = reader._path(name)
-        reader._check_size(path, reader._expect(name))
-        for e in entries:
+    for f in reader.read_plan():  # the same checks (listed file, size, confinement) as load()
+        for e in f.entries:
             dst = wanted.get(e.key)
             if dst is None:
                 dst = torch.empty(e.shape, dtype=e.dtype)  # not in the target: a new tensor, as load() makes
             out[e.index] = dst.numpy() if e.numpy else dst
             if e.nbytes:
-                targets.add(path, e, dst, e.crc if reader.verify else None)
+                targets.add(f.path, e, dst, e.crc if reader.verify else None)
     for e in reader.entries:  # zero-size tensors live in no file
         if out[e.index] is None:
-            out[e.index] = reader._materialize(None, e, None)
+            t = torch.empty(e.shape, dtype=e.dtype)
+            out[e.index] = t.numpy() if e.numpy else t
     prefetch(reader.storage, sorted({r.path for r in targets.ranges} | {b[0] for b in targets.buffered}))
     try:
         nbytes = read_ranges(reader.storage, targets.ranges, reader.workers, targets.done)
@@ -125,7 +130,7 @@ def read_into(reader: "CheckpointReader", target: Any) -> tuple[Any, int] | None
     except IntegrityError as e:
         raise IntegrityError(f"{e}. load_into() had already written part of the target, which now mixes old "
                              "and checkpoint values: load again before training on") from e
-    return reader._decode(out, objects), nbytes
+    return reader.decode(out, objects), nbytes
 
 
 def check_targets(dirpath: str, wanted: dict[str, torch.Tensor],

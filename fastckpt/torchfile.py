@@ -404,26 +404,35 @@ def _patched(sparse: _Sparse, start: int, end: int, fields: dict[int, bytes]) ->
     return gap
 
 
-def record_spans(path: str) -> list[tuple[str, int, int, int]]:
+def record_spans(path: str, data: memoryview | None = None) -> list[tuple[str, int, int, int]]:
     """(name, data offset, size, CRC-32 from the central directory) of every record of the torch zip at ``path``:
-    what a parallel reader (``fastckpt.torchzip``) needs. Raises ``IntegrityError`` on a malformed zip."""
+    what a parallel reader (``fastckpt.torchzip``) needs. ``data``: the file's bytes, already read or mapped
+    (parsed there instead of mapping the file again). Raises ``IntegrityError`` on a malformed zip."""
+    if data is not None:
+        return _spans(path, data)
     with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size == 0:
+        if os.fstat(f.fileno()).st_size == 0:
             raise IntegrityError(f"{path}: empty file, not a torch checkpoint")
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
             mv = memoryview(mm)
             try:
-                view = _Mapped(mv, size)
-                out = []
-                for name, header, central in _central_entries(view):
-                    want, csize, usize = struct.unpack("<III", view.read(central + 16, 12))
-                    if usize == 0xFFFFFFFF or csize == 0xFFFFFFFF:
-                        usize = _zip64_size(view, central)
-                    offset = _data_offset(view, header)
-                    if offset + usize > size:
-                        raise IntegrityError(f"{path}: record {name!r} runs past the end of the file (truncated)")
-                    out.append((name, offset, usize, want))
-                return out
+                return _spans(path, mv)
             finally:
                 mv.release()
+
+
+def _spans(path: str, mv: memoryview) -> list[tuple[str, int, int, int]]:
+    size = len(mv)
+    if size == 0:
+        raise IntegrityError(f"{path}: empty file, not a torch checkpoint")
+    view = _Mapped(mv, size)
+    out = []
+    for name, header, central in _central_entries(view):
+        want, csize, usize = struct.unpack("<III", view.read(central + 16, 12))
+        if usize == 0xFFFFFFFF or csize == 0xFFFFFFFF:
+            usize = _zip64_size(view, central)
+        offset = _data_offset(view, header)
+        if offset + usize > size:
+            raise IntegrityError(f"{path}: record {name!r} runs past the end of the file (truncated)")
+        out.append((name, offset, usize, want))
+    return out

@@ -1,12 +1,14 @@
 """The parallel torch-zip reader (issue 13): torch.load's result, verified records, storages over the read buffer."""
 from __future__ import annotations
 
+import os
 import zlib
 
 import pytest
 import torch
 
 from fastckpt import IntegrityError
+from fastckpt.pagecache import resident_fraction
 from fastckpt.readers import PIECE_BYTES
 from fastckpt.torchfile import record_spans
 from fastckpt.torchzip import load_torch_file
@@ -21,18 +23,36 @@ def _state() -> dict:
             "nested": {"c": torch.randn(3, dtype=torch.complex64, generator=g)}}
 
 
-def test_loads_what_torch_load_loads_bit_for_bit(tmp_path) -> None:
+def _drop(path) -> None:
+    """Evict ``path`` from the page cache: the next load reads it cold (O_DIRECT), as after a reboot."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    if resident_fraction(str(path), os.path.getsize(path)) > 0.1:
+        pytest.skip(f"{path} stays cached after POSIX_FADV_DONTNEED (tmpfs?): no cold reads here")
+
+
+@pytest.mark.parametrize("cold", [False, True], ids=["cached-map", "cold-read"])
+def test_loads_what_torch_load_loads_bit_for_bit(tmp_path, cold) -> None:
     state = _state()
     path = tmp_path / "x.ckpt"
     torch.save(state, path)
+    if cold:
+        _drop(path)
     got = load_torch_file(str(path), workers=4)
+    if cold:
+        assert resident_fraction(str(path), os.path.getsize(path)) < 0.5  # read around the page cache
     assert got["w"].untyped_storage().nbytes() > 0
     assert_bit_equal(torch.load(path, weights_only=True), got)
     assert got["view"].untyped_storage().data_ptr() == got["w"].untyped_storage().data_ptr()  # views stay views
     got["w"][0] = 1.0  # writable, like torch.load's result
 
 
-def test_a_corrupt_record_is_named(tmp_path) -> None:
+@pytest.mark.parametrize("cold", [False, True], ids=["cached-map", "cold-read"])
+def test_a_corrupt_record_is_named(tmp_path, cold) -> None:
     path = tmp_path / "x.ckpt"
     torch.save(_state(), path)
     name, offset, size, crc = max(record_spans(str(path)), key=lambda s: s[2])  # the big record
@@ -41,6 +61,8 @@ def test_a_corrupt_record_is_named(tmp_path) -> None:
         b = f.read(1)
         f.seek(offset + size - 5)
         f.write(bytes([b[0] ^ 1]))
+    if cold:
+        _drop(path)
     with pytest.raises(IntegrityError, match=rf"record '{name}' has CRC-32 .* its zip entry says {crc:08x}") as ei:
         load_torch_file(str(path))
     assert str(path) in str(ei.value)

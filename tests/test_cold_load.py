@@ -1,0 +1,163 @@
+"""Cold and warm local loads (issue 13): cold shards read with O_DIRECT into fresh buffers, cached ones mapped."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastckpt import CheckpointConfig, Checkpointer, IntegrityError
+from fastckpt import readers
+from fastckpt.checksum import crc32c
+from fastckpt.pagecache import resident_fraction
+from fastckpt.readers import LOCAL_PIECE_BYTES, Range, read_ranges
+from fastckpt.storage import LocalStorage, aligned_buffer
+from tests.helpers import assert_bit_equal
+
+
+def _state() -> dict:
+    g = torch.Generator().manual_seed(3)
+    return {"big": torch.randn(LOCAL_PIECE_BYTES // 4 * 2 + 1234, generator=g),  # three pieces, the last short
+            "bf16": torch.randn(300, 77, generator=g).to(torch.bfloat16),
+            "ids": torch.randint(0, 1 << 40, (999,), generator=g),
+            "rng": torch.get_rng_state(), "step": 11}
+
+
+def _shards(folder: str) -> list[Path]:
+    return sorted(Path(folder).glob("shard-*.safetensors"))
+
+
+def _drop(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _warm(path: Path) -> None:
+    path.read_bytes()
+
+
+def _cold_capable(path: Path) -> None:
+    _drop(path)
+    if resident_fraction(str(path), path.stat().st_size) > 0.1:
+        pytest.skip(f"{path.parent} keeps its pages cached after POSIX_FADV_DONTNEED (tmpfs?): no cold reads here")
+
+
+@pytest.fixture
+def saved(tmp_path):
+    state = _state()
+    ckpt = Checkpointer(CheckpointConfig(root=str(tmp_path / "root"), persist={"chunk_bytes": 1 << 20}))
+    ckpt.save(state, step=1).wait()
+    yield ckpt, state, ckpt.list()[-1].path
+    ckpt.close()
+
+
+def test_resident_fraction_follows_the_page_cache(saved) -> None:
+    _, _, folder = saved
+    shard = _shards(folder)[0]
+    _cold_capable(shard)
+    assert resident_fraction(str(shard), shard.stat().st_size) == 0.0
+    _warm(shard)
+    assert resident_fraction(str(shard), shard.stat().st_size) == 1.0
+
+
+def test_cold_shards_are_read_with_o_direct_and_cached_ones_are_mapped(saved, monkeypatch) -> None:
+    ckpt, state, folder = saved
+    shards = _shards(folder)
+    assert len(shards) >= 2
+    for s in shards:
+        _cold_capable(s)
+    opened: list[tuple[str, int]] = []
+    real_open = os.open
+
+    def spy(path, flags, *a):  # type: ignore[no-untyped-def]
+        opened.append((str(path), flags))
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(readers.os, "open", spy)
+    assert_bit_equal(state, ckpt.load(step=1))
+    assert ckpt.last_load_stats is not None and ckpt.last_load_stats.method == "read"
+    direct = {p for p, flags in opened if flags & os.O_DIRECT}
+    assert {str(s) for s in shards} <= direct  # every cold shard went through O_DIRECT
+    for s in shards:
+        assert resident_fraction(str(s), s.stat().st_size) < 0.5  # and did not fill the page cache
+
+    for s in shards:
+        _warm(s)
+    opened.clear()
+    assert_bit_equal(state, ckpt.load(step=1))
+    assert ckpt.last_load_stats.method == "map" and not any(flags & os.O_DIRECT for _, flags in opened)
+
+    _drop(shards[0])  # one cold, the others cached
+    assert_bit_equal(state, ckpt.load(step=1))
+    assert ckpt.last_load_stats.method == "map+read"
+
+
+def test_tensors_of_a_cold_load_are_fresh_memory_not_the_file(saved) -> None:
+    ckpt, state, folder = saved
+    for s in _shards(folder):
+        _cold_capable(s)
+    before = [s.read_bytes() for s in _shards(folder)]
+    for s in _shards(folder):
+        _drop(s)
+    got = ckpt.load(step=1)
+    got["big"].add_(1.0)  # training writes the loaded tensors in place
+    assert [s.read_bytes() for s in _shards(folder)] == before
+    assert_bit_equal(state, ckpt.load(step=1))
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["cold-read", "cached-map"])
+def test_a_flipped_byte_names_the_file_and_tensor(saved, cached) -> None:
+    ckpt, _, folder = saved
+    big = next(e for e in ckpt.reader(1).entries if e.key == "big")
+    shard = Path(folder) / big.file
+    at = big.offset + big.nbytes - 1000  # in the last, short piece of "big"
+    with open(shard, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x10]))
+    if cached:
+        _warm(shard)
+    else:
+        _cold_capable(shard)
+    with pytest.raises(IntegrityError, match=r"checksum mismatch in tensor 'big'") as ei:
+        ckpt.load(step=1)
+    assert str(shard) in str(ei.value)
+
+
+def test_a_filesystem_refusing_o_direct_is_read_buffered(tmp_path) -> None:
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm (tmpfs) on this machine")
+    data = os.urandom(3 * LOCAL_PIECE_BYTES + 777)
+    path = Path("/dev/shm") / f"fastckpt-test-{os.getpid()}-{tmp_path.name}.bin"
+    path.write_bytes(data)
+    try:
+        keep, view = aligned_buffer(len(data))
+        r = Range(str(path), 0, view, crc32c(data), direct=True)
+        assert read_ranges(LocalStorage(str(path.parent)), [r], 2) == len(data)
+        assert bytes(view) == data
+        bad = Range(str(path), 0, aligned_buffer(len(data))[1], crc32c(data) ^ 1, direct=True,
+                    culprit=lambda v: " in tensor 'x'")
+        with pytest.raises(IntegrityError, match=r"fastckpt-test.*checksum mismatch in tensor 'x'"):
+            read_ranges(LocalStorage(str(path.parent)), [bad], 2)
+        del view, keep
+    finally:
+        path.unlink()
+
+
+def test_a_load_onto_a_device_maps_even_cold_shards(saved) -> None:
+    ckpt, state, folder = saved
+    for s in _shards(folder):
+        _cold_capable(s)
+    got = ckpt.load(step=1, map_location="meta")  # copied onto a device: the host buffers are transient
+    assert ckpt.last_load_stats.method == "map"
+    assert got["big"].device.type == "meta" and got["big"].shape == state["big"].shape
+    for s in _shards(folder):
+        _drop(s)
+    assert_bit_equal(state, ckpt.load(step=1, map_location="cpu"))  # CPU tensors: private memory, read
+    assert ckpt.last_load_stats.method == "read"
