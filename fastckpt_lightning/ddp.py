@@ -22,12 +22,12 @@ from fastckpt.errors import ConfigError
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import DDPStrategy
 
-from fastckpt_lightning.checkpoint_io import FastCheckpointIO
+from fastckpt_lightning.owner import FastIOOwner
 
 __all__ = ["FastDDPStrategy"]
 
 
-class FastDDPStrategy(DDPStrategy):
+class FastDDPStrategy(FastIOOwner, DDPStrategy):
     """``Trainer(strategy=FastDDPStrategy(), plugins=[FastCheckpointIO(...)])``; the arguments of ``DDPStrategy``
     plus ``shared_writes``:
 
@@ -45,15 +45,6 @@ class FastDDPStrategy(DDPStrategy):
         if shared_writes not in (None, True, False):
             raise ConfigError(f"FastDDPStrategy(shared_writes={shared_writes!r}): use None (auto), True or False")
         self.shared_writes = shared_writes
-
-    @property
-    def fast_io(self) -> FastCheckpointIO:
-        """The plugin that owns the core Checkpointers (the Trainer's, or a default one)."""
-        io = self.checkpoint_io
-        if not isinstance(io, FastCheckpointIO):
-            io = FastCheckpointIO()
-            self.checkpoint_io = io
-        return io
 
     def shares(self, path: str) -> bool:
         """Whether the ranks share the writes of the file ``path`` (the same answer on every rank)."""
@@ -77,8 +68,6 @@ class FastDDPStrategy(DDPStrategy):
         path = os.fspath(self.broadcast(os.fspath(filepath)))  # rank 0 names it, as a stock save does
         if not self.shares(path):
             return super().save_checkpoint(checkpoint, path, storage_options)
-        if storage_options is not None:
-            raise TypeError(f"{type(self).__name__}.save_checkpoint(..., storage_options=...) is not supported: pass "
-                            "storage options once, as FastCheckpointIO(storage_options=...)")
+        self.refuse_storage_options(storage_options)
         assert self.lightning_module is not None
         io.save_shared(checkpoint, path.removeprefix("file://"), self.lightning_module.trainer)

@@ -27,7 +27,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.optim import Optimizer
 
-from fastckpt_lightning.checkpoint_io import FastCheckpointIO
+from fastckpt_lightning.owner import FastIOOwner
 
 __all__ = ["FastModelParallelStrategy"]
 
@@ -40,18 +40,9 @@ def _sharded_options() -> Any:
     return StateDictOptions(full_state_dict=False, cpu_offload=False)
 
 
-class FastModelParallelStrategy(ModelParallelStrategy):
+class FastModelParallelStrategy(FastIOOwner, ModelParallelStrategy):
     """``Trainer(strategy=FastModelParallelStrategy(...), plugins=[FastCheckpointIO(...)])``; same arguments as
     ``ModelParallelStrategy``. Without a ``FastCheckpointIO`` plugin, one with default settings is used."""
-
-    @property
-    def fast_io(self) -> FastCheckpointIO:
-        """The plugin that owns the core Checkpointers (the Trainer's, or a default one)."""
-        io = self.checkpoint_io
-        if not isinstance(io, FastCheckpointIO):
-            io = FastCheckpointIO()
-            self.checkpoint_io = io
-        return io
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The model's live sharded DTensors (called on every rank by ``Trainer.save_checkpoint``)."""
@@ -79,9 +70,7 @@ class FastModelParallelStrategy(ModelParallelStrategy):
         """Every rank: snapshot its blocks and return; the folder appears committed once every rank's are durable."""
         if not self._save_distributed_checkpoint:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
-        if storage_options is not None:
-            raise TypeError(f"{type(self).__name__}.save_checkpoint(..., storage_options=...) is not supported: pass "
-                            "storage options once, as FastCheckpointIO(storage_options=...)")
+        self.refuse_storage_options(storage_options)
         path = os.fspath(self.broadcast(os.fspath(filepath)))  # rank 0 names it, as in the parent class
         assert self.lightning_module is not None
         self.fast_io.save_sharded(checkpoint, path, self.lightning_module.trainer)

@@ -115,3 +115,13 @@ class GatedStorage(WrappedStorage):
 def listed(root: Any) -> list[str]:
     """The sorted entries of a local root, without fastckpt's own dotfiles (the root lock)."""
     return sorted(n for n in os.listdir(root) if not n.startswith("."))
+
+
+def drop_page_cache(path: Any) -> None:
+    """Evict ``path`` from the page cache (fsync, then POSIX_FADV_DONTNEED): the next read of it is cold."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)

@@ -13,7 +13,7 @@ from fastckpt.checksum import crc32c
 from fastckpt.pagecache import resident_fraction
 from fastckpt.readers import LOCAL_PIECE_BYTES, Range, read_ranges
 from fastckpt.storage import LocalStorage, aligned_buffer
-from tests.helpers import assert_bit_equal
+from tests.helpers import assert_bit_equal, drop_page_cache
 
 
 def _state() -> dict:
@@ -28,21 +28,12 @@ def _shards(folder: str) -> list[Path]:
     return sorted(Path(folder).glob("shard-*.safetensors"))
 
 
-def _drop(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def _warm(path: Path) -> None:
     path.read_bytes()
 
 
 def _cold_capable(path: Path) -> None:
-    _drop(path)
+    drop_page_cache(path)
     if resident_fraction(str(path), path.stat().st_size) > 0.1:
         pytest.skip(f"{path.parent} keeps its pages cached after POSIX_FADV_DONTNEED (tmpfs?): no cold reads here")
 
@@ -92,7 +83,7 @@ def test_cold_shards_are_read_with_o_direct_and_cached_ones_are_mapped(saved, mo
     assert_bit_equal(state, ckpt.load(step=1))
     assert ckpt.last_load_stats.method == "map" and not any(flags & os.O_DIRECT for _, flags in opened)
 
-    _drop(shards[0])  # one cold, the others cached
+    drop_page_cache(shards[0])  # one cold, the others cached
     assert_bit_equal(state, ckpt.load(step=1))
     assert ckpt.last_load_stats.method == "map+read"
 
@@ -103,7 +94,7 @@ def test_tensors_of_a_cold_load_are_fresh_memory_not_the_file(saved) -> None:
         _cold_capable(s)
     before = [s.read_bytes() for s in _shards(folder)]
     for s in _shards(folder):
-        _drop(s)
+        drop_page_cache(s)
     got = ckpt.load(step=1)
     got["big"].add_(1.0)  # training writes the loaded tensors in place
     assert [s.read_bytes() for s in _shards(folder)] == before
@@ -158,6 +149,6 @@ def test_a_load_onto_a_device_maps_even_cold_shards(saved) -> None:
     assert ckpt.last_load_stats.method == "map"
     assert got["big"].device.type == "meta" and got["big"].shape == state["big"].shape
     for s in _shards(folder):
-        _drop(s)
+        drop_page_cache(s)
     assert_bit_equal(state, ckpt.load(step=1, map_location="cpu"))  # CPU tensors: private memory, read
     assert ckpt.last_load_stats.method == "read"

@@ -12,7 +12,7 @@ from fastckpt.pagecache import resident_fraction
 from fastckpt.readers import PIECE_BYTES
 from fastckpt.torchfile import record_spans
 from fastckpt.torchzip import load_torch_file
-from tests.helpers import assert_bit_equal
+from tests.helpers import assert_bit_equal, drop_page_cache
 
 
 def _state() -> dict:
@@ -25,12 +25,7 @@ def _state() -> dict:
 
 def _drop(path) -> None:
     """Evict ``path`` from the page cache: the next load reads it cold (O_DIRECT), as after a reboot."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    drop_page_cache(path)
     if resident_fraction(str(path), os.path.getsize(path)) > 0.1:
         pytest.skip(f"{path} stays cached after POSIX_FADV_DONTNEED (tmpfs?): no cold reads here")
 
