@@ -24,7 +24,7 @@ import types
 import warnings
 import zlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -206,13 +206,18 @@ def is_zip(head: bytes) -> bool:
     return head[:4] == _LOCAL_SIG
 
 
-def _check_records(view: "_Mapped") -> list[str]:
-    problems = []
+def _records(view: Any) -> Iterator[tuple[str, int, int, int]]:
+    """Every zip entry of ``view``: (name, data offset, size, CRC-32 its entry records), in directory order."""
     for name, header, central in _central_entries(view):
         want, csize, usize = struct.unpack("<III", view.read(central + 16, 12))
         if usize == 0xFFFFFFFF or csize == 0xFFFFFFFF:
             usize = _zip64_size(view, central)
-        offset = _data_offset(view, header)
+        yield name, _data_offset(view, header), usize, want
+
+
+def _check_records(view: "_Mapped") -> list[str]:
+    problems = []
+    for name, offset, usize, want in _records(view):
         if offset + usize > view.size:
             problems.append(f"record {name!r} runs past the end of the file (truncated)")
             continue
@@ -427,11 +432,7 @@ def _spans(path: str, mv: memoryview) -> list[tuple[str, int, int, int]]:
         raise IntegrityError(f"{path}: empty file, not a torch checkpoint")
     view = _Mapped(mv, size)
     out = []
-    for name, header, central in _central_entries(view):
-        want, csize, usize = struct.unpack("<III", view.read(central + 16, 12))
-        if usize == 0xFFFFFFFF or csize == 0xFFFFFFFF:
-            usize = _zip64_size(view, central)
-        offset = _data_offset(view, header)
+    for name, offset, usize, want in _records(view):
         if offset + usize > size:
             raise IntegrityError(f"{path}: record {name!r} runs past the end of the file (truncated)")
         out.append((name, offset, usize, want))
