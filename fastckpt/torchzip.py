@@ -37,7 +37,7 @@ from .readers import Range, read_ranges
 from .storage import LocalStorage, aligned_buffer
 from .torchfile import record_spans
 
-__all__ = ["load_torch_file"]
+__all__ = ["check_records", "load_torch_file"]
 
 try:  # the same CRC-32 torchfile uses (zlib-ng is faster where installed); both release the GIL
     from zlib_ng.zlib_ng import crc32 as _crc32
@@ -56,14 +56,19 @@ def load_torch_file(path: str, *, map_location: Any = None, workers: int = 2, ve
         keep, view = storage.map_file(path, size) if size else (None, memoryview(b""))
     spans = [s for s in record_spans(path, view) if s[0].startswith("data/")]  # the zip directory, from memory
     if verify:
-        _check(path, view, spans, workers)
+        check_records(path, view, spans, workers)
     overall = torch.frombuffer(keep, dtype=torch.uint8).untyped_storage()  # the storage keeps the mapping alive
     reader = torch._C.PyTorchFileReader(path)  # the zip directory, data.pkl and the small records
     return torch.serialization._load(reader, map_location, torch._weights_only_unpickler,
                                      overall_storage=overall, encoding="utf-8")
 
 
-def _check(path: str, view: memoryview, spans: list[tuple[str, int, int, int]], workers: int) -> None:
+def check_records(path: str, view: memoryview, spans: list[tuple[str, int, int, int]], workers: int, *,
+                  advice: str = "the checkpoint is damaged: resume from an earlier one") -> None:
+    """Each ``(name, offset, size, crc)`` record of ``spans`` (``record_spans``) in ``view`` (the file's bytes)
+    against the CRC-32 of its zip entry, biggest first on ``workers`` threads; ``IntegrityError`` naming the file
+    and the record, ending with ``advice``."""
+
     def one(span: tuple[str, int, int, int]) -> None:
         name, offset, size, want = span
         if want == 0 and size:
@@ -71,7 +76,7 @@ def _check(path: str, view: memoryview, spans: list[tuple[str, int, int, int]], 
         got = _crc32(view[offset:offset + size]) & 0xFFFFFFFF
         if got != want:
             raise IntegrityError(f"{path}: record {name!r} has CRC-32 {got:08x}, its zip entry says {want:08x}; "
-                                 "the checkpoint is damaged: resume from an earlier one")
+                                 f"{advice}")
 
     biggest_first = sorted(spans, key=lambda s: -s[2])  # the long ones start first: the threads finish together
     with ThreadPoolExecutor(max(1, workers), thread_name_prefix="fastckpt-zipcheck") as pool:

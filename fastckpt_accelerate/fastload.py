@@ -38,7 +38,6 @@ import os
 import pickle
 import struct
 import threading
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -54,11 +53,7 @@ from fastckpt.plan import st_dtype
 from fastckpt.readers import PIECE_BYTES, Range, prefetch, read_ranges, tensor_bytes
 from fastckpt.storage import LocalStorage
 from fastckpt.torchfile import is_zip, record_spans
-
-try:  # torch records' CRC-32 at crc32c speed (as fastckpt.torchfile); both release the GIL
-    from zlib_ng.zlib_ng import crc32 as _zip_crc32
-except ImportError:  # pragma: no cover - depends on the environment
-    _zip_crc32 = zlib.crc32
+from fastckpt.torchzip import check_records
 
 __all__ = ["FolderReader", "LoadStateStats"]
 
@@ -146,7 +141,10 @@ class FolderReader:
                                          f"{record['crc32c']:#010x}); the file is damaged, nothing was loaded: load "
                                          "an older checkpoint with accelerator.load_state(<path>)")
             elif self.verify:
-                _check_zip_records(path, view, self.workers)
+                # (name, offset, size, crc) of every record, from the bytes in memory; raises on a malformed zip
+                spans = [span for span in record_spans(path, view) if span[2]]
+                check_records(path, view, spans, self.workers,
+                              advice="the file is damaged, nothing was loaded: load an older checkpoint")
             self._buffers[name] = (buf, torch.frombuffer(buf, dtype=torch.uint8, count=size).untyped_storage()
                                    if size else torch.UntypedStorage(0))
             view.release()
@@ -385,22 +383,3 @@ def _check_crc32c(path: str, size: int, want: int, workers: int, earlier: str = 
         raise IntegrityError(f"{path}: checksum mismatch (CRC32C {got:#010x}, the manifest says {want:#010x}); "
                              f"the file is damaged, {loaded}: load an older checkpoint with "
                              "accelerator.load_state(<path>)")
-
-
-def _check_zip_records(path: str, view: memoryview, workers: int) -> None:
-    """A stock torch file (in ``view``): each storage record against the CRC-32 of its zip entry, on ``workers``
-    threads; ``IntegrityError`` naming the file."""
-    spans = [s for s in record_spans(path) if s[2]]  # (name, offset, size, crc); raises on a malformed zip
-
-    def one(span: tuple[str, int, int, int]) -> None:
-        name, offset, n, want = span
-        if offset + n > len(view):
-            raise IntegrityError(f"{path}: record {name!r} runs past the end of the file (truncated)")
-        got = _zip_crc32(view[offset:offset + n]) & 0xFFFFFFFF
-        if want and got != want:  # 0: written with torch's CRC option off, nothing to check against
-            raise IntegrityError(f"{path}: record {name!r} has CRC-32 {got:08x}, its zip entry says {want:08x}; "
-                                 "the file is damaged, nothing was loaded: load an older checkpoint")
-
-    with ThreadPoolExecutor(workers, thread_name_prefix="fastckpt-accel-check") as pool:
-        for fut in [pool.submit(one, s) for s in sorted(spans, key=lambda s: -s[2])]:
-            fut.result()
