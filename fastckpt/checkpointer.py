@@ -795,6 +795,8 @@ class Checkpointer:
             self._uploader = None
         self._priorities.close()
         if drained:
+            if self._coord is not None:
+                self._coord.close()  # every commit is done: its private group's threads can be joined
             self._arena.close()  # else a stalled writer still reads its slot: the buffers go with the process
             if self._root_lock is not None:
                 self._root_lock.release()  # after the last commit and retention: the next writer may start

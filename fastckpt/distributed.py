@@ -98,6 +98,23 @@ class Coordinator:
         self._nonce = box[0]
         self._saves = 0
 
+    def close(self) -> None:
+        """Destroy the private group once its last collective is done (``Checkpointer.close``, after the drain).
+
+        Why now: a gloo worker thread drops its finished work a moment after the caller's ``wait()`` returns,
+        and that drop releases the tensors' Python objects, which needs the GIL. If the interpreter is already
+        finalizing (a script that ended with a save in flight, flushed by the exit hook), the thread cannot take
+        the GIL and the process aborts ("terminate called without an active exception", pytorch#190489).
+        Destroying the group drains its queue and joins its threads while the interpreter is alive.
+        """
+        group, self.group = self.group, None
+        if group is None:
+            return
+        try:
+            dist.destroy_process_group(group)
+        except (ValueError, RuntimeError) as e:  # the user destroyed every group first: nothing left to join
+            log.debug("fastckpt: the private process group was already gone: %s", e)
+
     def next_uid(self) -> str:
         """Called by ``save()`` on every rank, in the same order."""
         self._saves += 1

@@ -137,3 +137,32 @@ def _eager_from_rank0(rank: int, world: int, root: str) -> None:
 
 def test_eager_tensors_come_from_rank_zero(tmp_path) -> None:
     run_ranks(_eager_from_rank0, 2, str(tmp_path / "ckpt"))
+
+
+def _gloo_worker_threads() -> int:
+    """Threads gloo starts per process group (two by default), named by torch."""
+    tasks = Path("/proc/self/task")
+    return sum((t / "comm").read_text().strip() == "pt_gloo_runloop" for t in tasks.iterdir())
+
+
+def _close_joins_private_group(rank: int, world: int, root: str) -> None:
+    import weakref
+
+    from torch.distributed.distributed_c10d import _world
+
+    ckpt = Checkpointer(CheckpointConfig(root=root), distributed=True)
+    private = weakref.ref(ckpt._coord.group)
+    gloo = weakref.ref(ckpt._coord.group._get_backend(torch.device("cpu")))
+    assert private() in _world.pg_map  # its own group, with its own worker threads
+    ckpt.save({"w": torch.arange(10.0)}, step=0).wait()
+    threads = _gloo_worker_threads()
+    ckpt.close()
+    # Destroyed and joined at close(): no thread is left to drop a finished work (Python objects) while the
+    # interpreter finalizes, which aborts the process (pytorch#190489).
+    assert private() is None and gloo() is None
+    assert _gloo_worker_threads() < threads
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads through Linux's /proc")
+def test_close_destroys_the_private_group_and_joins_its_threads(tmp_path) -> None:
+    run_ranks(_close_joins_private_group, 2, str(tmp_path / "ckpt"))
