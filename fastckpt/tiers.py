@@ -297,14 +297,20 @@ class ShmTier:
                 except FastCkptError as e:
                     log.warning("fastckpt: ignoring the committed snapshot at %s: %s", slot_dir, e)
 
-    def buffers(self, rec: StagedRecord) -> tuple[list[object], dict[int, torch.Tensor]]:
-        """Map ``rec``'s shard buffers (unverified: the loader checks every tensor's CRC as it copies it)."""
-        keep, out = [], {}
-        for shard in rec.plan.mine(rec.plan.shards):
-            k, buf = _open_buffer(os.path.join(rec.dir, _buffer_name(shard.index)), shard.nbytes)
-            keep.append(k)
-            out[shard.index] = buf
-        return keep, out
+    def buffer_files(self, rec: StagedRecord) -> dict[int, int]:
+        """Open ``rec``'s shard buffers for reading (descriptors the caller closes), checked as ``buffers`` maps
+        them. A restarted process copies out of them with ``pread``: no mapping to fault in page by page and
+        tear down afterwards (1.48 GB: 0.15-0.16 s against 0.18-0.19 s copied out of a fresh mapping, plus
+        ~45 ms of unmapping, both with the CRC of every step; shared 2-core VM)."""
+        out: dict[int, int] = {}
+        try:
+            for shard in rec.plan.mine(rec.plan.shards):
+                out[shard.index] = _open_buffer_fd(os.path.join(rec.dir, _buffer_name(shard.index)), shard.nbytes)
+        except BaseException:
+            for fd in out.values():
+                os.close(fd)
+            raise
+        return out
 
     def discard(self, slot_dir: str, why: BaseException | str) -> None:
         """Drop a staged snapshot that will not be recovered, loudly."""
@@ -334,9 +340,20 @@ class ShmTier:
 
 def _open_buffer(path: str, nbytes: int) -> tuple[object, torch.Tensor]:
     """Map an existing staging buffer; never create one (a missing shard must not read as zeros)."""
+    fd = _open_buffer_fd(path, nbytes)
+    try:
+        mm = mmap.mmap(fd, max(nbytes, 1), mmap.MAP_SHARED)
+    finally:
+        os.close(fd)
+    return mm, torch.frombuffer(mm, dtype=torch.uint8)
+
+
+def _open_buffer_fd(path: str, nbytes: int) -> int:
+    """Open an existing staging buffer (read-write: ``_open_buffer`` maps it shared), checked to be a regular
+    file of the staged size."""
     size = max(nbytes, 1)
     try:
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as e:
         raise IntegrityError(f"{path}: the staged buffer cannot be opened ({e}); the snapshot is incomplete") from e
     try:
@@ -344,10 +361,10 @@ def _open_buffer(path: str, nbytes: int) -> tuple[object, torch.Tensor]:
         if not stat.S_ISREG(st.st_mode) or st.st_size != size:
             raise IntegrityError(f"{path}: the staged buffer is not a regular file of {size} bytes "
                                  f"(found {st.st_size}); the snapshot is incomplete or was altered")
-        mm = mmap.mmap(fd, size, mmap.MAP_SHARED)
-    finally:
+    except BaseException:
         os.close(fd)
-    return mm, torch.frombuffer(mm, dtype=torch.uint8)
+        raise
+    return fd
 
 
 def _read_record(path: str) -> bytes | None:
