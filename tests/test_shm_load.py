@@ -4,6 +4,7 @@ shards from disk; the nearest tier that holds the committed step serves the load
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -109,3 +110,31 @@ def test_a_snapshot_of_another_save_of_the_same_name_is_not_used(dirs) -> None:
         got = ck.load(step=1)
         assert ck.last_load_stats.tier == "local"
     assert torch.equal(got["model"]["0.weight"], m.state_dict()["0.weight"])
+
+
+def _open_fds() -> int:
+    return len(list(Path("/proc/self/fd").iterdir()))
+
+
+def test_a_buffer_cut_short_while_it_is_read_falls_back_and_leaks_no_descriptor(dirs, caplog, monkeypatch) -> None:
+    from fastckpt.tiers import ShmTier
+
+    root, shm = dirs
+    _committed_then_killed(root, shm, steps=1)
+    opened = ShmTier.buffer_files
+
+    def then_cut(self, rec):  # another process shrinks a buffer after the checks at open
+        fds = opened(self, rec)
+        fd = max(fds.values(), key=lambda f: os.fstat(f).st_size)
+        os.ftruncate(fd, os.fstat(fd).st_size // 2)
+        return fds
+
+    monkeypatch.setattr(ShmTier, "buffer_files", then_cut)
+    storage = CountingStorage(str(root))
+    with Checkpointer(kids.config(str(root), str(shm)), storage=storage) as ck:
+        before = _open_fds()
+        with caplog.at_level(logging.WARNING, logger="fastckpt"):
+            assert_bit_equal(kids.expected(1), ck.load(step=1))
+        assert ck.last_load_stats.tier == "local" and storage.shard_reads > 0
+        assert _open_fds() == before  # the buffers' descriptors are closed on the failure path too
+    assert any("shared memory failed" in r.getMessage() and "ended early" in r.getMessage() for r in caplog.records)
