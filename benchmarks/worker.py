@@ -27,6 +27,7 @@ def _tasks() -> dict[str, Callable[..., dict[str, Any]]]:
         "restore_load": restore.task_restore_load,
         "restore_shm_save": restore.task_restore_shm_save,
         "restore_memcpy": restore.task_restore_memcpy,
+        "restore_raw_read": restore.task_restore_raw_read,
         "restore_s3_whole": restore.task_restore_s3_whole,
     }
 
