@@ -119,14 +119,19 @@ def tree_bytes(path: Path) -> int:
 
 
 def drop_cache(path: Path) -> None:
-    """Evict ``path``'s (clean) pages from the page cache: fsync, then POSIX_FADV_DONTNEED per file."""
+    """Evict the (clean) pages of every file under ``path`` from the page cache."""
     for p in files_under(path):
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        drop_file_cache(p)
+
+
+def drop_file_cache(path: Any) -> None:
+    """Evict one file's pages from the page cache (fsync, then POSIX_FADV_DONTNEED): its next read is cold."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
 
 
 def warm_cache(path: Path, piece: int = 64 << 20) -> None:

@@ -102,7 +102,13 @@ def _until_gloo_lets_go(tensors: list[torch.Tensor]) -> Iterator[None]:
         if time.monotonic() > deadline:
             log.debug("fastckpt: a gloo worker thread still held a finished collective after %ss", _RELEASE_TIMEOUT_S)
             return
-        time.sleep(0.0002)  # gives the GIL away: the worker thread needs it to let go
+        _pause()
+
+
+def _pause() -> None:
+    # A condition with no event to wait on (nothing signals when a C++ thread drops a reference): give the
+    # GIL away briefly, which the worker thread needs to let go, then look again.
+    time.sleep(0.0002)
 
 
 def _python_refs(tensors: list[torch.Tensor]) -> list[int]:

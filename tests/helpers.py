@@ -118,10 +118,7 @@ def listed(root: Any) -> list[str]:
 
 
 def drop_page_cache(path: Any) -> None:
-    """Evict ``path`` from the page cache (fsync, then POSIX_FADV_DONTNEED): the next read of it is cold."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    """Evict the file ``path`` from the page cache: the next read of it is cold (the benchmarks' own way)."""
+    from benchmarks.measure import drop_file_cache
+
+    drop_file_cache(path)

@@ -4,20 +4,33 @@ their tensors: a thread that drops them after the interpreter began to finalize 
 from __future__ import annotations
 
 import threading
-import time
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from fastckpt_accelerate import distributed
 from fastckpt_accelerate.distributed import _until_gloo_lets_go, all_gather, broadcast_from_main
 from tests.dist_launcher import run_ranks
 
+_PAUSE = distributed._pause
 
-def _drop_later(holder: list, dropped: threading.Event) -> threading.Thread:
+
+def _drop_once_waited(holder: list, dropped: threading.Event) -> threading.Thread:
+    """A thread that drops ``holder``'s references once the block is seen waiting for them (its first pause):
+    a block that returned without waiting never pauses, so the drop comes after its end and the test fails."""
+    waiting = threading.Event()
+    pause = distributed._pause
+
+    def pause_and_tell() -> None:
+        waiting.set()
+        pause()
+
+    distributed._pause = pause_and_tell
+
     def drop() -> None:
-        time.sleep(0.05)  # orders the drop after the block's end; the assertion does not depend on its length
+        waiting.wait(timeout=30)
         dropped.set()
         holder.clear()
 
@@ -26,13 +39,20 @@ def _drop_later(holder: list, dropped: threading.Event) -> threading.Thread:
     return thread
 
 
+def _restore_pause() -> None:
+    distributed._pause = _PAUSE
+
+
 def test_waits_while_another_python_reference_is_held() -> None:
     tensor, holder, dropped = torch.zeros(4), [], threading.Event()
-    with _until_gloo_lets_go([tensor]):
-        holder.append(tensor)  # as a worker's reference would be
-        thread = _drop_later(holder, dropped)
-    assert dropped.is_set()  # returned only after the other thread let go
-    thread.join()
+    try:
+        with _until_gloo_lets_go([tensor]):
+            holder.append(tensor)  # as a worker's reference would be
+            thread = _drop_once_waited(holder, dropped)
+        assert dropped.is_set()  # returned only after the other thread let go
+    finally:
+        _restore_pause()
+        thread.join()
 
 
 def _exchanges(rank: int, world: int) -> None:
@@ -49,12 +69,15 @@ def _exchanges(rank: int, world: int) -> None:
     tensor = torch.arange(4.0) + rank
     outputs = [torch.empty(4) for _ in range(world)]
     works, dropped = [], threading.Event()
-    with _until_gloo_lets_go([tensor, *outputs]):
-        works.append(dist.all_gather(outputs, tensor, async_op=True))
-        works[0].wait()
-        thread = _drop_later(works, dropped)
-    assert dropped.is_set()
-    thread.join()
+    try:
+        with _until_gloo_lets_go([tensor, *outputs]):
+            works.append(dist.all_gather(outputs, tensor, async_op=True))
+            works[0].wait()
+            thread = _drop_once_waited(works, dropped)
+        assert dropped.is_set()
+    finally:
+        _restore_pause()
+        thread.join()
     assert all(torch.equal(outputs[r], torch.arange(4.0) + r) for r in range(world))
 
 
