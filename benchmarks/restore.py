@@ -208,6 +208,8 @@ def task_restore_raw_read(root: str, reps: int = 3) -> dict[str, Any]:
     import mmap as _mmap
     from concurrent.futures import ThreadPoolExecutor
 
+    from fastckpt.readers import pread_all
+
     files = sorted(str(p) for p in (Path(root) / "fc").rglob("shard-*.safetensors"))
     sizes = [os.path.getsize(f) - os.path.getsize(f) % 4096 for f in files]  # O_DIRECT: whole pages
     bufs = [_mmap.mmap(-1, max(n, 1)) for n in sizes]
@@ -221,9 +223,7 @@ def task_restore_raw_read(root: str, reps: int = 3) -> dict[str, Any]:
 
         def one(piece: tuple[int, int, int], fds: list[int] = fds) -> None:
             k, at, n = piece
-            view, got = memoryview(bufs[k])[at: at + n], 0
-            while got < n:
-                got += os.preadv(fds[k], [view[got:]], at + got)
+            pread_all(fds[k], memoryview(bufs[k])[at: at + n], at)
 
         t0 = time.perf_counter()
         with ThreadPoolExecutor(8) as pool:

@@ -44,7 +44,7 @@ from .errors import IntegrityError, StorageError
 from .storage import LocalStorage, Storage
 
 __all__ = ["PIECE_BYTES", "LOCAL_PIECE_BYTES", "READS_IN_FLIGHT", "COPY_STEP", "Piece", "Range", "read_ranges",
-           "tensor_bytes", "split", "prefetch"]
+           "tensor_bytes", "split", "prefetch", "pread_all"]
 
 PIECE_BYTES = 16 << 20  # the remote tier's ranged-GET size too: big enough to amortise a request
 # Raw cold O_DIRECT reads of the 1.48 GB shards on 8 threads (one process, medians of 3 on the shared VM):
@@ -197,14 +197,14 @@ class _Job:
             fd = self._fd(r.path, direct=True)
             if fd is not None:
                 try:
-                    _pread_all(fd, out[:cut], offset)
+                    pread_all(fd, out[:cut], offset)
                     out, offset = out[cut:], offset + cut  # the sub-page tail (end of file) goes buffered
                 except OSError as e:
                     if e.errno != errno.EINVAL:
                         raise
                     self.direct_refused.add(r.path)  # accepted at open, refused at read (some FUSE mounts)
         if len(out):
-            _pread_all(self._fd(r.path, direct=False), out, offset)  # type: ignore[arg-type]
+            pread_all(self._fd(r.path, direct=False), out, offset)  # type: ignore[arg-type]
 
     def _fd(self, path: str, direct: bool) -> int | None:
         """The descriptor of ``path`` (one per file and mode); None if O_DIRECT is refused there."""
@@ -247,7 +247,9 @@ class _Job:
         self.fds.clear()
 
 
-def _pread_all(fd: int, out: memoryview, offset: int) -> None:
+def pread_all(fd: int, out: memoryview, offset: int) -> None:
+    """Fill ``out`` from ``fd`` at ``offset`` (``preadv`` until full: no seek, thread-safe); ``EOFError`` if the
+    file ends first."""
     got = 0
     while got < len(out):
         n = os.preadv(fd, [out[got:]], offset + got)

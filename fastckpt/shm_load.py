@@ -29,10 +29,10 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
-
 from .errors import FastCkptError, IntegrityError
 from .load_into import read_into
 from .loadstats import LoadStats
+from .readers import pread_all
 from .shm_record import StagedRecord
 
 if TYPE_CHECKING:
@@ -70,12 +70,11 @@ class _ShmShards:
         i = bisect.bisect_right(rows, (offset, float("inf"))) - 1
         start, nbytes, shard, at = rows[i]
         assert start <= offset and offset + len(out) <= start + nbytes, "a piece crosses a tensor"
-        fd, pos, got = self._fds[shard], at + offset - start, 0
-        while got < len(out):
-            n = os.preadv(fd, [out[got:]], pos + got)
-            if not n:  # the buffer file shrank under us: not the snapshot that was checked
-                raise IntegrityError(f"the staged buffer of {path.rsplit('/', 1)[-1]} ended early in shared memory")
-            got += n
+        try:
+            pread_all(self._fds[shard], out, at + offset - start)
+        except EOFError as e:  # the buffer file shrank under us: not the snapshot that was checked
+            raise IntegrityError(f"the staged buffer of {path.rsplit('/', 1)[-1]} ended early in shared memory "
+                                 f"({e})") from e
 
     def close(self) -> None:
         fds, self._fds = self._fds, {}

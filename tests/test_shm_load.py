@@ -126,7 +126,7 @@ def test_a_buffer_cut_short_while_it_is_read_falls_back_and_leaks_no_descriptor(
     def then_cut(self, rec):  # another process shrinks a buffer after the checks at open
         fds = opened(self, rec)
         fd = max(fds.values(), key=lambda f: os.fstat(f).st_size)
-        os.ftruncate(fd, os.fstat(fd).st_size // 2)
+        os.truncate(os.readlink(f"/proc/self/fd/{fd}"), os.fstat(fd).st_size // 2)  # by name, as another would
         return fds
 
     monkeypatch.setattr(ShmTier, "buffer_files", then_cut)
@@ -138,3 +138,19 @@ def test_a_buffer_cut_short_while_it_is_read_falls_back_and_leaks_no_descriptor(
         assert ck.last_load_stats.tier == "local" and storage.shard_reads > 0
         assert _open_fds() == before  # the buffers' descriptors are closed on the failure path too
     assert any("shared memory failed" in r.getMessage() and "ended early" in r.getMessage() for r in caplog.records)
+
+
+def test_a_symlinked_buffer_of_a_committed_snapshot_is_not_read(dirs, caplog) -> None:
+    root, shm = dirs
+    _committed_then_killed(root, shm, steps=1)
+    buf = sorted(p for p in shm.rglob("shard-*.bin") if p.stat().st_size > 1000)[0]
+    elsewhere = root.parent / "elsewhere.bin"
+    elsewhere.write_bytes(buf.read_bytes())  # the same bytes: only the link gives it away
+    buf.unlink()
+    buf.symlink_to(elsewhere)
+    storage = CountingStorage(str(root))
+    with Checkpointer(kids.config(str(root), str(shm)), storage=storage) as ck:
+        with caplog.at_level(logging.INFO, logger="fastckpt"):
+            assert_bit_equal(kids.expected(1), ck.load(step=1))
+        assert ck.last_load_stats.tier == "local" and storage.shard_reads > 0
+    assert any("cannot use the snapshot" in r.getMessage() and buf.name in r.getMessage() for r in caplog.records)
