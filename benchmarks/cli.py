@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .labels import own_run_label
+
 REPO = Path(__file__).resolve().parent.parent
 
 __all__ = ["measure", "markdown"]
@@ -38,8 +40,6 @@ def markdown(res: dict[str, Any] | None) -> list[str]:
         return []
     if not res.get("ok"):
         return ["## Command line", "", f"`fastckpt --help`: n/a ({res.get('error')})", ""]
-    from .report import own_run_label
-
     r = res["result"]
     return ["## Command line", ""] + own_run_label(res.get("meta")) + [
             f"`fastckpt --help` answers in **{r['cli_help_s'] * 1000:.0f} ms** (min of {r['reps']} fresh "

@@ -10,6 +10,7 @@ from typing import Any
 
 from . import frameworks, peers
 from .cli import markdown as cli_markdown
+from .labels import own_run_label
 from .measure import stall_estimate
 
 GB = 1e9
@@ -389,18 +390,6 @@ def console_table(s: dict[str, Any]) -> str:
         lines.append(f"  [{mark:>7}] {t['name']}: {t['measured']} (target {t['target']})"
                      + (f" - {t['note']}" if t.get("note") else ""))
     return "\n".join(lines)
-
-
-def own_run_label(meta: dict[str, Any] | None) -> list[str]:
-    """The line that labels a section measured by a later run of its own (``--merge-into``), or nothing."""
-    if not meta:
-        return []
-    return [f"> Measured by its own {'QUICK smoke ' if meta.get('quick') else ''}run: `{meta.get('command')}` "
-            f"on {meta.get('started')} "
-            f"({meta.get('cpu')}, {meta.get('logical_cpus')} logical cores, fastckpt git "
-            f"{meta.get('git', {}).get('commit', '?')}; load average {meta.get('loadavg_start', [0])[0]:.1f} at "
-            f"the start and {meta.get('loadavg_end', [0])[0]:.1f} at the end), not by the run above. Compare "
-            "ratios, not absolute times.", ""]
 
 
 def markdown(results: dict[str, Any], s: dict[str, Any], chart_rel: str) -> str:

@@ -36,7 +36,7 @@ from .measure import Trainer, drop_cache, first_difference, reset_hwm, rss, tree
 LOADERS: dict[str, tuple[str, str, bool]] = {
     "torch_load": ("torch.load", "torch.pt", False),
     "dcp_load": ("DCP load (in place)", "dcp", True),
-    "torchzip": ("fastckpt.torchzip (the same torch file)", "torch.pt", False),
+    "torchzip": ("fastckpt.read.torchzip (the same torch file)", "torch.pt", False),
     "fastckpt_load": ("fastckpt load(), local", "fc", False),
     "fastckpt_load_into": ("fastckpt load_into(), local", "fc", True),
     "fastckpt_shm": ("fastckpt load(), shm tier", "fc_shm", False),
@@ -121,7 +121,7 @@ def _loader(loader: str, root: Path, shm_dir: str, s3: dict | None, template: An
     if loader == "torch_load":
         return lambda: torch.load(root / "torch.pt", map_location="cpu", weights_only=True), None
     if loader == "torchzip":
-        from fastckpt.torchzip import load_torch_file
+        from fastckpt.read.torchzip import load_torch_file
 
         return lambda: load_torch_file(str(root / "torch.pt")), None
     if loader == "dcp_load":
@@ -208,7 +208,7 @@ def task_restore_raw_read(root: str, reps: int = 3) -> dict[str, Any]:
     import mmap as _mmap
     from concurrent.futures import ThreadPoolExecutor
 
-    from fastckpt.readers import pread_all
+    from fastckpt.read.readers import pread_all
 
     files = sorted(str(p) for p in (Path(root) / "fc").rglob("shard-*.safetensors"))
     sizes = [os.path.getsize(f) - os.path.getsize(f) % 4096 for f in files]  # O_DIRECT: whole pages

@@ -6,6 +6,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from .labels import own_run_label
 from .restore import LOADERS
 
 
@@ -71,10 +72,6 @@ def _first(row: dict[str, Any]) -> str:
 
 def restore_markdown(res: dict[str, Any]) -> list[str]:
     """The report's restore section: one row per loader, cold and warm, with peak RSS and the serving tier."""
-    from .restore import LOADERS
-
-    from .report import own_run_label
-
     md = ["## Restore (issue 13)", ""] + own_run_label(res.get("meta")) + [
           "Each load in a fresh process; cold = the files' pages dropped first (fsync + POSIX_FADV_DONTNEED), "
           "warm = read once before. Peak RSS = VmHWM above the process's RSS before the call (a template "

@@ -1,4 +1,4 @@
-"""fastckpt: nearly free checkpointing for PyTorch training.
+"""fastckpt: nearly free checkpointing for PyTorch training. This module is the public API (``__all__``).
 
 The public names are imported on first use (PEP 562): ``import fastckpt`` stays cheap, so the
 ``fastckpt`` command answers ``--help`` without importing torch.
@@ -13,25 +13,25 @@ __version__ = "0.1.0"
 # public name -> the module that defines it
 _EXPORTS = {
     "Checkpointer": ".checkpointer",
-    "WatchHandle": ".checkpointer",
+    "WatchHandle": ".engine.saver",
     "CheckpointConfig": ".config",
     "StagingOptions": ".config",
     "PersistOptions": ".config",
     "RetentionOptions": ".config",
     "RemoteOptions": ".config",
     "NetworkOptions": ".config",
-    "SaveHandle": ".handle",
-    "SaveStats": ".handle",
-    "CheckpointInfo": ".handle",
-    "CheckpointReader": ".loader",
-    "LoadStats": ".loadstats",
-    "load_checkpoint": ".loader",
-    "is_checkpoint": ".loader",
-    "consolidate": ".consolidate",
-    "Storage": ".storage",
-    "LocalStorage": ".storage",
-    "FsspecStorage": ".storage",
-    "open_storage": ".storage",
+    "SaveHandle": ".engine.handle",
+    "SaveStats": ".engine.handle",
+    "CheckpointInfo": ".format.layout",
+    "CheckpointReader": ".read.loader",
+    "LoadStats": ".read.loadstats",
+    "load_checkpoint": ".read.loader",
+    "is_checkpoint": ".read.loader",
+    "consolidate": ".read.consolidate",
+    "Storage": ".storage.protocol",
+    "LocalStorage": ".storage.local",
+    "FsspecStorage": ".storage.fsspec",
+    "open_storage": ".storage.protocol",
     "FastCkptError": ".errors",
     "ConfigError": ".errors",
     "StorageError": ".errors",
@@ -51,7 +51,7 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
         globals()[name] = value  # the next lookup is a plain attribute
         return value
-    try:  # ``fastckpt.checksum.crc32c`` after a bare ``import fastckpt``, as with eager imports
+    try:  # ``fastckpt.config`` after a bare ``import fastckpt``, as with eager imports
         return importlib.import_module(f".{name}", __name__)
     except ModuleNotFoundError as e:
         if e.name != f"{__name__}.{name}":
@@ -64,14 +64,18 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # type checkers and IDEs see the eager imports
-    from .checkpointer import Checkpointer, WatchHandle
+    from .checkpointer import Checkpointer
+    from .engine.saver import WatchHandle
     from .config import (CheckpointConfig, NetworkOptions, PersistOptions, RemoteOptions, RetentionOptions,
                          StagingOptions)
     from .errors import (CheckpointNotFoundError, CheckpointTimeoutError, ConfigError, FastCkptError,
                          IntegrityError, SnapshotMutatedError, StateMismatchError, StorageError,
                          UnsafeCheckpointError)
-    from .handle import CheckpointInfo, SaveHandle, SaveStats
-    from .consolidate import consolidate
-    from .loader import CheckpointReader, is_checkpoint, load_checkpoint
-    from .loadstats import LoadStats
-    from .storage import FsspecStorage, LocalStorage, Storage, open_storage
+    from .format.layout import CheckpointInfo
+    from .engine.handle import SaveHandle, SaveStats
+    from .read.consolidate import consolidate
+    from .read.loader import CheckpointReader, is_checkpoint, load_checkpoint
+    from .read.loadstats import LoadStats
+    from .storage.fsspec import FsspecStorage
+    from .storage.local import LocalStorage
+    from .storage.protocol import Storage, open_storage

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .errors import ConfigError
-from .priority import PRIORITIES
 
 __all__ = [
     "CheckpointConfig",
@@ -25,11 +24,15 @@ __all__ = [
     "RetentionOptions",
     "RemoteOptions",
     "NetworkOptions",
+    "SECTIONS",
 ]
 
 _MODES = ("lazy", "eager")
 _WHEN_BUSY = ("wait", "skip")
 _DIRECT_IO = ("auto", "on", "off")
+
+# The CPU priorities ``persist.priority`` accepts (engine/priority.py applies them).
+PRIORITIES = ("idle", "low", "normal")
 
 
 class _Freezable:
@@ -134,7 +137,7 @@ class PersistOptions(_Freezable):
     priority: str = "idle"
     """CPU priority of the I/O, commit and upload threads: ``idle`` (SCHED_IDLE: only CPU time training
     leaves over), ``low`` (nice 19) or ``normal``. The copy thread always runs at normal priority. While
-    persistence falls behind they run at the training thread's priority (fastckpt/priority.py)."""
+    persistence falls behind they run at the training thread's priority (fastckpt/engine/priority.py)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.direct_io, bool):  # YAML 1.1 reads a bare on/off as true/false
@@ -229,7 +232,9 @@ class NetworkOptions(_Freezable):
         _check_seconds("network.", "backoff_s", self.backoff_s, 0.0)
 
 
-_SECTIONS: dict[str, type] = {
+# The nested sections of ``CheckpointConfig``: field name -> its dataclass (built from a mapping by name;
+# ``tools/configref`` documents each).
+SECTIONS: dict[str, type] = {
     "staging": StagingOptions,
     "persist": PersistOptions,
     "retention": RetentionOptions,
@@ -256,7 +261,7 @@ class CheckpointConfig(_Freezable):
     orphan_grace_s: float | None = 3600.0
     """A folder left under ``root`` by a save that died before its commit is removed by the next Checkpointer
     (and ``fastckpt gc``) once nothing in it changed for this long and, on a local root, no live writer holds
-    the root; null never removes them (see fastckpt/gc.py)."""
+    the root; null never removes them (see fastckpt/tiers/gc.py)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.root, Path):
@@ -274,7 +279,7 @@ class CheckpointConfig(_Freezable):
         g = self.orphan_grace_s
         if g is not None and (isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 <= g < float("inf")):
             raise ConfigError(f"orphan_grace_s must be a number of seconds >= 0 or null, got {g!r}")
-        for name, cls in _SECTIONS.items():
+        for name, cls in SECTIONS.items():
             value = getattr(self, name)
             if isinstance(value, Mapping):
                 setattr(self, name, _build_section(name, cls, value))

@@ -39,7 +39,7 @@ import fastckpt.errors as errors
 from fastckpt import CheckpointConfig, Checkpointer, RemoteOptions, load_checkpoint
 from fastckpt.errors import (CheckpointNotFoundError, ConfigError, FastCkptError, IntegrityError,
                              UnsafeCheckpointError)
-from fastckpt.exithook import register_exit_hook
+from fastckpt.engine.exithook import register_exit_hook
 
 from . import naming
 from .distributed import all_gather, broadcast_from_main, can_share_writes
@@ -455,7 +455,7 @@ def _wait_for_saves_of(path: str, *, under: bool = False) -> None:
         for handle in list(other._in_flight):
             saved = naming.normalize(handle.path)
             if (saved == path or (under and _under(saved, path))) and not handle.done():
-                concurrent.futures.wait([handle._durable])  # not wait(): its error stays its owner's to raise
+                concurrent.futures.wait([handle.durable])  # not wait(): its error stays its owner's to raise
 
 
 def _looks_like_accelerate(path: str) -> bool:

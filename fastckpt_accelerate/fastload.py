@@ -6,9 +6,9 @@ Stock ``load_state`` stays in charge of *what* is restored and in which order (l
 functions it reads files with are replaced for the duration of the call (``foreign.load_accelerate_folder``):
 
 - ``accelerate.checkpointing.load_model`` (safetensors' ``load_model``), for ``model.safetensors``: the header is
-  parsed, each tensor's byte range is read (``fastckpt.readers.read_ranges``: parallel ``preadv``) into the
+  parsed, each tensor's byte range is read (``fastckpt.read.readers.read_ranges``: parallel ``preadv``) into the
   storage of the parameter or buffer it belongs to, each piece's CRC32C is taken by the thread that read it, and
-  the pieces' values are combined (``fastckpt.checksum.combine``) with the header's into the file's CRC32C, which
+  the pieces' values are combined (``fastckpt.format.checksum.combine``) with the header's into the file's CRC32C, which
   the manifest lists. Where the model is not a plain CPU module that takes the file as it is (a key, shape or
   dtype mismatch, tied weights stored twice, load_state_dict hooks, a custom ``_load_from_state_dict``, CUDA
   tensors, a file layout with holes) the file is checked by a pass over a mapping and stock ``load_model`` reads
@@ -47,13 +47,13 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase  # torch's BatchNorm base: its loader is checked below
 
-from fastckpt.checksum import combine, crc32c
+from fastckpt import LocalStorage
+from fastckpt.format.checksum import combine, crc32c
 from fastckpt.errors import IntegrityError
-from fastckpt.plan import st_dtype
-from fastckpt.readers import PIECE_BYTES, Range, prefetch, read_ranges, tensor_bytes
-from fastckpt.storage import LocalStorage
-from fastckpt.torchfile import is_zip, record_spans
-from fastckpt.torchzip import check_records
+from fastckpt.format.safetensorsfile import st_dtype
+from fastckpt.read.readers import PIECE_BYTES, Range, prefetch, read_ranges, tensor_bytes
+from fastckpt.format.torchfile import is_zip, record_spans
+from fastckpt.read.torchzip import check_records
 
 __all__ = ["FolderReader", "LoadStateStats"]
 

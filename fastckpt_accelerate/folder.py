@@ -2,7 +2,7 @@
 
 A folder fastckpt wrote in Accelerate's native format holds the stock files plus ``manifest.json``
 (``"layout": "files"``: each file's size and CRC32C), written last: its presence is the commit. While a save
-runs, the folder holds ``.fastckpt-pending`` (``fastckpt.bundle``); stock Accelerate would read the partial files
+runs, the folder holds ``.fastckpt-pending`` (``fastckpt.format.bundle``); stock Accelerate would read the partial files
 of a killed save, fastckpt refuses them. Older fastckpt versions wrote the core layout (shards + manifest).
 """
 from __future__ import annotations
@@ -12,11 +12,11 @@ import tempfile
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-from fastckpt.bundle import PENDING
+from fastckpt import open_storage
+from fastckpt.format.bundle import PENDING
 from fastckpt.errors import CheckpointNotFoundError, FastCkptError, IntegrityError
-from fastckpt.format import LAYOUT_FILES, MANIFEST, parse_manifest
-from fastckpt.storage import open_storage
-from fastckpt.verify import verify_checkpoint
+from fastckpt.format.layout import LAYOUT_FILES, MANIFEST, parse_manifest
+from fastckpt.read.verify import verify_checkpoint
 
 __all__ = ["CORE", "FILES", "STOCK", "inspect_folder", "local_folder"]
 

@@ -20,7 +20,7 @@ from accelerate.utils import (OPTIMIZER_NAME, RNG_STATE_NAME, SAFE_WEIGHTS_NAME,
                               SCALER_NAME, SCHEDULER_NAME, WEIGHTS_NAME, is_cuda_available, is_xpu_available)
 from accelerate.utils.other import clean_state_dict_for_safetensors
 
-from fastckpt.bundle import SAFETENSORS, TORCH
+from fastckpt.format.bundle import SAFETENSORS, TORCH
 
 __all__ = ["rng_file_state", "stock_files"]
 

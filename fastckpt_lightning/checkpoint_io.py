@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import time
 import warnings
 import weakref
 from collections.abc import Mapping
@@ -22,9 +21,9 @@ from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
 from fastckpt import Checkpointer, CheckpointConfig, SaveHandle, open_storage
-from fastckpt.catalog import Catalog
+from fastckpt.tiers.catalog import Catalog
 from fastckpt.errors import ConfigError, FastCkptError
-from fastckpt.gc import collect_temp_files
+from fastckpt.tiers.gc import collect_temp_files
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.trainer.states import TrainerStatus
@@ -222,7 +221,7 @@ class FastCheckpointIO(CheckpointIO):
         folder, name = split_path(path)
         handle = self._folder(folder, distributed=True).save(checkpoint, step=self._step_of(checkpoint), name=name)
         pending.add(path, handle)
-        handle._durable.add_done_callback(lambda _: self._record(path, handle))
+        handle.durable.add_done_callback(lambda _: self._record(path, handle))
         if not self._overlapping():
             self.teardown()  # as in save_checkpoint: no teardown may follow a save outside a loop
 
@@ -294,7 +293,7 @@ class FastCheckpointIO(CheckpointIO):
         """After a file's save is submitted: make it visible as pending, record its stats once durable, and finish
         it now where nothing follows that it could overlap with."""
         pending.add(path, handle)
-        handle._durable.add_done_callback(lambda _: self._record(path, handle))
+        handle.durable.add_done_callback(lambda _: self._record(path, handle))
         if _REQUEUE_SAVE.fullmatch(name) and self._overlapping():
             # Lightning's SLURM handler saves `hpc_ckpt_N.ckpt`, then asks SLURM to requeue the job, which kills this
             # process: the file must be complete when this returns, as with stock Lightning (and `hpc_save_path`
@@ -308,7 +307,7 @@ class FastCheckpointIO(CheckpointIO):
             self.teardown()
 
     def _record(self, path: str, handle: SaveHandle) -> None:
-        if handle._durable.exception() is None:  # failures are raised, not recorded
+        if handle.durable.exception() is None:  # failures are raised, not recorded
             self._book.add(path, handle.stats)
 
     def _folder(self, url: str, distributed: bool = False) -> Checkpointer:

@@ -4,7 +4,7 @@ Lightning calls ``CheckpointIO.save_checkpoint`` on global rank 0 only and then 
 plugin cannot bring the other ranks into a save: a collective started on rank 0 would wait for ranks sitting in the
 barrier. ``Trainer.save_checkpoint`` runs on every rank, though (``dump_checkpoint``, then
 ``strategy.save_checkpoint``, then the barrier), so this subclass enters the save on every rank, with the path,
-before the barrier. Each rank then writes its share of the one torch file (``fastckpt.sharedfile``): the
+before the barrier. Each rank then writes its share of the one torch file (``fastckpt.engine.sharedfile``): the
 parameters and optimizer state, which DDP keeps identical on every rank, split by bytes; everything else (buffers
 such as BatchNorm's running statistics, which differ per rank, and the pickled loop and callback state) is rank 0's,
 as in a stock save. Rank 0 commits the file once every rank's part is durable.

@@ -1,4 +1,4 @@
-"""Resuming from ``"last"`` in a remote folder.
+"""``FastModelCheckpoint``: resuming from ``"last"`` in a remote folder.
 
 Lightning 2.6 lists the checkpoint folder with ``fs.ls``, which returns remote paths without their protocol
 (``bucket/run/last.ckpt``). It then opens them with the local file system, finds nothing, warns, and silently trains

@@ -33,7 +33,7 @@ def add(path: str, handle: SaveHandle) -> None:
             if _pending.get(key) is handle:
                 del _pending[key]
 
-    handle._durable.add_done_callback(done)
+    handle.durable.add_done_callback(done)
 
 
 def handle_of(path: str) -> Optional[SaveHandle]:
@@ -55,6 +55,6 @@ def wait_for(path: str) -> None:
     if handle is None:
         return
     try:
-        handle._durable.result()
+        handle.durable.result()
     except FastCkptError as e:
         raise StorageError(f"cannot load {path!r}: its save in this process failed: {e}") from e

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 from fastckpt import Storage, open_storage
 from fastckpt.errors import IntegrityError, StorageError
-from fastckpt.paths import plain_name
+from fastckpt.format.paths import plain_name
 
 FORMAT = "fastckpt-lightning-pointer"
 VERSION = 1

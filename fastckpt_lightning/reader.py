@@ -14,13 +14,11 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 import fastckpt
-from fastckpt import open_storage
-
+from fastckpt import LocalStorage, open_storage
 from fastckpt.errors import CheckpointNotFoundError, IntegrityError, StateMismatchError
-from fastckpt.paths import confine
-from fastckpt.storage import LocalStorage
-from fastckpt.torchfile import is_zip, verify_torch_bytes, verify_torch_file
-from fastckpt.torchzip import load_torch_file
+from fastckpt.format.paths import confine
+from fastckpt.format.torchfile import is_zip, verify_torch_bytes, verify_torch_file
+from fastckpt.read.torchzip import load_torch_file
 from lightning.fabric.utilities.cloud_io import _load as torch_load
 
 from fastckpt_lightning import pending

@@ -62,7 +62,7 @@ class LinkWhenLanded:
             return
 
         def link(done: Any) -> None:  # on the committer thread, before any removal queued after this save
-            if done._durable.exception() is None:
+            if done.durable.exception() is None:
                 ModelCheckpoint._link_checkpoint(_RANK_ZERO_ALONE, filepath, linkpath)
 
         handle.add_done_callback(link)

@@ -169,7 +169,7 @@ class GatedStorage:
         self.gate.wait()
         self._inner.write_file(path, parts)
 
-    def write_file_atomic(self, path: str, parts: Any) -> None:  # the native format's files (fastckpt.bundle)
+    def write_file_atomic(self, path: str, parts: Any) -> None:  # the native format's files (fastckpt.format.bundle)
         self.write_started.set()
         self.gate.wait()
         self._inner.write_file_atomic(path, parts)

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from fastckpt import CheckpointConfig, Checkpointer
-from fastckpt.storage import open_storage
+from fastckpt.storage.protocol import open_storage
 from tests.helpers import WrappedStorage
 
 

@@ -9,7 +9,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from fastckpt.storage import Storage
+from fastckpt.storage.protocol import Storage
 
 
 def assert_bit_equal(a: Any, b: Any, path: str = "state") -> None:

@@ -19,7 +19,7 @@ import threading
 import torch
 
 from fastckpt import CheckpointConfig, Checkpointer
-from fastckpt.storage import LocalStorage
+from fastckpt.storage.local import LocalStorage
 from tests.helpers import WrappedStorage
 
 STATE = {"w": torch.full((4096,), 1.0), "b": torch.full((4096,), 2.0)}

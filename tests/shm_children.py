@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fastckpt import CheckpointConfig, Checkpointer, FastCkptError
-from fastckpt.storage import LocalStorage
+from fastckpt.storage.local import LocalStorage
 from tests.helpers import assert_bit_equal, clone_state
 
 _CTX: Any = None

@@ -21,7 +21,7 @@ from accelerate_testing import (GatedStorage, Setup, assert_same, clone, make_ac
 import json
 
 from fastckpt import CheckpointConfig, Checkpointer
-from fastckpt.storage import open_storage
+from fastckpt.storage.protocol import open_storage
 from fastckpt.errors import CheckpointNotFoundError, ConfigError, FastCkptError, IntegrityError
 from tests.helpers import listed as _listed
 

@@ -20,9 +20,9 @@ import fastckpt_accelerate
 from accelerate_testing import (Setup, assert_same, make_accelerator,
                                 closing, fresh_accelerate)  # noqa: F401 (the last two are fixtures)
 from fastckpt.errors import IntegrityError
-from fastckpt.storage import LocalStorage
-from fastckpt.torchfile import record_spans
-from fastckpt.verify import verify_checkpoint
+from fastckpt.storage.local import LocalStorage
+from fastckpt.format.torchfile import record_spans
+from fastckpt.read.verify import verify_checkpoint
 
 pytestmark = pytest.mark.timeout(240)
 REPO = Path(__file__).resolve().parents[1]

@@ -19,8 +19,8 @@ from accelerate_testing import (Setup, assert_same, make_accelerator, reset_acce
                                 closing, fresh_accelerate)  # noqa: F401 (the last two are fixtures)
 from fastckpt import CheckpointConfig, Checkpointer
 from fastckpt.errors import CheckpointNotFoundError, IntegrityError
-from fastckpt.storage import LocalStorage
-from fastckpt.verify import verify_checkpoint
+from fastckpt.storage.local import LocalStorage
+from fastckpt.read.verify import verify_checkpoint
 from fastckpt_accelerate.state import capture_state
 
 pytestmark = pytest.mark.timeout(240)

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from accelerate_testing import assert_same
-from fastckpt.storage import LocalStorage
-from fastckpt.verify import verify_checkpoint
+from fastckpt.storage.local import LocalStorage
+from fastckpt.read.verify import verify_checkpoint
 from tests.helpers import listed as _listed
 
 REPO = Path(__file__).resolve().parents[1]

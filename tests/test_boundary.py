@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from fastckpt import Checkpointer, CheckpointConfig, StateMismatchError, UnsafeCheckpointError
-from fastckpt.codec import MAX_NESTING
+from fastckpt.format.codec import MAX_NESTING
 from tests.helpers import assert_bit_equal, clone_state, listed
 
 

@@ -16,7 +16,7 @@ from safetensors.torch import load as load_safetensors
 
 from fastckpt import CheckpointConfig, Checkpointer
 from fastckpt.cli import main
-from fastckpt.storage import open_storage
+from fastckpt.storage.protocol import open_storage
 from tests import shm_children as kids
 from tests.cli_support import stage_then_hang, state
 from tests.helpers import assert_bit_equal

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from fastckpt import CheckpointConfig, Checkpointer, IntegrityError
-from fastckpt import readers
-from fastckpt.checksum import crc32c
-from fastckpt.pagecache import resident_fraction
-from fastckpt.readers import LOCAL_PIECE_BYTES, Range, read_ranges
-from fastckpt.storage import LocalStorage, aligned_buffer
+from fastckpt.read import readers
+from fastckpt.format.checksum import crc32c
+from fastckpt.read.pagecache import resident_fraction
+from fastckpt.read.readers import LOCAL_PIECE_BYTES, Range, read_ranges
+from fastckpt.storage.local import LocalStorage, aligned_buffer
 from tests.helpers import assert_bit_equal, drop_page_cache
 
 

@@ -10,14 +10,14 @@ import pytest
 pytest.importorskip("lightning")
 pytest.importorskip("accelerate")
 
-from fastckpt import configref  # noqa: E402
+from tools import configref  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def test_committed_reference_matches_the_code() -> None:
     assert (REPO / "docs" / "CONFIG.md").read_text() == configref.render(), (
-        "docs/CONFIG.md is out of date: run `python -m fastckpt.configref`")
+        "docs/CONFIG.md is out of date: run `python -m tools.configref`")
 
 
 def test_every_field_is_documented_with_type_default_and_allowed_values() -> None:
@@ -41,6 +41,6 @@ def test_check_mode_fails_on_drift_and_names_the_fix(tmp_path: Path, capsys) -> 
     assert configref.main(["--check", "--out", str(out)]) == 0
     out.write_text(configref.render().replace("| `persist.workers` | `int` | `2` |", "| `persist.workers` | `int` | `8` |"))
     assert configref.main(["--check", "--out", str(out)]) == 1
-    assert "python -m fastckpt.configref" in capsys.readouterr().err
+    assert "python -m tools.configref" in capsys.readouterr().err
     assert configref.main(["--out", str(out)]) == 0  # regenerating fixes it
     assert configref.main(["--check", "--out", str(out)]) == 0

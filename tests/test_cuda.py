@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from fastckpt import CheckpointConfig, Checkpointer
-from fastckpt.storage import open_storage
+from fastckpt.storage.protocol import open_storage
 from tests.helpers import GatedStorage, assert_bit_equal, clone_state
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none on this machine)")

@@ -9,16 +9,16 @@ import pytest
 import torch
 from torch import nn
 
-import fastckpt.checkpointer as checkpointer_mod
-import fastckpt.pipeline as pipeline_mod
+import fastckpt.engine.saver as checkpointer_mod
+import fastckpt.engine.pipeline as pipeline_mod
 from fastckpt import CheckpointConfig, Checkpointer
 from fastckpt.errors import FastCkptError, IntegrityError
-from fastckpt.handle import SaveHandle, SaveStats
-from fastckpt.maplocation import placer, saved_location
-from fastckpt.plan import Planner, flatten
-from fastckpt.staging import HostArena
-from fastckpt.streams import CopyStreams, record_done, shard_events
-from fastckpt.tiers import ShmTier
+from fastckpt.engine.handle import SaveHandle, SaveStats
+from fastckpt.read.maplocation import placer, saved_location
+from fastckpt.format.plan import Planner, flatten
+from fastckpt.engine.staging import HostArena
+from fastckpt.engine.streams import CopyStreams, record_done, shard_events
+from fastckpt.tiers.shm import ShmTier
 from tests.helpers import assert_bit_equal, clone_state
 
 

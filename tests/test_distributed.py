@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from fastckpt import CheckpointConfig, Checkpointer, StateMismatchError, StorageError
-from fastckpt.storage import open_storage
+from fastckpt.storage.protocol import open_storage
 from tests.dist_launcher import run_ranks
 from tests.helpers import FaultyStorage, WrappedStorage, assert_bit_equal, clone_state
 

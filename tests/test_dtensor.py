@@ -10,7 +10,7 @@ from safetensors import safe_open
 from torch import nn
 
 from fastckpt import CheckpointConfig, Checkpointer, ConfigError, IntegrityError, StateMismatchError, consolidate
-from fastckpt.storage import open_storage
+from fastckpt.storage.protocol import open_storage
 from tests.dist_launcher import run_ranks
 from tests.helpers import WrappedStorage, assert_bit_equal
 

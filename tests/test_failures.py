@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import fastckpt
-from fastckpt.storage import open_storage
+from fastckpt.format.checksum import crc32c
+from fastckpt.storage.protocol import open_storage
 from fastckpt import (
     CheckpointConfig,
     Checkpointer,
@@ -157,7 +158,7 @@ def test_malicious_pickle_is_refused_and_not_executed(tmp_path, monkeypatch) -> 
     obj_file.write_bytes(buf.getvalue())
     # forge the manifest so only the unpickler stands in the way
     man = json.loads((d / "manifest.json").read_text())
-    man["files"][obj_file.name] = {"size": len(buf.getvalue()), "crc32c": fastckpt.checksum.crc32c(buf.getvalue())}
+    man["files"][obj_file.name] = {"size": len(buf.getvalue()), "crc32c": crc32c(buf.getvalue())}
     (d / "manifest.json").write_text(json.dumps(man))
     with pytest.raises(UnsafeCheckpointError, match="allowed_classes"):
         fastckpt.load_checkpoint(str(d), allowed_classes=["builtins.slice"])
@@ -197,7 +198,7 @@ def test_no_checkpoint_gives_clear_error(tmp_path) -> None:
 _KILL_SCRIPT = textwrap.dedent("""
     import os, sys, signal, threading, torch
     from fastckpt import Checkpointer, CheckpointConfig
-    from fastckpt.storage import LocalStorage
+    from fastckpt.storage.local import LocalStorage
     root = sys.argv[1]
     class Stall(LocalStorage):
         def write_atomic(self, path, data):

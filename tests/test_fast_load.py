@@ -13,7 +13,7 @@ import torch
 
 from fastckpt import (CheckpointConfig, Checkpointer, FsspecStorage, IntegrityError, StateMismatchError,
                       StorageError)
-from fastckpt.readers import PIECE_BYTES
+from fastckpt.read.readers import PIECE_BYTES
 from tests.faultproxy import Mode
 from tests.helpers import assert_bit_equal
 

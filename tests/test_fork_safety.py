@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from fastckpt import CheckpointConfig, Checkpointer, FastCkptError
-from fastckpt.storage import LocalStorage
+from fastckpt.storage.local import LocalStorage
 from tests.helpers import GatedStorage
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,7 +123,7 @@ def test_os_fork_child_interpreter_exit_is_prompt(tmp_path) -> None:
     script = textwrap.dedent("""
         import os, sys, threading, torch
         from fastckpt import Checkpointer, CheckpointConfig
-        from fastckpt.storage import LocalStorage
+        from fastckpt.storage.local import LocalStorage
         from tests.helpers import GatedStorage
 
         storage = GatedStorage(LocalStorage(sys.argv[1]))

@@ -1,7 +1,7 @@
 """Hostile checkpoints: planted names, symlinks, crafted tensor tables and manifests, pickled payloads.
 
-Every name read from disk is checked (fastckpt/paths.py), every table row is bounds-checked before
-anything is allocated (fastckpt/table.py), and one bad entry never stops a resume from the root.
+Every name read from disk is checked (fastckpt/format/paths.py), every table row is bounds-checked before
+anything is allocated (fastckpt/format/table.py), and one bad entry never stops a resume from the root.
 Crafted files keep valid checksums (the manifest is rewritten to match) so that only the bounds
 checks can catch them: ``verify_on_load`` off must refuse them too.
 """
@@ -20,10 +20,11 @@ import pytest
 import torch
 
 from fastckpt import CheckpointConfig, Checkpointer, load_checkpoint
-from fastckpt.checksum import crc32c
+from fastckpt.format.checksum import crc32c
 from fastckpt.cli import main
 from fastckpt.errors import IntegrityError, StorageError, UnsafeCheckpointError
-from fastckpt.storage import LocalStorage, open_storage
+from fastckpt.storage.local import LocalStorage
+from fastckpt.storage.protocol import open_storage
 from tests.helpers import assert_bit_equal
 
 STEP_NAME = "step-000000001"

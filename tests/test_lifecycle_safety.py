@@ -18,7 +18,7 @@ import torch
 
 from fastckpt import CheckpointConfig, Checkpointer, ConfigError, IntegrityError, StorageError
 from fastckpt.cli import main as cli_main
-from fastckpt.storage import LocalStorage
+from fastckpt.storage.local import LocalStorage
 from tests.dist_launcher import run_ranks
 from tests.helpers import WrappedStorage
 

@@ -308,8 +308,8 @@ def test_stats_go_to_every_logger_and_to_python(tmp_path):
 
 def hold_copies_until_the_training_thread_waits(monkeypatch) -> None:
     """Background lazy copies park until the training thread blocks on them: every save has a real stall."""
-    import fastckpt.pipeline as pipeline
-    from fastckpt.handle import SaveHandle
+    import fastckpt.engine.pipeline as pipeline
+    from fastckpt.engine.handle import SaveHandle
 
     release = threading.Event()
     real_copy, real_wait = pipeline.copy_entries, SaveHandle.wait_staged
@@ -393,7 +393,7 @@ def test_a_torch_checkpoint_loads_through_the_parallel_verified_reader(tmp_path,
     dict as torch.load, and a damaged record is named instead of loaded."""
     import fastckpt_lightning.reader as reader
     from fastckpt.errors import IntegrityError
-    from fastckpt.torchfile import record_spans
+    from fastckpt.format.torchfile import record_spans
 
     calls = []
     real = reader.load_torch_file

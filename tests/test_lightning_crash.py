@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastckpt.torchfile import verify_torch_file
+from fastckpt.format.torchfile import verify_torch_file
 from lightning_crash_child import state_crc
 
 HERE = Path(__file__).resolve().parent

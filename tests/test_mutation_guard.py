@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from fastckpt import Checkpointer, CheckpointConfig, SnapshotMutatedError
-from fastckpt.storage import open_storage
+from fastckpt.storage.protocol import open_storage
 from tests.helpers import GatedStorage, assert_bit_equal, clone_state
 
 _N = 1024  # float32 elements: one 4096-byte tensor per shard (the smallest chunk_bytes)
@@ -149,7 +149,7 @@ def test_no_false_positive_from_the_optimizer_step(tmp_path, kind: str) -> None:
 
 def test_change_landing_during_the_copy_is_caught_after_it(tmp_path, monkeypatch) -> None:
     """A write that lands while its tensor is being copied (after the check before the copy) fails the save too."""
-    import fastckpt.pipeline as pipeline
+    import fastckpt.engine.pipeline as pipeline
 
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

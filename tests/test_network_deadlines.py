@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from fastckpt import CheckpointConfig, Checkpointer, CheckpointTimeoutError, StorageError
-from fastckpt.storage import FsspecStorage, LocalStorage
+from fastckpt.storage.fsspec import FsspecStorage
+from fastckpt.storage.local import LocalStorage
 from tests.helpers import GatedStorage, assert_bit_equal
 from tests.s3server import s3_storage_options
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from fastckpt import CheckpointConfig, Checkpointer
-from fastckpt.priority import Policy, ThreadPriorities, policy_of
-from fastckpt.storage import open_storage
+from fastckpt.engine.priority import Policy, ThreadPriorities, policy_of
+from fastckpt.storage.protocol import open_storage
 from tests.helpers import GatedStorage
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -293,7 +293,7 @@ def test_saves_complete_on_a_busy_host(tmp_path, busy_host, caplog) -> None:
 _REFUSED = textwrap.dedent("""
     import logging, os, sys, threading, torch
     from fastckpt import Checkpointer, CheckpointConfig
-    from fastckpt.storage import open_storage
+    from fastckpt.storage.protocol import open_storage
     from tests.helpers import GatedStorage
     logging.basicConfig(level=logging.WARNING)
     states = [{"w": torch.randn(256, 256)} for _ in range(2)]

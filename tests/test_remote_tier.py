@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from fastckpt import CheckpointConfig, Checkpointer, CheckpointInfo, StorageError
-from fastckpt.storage import LocalStorage, Storage, open_storage
+from fastckpt.storage.local import LocalStorage
+from fastckpt.storage.protocol import Storage, open_storage
 from tests.helpers import FaultyStorage, GatedStorage, assert_bit_equal, clone_state
 from tests.helpers import listed as _listed
 
@@ -404,7 +405,7 @@ def test_distributed_rank0_uploads_every_ranks_files(tmp_path, s3_root) -> None:
 _CHILD = textwrap.dedent("""
     import sys, torch
     from fastckpt import CheckpointConfig, Checkpointer
-    from fastckpt.storage import LocalStorage
+    from fastckpt.storage.local import LocalStorage
     from tests.helpers import GatedStorage
     from tests.test_remote_tier import _state
     root, remote_dir = sys.argv[1], sys.argv[2]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from fastckpt.storage import open_storage
+from fastckpt.storage.protocol import open_storage
 from fastckpt import CheckpointConfig, Checkpointer
 from tests.helpers import GatedStorage
 

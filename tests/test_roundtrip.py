@@ -147,7 +147,7 @@ def test_local_write_modes_round_trip(tmp_path, direct_io: str) -> None:
     """O_DIRECT writes the aligned prefix and appends the unaligned tail; every mode reads back exactly."""
     import os
 
-    from fastckpt.storage import open_storage
+    from fastckpt.storage.protocol import open_storage
 
     probe = open_storage(str(tmp_path), direct_io="auto")
     probe.write_file(str(tmp_path / "probe"), [memoryview(bytearray(4096))])

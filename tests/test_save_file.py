@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from fastckpt import CheckpointConfig, Checkpointer, ConfigError, StorageError
-from fastckpt.storage import LocalStorage
-from fastckpt.torchfile import verify_torch_file
+from fastckpt.storage.local import LocalStorage
+from fastckpt.format.torchfile import verify_torch_file
 
 
 def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -132,7 +132,7 @@ def test_save_file_on_memory_fs(tmp_path) -> None:
 def test_a_watched_tensor_changed_before_its_lazy_copy_fails_the_file_by_name(tmp_path, monkeypatch) -> None:
     import threading
 
-    import fastckpt.pipeline as pipeline
+    import fastckpt.engine.pipeline as pipeline
     from fastckpt.errors import SnapshotMutatedError
 
     gate = threading.Event()

@@ -10,11 +10,11 @@ import torch
 from safetensors.torch import load_file
 
 from fastckpt import CheckpointConfig, Checkpointer, StorageError
-from fastckpt.bundle import PENDING, SAFETENSORS, TORCH
+from fastckpt.format.bundle import PENDING, SAFETENSORS, TORCH
 from fastckpt.errors import StateMismatchError
-from fastckpt.loader import load_checkpoint
-from fastckpt.storage import LocalStorage
-from fastckpt.verify import verify_checkpoint
+from fastckpt.read.loader import load_checkpoint
+from fastckpt.storage.local import LocalStorage
+from fastckpt.read.verify import verify_checkpoint
 from tests.helpers import WrappedStorage
 
 

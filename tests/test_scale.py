@@ -57,7 +57,7 @@ def _fsdp_state(world: int) -> dict[str, Any]:
 
 
 def _loads(plan: Any, world: int) -> list[int]:
-    from fastckpt.distributed import shard_owners
+    from fastckpt.engine.distributed import shard_owners
 
     load = [0] * world
     for index, rank in shard_owners(plan, world).items():
@@ -69,7 +69,7 @@ def _simulate_fsdp(conn: Any) -> None:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from fastckpt.plan import Planner, flatten
+    from fastckpt.format.plan import Planner, flatten
 
     dist.init_process_group("fake", rank=0, world_size=WORLD, store=FakeStore())
     try:
@@ -94,7 +94,7 @@ def _simulate_fsdp(conn: Any) -> None:
             getattr(again, name).extend(getattr(flat, name)[len(getattr(again, name)):])
         assert planner.plan(again, lambda t: True) is plan
         times["again"] = time.perf_counter() - t0
-        from fastckpt.dtensor import _layout
+        from fastckpt.format.dtensor import _layout
 
         conn.send((load, len(flat.tensors), len(plan.shards), times, _layout.cache_info().misses))
     finally:
@@ -131,7 +131,7 @@ def test_fsdp_plan_for_1024_ranks_is_balanced_and_fast() -> None:
 
 def test_replicated_plan_for_1024_ranks_is_balanced() -> None:
     """DDP-style: every tensor replicated; shards are spread largest first (no processes needed)."""
-    from fastckpt.plan import FlatState, Planner
+    from fastckpt.format.plan import FlatState, Planner
 
     gen = torch.Generator().manual_seed(1)
     sizes = torch.randint(1 << 8, 1 << 18, (40_000,), generator=gen).tolist()  # float32 elements: 1 KiB..1 MiB
@@ -150,7 +150,7 @@ def test_replicated_plan_for_1024_ranks_is_balanced() -> None:
 
 def test_replicated_shards_fill_the_ranks_the_blocks_left_light() -> None:
     """FSDP2's uneven splits load low ranks more; replicated shards go to the lighter ranks first."""
-    from fastckpt.plan import FlatState, Planner
+    from fastckpt.format.plan import FlatState, Planner
 
     sizes, owners = [2500, 500, 1000, 1000], [0, 1, -1, -1]  # float32 elements; two blocks, two replicated
     tensors = [torch.empty(n, device="meta") for n in sizes]

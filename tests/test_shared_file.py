@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fastckpt import CheckpointConfig, Checkpointer, ConfigError, StorageError
-from fastckpt.storage import open_storage
+from fastckpt.storage.protocol import open_storage
 from tests.dist_launcher import run_ranks
 from tests.helpers import WrappedStorage, assert_bit_equal, clone_state
 

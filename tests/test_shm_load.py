@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fastckpt import CheckpointConfig, Checkpointer
-from fastckpt.storage import LocalStorage
+from fastckpt.storage.local import LocalStorage
 from tests import shm_children as kids
 from tests.helpers import assert_bit_equal
 
@@ -117,7 +117,7 @@ def _open_fds() -> int:
 
 
 def test_a_buffer_cut_short_while_it_is_read_falls_back_and_leaks_no_descriptor(dirs, caplog, monkeypatch) -> None:
-    from fastckpt.tiers import ShmTier
+    from fastckpt.tiers.shm import ShmTier
 
     root, shm = dirs
     _committed_then_killed(root, shm, steps=1)

@@ -17,7 +17,7 @@ import torch
 
 from fastckpt import CheckpointConfig, Checkpointer, StorageError
 from fastckpt.config import RemoteOptions
-from fastckpt.storage import open_storage
+from fastckpt.storage.protocol import open_storage
 from tests import shm_children as kids
 from tests.helpers import GatedStorage, assert_bit_equal
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from fastckpt.storage import open_storage
+from fastckpt.storage.protocol import open_storage
 from fastckpt import Checkpointer, CheckpointConfig
 from tests.helpers import GatedStorage, assert_bit_equal, clone_state
 
@@ -206,7 +206,7 @@ def test_waited_ms_records_the_stall_of_the_step_hook(tmp_path, monkeypatch) -> 
     """stats.waited_ms is the time the optimizer pre-hook spent blocked on this save's lazy copy."""
     import threading
 
-    import fastckpt.pipeline as pipeline
+    import fastckpt.engine.pipeline as pipeline
 
     release = threading.Event()
     copying = threading.Event()

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from fastckpt.torchfile import TorchFileFormat, plan_torch_file, storage_bytes, verify_torch_file
+from fastckpt.format.torchfile import TorchFileFormat, plan_torch_file, storage_bytes, verify_torch_file
 
 
 def _state() -> dict:

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from fastckpt import IntegrityError
-from fastckpt.pagecache import resident_fraction
-from fastckpt.readers import PIECE_BYTES
-from fastckpt.torchfile import record_spans
-from fastckpt.torchzip import load_torch_file
+from fastckpt.read.pagecache import resident_fraction
+from fastckpt.read.readers import PIECE_BYTES
+from fastckpt.format.torchfile import record_spans
+from fastckpt.read.torchzip import load_torch_file
 from tests.helpers import assert_bit_equal, drop_page_cache
 
 

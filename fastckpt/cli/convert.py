@@ -125,7 +125,7 @@ def _write(path: str, data: bytes, opts: CliOptions) -> None:
 
 def import_checkpoint(src: str, root: str, step: int, opts: CliOptions, name: str | None = None) -> str:
     """Save the checkpoint at ``src`` under core ``root`` at ``step``; return the committed folder."""
-    from ..checkpointer import Checkpointer
+    from .. import Checkpointer
 
     _, state = load_state(src, opts.storage_options)
     with Checkpointer(checkpoint_config(opts, root)) as ckpt:

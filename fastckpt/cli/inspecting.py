@@ -47,8 +47,7 @@ def _row(key: str, dtype: Any, shape: Any, nbytes: int) -> dict[str, Any]:
 
 
 def _core(path: str, opts: CliOptions, prefix: str, out: list[dict[str, Any]]) -> None:
-    from ..loader import CheckpointReader
-    from ..storage import open_storage
+    from .. import CheckpointReader, open_storage
 
     storage = open_storage(path, opts.storage_options)
     reader = CheckpointReader(storage, storage.url, verify=False)

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from ..errors import CheckpointNotFoundError, IntegrityError
-from ..format import MANIFEST, checkpoint_dir
-from ..paths import confine, plain_name
-from ..storage import LocalStorage, Storage, open_storage
+from ..format.layout import MANIFEST, checkpoint_dir
+from ..format.paths import confine, plain_name
+from .. import LocalStorage, Storage, open_storage
 
 __all__ = ["Located", "locate", "children", "kind_of", "read_skeleton", "pointer_parts", "pointer_step",
            "has_zip_end", "is_torch_name", "ACCELERATE_FILE", "accelerate_files"]

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..errors import FastCkptError, IntegrityError
-from ..format import MANIFEST, parse_manifest
+from ..format.layout import MANIFEST, parse_manifest
 from .layout import (ACCELERATE_FILE, Located, children, has_zip_end, is_torch_name, locate, pointer_parts,
                      pointer_step, read_skeleton)
 from .options import CliOptions, is_remote, print_json
@@ -105,7 +105,7 @@ def _core_row(loc: Located, where: str) -> Row | None:
     except (FastCkptError, OSError):
         return None
     if MANIFEST not in files:
-        from ..gc import is_save_folder
+        from ..tiers.gc import is_save_folder
 
         if not files or not is_save_folder(files):
             return None

@@ -1,10 +1,10 @@
 """``fastckpt gc`` and ``fastckpt persist-pending``: housekeeping of a core root by hand.
 
 ``gc`` applies the retention rules a ``Checkpointer`` applies after each commit
-(``Catalog.doomed``), then removes the folders of saves that died uncommitted (``fastckpt.gc``),
+(``Catalog.doomed``), then removes the folders of saves that died uncommitted (``fastckpt.tiers.gc``),
 holding the root lock as a writer would. ``persist-pending`` constructs a ``Checkpointer`` with the
 shared-memory tier on the root: its constructor commits what a crashed process left staged
-(``fastckpt.recovery``); the command reports each checkpoint it committed.
+(``fastckpt.tiers.recovery``); the command reports each checkpoint it committed.
 """
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ __all__ = ["run_gc", "run_persist_pending"]
 
 def _locked(root: str, opts: CliOptions, work: Callable[[Any], list[str]]) -> list[str]:
     """``work(storage)`` while holding ``root``'s lock (refused while a live Checkpointer writes there)."""
-    from ..lock import RootLock
-    from ..storage import open_storage
+    from .. import open_storage
+    from ..tiers.lock import RootLock
 
     storage = open_storage(root, opts.storage_options)
     lock = RootLock.for_root(storage.url)
@@ -52,14 +52,14 @@ def run_gc(args: argparse.Namespace, opts: CliOptions) -> int:
 
 def _collect(storage: Any, args: argparse.Namespace, opts: CliOptions) -> list[str]:
     """What gc removes (or would): checkpoints retention does not keep, then dead uncommitted saves."""
-    from ..catalog import Catalog, doomed
-    from ..config import RetentionOptions
-    from ..gc import collect, collect_temp_files
+    from ..tiers.catalog import Catalog, doomed
+    from .. import RetentionOptions
+    from ..tiers.gc import collect, collect_temp_files
     from .listing import list_root
 
     rules = RetentionOptions(keep_last=args.keep_last, keep_every_n_steps=args.keep_every)
     rows = [r for r in list_root(args.root, opts) if r.layout != "core"]
-    if not rows:  # a core root: the Catalog's own rules, then fastckpt.gc's proof of death
+    if not rows:  # a core root: the Catalog's own rules, then fastckpt.tiers.gc's proof of death
         catalog = Catalog(storage)
         lines = []
         for info in catalog.doomed(rules, set()):
@@ -86,7 +86,7 @@ def _collect(storage: Any, args: argparse.Namespace, opts: CliOptions) -> list[s
 
 
 def run_persist_pending(args: argparse.Namespace, opts: CliOptions) -> int:
-    from ..checkpointer import Checkpointer
+    from .. import Checkpointer
 
     staging: dict[str, Any] = {"shm": True}
     if args.shm_dir is not None:

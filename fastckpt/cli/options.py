@@ -37,7 +37,7 @@ class CliOptions:
 def checkpoint_config(opts: CliOptions, root: str, **sections: Any) -> Any:
     """A ``CheckpointConfig`` for ``root``: the ``--config`` YAML's settings, this line's storage options, and
     ``sections`` merged over the YAML's (``staging={"shm": True}``)."""
-    from ..config import CheckpointConfig
+    from .. import CheckpointConfig
 
     data = dict(opts.config)
     for name, values in sections.items():
@@ -80,7 +80,8 @@ def load_options(config: str | None, options_json: dict[str, Any] | None, pairs:
     """Resolve the storage options of one command line; a bad YAML is a ``ConfigError`` naming it."""
     data: dict[str, Any] = {}
     if config is not None:
-        from ..config import CheckpointConfig, config_mapping
+        from .. import CheckpointConfig
+        from ..config import config_mapping
 
         data = config_mapping(config)
         CheckpointConfig.from_dict({"root": ".", **data})  # validated now: a typo fails before any work

@@ -11,7 +11,7 @@ import sys
 from typing import Any, Iterator
 
 from ..errors import CheckpointNotFoundError, ConfigError, UnsafeCheckpointError
-from ..storage import LocalStorage
+from .. import LocalStorage
 from .layout import accelerate_files, kind_of, locate, Located, pointer_parts
 
 __all__ = ["load_state", "torch_load", "leaves", "subtree", "DEFAULT_KEY"]
@@ -23,7 +23,7 @@ DEFAULT_KEY = {"torch": "state_dict", "pointer": "state_dict", "accelerate": "mo
 
 def load_state(path: str, options: dict[str, Any]) -> tuple[str, Any]:
     """(kind, state) of the checkpoint at ``path``: tensors on the CPU, bytes verified where checksummed."""
-    from ..loader import load_checkpoint
+    from .. import load_checkpoint
 
     loc = locate(path, options)
     kind = kind_of(loc)

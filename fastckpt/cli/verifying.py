@@ -1,7 +1,7 @@
 """``fastckpt verify CKPT...``: every checksum of every named checkpoint; exit 1 if any is bad.
 
-Core folders: ``fastckpt.verify`` (each file's size and CRC32C, each tensor's CRC32C, the tree).
-Torch files (Lightning ``.ckpt``): each zip record's CRC-32 (``fastckpt.torchfile``). fastckpt 0.1
+Core folders: ``fastckpt.read.verify`` (each file's size and CRC32C, each tensor's CRC32C, the tree).
+Torch files (Lightning ``.ckpt``): each zip record's CRC-32 (``fastckpt.format.torchfile``). fastckpt 0.1
 pointers: each core folder they name. Accelerate folders: ``verify_accelerate_folder``.
 """
 from __future__ import annotations
@@ -13,8 +13,8 @@ import sys
 from typing import Any
 
 from ..errors import FastCkptError
-from ..format import MANIFEST
-from ..storage import LocalStorage
+from ..format.layout import MANIFEST
+from .. import LocalStorage
 from .layout import Located, children, kind_of, locate, pointer_parts
 from .options import CliOptions, progress
 
@@ -60,15 +60,15 @@ def verify_accelerate_folder(loc: Located, options: dict[str, Any]) -> list[str]
 
 
 def _core(loc: Located, options: dict[str, Any]) -> list[str]:
-    from ..storage import open_storage
-    from ..verify import verify_checkpoint
+    from .. import open_storage
+    from ..read.verify import verify_checkpoint
 
     storage = open_storage(loc.path, options)
     return verify_checkpoint(storage, storage.url)[1]
 
 
 def _torch_file(loc: Located) -> list[str]:
-    from ..torchfile import verify_torch_bytes, verify_torch_file
+    from ..format.torchfile import verify_torch_bytes, verify_torch_file
 
     if isinstance(loc.storage, LocalStorage):
         return verify_torch_file(loc.path)

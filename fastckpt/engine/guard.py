@@ -1,0 +1,66 @@
+"""The mutation guard of lazy snapshots: version counters taken in save(), checked at copy time.
+
+A lazily copied tensor is read by the copy thread after ``save()`` has returned. That
+is safe only if nothing changes it before the optimizer's step (which waits for
+staging). Code that changes a watched tensor elsewhere (an EMA swap, ``clamp_`` in a
+callback, weight surgery) would make the checkpoint hold values from after ``save()``.
+
+Each in-place op through the tensor or any alias sharing its version counter (the
+``state_dict()`` detached alias, views) bumps ``tensor._version``, so a counter that
+moved between ``save()`` and the copy proves a change. The guard cannot see writes
+that skip the counter: through ``.data``, fused optimizer kernels, numpy/DLPack views,
+other processes; on CUDA, kernels enqueued after the copy was enqueued.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Iterator, Sequence
+
+import torch
+
+from ..errors import SnapshotMutatedError
+from ..format.plan import TensorEntry
+
+__all__ = ["VersionGuard"]
+
+
+def _version(t: torch.Tensor) -> int | None:
+    # Inference tensors have no version counter (and cannot be changed outside inference mode).
+    return None if t.is_inference() else t._version
+
+
+class VersionGuard:
+    """Version counters of one save's lazy tensors. Built by ``save()``; checked by the copy thread."""
+
+    def __init__(self, name: str, tensors: Sequence[torch.Tensor], keys: Sequence[str],
+                 entries: Iterable[TensorEntry]) -> None:
+        self._name = name
+        self._tensors = tensors
+        self._keys = keys
+        self._seen = {e.index: _version(tensors[e.index]) for e in entries}
+
+    def around(self, entries: Iterable[TensorEntry]) -> Iterator[TensorEntry]:
+        """``entries`` for the copy loop, each checked right before it is handed out and right after.
+
+        The copy loop asks for the next entry only once it has copied (on CUDA: queued) the current
+        one, so the second check runs after that copy, with no change to the copy code itself."""
+        for e in entries:
+            self.check(e.index)
+            yield e
+            self.check(e.index)
+
+    def check(self, index: int) -> None:
+        """Raise ``SnapshotMutatedError`` if tensor ``index`` changed in place since ``save()``."""
+        then = self._seen.get(index)
+        if then is None:
+            return
+        now = self._tensors[index]._version
+        if now != then:
+            raise SnapshotMutatedError(
+                f"checkpoint {self._name!r}: tensor {self._keys[index]!r} was changed in place after save() "
+                f"returned and before the background copy finished reading it (its version counter moved from "
+                f"{then} to {now}), so this checkpoint would hold values from after save(); it was discarded and "
+                "the previous checkpoint is intact. Watched parameters and optimizer state may change only in "
+                "optimizer.step(): for code that changes them elsewhere (EMA swaps, clamping, weight surgery in "
+                "a callback) set `staging.mode: eager`, or call Checkpointer.wait_staged() before the change. If "
+                "optimizer.step() changed it, the step did not wait: use watch(optimizer) (hook=True) or call "
+                "wait_staged() before step()")

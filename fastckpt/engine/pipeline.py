@@ -1,0 +1,359 @@
+"""The background pipeline: copy thread -> I/O workers -> committer.
+
+Each staged shard is handed to an I/O worker as soon as its copy finishes, so the
+device-to-host copy of shard *i+1* overlaps the write of shard *i*. The committer
+handles jobs strictly in save order: it waits for a job's files, writes the
+metadata, then the manifest (the commit), then garbage. Deletions travel through
+the same queue, so they always run behind the saves submitted before them.
+
+Threads: ``fastckpt-copy`` and ``fastckpt-commit`` are owned by ``Pipeline`` and
+stop on a ``None`` sentinel; ``fastckpt-io-*`` (lowered, fastckpt/engine/priority.py) and ``fastckpt-boost-*``
+(never lowered, used only while the kernel refuses to raise the first) are executors shut down by ``close``.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from ..errors import FastCkptError, StorageError
+from ..format.layout import CheckpointInfo
+from ..format.openlayout import OPEN_LAYOUT
+from ..format.plan import Plan, Shard
+from ..format.protocol import FileFormat, ShardResult
+from ..storage.protocol import Storage
+from .distributed import Coordinator
+from .guard import VersionGuard
+from .handle import SaveHandle
+from .priority import ThreadPriorities
+from .sharedfile import SharedFileWrite
+from .staging import HostArena, Slot, copy_entries, staged_crcs
+from .streams import CudaCopy, host_wait, record_done, shard_events
+
+__all__ = ["Job", "Pipeline"]
+
+log = logging.getLogger("fastckpt")
+_ids = itertools.count(1)
+
+
+@dataclass(eq=False)
+class Job:
+    """One snapshot on its way to storage."""
+
+    handle: SaveHandle
+    plan: Plan
+    slot: Slot
+    tensors: list[torch.Tensor | None]  # a source is dropped once its copy is queued (GPU memory)
+    keys: list[str]
+    numpy: list[bool]
+    tree: Any
+    objects: bytes | None
+    dirpath: str
+    t0: float
+    uid: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    writes: list[Future] = field(default_factory=list)
+    cuda: CudaCopy | None = None  # per-device streams and ready events, when any tensor is on CUDA
+    devices: list[str] = field(default_factory=list)  # each tensor's device (CUDA saves): map_location's key
+    error: BaseException | None = None
+    reported: bool = False  # the error was already raised from save() itself
+    shard_events: dict[tuple[int, int], Any] = field(default_factory=dict)  # (shard, device) -> copied event
+    copied_at: dict[int, float] = field(default_factory=dict)  # shard -> when its CUDA copies were seen done
+    dtensors: list[dict[str, Any]] = field(default_factory=list)  # DTensorRecord.as_json() of each DTensor leaf
+    guard: VersionGuard | None = None  # version counters of the lazy tensors, taken in save()
+    staged_crcs: dict[int, list[int]] = field(default_factory=dict)  # shm: per shard, each tensor's CRC32C as staged
+    file_format: FileFormat = OPEN_LAYOUT  # the open layout, or a framework's file(s)
+    version_src: list[Any] | None = None  # what the mutation guard watches, per tensor (default: the tensors)
+    shared: SharedFileWrite | None = None  # one file written by every rank: its commit protocol on this rank
+
+    # what a FileFormat reads of a save (format/protocol.py's Snapshot)
+    @property
+    def name(self) -> str:
+        return self.handle.name
+
+    @property
+    def step(self) -> int:
+        return self.handle.step
+
+
+class Pipeline:
+    """Owns the background threads of one ``Checkpointer``."""
+
+    def __init__(self, storage: Storage, arena: HostArena, workers: int,
+                 on_commit: Callable[[Job, CheckpointInfo], None],
+                 on_failure: Callable[[Job, FastCkptError], None], coord: Coordinator | None = None,
+                 priorities: ThreadPriorities | None = None) -> None:
+        self.storage = storage
+        self._priorities = priorities or ThreadPriorities("idle")
+        self._coord = coord
+        self._arena = arena
+        self._on_commit = on_commit
+        self._on_failure = on_failure
+        n = next(_ids)  # several Checkpointers may live in one process
+        self._io = ThreadPoolExecutor(workers, thread_name_prefix=f"fastckpt-io-{n}",
+                                      initializer=self._priorities.enlist)
+        # Never lowered (its threads start from the copy or training thread): takes the writes while the
+        # lowered ones are behind and the kernel refused to raise them (ThreadPriorities.boost).
+        self._boost = ThreadPoolExecutor(workers, thread_name_prefix=f"fastckpt-boost-{n}")
+        self._copy_q: queue.Queue[Job | None] = queue.Queue()
+        self._commit_q: queue.Queue[Any] = queue.Queue()
+        self._copier = threading.Thread(target=self._copy_loop, name=f"fastckpt-copy-{n}", daemon=True)
+        self._committer = threading.Thread(target=self._commit_loop, name=f"fastckpt-commit-{n}", daemon=True)
+        self._copier.start()
+        self._committer.start()
+        self._closed = False
+
+    # ---- called by the Checkpointer on the training thread -------------------------
+
+    def stage_now(self, job: Job, shards: list[Shard]) -> None:
+        """Copy ``shards`` now (eager tensors; CUDA ones are queued on the eager streams) and queue their writes."""
+        for shard in shards:
+            self._copy_shard(job, shard, job.cuda.eager if job.cuda is not None else None)
+
+    def submit(self, job: Job, lazy: list[Shard]) -> None:
+        """Queue ``job``: the copy thread stages ``lazy`` shards, then the committer commits."""
+        if lazy:
+            # Still on the training thread inside save(): the counters are those of the snapshot's moment.
+            job.guard = VersionGuard(job.handle.name, job.version_src or job.tensors, job.keys,
+                                     (e for s in lazy for e in s.entries))
+        self._commit_q.put(job)
+        if lazy:
+            self._copy_q.put((job, lazy))  # type: ignore[arg-type]
+        else:
+            self._mark_staged(job)
+
+    def submit_recovered(self, job: Job) -> None:
+        """Persist a snapshot adopted from shared memory: its bytes are already staged."""
+        job.handle.mark_staged()
+        for shard in job.plan.mine(job.plan.shards):
+            job.writes.append(self._writers().submit(self._write_shard, job, shard))
+        self._commit_q.put(job)
+
+    def run_in_order(self, fn: Callable[[], Any]) -> Future:
+        """Run ``fn`` on the committer after every job submitted so far (deletions)."""
+        fut: Future = Future()
+        self._commit_q.put((fn, fut))
+        return fut
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Stop all threads after they drain their queues; idempotent. False if ``timeout`` expired
+        first: a stalled write still holds a thread, which is left to finish or fail on its own."""
+        if self._closed:
+            return True
+        self._closed = True
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._copy_q.put(None)
+        self._commit_q.put(None)
+        for thread in (self._copier, self._committer):
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        drained = not (self._copier.is_alive() or self._committer.is_alive())
+        self._io.shutdown(wait=drained, cancel_futures=not drained)
+        self._boost.shutdown(wait=drained, cancel_futures=not drained)
+        return drained
+
+    # ---- copy thread ---------------------------------------------------------------
+
+    def _copy_loop(self) -> None:
+        # Normal priority: the next optimizer step waits for this thread, so starving it
+        # would turn overlap into a stall. Checksums and writes (below) can yield.
+        while True:
+            item = self._copy_q.get()
+            if item is None:
+                return
+            job, shards = item  # type: ignore[misc]
+            try:
+                if job.cuda is not None:
+                    job.cuda.begin_lazy()
+                for shard in shards:
+                    self._copy_shard(job, shard, job.cuda.lazy if job.cuda is not None else None)
+            except BaseException as e:  # noqa: BLE001 - reported through the job
+                job.error = e
+            finally:
+                job.handle.track_copies([(d, ev) for (_, d), ev in job.shard_events.items()])
+                if job.cuda is None:  # CUDA copies are only queued here: timed when seen done (_write_shard)
+                    job.handle.stats.staging_ms = (time.perf_counter() - job.t0) * 1e3
+                self._mark_staged(job)
+
+    def _mark_staged(self, job: Job) -> None:
+        """Release ``wait_staged()``; with shared memory, only once the snapshot's record is in place, so
+        every snapshot staged before a crash is recoverable."""
+        shm = self._arena.shm
+        if job.error is None and job.slot.dir is not None and not job.slot.recovered and shm is not None:
+            try:
+                shm.write_record(job)
+            except BaseException as e:  # noqa: BLE001 - reported through the job
+                job.error = e
+        job.handle.mark_staged()
+
+    def _copy_shard(self, job: Job, shard: Shard, streams: dict[int, Any] | None) -> None:
+        buf = job.slot.buffer(shard)
+        # The guard knows only the lazy tensors: eager shards (copied inside save()) pass through unchecked.
+        entries = shard.entries if job.guard is None else job.guard.around(shard.entries)
+        for d in copy_entries(buf, entries, job.tensors, streams):
+            job.shard_events[(shard.index, d)] = record_done(streams[d])  # type: ignore[index]
+        for e in shard.entries:
+            job.tensors[e.index] = None  # queued (record_stream keeps a CUDA source's memory): drop it now
+        if job.slot.dir is not None:  # shm: the record carries the checksums of what was staged
+            host_wait(shard_events(job.shard_events, shard.index))  # the bytes must have landed first
+            job.staged_crcs[shard.index] = staged_crcs(buf, shard)
+        job.writes.append(self._writers().submit(self._write_shard, job, shard))
+
+    def _writers(self) -> ThreadPoolExecutor:
+        return self._boost if self._priorities.boost else self._io
+
+    # ---- I/O workers -----------------------------------------------------------------
+
+    def _write_shard(self, job: Job, shard: Shard) -> ShardResult:
+        events = shard_events(job.shard_events, shard.index)
+        if events:
+            host_wait(events)  # blocking events: this worker sleeps until the DMA has filled the buffer
+            job.copied_at[shard.index] = time.perf_counter()
+        buf = job.slot.held(shard)
+        fmt = job.file_format
+        result = fmt.write_shard(self.storage, job, shard, memoryview(buf.numpy())[: shard.nbytes])
+        if not fmt.keeps_shards:
+            job.slot.release(shard)  # written: the buffer may take the next save's bytes
+        return result
+
+    # ---- committer -----------------------------------------------------------------
+
+    def _commit_loop(self) -> None:
+        self._priorities.enlist()
+        while True:
+            item = self._commit_q.get()
+            if item is None:
+                return
+            if isinstance(item, tuple):
+                fn, fut = item
+                try:
+                    fut.set_result(fn())
+                except BaseException as e:  # noqa: BLE001 - handed to the caller's future
+                    fut.set_exception(e)
+                continue
+            self._finish(item)
+
+    def _finish(self, job: Job) -> None:
+        try:
+            results = self._written(job)
+            job.handle.stats.written_bytes = sum(r[1].size for r in results)  # this rank's share
+            if job.shared is not None:
+                info = self._commit_shared_file(job, results, None)
+            elif self._coord is None:
+                info = self._commit(job, results)
+            else:
+                info = self._commit_together(job, results, None)
+        except BaseException as e:  # noqa: BLE001 - every failure becomes the job's error
+            if self._coord is not None and not getattr(e, "_fastckpt_agreed", False):
+                # This rank failed before the protocol: it still takes part, reporting its
+                # error, so no rank hangs. The verdict is then a failure that we already hold.
+                try:
+                    if job.shared is not None:
+                        self._commit_shared_file(job, [], e)
+                    else:
+                        self._commit_together(job, [], e)
+                except BaseException as agreed:  # noqa: BLE001 - the local error ``e`` is the one to raise
+                    if job.shared is not None:
+                        e = agreed  # the same verdict on every rank, naming the failing rank (``e`` chained)
+            host_wait((d, ev) for (_, d), ev in job.shard_events.items())  # never recycle a buffer a DMA may still be writing
+            for f in job.writes:
+                if not f.done():
+                    f.exception()
+            self._discard(job)
+            err = e if isinstance(e, FastCkptError) else StorageError(
+                f"checkpoint {job.handle.name!r} at {job.handle.path} failed: {e}")
+            if err is not e:
+                err.__cause__ = e
+            job.handle.stats.persist_s = time.perf_counter() - job.t0
+            self._on_failure(job, err)
+            self._release(job)  # after the error is recorded: a save() waiting for this slot raises it
+            job.handle.set_failed(err)
+            return
+        self._release(job, committed=True)
+        job.handle.stats.persist_s = time.perf_counter() - job.t0
+        self._on_commit(job, info)
+        job.handle.set_committed(info)
+
+    def _written(self, job: Job) -> list[ShardResult]:
+        job.handle.await_staging()
+        if job.error is not None:
+            raise job.error
+        results = [f.result() for f in job.writes]
+        if job.copied_at:  # CUDA: staged when the last copy was seen done, not when it was queued
+            job.handle.stats.staging_ms = (max(job.copied_at.values()) - job.t0) * 1e3
+        return results
+
+    def _commit_together(self, job: Job, results: list[Any], error: BaseException | None) -> CheckpointInfo:
+        """The distributed commit: gather to rank 0, rank 0 commits, everyone learns the verdict."""
+        coord = self._coord
+        assert coord is not None
+        merged, failed = coord.gather(results, error)
+        info = None
+        if coord.rank == 0 and failed is None:
+            try:
+                info = self._commit(job, merged)
+            except BaseException as e:  # noqa: BLE001 - broadcast before raising
+                failed = f"rank 0 commit: {e}"
+        verdict = coord.outcome(failed)
+        if verdict is not None:
+            err = StorageError(f"checkpoint {job.handle.name!r} at {job.handle.path} failed: {verdict}")
+            err._fastckpt_agreed = True  # type: ignore[attr-defined]
+            if error is not None:
+                raise err from error
+            raise err
+        if info is None:  # ranks other than 0 did not write the manifest
+            info = CheckpointInfo(job.handle.name, job.handle.step, job.dirpath, sum(r[1].size for r in results))
+        return info
+
+    def _release(self, job: Job, committed: bool = False) -> None:
+        shm = self._arena.shm
+        if job.slot.dir is not None and shm is not None:  # slots have folders only where the arena has shm
+            if committed and job.file_format.catalogued:  # a restart may load this checkpoint from memory
+                shm.mark_committed(job.slot.dir)
+            elif job.slot.recovered:
+                shm.remove(job.slot.dir)
+            else:
+                shm.clear_record(job.slot.dir)
+        self._arena.release(job.slot)
+
+    def _commit(self, job: Job, results: list[ShardResult]) -> CheckpointInfo:
+        """The format publishes the checkpoint (the commit point); ``results``: every rank's written shards."""
+        info, wrote = job.file_format.commit(self.storage, job, results, lambda: self._staged_views(job, results),
+                                             self._writers())
+        job.handle.stats.nbytes = info.nbytes
+        job.handle.stats.written_bytes += wrote
+        return info
+
+    def _commit_shared_file(self, job: Job, results: list[ShardResult], error: BaseException | None) -> CheckpointInfo:
+        """One torch file written by every rank (``fastckpt.engine.sharedfile``): each its own records, rank 0
+        commits."""
+        write = job.shared
+        assert write is not None
+        views, crcs = self._staged_views(job, results) if error is None else ({}, {})
+        size = write.run(views, crcs, error, self._writers())  # <- rank 0 commits; every rank gets the verdict
+        job.handle.stats.nbytes = size
+        job.handle.stats.written_bytes = write.written
+        return CheckpointInfo(job.handle.name, job.handle.step, write.fmt.path, size)
+
+    def _staged_views(self, job: Job, results: list[ShardResult]) -> tuple[dict[int, memoryview], dict[int, int]]:
+        """Each staged record's bytes (held in the slot until the commit) and CRC-32, by table index."""
+        by_shard = {s.index: s for s in job.plan.shards}
+        crcs: dict[int, int] = {}
+        views: dict[int, memoryview] = {}
+        for index, _, tcrcs in results:
+            shard = by_shard[index]
+            data = memoryview(job.slot.held(shard).numpy())
+            for e, c in zip(shard.entries, tcrcs):
+                crcs[e.index] = c
+                views[e.index] = data[e.offset:e.offset + e.nbytes]
+        return views, crcs
+
+    def _discard(self, job: Job) -> None:
+        """Remove every file this job may have written (never another save's)."""
+        job.file_format.discard(self.storage, job)

@@ -1,0 +1,415 @@
+"""``Saver``: turns a state into a save job (plan, slot, eager copies) and keeps the ledger of saves in flight.
+
+``Checkpointer`` wires one ``Saver`` and delegates ``save``, ``save_file`` and ``save_files`` to it. The saver owns
+what every save path shares: the watched optimizers (whose tensors are copied lazily), the pending saves, the
+background errors not yet raised (each raised once, at the next ``save``/``wait``/``close``) and the figures of
+finished saves. The pipeline it owns stages, writes and commits; committing is reported to ``on_commit``.
+"""
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import logging
+import pickle
+import threading
+import time
+import weakref
+from typing import Any, Callable
+
+import torch
+
+from ..config import CheckpointConfig
+from ..errors import ConfigError, FastCkptError, StateMismatchError
+from ..format.bundle import FileBundle
+from ..format.codec import dumps_objects
+from ..format.layout import CheckpointInfo
+from ..format.openlayout import OPEN_LAYOUT
+from ..format.paths import checkpoint_name, file_name
+from ..format.plan import FlatState, Planner, flatten
+from ..format.protocol import FileFormat
+from ..format.shm_record import StagedRecord
+from ..format.torchfile import TorchFileFormat
+from ..storage.protocol import Storage
+from .distributed import Coordinator
+from .futures import settle
+from .handle import SaveHandle, SaveStats
+from .pipeline import Job, Pipeline
+from .priority import ThreadPriorities
+from .sharedfile import SharedFileWrite, can_share
+from .staging import HostArena, Slot
+from .streams import CopyStreams, CudaCopy, cuda_devices, gpu_wait
+
+__all__ = ["Saver", "WatchHandle"]
+
+log = logging.getLogger("fastckpt")
+
+
+class WatchHandle:
+    """Returned by ``watch``; ``remove()`` stops watching the optimizer."""
+
+    def __init__(self, owner: "Saver", optimizer: Any, hook: Any) -> None:
+        self._owner = weakref.ref(owner)
+        self._optimizer = weakref.ref(optimizer)
+        self._hook = hook
+
+    def remove(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        owner, opt = self._owner(), self._optimizer()
+        if owner is not None and opt is not None:
+            owner.unwatch(opt)
+
+
+class Saver:
+    """Owns the pipeline and the ledger of one ``Checkpointer``'s saves."""
+
+    def __init__(self, config: CheckpointConfig, storage: Storage, *, planner: Planner, arena: HostArena,
+                 streams: CopyStreams, priorities: ThreadPriorities, coord: Coordinator | None, uploads: bool,
+                 claim_root: Callable[[], None], on_commit: Callable[[Job, CheckpointInfo], None]) -> None:
+        """``uploads``: committed saves go to the remote tier (their handles get an upload future).
+        ``claim_root``: called by ``save()`` after its checks, before anything is written into the root.
+        ``on_commit``: called on the committer once a save is committed, before its handle resolves; it must
+        call ``settle(handle)``."""
+        self.config, self.storage = config, storage
+        self._planner, self._arena, self._streams, self._priorities = planner, arena, streams, priorities
+        self._coord, self._uploads, self._claim_root = coord, uploads, claim_root
+        self._watched: weakref.WeakSet = weakref.WeakSet()
+        self._hooks: list[WatchHandle] = []
+        self._lock = threading.Lock()
+        self._pending: list[SaveHandle] = []
+        self._errors: list[tuple[SaveHandle, FastCkptError]] = []
+        self.stats: list[SaveStats] = []
+        self.pipeline = Pipeline(storage, arena, config.persist.workers, on_commit, self._on_failure, coord,
+                                 priorities=priorities)
+
+    # ---- watched optimizers --------------------------------------------------------
+
+    def watch(self, optimizer: torch.optim.Optimizer, wait: Callable[[], None] | None) -> WatchHandle:
+        """Mark ``optimizer``'s params and state as lazily copyable; with ``wait``, its step() first calls it (the
+        owner's ``wait_staged``, which a subclass or a fork()ed child may change)."""
+        handle = optimizer.register_step_pre_hook(lambda *_: wait()) if wait is not None else None
+        self._watched.add(optimizer)
+        wh = WatchHandle(self, optimizer, handle)
+        self._hooks.append(wh)
+        return wh
+
+    def unwatch(self, optimizer: Any) -> None:
+        """Called by ``WatchHandle.remove``: ``optimizer``'s tensors are copied eagerly again."""
+        self._watched.discard(optimizer)
+
+    def unwatch_all(self) -> None:
+        """Called by ``Checkpointer.close``: remove every step hook this saver registered."""
+        for wh in self._hooks:
+            wh.remove()
+
+    # ---- the three save paths ------------------------------------------------------
+
+    def save(self, state: Any, step: int, *, name: str | None = None, eager: Any = (), lazy: Any = ()) -> SaveHandle:
+        """``Checkpointer.save``: the open layout (safetensors shards + meta + manifest) under ``root/name``."""
+        t0 = time.perf_counter()
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ConfigError(f"save(step=...) must be a non-negative int, got {step!r}")
+        name = checkpoint_name(name if name is not None else f"step-{step:09d}")
+        self.raise_pending()
+        try:
+            flat = flatten(state)
+        except TypeError as e:
+            raise StateMismatchError(f"cannot checkpoint this state: {e}") from e
+        objects = dumps_objects(flat.objects, self.config.allowed_classes, flat.object_keys) if flat.objects else None
+        if self._coord is None:
+            for rec in flat.dtensors:
+                if rec.layout.mesh_size > 1:
+                    raise ConfigError(
+                        f"DTensor {rec.key!r} is sharded over {rec.layout.mesh_size} ranks, and this Checkpointer "
+                        "saves alone; construct it with distributed=True on every rank (each then writes its own "
+                        "blocks)")
+        # After the checks of the arguments, before anything is written: a dead folder of this very name (a
+        # resumed run re-saving the step it died in) is removed first, so none of its files outlive the commit.
+        self._claim_root()
+        lazy_ptrs = self._lazy_ptrs(_named_ptrs(flat, lazy, "lazy"), _named_ptrs(flat, eager, "eager"))
+        dirpath = self.storage.join(self.storage.url, name)
+        return self._submit(flat, step, name, dirpath, t0, lazy_ptrs, objects=objects,
+                            dtensors=[rec.as_json() for rec in flat.dtensors])
+
+    def save_file(self, state: Any, name: str, *, step: int = 0) -> SaveHandle:
+        """``Checkpointer.save_file``: one torch file ``root/name``.
+
+        With ``distributed=True``, every rank calls this with its own copy of the same data-parallel state and the
+        ranks share the writes of the one file (``fastckpt.engine.sharedfile``): the parameters and optimizer state
+        of the watched optimizers (kept identical by DDP) are split between the ranks by bytes; everything else
+        (buffers such as BatchNorm's running statistics, plain values, the pickle) is rank 0's. The root must be a
+        file system every rank sees (one node, or a shared POSIX file system)."""
+        t0 = time.perf_counter()
+        name = file_name(name)
+        if self._coord is not None and not can_share(self.storage):
+            raise ConfigError(f"save_file() with distributed=True needs a file system every rank writes into; "
+                              f"{self.storage.url} is not one (an object store takes one writer per file): save it "
+                              "on rank 0, with a Checkpointer built without distributed=True")
+        if self.config.staging.shm:
+            raise ConfigError("staging.shm does not apply to single-file torch checkpoints (save_file); "
+                              "set staging.shm: false, or use save() for the shared-memory tier")
+        self.raise_pending()
+        path = self.storage.join(self.storage.url, name)
+        try:
+            fmt, tensors, keys, sources = TorchFileFormat.plan(state, path)
+        except (TypeError, AttributeError, RuntimeError, pickle.PicklingError) as e:
+            raise StateMismatchError(f"cannot save this state as a torch file {path!r}: {e}") from e
+        owners = [-1] * len(tensors)
+        chunk = None
+        if self._coord is not None:  # only what DDP keeps identical on every rank may come from another rank
+            shared = self._optimizer_ptrs()
+            owners = [-1 if t.data_ptr() in shared else self._coord.leader for t in tensors]
+            chunk = _shared_chunk(self.config.persist.chunk_bytes, [r.nbytes for r in fmt.layout.records],
+                                  self._coord.world)
+        flat = FlatState(tree=None, tensors=tensors, keys=keys, numpy=[False] * len(tensors), objects=[],
+                         owners=owners, lazy_src=list(tensors))
+        self._check_fits(fmt.layout.size, f"the torch file {path!r}", "is")
+        # No root lock or garbage collection here: the folder is the framework's (Lightning lists it), and a
+        # file appears by rename only once complete, so a killed save leaves no folder to collect.
+        return self._submit(flat, step, name, path, t0, self._lazy_ptrs(set(), set()), file_format=fmt,
+                            version_src=sources, chunk_bytes=chunk, shared_file=fmt if self._coord is not None else None)
+
+    def save_files(self, files: dict[str, tuple[str, Any]], name: str, *, step: int = 0,
+                   user: dict[str, Any] | None = None, made: bool = False) -> SaveHandle:
+        """``Checkpointer.save_files``: a framework's checkpoint folder ``root/name`` as one save
+        (``fastckpt.format.bundle``): every file is written by the engine, then ``manifest.json`` (``"layout":
+        "files"``, each file's size and CRC32C) last: the commit. No root lock, no retention (the folder is the
+        framework's), one process. ``user``: extra fields of the manifest. ``made``: the caller created the folder,
+        so a save whose folder vanished (the user removed it) fails instead of recreating it."""
+        t0 = time.perf_counter()
+        name = file_name(name)
+        if self._coord is not None or self.config.staging.shm:
+            raise ConfigError("save_files() writes from one process and without staging.shm: build this "
+                              "Checkpointer without distributed=True and with staging.shm: false")
+        self.raise_pending()
+        dirpath = self.storage.join(self.storage.url, name)
+        try:
+            fmt, tensors, keys, sources = FileBundle.plan(files, dirpath, name, step, self.storage, user, made)
+        except (TypeError, ValueError, AttributeError, RuntimeError, pickle.PicklingError) as e:
+            raise StateMismatchError(f"cannot save this state as the files of {dirpath!r}: {e}") from e
+        # the buffers stay held until the commit: a state larger than the limit would never fit
+        self._check_fits(fmt.size, f"the files of {dirpath!r}", "are")
+        flat = FlatState(tree=None, tensors=tensors, keys=keys, numpy=[False] * len(tensors), objects=[],
+                         owners=[-1] * len(tensors), lazy_src=list(tensors))
+        return self._submit(flat, step, name, dirpath, t0, self._lazy_ptrs(set(), set()), file_format=fmt,
+                            version_src=sources)
+
+    def submit_recovered(self, rec: StagedRecord, slot: Slot) -> SaveHandle:
+        """Persist a snapshot a crashed process staged in shared memory (its bytes are in ``slot`` already)."""
+        log.warning("fastckpt: recovering %s, staged in shared memory by a crashed process", rec.label)
+        handle = self.new_handle(rec.name, rec.step, rec.dirpath)
+        if self._uploads:
+            handle.expect_upload()
+        job = Job(handle=handle, plan=rec.plan, slot=slot, tensors=[], keys=rec.keys, numpy=rec.numpy, tree=rec.tree,
+                  objects=rec.objects, dirpath=rec.dirpath, t0=time.perf_counter(), uid=rec.uid, dtensors=rec.dtensors,
+                  staged_crcs=rec.crcs)
+        with self._lock:
+            self._pending.append(handle)
+        self.pipeline.submit_recovered(job)
+        return handle
+
+    def new_handle(self, name: str, step: int, path: str, nbytes: int = 0) -> SaveHandle:
+        """A handle whose error, once seen through ``wait()``, is no longer raised by this saver."""
+        return SaveHandle(name=name, step=step, path=path, stats=SaveStats(step=step, name=name, nbytes=nbytes),
+                          _on_error_seen=self._mark_seen)
+
+    def _check_fits(self, size: int, what: str, verb: str) -> None:
+        limit = self.config.staging.max_host_bytes
+        if limit is not None and size > limit:
+            raise ConfigError(f"staging.max_host_bytes ({limit}) is smaller than {what} ({size} bytes), which "
+                              f"{verb} written whole; raise the limit or unset it")
+
+    def _submit(self, flat: FlatState, step: int, name: str, dirpath: str, t0: float, lazy_ptrs: set[int], *,
+                objects: bytes | None = None, dtensors: list[dict[str, Any]] | None = None,
+                file_format: FileFormat = OPEN_LAYOUT, version_src: list[Any] | None = None,
+                chunk_bytes: int | None = None, shared_file: TorchFileFormat | None = None) -> SaveHandle:
+        """Plan, take a staging slot, copy the eager shards now and queue the rest (every save path)."""
+        plan = self._planner.plan(flat, lambda t: t.data_ptr() in lazy_ptrs, chunk_bytes)
+        writers = None
+        if self._coord is not None and shared_file is not None:
+            writers = self._coord.assign_file(plan)
+        elif self._coord is not None:
+            self._coord.assign(plan)
+        devices = cuda_devices(flat.tensors)
+        pin = bool(devices)
+        handle = self.new_handle(name, step, dirpath)
+        stats = handle.stats
+        cuda = self._prepare_cuda(name, devices) if pin else None  # before a slot is taken: a failure holds none
+        self._keep_pace(name)
+        # new pinned buffers are registered under the state's device: no stray context on GPU 0
+        with torch.cuda.device(devices[0]) if pin else contextlib.nullcontext():
+            slot = self._arena.acquire(plan, pin, block=self.config.staging.when_busy == "wait")
+        if slot is None:
+            return self._skipped(handle, t0)
+        if self._errors:  # the slot freed because a save failed (a stalled write hit its deadline): say so now
+            self._arena.release(slot)
+            self.raise_pending()
+        if self._uploads and file_format.catalogued:
+            handle.expect_upload()
+        job = Job(handle=handle, plan=plan, slot=slot, tensors=flat.tensors, keys=flat.keys, numpy=flat.numpy,
+                  tree=flat.tree, objects=objects, dirpath=dirpath, t0=t0, dtensors=dtensors or [],
+                  file_format=file_format, version_src=version_src)
+        if self._coord is not None:
+            job.uid = self._coord.next_uid()
+        if writers is not None and shared_file is not None and self._coord is not None:
+            job.shared = SharedFileWrite(self._coord, self.storage, shared_file, job.uid, writers, name)
+        if cuda is not None:
+            job.cuda = cuda
+            job.devices = [str(t.device) for t in flat.tensors]  # the saved locations map_location's dict keys name
+        with self._lock:
+            self._pending.append(handle)
+        try:
+            self.pipeline.stage_now(job, plan.mine([s for s in plan.shards if not s.lazy]))
+        except BaseException as e:
+            job.error, job.reported = e, True  # the committer cleans up and frees the slot
+            self.pipeline.submit(job, [])
+            raise FastCkptError(f"staging checkpoint {name!r} failed: {e}") from e
+        events = [(d, ev) for (_, d), ev in job.shard_events.items()]
+        if events:  # the next forward (BatchNorm stats) on each device must not overwrite what the copy reads
+            gpu_wait(events)
+        lazy = plan.mine([s for s in plan.shards if s.lazy])
+        if not lazy:
+            stats.staging_ms = (time.perf_counter() - t0) * 1e3  # CUDA: replaced when the copies are seen done
+            handle.track_copies(events)
+        self.pipeline.submit(job, lazy)
+        stats.blocking_ms = (time.perf_counter() - t0) * 1e3
+        return handle
+
+    def _keep_pace(self, name: str) -> None:
+        """Raise the persistence threads when the previous checkpoint's persistence outlived the checkpoint
+        interval (it is still pending now); lower them once nothing is. A busy slot always has a pending
+        save (the committer frees the slot before it drops the save), so a save about to wait for a slot
+        always raises them first."""
+        with self._lock:
+            late = self._pending[0].name if self._pending else None
+        if late is None:
+            self._priorities.settle()  # caught up: training comes first again
+        else:
+            self._priorities.raise_(f"checkpoint {late!r} was not durable yet when {name!r} was saved", behind=True)
+
+    def _prepare_cuda(self, name: str, devices: list[int]) -> CudaCopy:
+        """Streams and ready events of each device the state lives on (recorded now, on the caller's streams)."""
+        try:
+            return self._streams.prepare(devices)
+        except Exception as e:
+            raise FastCkptError(f"preparing the CUDA copies of checkpoint {name!r} on devices {devices} failed: "
+                                f"{e}") from e
+
+    def _skipped(self, handle: SaveHandle, t0: float) -> SaveHandle:
+        log.warning("fastckpt: skipped checkpoint %r (step %d): all %d staging slots are busy (when_busy=skip)",
+                    handle.name, handle.step, self.config.staging.slots)
+        handle.skipped = True
+        handle.stats.skipped = True
+        handle.stats.blocking_ms = (time.perf_counter() - t0) * 1e3
+        handle.mark_staged()
+        handle.set_committed(None)
+        self.stats.append(handle.stats)
+        return handle
+
+    def _lazy_ptrs(self, also: set[int], never: set[int]) -> set[int]:
+        if self.config.staging.mode != "lazy":
+            return set()  # eager mode: save(lazy=...) is ignored too
+        return (self._optimizer_ptrs() | also) - never
+
+    def _optimizer_ptrs(self) -> set[int]:
+        """Where the watched optimizers' parameters and state tensors start."""
+        # Addresses, not tensor objects: state_dict() hands out detached aliases. A tensor is
+        # lazy only if it starts exactly where a watched param/state tensor starts.
+        ptrs: set[int] = set()
+        for opt in list(self._watched):
+            for group in opt.param_groups:
+                ptrs.update(_address(p) for p in group["params"])
+            for st in opt.state.values():
+                ptrs.update(_address(v) for v in st.values() if isinstance(v, torch.Tensor))
+        ptrs.discard(0)
+        return ptrs
+
+    # ---- the ledger: saves in flight, errors not yet raised --------------------------
+
+    def pending(self) -> list[SaveHandle]:
+        """The saves submitted but not yet committed or failed, oldest first (a copy)."""
+        with self._lock:
+            return list(self._pending)
+
+    def pending_names(self) -> list[str]:
+        """Names of saves submitted but not yet committed or failed, oldest first."""
+        return [h.name for h in self.pending()]
+
+    def wait_staged(self, *, host: bool = False) -> None:
+        """Block until every pending snapshot's copies are queued; see ``SaveHandle.wait_staged``."""
+        for h in self.pending():
+            h.wait_staged(host=host)
+
+    def settle(self, handle: SaveHandle) -> None:
+        """Called by ``on_commit`` on the committer: ``handle`` leaves the pending saves, its figures are kept."""
+        with self._lock:
+            self._drop_pending(handle)
+            self.stats.append(handle.stats)
+
+    def record_error(self, handle: SaveHandle | None, err: FastCkptError) -> None:
+        """A background error (a failed upload) to raise once, at the next ``save``/``wait``/``close``."""
+        if handle is not None:  # Checkpointer.upload(name) reports through its own future only
+            with self._lock:
+                self._errors.append((handle, err))
+
+    def raise_pending(self) -> None:
+        """Raise the oldest background error not yet raised (logging the others), once."""
+        with self._lock:
+            if not self._errors:
+                return
+            errors, self._errors = self._errors, []
+        first = errors[0][1]
+        for _, other in errors[1:]:
+            log.error("fastckpt: another checkpoint also failed: %s", other)
+        raise first
+
+    def has_errors(self) -> bool:
+        """Whether a background error waits to be raised."""
+        return bool(self._errors)
+
+    def _on_failure(self, job: Job, err: FastCkptError) -> None:
+        log.error("fastckpt: checkpoint %r failed: %s", job.handle.name, err)
+        with self._lock:
+            if not job.reported:
+                self._errors.append((job.handle, err))
+            self._drop_pending(job.handle)
+        if job.handle.upload is not None:
+            settle(job.handle.upload, exc=err)  # never committed locally: nothing to upload
+
+    def _drop_pending(self, handle: SaveHandle) -> None:
+        if handle in self._pending:
+            self._pending.remove(handle)
+
+    def _mark_seen(self, handle: SaveHandle) -> None:
+        with self._lock:
+            self._errors = [(h, e) for h, e in self._errors if h is not handle]
+
+
+def _address(t: torch.Tensor) -> int:
+    """Where ``t``'s data starts; a DTensor's (FSDP2 parameter, its optimizer state) is its local block's."""
+    local = getattr(t, "_local_tensor", None)
+    return (local if isinstance(local, torch.Tensor) else t).data_ptr()
+
+
+def _named_ptrs(flat: Any, names: Any, what: str) -> set[int]:
+    """Addresses of the tensors ``save(eager=/lazy=...)`` names: tensors, or fnmatch patterns of flattened keys."""
+    if isinstance(names, (str, torch.Tensor)):
+        names = [names]
+    names = list(names)
+    patterns = [e for e in names if isinstance(e, str)]
+    ptrs = {_address(t) for t in names if isinstance(t, torch.Tensor)}
+    bad = [e for e in names if not isinstance(e, (str, torch.Tensor))]
+    if bad:
+        raise ConfigError(f"save({what}=...) takes tensors or key patterns (str), got {type(bad[0]).__name__}")
+    if patterns:
+        ptrs.update(_address(src) for key, src in zip(flat.keys, flat.lazy_src)
+                    if any(fnmatch.fnmatchcase(key, p) for p in patterns))
+    return ptrs
+
+
+def _shared_chunk(chunk_bytes: int, sizes: list[int], world: int) -> int:
+    """The shard size of a torch file shared by ``world`` ranks: about four shards per rank, so that the balance by
+    bytes (in whole shards) evens out, and never above ``persist.chunk_bytes``. A function of the structure only, so
+    every rank plans alike and the plan stays cached."""
+    return max(4096, min(chunk_bytes, sum(sizes) // (4 * world)))

@@ -1,0 +1,84 @@
+"""A fast reader of torch checkpoint files (the zip ``torch.save`` writes; Lightning's ``.ckpt``).
+
+``torch.load`` reads the records one after another on one thread, copying each into a fresh storage,
+and a CRC-32 check of the file (``fastckpt.format.torchfile.verify_torch_file``) is a second pass over it.
+Here the file is mapped copy-on-write (as ``LocalStorage.map_file`` maps safetensors shards for
+``load()``), its storage records are checked against the CRC-32 of their zip entries on a few
+threads at once (the page faults of those threads are the parallel reads; zlib releases the GIL),
+and torch's own loader unpickles ``data.pkl`` with its ``weights_only`` unpickler over the mapping,
+as ``torch.load(mmap=True)`` does: the storages are views of the page cache, no copy is made, and a
+write to a loaded tensor never reaches the file. The mapping assumes that the file is replaced by a
+rename (as fastckpt's Lightning plugin writes it) or deleted, never truncated in place while loaded.
+
+A file that is not in the page cache (``fastckpt.read.pagecache``) is read instead, with O_DIRECT on
+several threads into one fresh page-aligned buffer (``fastckpt.read.readers``), and the storages view that
+buffer: the same zero-copy load without waiting on one readahead stream. Faulting fresh 4 KiB pages in
+from user space was what made an earlier buffered read slower than the mapping here.
+
+Measured on the 2-core benchmark VM (1.48 GB, cold cache, noisy): 1.3-1.6 s against 2.2-5.3 s for
+``torch.load`` and 1.4-2.0 s for the check pass plus ``torch.load`` (mapped, before cold reads). With cold
+reads, fresh process per load, page cache dropped, shared VM (load average 3-6), two runs of 4-5
+alternating rounds: 0.79 s median (0.66-1.55) against 1.17 s mapped, then 2.24 s (1.92-2.71) against
+1.38 s mapped; writing every page once afterwards takes 0.01 s against 0.9-1.6 s for the mapped load
+(copy-on-write). The in-call time of the read path swings with the cost of fresh memory on this VM.
+"""
+from __future__ import annotations
+
+import os
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from ..errors import IntegrityError
+from .pagecache import resident_fraction
+from .readers import Range, read_ranges
+from ..storage.local import LocalStorage, aligned_buffer
+from ..format.torchfile import record_spans
+
+__all__ = ["check_records", "load_torch_file"]
+
+try:  # the same CRC-32 torchfile uses (zlib-ng is faster where installed); both release the GIL
+    from zlib_ng.zlib_ng import crc32 as _crc32
+except ImportError:  # pragma: no cover - depends on the environment
+    _crc32 = zlib.crc32
+
+
+def load_torch_file(path: str, *, map_location: Any = None, workers: int = 2, verify: bool = True) -> Any:
+    """``torch.load(path, map_location=map_location, weights_only=True)``, its records CRC-checked in parallel."""
+    size = os.path.getsize(path)
+    storage = LocalStorage(os.path.dirname(path) or ".")
+    if size and resident_fraction(path, size) < 0.5:  # cold: parallel O_DIRECT reads into fresh memory
+        keep, view = aligned_buffer(size)
+        read_ranges(storage, [Range(path, 0, view, direct=True)], workers)
+    else:  # cached: view the page cache
+        keep, view = storage.map_file(path, size) if size else (None, memoryview(b""))
+    spans = [s for s in record_spans(path, view) if s[0].startswith("data/")]  # the zip directory, from memory
+    if verify:
+        check_records(path, view, spans, workers)
+    overall = torch.frombuffer(keep, dtype=torch.uint8).untyped_storage()  # the storage keeps the mapping alive
+    reader = torch._C.PyTorchFileReader(path)  # the zip directory, data.pkl and the small records
+    return torch.serialization._load(reader, map_location, torch._weights_only_unpickler,
+                                     overall_storage=overall, encoding="utf-8")
+
+
+def check_records(path: str, view: memoryview, spans: list[tuple[str, int, int, int]], workers: int, *,
+                  advice: str = "the checkpoint is damaged: resume from an earlier one") -> None:
+    """Each ``(name, offset, size, crc)`` record of ``spans`` (``record_spans``) in ``view`` (the file's bytes)
+    against the CRC-32 of its zip entry, biggest first on ``workers`` threads; ``IntegrityError`` naming the file
+    and the record, ending with ``advice``."""
+
+    def one(span: tuple[str, int, int, int]) -> None:
+        name, offset, size, want = span
+        if want == 0 and size:
+            return  # written with torch's crc32 option off: nothing to check against
+        got = _crc32(view[offset:offset + size]) & 0xFFFFFFFF
+        if got != want:
+            raise IntegrityError(f"{path}: record {name!r} has CRC-32 {got:08x}, its zip entry says {want:08x}; "
+                                 f"{advice}")
+
+    biggest_first = sorted(spans, key=lambda s: -s[2])  # the long ones start first: the threads finish together
+    with ThreadPoolExecutor(max(1, workers), thread_name_prefix="fastckpt-zipcheck") as pool:
+        for f in [pool.submit(one, s) for s in biggest_first]:
+            f.result()

@@ -1,0 +1,2 @@
+"""Where bytes go: the ``Storage`` protocol and ``open_storage`` (``protocol.py``), the local fast path
+(``local.py``), every fsspec backend (``fsspec.py``) and the deadlines of its requests (``deadline.py``)."""

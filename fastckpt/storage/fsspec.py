@@ -1,0 +1,303 @@
+"""The fsspec backend: any fsspec filesystem (``s3://``, ``memory://``, ``gs://``...), every request
+under a deadline with bounded retries (``deadline.py``).
+
+Object stores have no rename, so a file appears whole by being one PUT (or one multipart
+upload, whose parts go up concurrently); the manifest, written last with one PUT, is the
+commit. On ``s3://`` botocore's socket timeouts default to the deadline, and botocore's and
+s3fs's own retry loops to one attempt: retries happen here, where they are bounded.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from typing import Any, Callable, Iterator, Sequence
+
+from ..config import NetworkOptions
+from .deadline import Deadline, describe, in_thread, storage_error
+from ..errors import StorageError
+
+__all__ = ["FsspecStorage"]
+
+log = logging.getLogger("fastckpt")
+
+_READ_PIECE = 16 * 1024 * 1024  # ranged-read size for remote loads
+_S3_PART = 16 * 1024 * 1024  # multipart part size (S3 minimum is 5 MiB)
+_S3_CONCURRENCY = 8  # parts of one file in flight at once
+_OBJECT_STORES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "memory")  # objects appear whole: no rename
+
+
+class FsspecStorage:
+    """Any fsspec filesystem (s3://, memory://, gs://...). Object stores commit by PUT.
+
+    Every request runs under ``network`` deadlines with bounded retries (see ``deadline.py``):
+    a stalled endpoint fails the operation with a ``StorageError`` instead of hanging it.
+    """
+
+    def __init__(self, url: str, storage_options: dict[str, Any], workers: int = 4,
+                 network: NetworkOptions | None = None) -> None:
+        try:
+            import fsspec
+        except ImportError as e:  # pragma: no cover - fsspec is a hard dependency
+            raise StorageError("fsspec is required for remote roots: pip install fsspec") from e
+        self._protocol = url.split("://", 1)[0]
+        self._deadline = Deadline.of(network)
+        options = _with_socket_timeouts(self._protocol, storage_options, self._deadline)
+        try:
+            fs, path = fsspec.core.url_to_fs(url, **options)
+        except ImportError as e:
+            raise StorageError(f"no fsspec backend for {url!r}: {e}. For s3:// install fastckpt[s3] (s3fs)") from e
+        except (ValueError, TypeError) as e:
+            raise StorageError(f"cannot open storage {url!r}: {e}") from e
+        if self._protocol in ("s3", "s3a"):
+            fs.retries = 1  # s3fs's own retry loop (a class attribute, 5) would nest inside ours
+        self.fs = fs
+        self.url = f"{self._protocol}://{path}" if "://" in url else path
+        self._workers = workers
+
+    def _p(self, path: str) -> str:
+        return path.split("://", 1)[1] if "://" in path else path
+
+    def join(self, *parts: str) -> str:
+        return "/".join(p.strip("/") if i else p.rstrip("/") for i, p in enumerate(parts))
+
+    def _call(self, op: str, path: str, method: str, *args: Any, missing: str = "wrap", **kwargs: Any) -> Any:
+        """``fs.<method>(*args, **kwargs)`` under the deadline, retried; errors become ``StorageError``
+        naming ``path``."""
+        fs = self.fs
+        if getattr(fs, "async_impl", False) and hasattr(fs, f"_{method}"):
+            from fsspec.asyn import sync
+
+            # cancelled on the event loop at the deadline: botocore/aiohttp may never give up alone
+            def attempt(t: float) -> Any:
+                return sync(fs.loop, getattr(fs, f"_{method}"), *args, timeout=t, **kwargs)
+        else:
+            def attempt(t: float) -> Any:
+                return in_thread(partial(getattr(fs, method), *args, **kwargs), t, f"fastckpt-net-{method}")
+        with _backend_errors(op, path, missing, self._deadline):
+            return self._deadline.call(f"{op} {path}", attempt)
+
+    def write_file(self, path: str, parts: Sequence[memoryview]) -> None:
+        total = sum(len(p) for p in parts)
+        if self._protocol in ("s3", "s3a") and total > 2 * _S3_PART:
+            with _backend_errors("uploading", path, "wrap", self._deadline):
+                self._s3_multipart(self._p(path), parts)
+        elif getattr(self.fs, "async_impl", False) and total <= 2 * _S3_PART:
+            self._call("uploading", path, "pipe_file", self._p(path), b"".join(parts))  # one PUT
+        else:  # streamed through the backend's file writer: one deadline per 32 MiB
+            scale = max(1, -(-total // (2 * _S3_PART)))
+            with _backend_errors("uploading", path, "wrap", self._deadline):
+                # an abandoned attempt may still read ``parts``, which the caller reuses once this fails
+                self._deadline.call(f"uploading {path}", lambda t: in_thread(
+                    partial(self._stream, self._p(path), parts), t * scale, "fastckpt-net-write"),
+                    retry_timeouts=False)
+
+    def _stream(self, path: str, parts: Sequence[memoryview]) -> None:
+        with self.fs.open(path, "wb", block_size=64 << 20) as f:
+            for part in parts:
+                f.write(part)
+
+    def _s3_multipart(self, path: str, parts: Sequence[memoryview]) -> None:
+        """One multipart upload whose parts go up concurrently (s3fs's file writer sends them one by one).
+
+        Each request (create, every part, complete, abort) has its own deadline and retries."""
+        import asyncio
+
+        from fsspec.asyn import sync
+
+        fs, dl = self.fs, self._deadline
+        bucket, key, _ = fs.split_path(path)
+
+        def s3(method: str, **kw: Any) -> Any:
+            return dl.acall(f"{method} of {path}", lambda: fs._call_s3(method, Bucket=bucket, Key=key, **kw))
+
+        async def upload() -> None:
+            mpu = await s3("create_multipart_upload")
+            gate = asyncio.Semaphore(_S3_CONCURRENCY)
+
+            async def one(number: int, piece: memoryview) -> dict[str, Any]:
+                async with gate:  # at most _S3_CONCURRENCY bodies copied out at once
+                    out = await s3("upload_part", PartNumber=number, UploadId=mpu["UploadId"],
+                                   Body=bytes(piece))  # botocore wants bytes
+                return {"PartNumber": number, "ETag": out["ETag"]}
+
+            try:
+                done = await asyncio.gather(*[one(i + 1, p) for i, p in enumerate(_pieces(parts, _S3_PART))])
+                await s3("complete_multipart_upload", UploadId=mpu["UploadId"], MultipartUpload={"Parts": list(done)})
+            except BaseException:
+                try:  # no orphaned parts billed forever (best effort: the endpoint may be what failed)
+                    await s3("abort_multipart_upload", UploadId=mpu["UploadId"])
+                except Exception as e:  # noqa: BLE001 - the upload's own error is the one to raise
+                    log.warning("fastckpt: could not abort the multipart upload of %s: %s", path, describe(e))
+                raise
+
+        sync(fs.loop, upload)
+        fs.invalidate_cache(path)
+
+    def write_atomic(self, path: str, data: bytes) -> None:
+        self._call("committing", path, "pipe_file", self._p(path), data)  # one PUT: whole or not at all
+
+    def write_file_atomic(self, path: str, parts: Sequence[memoryview]) -> None:
+        if self._protocol in _OBJECT_STORES:  # a PUT or a completed multipart upload appears whole
+            self.write_file(path, parts)
+            return
+        folder, base = path.rsplit("/", 1) if "/" in path else ("", path)
+        tmp = f"{folder}/.{base}.fastckpt-tmp-{os.getpid()}-{threading.get_ident()}"
+        self.write_file(tmp, parts)
+        try:
+            self._call("renaming into", path, "mv", self._p(tmp), self._p(path))
+        except StorageError:
+            with contextlib.suppress(Exception):
+                self.fs.rm_file(self._p(tmp))
+            raise
+
+    def read_into(self, path: str, offset: int, out: memoryview) -> None:
+        pieces = [(s, min(s + _READ_PIECE, len(out))) for s in range(0, len(out), _READ_PIECE)]
+
+        def fetch(piece: tuple[int, int]) -> None:
+            start, end = piece
+            data = self._call("reading", path, "cat_file", self._p(path), start=offset + start, end=offset + end)
+            if len(data) != end - start:
+                raise StorageError(f"reading {path!r} failed: short read at {offset + start}: got {len(data)} of "
+                                   f"{end - start} bytes")
+            out[start:end] = data
+
+        if len(pieces) <= 1:
+            for p in pieces:
+                fetch(p)
+        else:  # concurrent ranged GETs: one connection rarely fills the link
+            with ThreadPoolExecutor(self._workers, thread_name_prefix="fastckpt-read") as pool:
+                list(pool.map(fetch, pieces))
+
+    def read_bytes(self, path: str) -> bytes:
+        return self._call("reading", path, "cat_file", self._p(path), missing="raise")
+
+    def size(self, path: str) -> int:
+        return int(self._call("stat of", path, "size", self._p(path), missing="raise"))
+
+    def modified(self, path: str) -> float:
+        """Last modification (seconds since the epoch) of one object, by the store's clock."""
+        return float(self._call("stat of", path, "modified", self._p(path)).timestamp())
+
+    def exists(self, path: str) -> bool:
+        self.fs.invalidate_cache(self._p(path))  # s3fs caches listings per instance
+        return bool(self._call("checking", path, "exists", self._p(path)))
+
+    def listdir(self, path: str) -> list[str]:
+        self.fs.invalidate_cache(self._p(path))
+        entries = self._call("listing", path, "ls", self._p(path), detail=False, missing="ignore") or []
+        return [e.rstrip("/").rsplit("/", 1)[-1] for e in entries]
+
+    def delete(self, path: str) -> None:
+        self._call("deleting", path, "rm_file", self._p(path), missing="ignore")
+
+    def delete_tree(self, path: str) -> None:
+        self._call("deleting", path, "rm", self._p(path), recursive=True, missing="ignore")
+
+    def check(self, what: str) -> None:
+        """One cheap request: on ``s3://``, list at most one key under the root (what ``latest()`` needs,
+        and allowed by a policy scoped to the prefix, unlike HEAD bucket); elsewhere, ``exists``."""
+        if self._protocol not in ("s3", "s3a"):
+            self._call(f"checking {what}", self.url, "exists", self._p(self.url))
+            return
+        bucket, _, key = self._p(self.url).partition("/")
+        try:
+            self._deadline.call(f"checking {what} {self.url}", self._list_one(bucket, key.strip("/")))
+        except Exception as e:
+            raise _probe_error(what, self.url, bucket, _endpoint(self.fs), e, self._deadline) from e
+
+    def _list_one(self, bucket: str, key: str) -> Callable[[float], Any]:
+        from fsspec.asyn import sync
+
+        fs = self.fs
+        prefix = f"{key}/" if key else ""
+        return lambda t: sync(fs.loop, fs._call_s3, "list_objects_v2", Bucket=bucket, Prefix=prefix, MaxKeys=1,
+                              timeout=t)
+
+
+def _with_socket_timeouts(protocol: str, options: dict[str, Any], deadline: Deadline) -> dict[str, Any]:
+    """s3fs options that leave timeouts and retries to ``Deadline``, unless the caller set them.
+
+    Left alone, botocore (up to 5 attempts, 60 s socket timeouts) runs inside s3fs's own retry loop
+    (5 more), so one request to a dead endpoint takes minutes and its last error is lost.
+    """
+    if protocol not in ("s3", "s3a"):
+        return options
+    options = dict(options)
+    kwargs = dict(options.get("config_kwargs") or {})
+    kwargs.setdefault("connect_timeout", min(10.0, deadline.timeout_s))
+    kwargs.setdefault("read_timeout", deadline.timeout_s)
+    kwargs.setdefault("retries", {"max_attempts": 1, "mode": "standard"})  # botocore: a single try
+    options["config_kwargs"] = kwargs
+    return options
+
+
+def _endpoint(fs: Any) -> str:
+    return str((getattr(fs, "client_kwargs", None) or {}).get("endpoint_url") or "the default AWS endpoint")
+
+
+def _probe_error(what: str, url: str, bucket: str, endpoint: str, e: BaseException, deadline: Deadline) -> StorageError:
+    """The one actionable error for a storage that cannot hold checkpoints."""
+    names = {c.__name__ for c in type(e).__mro__}
+    if names & {"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError"}:
+        why = ("no S3 credentials were found: set key and secret in the storage options of " + what +
+               " (storage_options / remote.storage_options), or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY")
+    elif isinstance(e, FileNotFoundError):
+        why = f"bucket {bucket!r} does not exist at {endpoint}: fix the bucket name in {what}, or create the bucket"
+    elif isinstance(e, PermissionError):
+        why = f"access to bucket {bucket!r} at {endpoint} was denied: check the credentials and the bucket policy"
+    elif isinstance(e, TimeoutError):
+        why = (f"{endpoint} did not answer within {deadline.timeout_s:g}s ({deadline.attempts} attempt(s)): check "
+               f"client_kwargs.endpoint_url and the network, or raise network.timeout_s")
+    else:
+        why = f"{endpoint} cannot be reached or refused the request ({describe(e)}): check client_kwargs.endpoint_url " \
+              "and the network"
+    err = StorageError(f"{what} {url!r} cannot hold checkpoints: {why}")
+    if isinstance(e, OSError):
+        err.errno = e.errno
+    return err
+
+
+@contextlib.contextmanager
+def _backend_errors(op: str, path: str, missing: str = "wrap", deadline: Deadline | None = None) -> Iterator[None]:
+    """Turn a backend's exceptions into ``StorageError`` naming ``path``.
+
+    ``missing`` decides about FileNotFoundError: ``raise`` it as is (callers test for absence),
+    ``ignore`` it (deleting what is gone is fine), or ``wrap`` it like any other error.
+    """
+    try:
+        yield
+    except StorageError:
+        raise
+    except FileNotFoundError as e:
+        if missing == "raise":
+            raise
+        if missing != "ignore":
+            raise storage_error(op, path, e, deadline) from e
+    except Exception as e:
+        raise storage_error(op, path, e, deadline) from e
+
+
+def _pieces(parts: Sequence[memoryview], size: int) -> list[memoryview]:
+    """Cut the concatenation of ``parts`` into ``size``-byte pieces (the last may be shorter)."""
+    out: list[memoryview] = []
+    carry = b""
+    for part in parts:
+        part = memoryview(part).cast("B")
+        if carry:
+            need = size - len(carry)
+            carry += bytes(part[:need])
+            part = part[need:]
+            if len(carry) < size:
+                continue
+            out.append(memoryview(carry))
+            carry = b""
+        whole = len(part) - len(part) % size
+        out.extend(part[i: i + size] for i in range(0, whole, size))
+        carry = bytes(part[whole:])
+    if carry:
+        out.append(memoryview(carry))
+    return out

@@ -1,0 +1,274 @@
+"""The local fast path: O_DIRECT writes from page-aligned buffers, fsync, atomic rename.
+
+Errors are raised as ``StorageError`` naming the path, chained to the OS error.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import threading
+from typing import Sequence
+
+from .deadline import storage_error
+from ..errors import StorageError
+
+__all__ = ["LocalStorage", "aligned_buffer"]
+
+log = logging.getLogger("fastckpt")
+
+_DIRECT_ALIGN = 4096
+
+
+class LocalStorage:
+    """Local files with large sequential writes, O_DIRECT where the filesystem allows it."""
+
+    def __init__(self, root: str, direct_io: str = "auto", fsync: bool = True) -> None:
+        self.url = os.path.abspath(root.removeprefix("file://"))
+        self._direct = direct_io
+        self._fsync = fsync
+        self._direct_works: bool | None = None if direct_io == "auto" else direct_io == "on"
+
+    def join(self, *parts: str) -> str:
+        return os.path.join(*parts)
+
+    def write_file(self, path: str, parts: Sequence[memoryview]) -> None:
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            if self._direct_works is not False and _aligned(parts) and hasattr(os, "O_DIRECT"):
+                if self._write_direct(path, parts):
+                    return
+            self._write_buffered(path, parts)
+        except OSError as e:
+            raise storage_error("writing", path, e) from e
+
+    def _write_direct(self, path: str, parts: Sequence[memoryview]) -> bool:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+        except OSError as e:
+            if e.errno != errno.EINVAL or self._direct == "on":
+                raise
+            self._note_direct(False, e)  # tmpfs and some FUSE mounts reject O_DIRECT
+            return False
+        tail: list[memoryview] = []
+        try:
+            for i, part in enumerate(parts):
+                cut = len(part) - len(part) % _DIRECT_ALIGN
+                _write_all(fd, part[:cut])
+                if cut != len(part):
+                    tail = [part[cut:], *parts[i + 1:]]
+                    break
+            self._note_direct(True, None)
+            if self._fsync and not tail:  # O_DIRECT skips the cache, not the metadata journal
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        if tail:  # the unaligned remainder goes through the page cache
+            self._write_fd(path, tail, os.O_WRONLY | os.O_APPEND)
+        return True
+
+    def _note_direct(self, works: bool, e: OSError | None) -> None:
+        if self._direct_works is None:
+            self._direct_works = works
+            if not works:
+                log.info("fastckpt: O_DIRECT not supported under %s (%s); using buffered writes", self.url, e)
+
+    def _write_buffered(self, path: str, parts: Sequence[memoryview]) -> None:
+        self._write_fd(path, parts, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+
+    def _write_fd(self, path: str, parts: Sequence[memoryview], flags: int) -> None:
+        fd = os.open(path, flags, 0o644)
+        try:
+            for part in parts:
+                _write_all(fd, part)
+            if self._fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def write_atomic(self, path: str, data: bytes) -> None:
+        tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            self._write_buffered(tmp, [memoryview(data)])
+            os.replace(tmp, path)  # atomic on POSIX: readers see old or new, never half
+            if self._fsync:
+                _fsync_dir(os.path.dirname(path))
+        except OSError as e:
+            _silent_remove(tmp)
+            raise storage_error("committing", path, e) from e
+
+    def write_file_atomic(self, path: str, parts: Sequence[memoryview]) -> None:
+        # A hidden temporary name in the same folder: the rename is atomic and a reader of ``path`` sees the
+        # previous file or the complete new one, never a torn one, even after SIGKILL (gc removes the temp).
+        folder, base = os.path.split(path)
+        tmp = os.path.join(folder, f".{base}.fastckpt-tmp-{os.getpid()}-{threading.get_ident()}")
+        try:
+            os.makedirs(folder, exist_ok=True)
+            self._write_buffered(tmp, parts)
+            os.replace(tmp, path)
+            if self._fsync:
+                _fsync_dir(folder)
+        except OSError as e:
+            _silent_remove(tmp)
+            raise storage_error("writing", path, e) from e
+
+    # ---- one file written by several processes (fastckpt.engine.sharedfile) -----------------------------------------
+
+    def write_at(self, path: str, pieces: Sequence[tuple[int, memoryview]]) -> None:
+        """Write each ``(offset, bytes)`` of ``pieces`` into ``path``, created if absent and never truncated: other
+        processes write other ranges of the same file at the same time. Durable only after ``sync``."""
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+            try:
+                for offset, part in pieces:
+                    _pwrite_all(fd, part, offset)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise storage_error("writing", path, e) from e
+
+    def sync(self, path: str) -> None:
+        """Make what every process wrote into ``path`` durable (one fsync covers the whole inode)."""
+        if not self._fsync:
+            return
+        try:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise storage_error("syncing", path, e) from e
+
+    def publish(self, tmp: str, path: str) -> None:
+        """Rename the complete, synced ``tmp`` to ``path`` (the commit point) and make the rename durable."""
+        try:
+            os.replace(tmp, path)
+            if self._fsync:
+                _fsync_dir(os.path.dirname(path))
+        except OSError as e:
+            raise storage_error("committing", path, e) from e
+
+    def read_into(self, path: str, offset: int, out: memoryview) -> None:
+        try:
+            with open(path, "rb", buffering=0) as f:
+                f.seek(offset)
+                got = 0
+                while got < len(out):
+                    n = f.readinto(out[got:])
+                    if not n:
+                        raise EOFError(f"file ended after {offset + got} bytes")
+                    got += n
+        except (OSError, EOFError) as e:
+            raise storage_error("reading", path, e) from e
+
+    def map_file(self, path: str, size: int, readahead: bool = True) -> tuple[mmap.mmap, memoryview]:
+        """Map ``path`` copy-on-write: tensors view the page cache, no read copy (local loads).
+
+        ``readahead=False`` maps without starting to read (the remote tier maps files long before it reads them).
+        """
+        try:
+            with open(path, "rb") as f:
+                mm = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except (OSError, ValueError) as e:
+            raise storage_error("mapping", path, e) from e
+        if readahead and hasattr(mmap, "MADV_WILLNEED"):
+            mm.madvise(mmap.MADV_WILLNEED)  # start readahead of the whole file now
+        return mm, memoryview(mm)
+
+    def read_bytes(self, path: str) -> bytes:
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except (FileNotFoundError, NotADirectoryError) as e:
+            raise FileNotFoundError(e.errno, e.strerror, path) from e
+        except OSError as e:
+            raise storage_error("reading", path, e) from e
+
+    def size(self, path: str) -> int:
+        return os.stat(path).st_size
+
+    def modified(self, path: str) -> float:
+        """Last modification (seconds since the epoch) of a file or folder; the garbage collector's clock."""
+        try:
+            return os.stat(path).st_mtime
+        except OSError as e:
+            raise storage_error("stat of", path, e) from e
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(path)
+
+    def listdir(self, path: str) -> list[str]:
+        try:
+            return os.listdir(path)
+        except FileNotFoundError:
+            return []
+
+    def delete(self, path: str) -> None:
+        _silent_remove(path)
+
+    def delete_tree(self, path: str) -> None:
+        import shutil
+
+        shutil.rmtree(path, ignore_errors=True)
+
+    def check(self, what: str) -> None:
+        # The root itself may not exist yet (the first save creates it): its nearest existing
+        # ancestor must then be a writable directory. os.access reports EROFS even to root.
+        path = self.url
+        while not os.path.lexists(path) and os.path.dirname(path) != path:
+            path = os.path.dirname(path)
+        if not os.path.isdir(path):
+            where = "is a file" if path == self.url else f"lies under {path!r}, which is a file"
+            raise StorageError(f"{what} {self.url!r} {where}, not a directory: set {what} to a directory path")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise StorageError(f"{what} {self.url!r} is not writable: {path!r} is on a read-only filesystem or "
+                               f"this user may not write there; set {what} to a writable directory")
+
+
+def _aligned(parts: Sequence[memoryview]) -> bool:
+    import numpy as np
+
+    for part in parts[:-1]:
+        if len(part) % _DIRECT_ALIGN:
+            return False
+    for part in parts:
+        if len(part) and np.frombuffer(part, dtype=np.uint8).ctypes.data % _DIRECT_ALIGN:
+            return False
+    return True
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    while len(data):
+        n = os.write(fd, data[: 1 << 30])
+        data = data[n:]
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    data = memoryview(data).cast("B")
+    while len(data):
+        n = os.pwrite(fd, data[: 1 << 30], offset)
+        data, offset = data[n:], offset + n
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _silent_remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
+def aligned_buffer(nbytes: int) -> tuple[mmap.mmap, memoryview]:
+    """A page-aligned anonymous buffer (usable for O_DIRECT)."""
+    mm = mmap.mmap(-1, max(nbytes, 1))
+    return mm, memoryview(mm)[:nbytes]

@@ -1,0 +1,143 @@
+"""The committed checkpoints under one root: listing, lookup, deletion, retention.
+
+Only manifests count. A directory without one (an interrupted save, or an object
+store prefix that lingers after deletion) is invisible.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import threading
+from typing import Protocol, Sequence, TypeVar
+
+from ..config import RetentionOptions
+from ..errors import CheckpointNotFoundError, FastCkptError, IntegrityError, StorageError
+from ..format.layout import MANIFEST, parse_manifest
+from ..format.layout import CheckpointInfo
+from ..format.paths import confine
+from ..storage.protocol import Storage
+
+__all__ = ["Catalog", "doomed"]
+
+log = logging.getLogger("fastckpt")
+
+
+class _Step(Protocol):
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def step(self) -> int: ...
+
+
+T = TypeVar("T", bound=_Step)
+
+
+def doomed(infos: Sequence[T], rules: RetentionOptions, pending: set[str]) -> list[T]:
+    """Of ``infos`` (anything with ``name`` and ``step``, oldest step first), those ``rules`` do not keep:
+    never the newest, never a pending name. ``fastckpt gc`` applies it to Lightning and Accelerate folders too."""
+    if rules.keep_last is None:
+        return []
+    keep = {i.name for i in infos[-rules.keep_last:]}
+    if rules.keep_every_n_steps:
+        keep |= {i.name for i in infos if i.step % rules.keep_every_n_steps == 0}
+    return [i for i in infos[:-1] if i.name not in keep and i.name not in pending]
+
+
+class Catalog:
+    """Reads manifests lazily and caches what it read; the committer keeps it current."""
+
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+        self._lock = threading.Lock()
+        self._known: dict[str, CheckpointInfo] = {}
+
+    def list(self) -> list[CheckpointInfo]:
+        """Committed checkpoints under the root, oldest step first."""
+        found: dict[str, CheckpointInfo] = {}
+        for name in self.storage.listdir(self.storage.url):
+            info = self._known.get(name) or self.info(name)
+            if info is not None:
+                found[name] = info
+        with self._lock:
+            self._known = found
+        return sorted(found.values(), key=lambda i: (i.step, i.name))
+
+    def info(self, name: str) -> CheckpointInfo | None:
+        """The committed checkpoint ``name``, read from its manifest, or None.
+
+        A malformed, crafted or unreadable-as-a-file manifest (or a checkpoint symlinked from outside the
+        root) is skipped with a warning naming it: one bad entry must not stop every resume from the root.
+        """
+        path = self.storage.join(self.storage.url, name)
+        mpath = self.storage.join(path, MANIFEST)
+        try:
+            confine(self.storage.url, path, "checkpoint directory")
+            doc = parse_manifest(self.storage.read_bytes(mpath), mpath)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            return None
+        except IntegrityError as e:
+            log.warning("fastckpt: ignoring %s: %s", path, e)
+            return None
+        except StorageError as e:
+            if getattr(e, "errno", None) not in (errno.EISDIR, errno.ENOTDIR):
+                raise
+            log.warning("fastckpt: ignoring %s: its %s is not a file", path, MANIFEST)
+            return None
+        return CheckpointInfo(name, doc["step"], path, doc.get("nbytes", 0))
+
+    def committed(self, info: CheckpointInfo) -> None:
+        """Called by the committer right after a manifest lands."""
+        with self._lock:
+            self._known[info.name] = info
+
+    def resolve(self, step: int | None) -> str:
+        """The name of the newest committed checkpoint (at ``step`` when given)."""
+        infos = self.list()
+        if step is not None:
+            infos = [i for i in infos if i.step == step]
+        if not infos:
+            what = f"at step {step}" if step is not None else "at all"
+            raise CheckpointNotFoundError(f"no committed checkpoint {what} under {self.storage.url}")
+        return infos[-1].name
+
+    def delete(self, name: str) -> None:
+        """Remove ``name``: manifest first, so a half-deleted checkpoint is never visible.
+
+        Only plain names under the checkpoint directory are deleted (``parse_manifest`` refuses others);
+        a malformed or crafted manifest leaves its listed files to ``delete_tree``, which stays inside.
+        """
+        path = confine(self.storage.url, self.storage.join(self.storage.url, name), "checkpoint directory")
+        mpath = self.storage.join(path, MANIFEST)
+        try:
+            files = list(parse_manifest(self.storage.read_bytes(mpath), mpath)["files"])
+        except (FileNotFoundError, IntegrityError) as e:
+            if isinstance(e, IntegrityError):
+                log.warning("fastckpt: deleting %s without trusting its manifest: %s", path, e)
+            files = []
+        self.storage.delete(mpath)
+        for f in files:
+            self.storage.delete(self.storage.join(path, f))
+        self.storage.delete_tree(path)
+        with self._lock:
+            self._known.pop(name, None)
+
+    def doomed(self, rules: RetentionOptions, pending: set[str]) -> list[CheckpointInfo]:
+        """The committed checkpoints ``rules`` do not keep (``fastckpt gc --dry-run`` prints them)."""
+        return doomed(self.list(), rules, pending) if rules.keep_last is not None else []
+
+    def retain(self, rules: RetentionOptions, pending: set[str]) -> None:
+        """Delete what ``rules`` do not keep; never the newest committed one, never a pending name."""
+        if rules.keep_last is None:
+            return
+        try:
+            doomed = self.doomed(rules, pending)
+        except FastCkptError as e:
+            log.warning("fastckpt: retention skipped, cannot list %s: %s", self.storage.url, e)
+            return
+        for info in doomed:
+            try:
+                self.delete(info.name)
+                log.info("fastckpt: retention removed %s (step %d)", info.name, info.step)
+            except FastCkptError as e:
+                log.warning("fastckpt: retention could not remove %s: %s", info.path, e)
