@@ -27,7 +27,8 @@ import torch
 
 from ..errors import IntegrityError
 from .paths import plain_name
-from .plan import Shard, st_dtype
+from .plan import Shard
+from .safetensorsfile import st_dtype
 
 __all__ = [
     "CheckpointInfo",

@@ -20,10 +20,9 @@ import torch
 
 from . import dtensor as dt
 from .codec import encode_tree, path_name
-from .safetensorsfile import st_dtype  # re-exported for format/layout.py; its home is safetensorsfile
 from ..errors import StateMismatchError
 
-__all__ = ["TensorEntry", "Shard", "Plan", "FlatState", "DTensorRecord", "flatten", "Planner", "st_dtype"]
+__all__ = ["TensorEntry", "Shard", "Plan", "FlatState", "DTensorRecord", "flatten", "Planner"]
 
 
 @dataclass(frozen=True, slots=True)
