@@ -173,3 +173,37 @@ def test_change_landing_during_the_copy_is_caught_after_it(tmp_path, monkeypatch
         with pytest.raises(SnapshotMutatedError, match="model/p2"):
             handle.wait()
         assert ckpt.list() == []
+
+
+def test_a_write_whose_counter_moves_after_the_copy_checks_is_caught_before_staging_ends(tmp_path, monkeypatch) -> None:
+    """An in-place kernel bumps the version counter only once it has written: a copy that reads a tensor while it
+    is being written passes that tensor's checks when the bump comes after them. Here the write lands through
+    ``.data`` (no bump) right before ``p1`` is copied, and the counter moves only after ``p1``'s after-copy check,
+    while ``p2`` is copied: the snapshot holding the new ``p1`` must be refused, not committed silently."""
+    import fastckpt.engine.pipeline as pipeline
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    real_copy = pipeline.copy_entries
+
+    def racing_copy(buf, entries, tensors, *rest):  # the kernel's write and its late bump, deterministically placed
+        def each():
+            for e in entries:
+                if tensors[e.index].data_ptr() == model["p1"].data_ptr():
+                    model["p1"].data.copy_(torch.zeros(_N))  # the kernel writes: the counter has not moved yet
+                if tensors[e.index].data_ptr() == model["p2"].data_ptr():  # p1 was copied, checked, unmoved
+                    with torch.no_grad():
+                        model["p1"].add_(0.0)  # ... and now its counter moves, as the kernel ends
+                yield e
+        return real_copy(buf, each(), tensors, *rest)
+
+    monkeypatch.setattr(pipeline, "copy_entries", racing_copy)
+    ckpt, gated = _setup(tmp_path)
+    gated.gate.set()
+    with ckpt:
+        ckpt.watch(opt)
+        handle = ckpt.save(_state(model, opt), step=1)
+        with pytest.raises(SnapshotMutatedError, match="model/p1"):
+            handle.wait()
+        assert ckpt.list() == [], "the snapshot holding the half-swapped p1 was committed"
+

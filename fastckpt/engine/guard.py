@@ -10,6 +10,12 @@ Each in-place op through the tensor or any alias sharing its version counter (th
 moved between ``save()`` and the copy proves a change. The guard cannot see writes
 that skip the counter: through ``.data``, fused optimizer kernels, numpy/DLPack views,
 other processes; on CUDA, kernels enqueued after the copy was enqueued.
+
+The counter moves only once an in-place kernel has written, so a copy that reads a tensor while a kernel is
+writing it passes both of that tensor's checks when the kernel ends after the second. Every lazy tensor is
+therefore checked once more when the whole snapshot is staged (``check_all``), just before ``wait_staged()``
+lets the optimizer step: by then a write that raced a copy has bumped its counter, unless it is still running
+at that very moment (a window of one kernel, against the whole staging time before).
 """
 from __future__ import annotations
 
@@ -34,9 +40,11 @@ class VersionGuard:
     def __init__(self, name: str, tensors: Sequence[torch.Tensor], keys: Sequence[str],
                  entries: Iterable[TensorEntry]) -> None:
         self._name = name
-        self._tensors = tensors
         self._keys = keys
-        self._seen = {e.index: _version(tensors[e.index]) for e in entries}
+        # Its own references: the copy loop drops a source from the save's list once its copy is queued, and
+        # check_all() reads every counter after that (the optimizer owns these tensors: they stay alive anyway).
+        self._tensors = {e.index: tensors[e.index] for e in entries}
+        self._seen = {i: _version(t) for i, t in self._tensors.items()}
 
     def around(self, entries: Iterable[TensorEntry]) -> Iterator[TensorEntry]:
         """``entries`` for the copy loop, each checked right before it is handed out and right after.
@@ -47,6 +55,12 @@ class VersionGuard:
             self.check(e.index)
             yield e
             self.check(e.index)
+
+    def check_all(self) -> None:
+        """Called by the copy thread once every lazy copy is done, before ``wait_staged()`` returns: raise
+        ``SnapshotMutatedError`` if any lazy tensor changed since ``save()``, however late its counter moved."""
+        for index in self._seen:
+            self.check(index)
 
     def check(self, index: int) -> None:
         """Raise ``SnapshotMutatedError`` if tensor ``index`` changed in place since ``save()``."""

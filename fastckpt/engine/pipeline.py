@@ -184,6 +184,11 @@ class Pipeline:
     def _mark_staged(self, job: Job) -> None:
         """Release ``wait_staged()``; with shared memory, only once the snapshot's record is in place, so
         every snapshot staged before a crash is recoverable."""
+        if job.error is None and job.guard is not None:
+            try:
+                job.guard.check_all()  # a write that raced a copy has bumped its counter by now
+            except BaseException as e:  # noqa: BLE001 - reported through the job
+                job.error = e
         shm = self._arena.shm
         if job.error is None and job.slot.dir is not None and not job.slot.recovered and shm is not None:
             try:
