@@ -106,6 +106,7 @@ def _check_records(view: "_Mapped") -> list[str]:
             problems.append(f"record {name!r} has CRC-32 {got:08x}, its zip entry says {want:08x}")
     return problems
 
+
 # ---- reading the zip structure --------------------------------------------------------------------------------
 
 
