@@ -3,6 +3,6 @@
 from .checkpointing import FastAccelerateCheckpointing
 from .config import resolve_config
 from .enable import enable, get_checkpointing
-from .fastload import LoadStateStats
+from .loadstats import LoadStateStats
 
 __all__ = ["FastAccelerateCheckpointing", "LoadStateStats", "enable", "get_checkpointing", "resolve_config"]

@@ -43,8 +43,9 @@ from fastckpt.engine.exithook import register_exit_hook
 
 from . import naming
 from .distributed import all_gather, broadcast_from_main, can_share_writes
-from .fastload import FolderReader, LoadStateStats
-from .folder import CORE, FILES, inspect_folder, local_folder
+from .fastload import FolderReader
+from .loadstats import LoadStateStats
+from .folder import CORE, FILES, inspect_folder, local_folder, unlisted_files
 from .foreign import load_accelerate_folder
 from .native import rng_file_state, stock_files
 from .state import META_KEY, read_meta, restore_process_state, restore_state
@@ -184,7 +185,8 @@ class FastAccelerateCheckpointing:
             reader = None
             if fast:
                 records = manifest.get("files") if kind == FILES else None
-                reader = FolderReader(local, kind, records, workers=self.config.persist.workers, verify=verify)
+                reader = FolderReader(local, kind, records, workers=self.config.persist.workers, verify=verify,
+                                      process_index=self._accelerator.process_index)
 
             def load() -> None:
                 try:
@@ -196,10 +198,13 @@ class FastAccelerateCheckpointing:
 
             # Every process loads; an error on one is raised on all (a lone failure would hang the others later).
             self._on_every_process(load)
+            unlisted = unlisted_files(local, manifest) if kind == FILES and reader is None else []
         stats = reader.stats if reader is not None else LoadStateStats(
             path, kind, fallbacks={"*": f"load_kwargs {sorted(load_kwargs or {})}: stock reads"
-                                         + (", after a check of every file" if verify and kind == FILES else "")},
-            verified=verify and kind == FILES)
+                                         + (", after a check of every file" if verify and kind == FILES else "")
+                                         + (f"; {', '.join(unlisted)} not in the manifest: stock may read them "
+                                            "unchecked" if unlisted else "")},
+            verified=verify and kind == FILES and not unlisted)
         stats.path, stats.seconds = path, time.perf_counter() - started
         self.last_load_stats = stats
         meta = (manifest.get("user") or {}).get(META_KEY) if kind == FILES else None

@@ -28,90 +28,80 @@ written: the model then holds the file's (damaged) values, nothing else (optimiz
 loaded, and the error says so. A size that differs from the manifest is caught before anything is read.
 
 A stock folder (no manifest) gets what its format offers: the torch files' zip records are checked against their
-CRC-32 once read; a safetensors file has no checksum.
+CRC-32 once read; a safetensors file has no checksum. Only the files ``load_state`` reads are read and checked
+(``loadstats.stock_reads``; anything else it asks for is read and checked when it asks): an unrelated damaged file
+beside them does not block a load stock Accelerate performs. Every torch file is unpickled by ``load_zip_buffer``,
+never more lenient than ``torch.load``: each storage must be exactly its record. ``last_load_stats.checked`` says
+what each file read was checked against, and ``verified`` is True only if that was the manifest for every one.
 """
 from __future__ import annotations
 
-import json
+import logging
 import mmap
 import os
 import pickle
-import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _NormBase  # torch's BatchNorm base: its loader is checked below
 
 from fastckpt import LocalStorage
 from fastckpt.format.checksum import combine, crc32c
 from fastckpt.errors import IntegrityError
-from fastckpt.format.safetensorsfile import st_dtype
-from fastckpt.read.readers import PIECE_BYTES, Range, prefetch, read_ranges, tensor_bytes
+from fastckpt.read.readers import PIECE_BYTES, Range, prefetch, read_ranges
 from fastckpt.format.torchfile import is_zip, record_spans
-from fastckpt.read.torchzip import check_records
+from fastckpt.read.torchzip import check_records, load_zip_buffer
+
+from .loadstats import MANIFEST_CHECKED, NOT_CHECKED, ZIP_CHECKED, LoadStateStats, stock_reads
+from .modelplan import ModelPlan, plan_model
 
 __all__ = ["FolderReader", "LoadStateStats"]
+log = logging.getLogger("fastckpt")
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: allocate a mapping's pages when it is made
-_MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
-# Modules whose _load_from_state_dict is nn.Module's, or differs only for old files lacking a key (BatchNorm's
-# num_batches_tracked): for them, writing the file's bytes into the tensors is what load_state_dict does.
-_PLAIN_LOADERS = (nn.Module._load_from_state_dict, _NormBase._load_from_state_dict)
-
-
-@dataclass
-class LoadStateStats:
-    """What one ``load_state`` did: ``FastAccelerateCheckpointing.last_load_stats``.
-
-    ``files`` maps each file read to how: ``"into"`` (read straight into the model's tensors), ``"read"``
-    (read whole, checked, and unpickled over those bytes), ``"stock"`` (read by Accelerate's own code; checked
-    first where the manifest lists it). ``fallbacks``: why a file did not take the fast path (``"*"``: the whole
-    load). ``verified``: every byte read was checked against the manifest (False for a stock folder, whose torch
-    files are checked against their zip CRC-32 but whose safetensors carry no checksum).
-    """
-
-    path: str
-    kind: str  # folder.FILES, folder.STOCK or folder.CORE
-    files: dict[str, str] = field(default_factory=dict)
-    fallbacks: dict[str, str] = field(default_factory=dict)
-    nbytes: int = 0  # bytes read by fastckpt's readers (the model's tensors and the checked files)
-    seconds: float = 0.0  # the whole load_state call
-    verified: bool = True
 
 
 class FolderReader:
     """The reading side of one ``load_state`` of the local ``folder``; ``records``: the manifest's ``files``
-    (name -> size, CRC32C), or None for a folder stock Accelerate wrote."""
+    (name -> size, CRC32C), or None for a folder stock Accelerate wrote; ``process_index``: this process's (the one
+    RNG file of a stock folder it reads)."""
 
     def __init__(self, folder: str, kind: str, records: dict[str, dict[str, int]] | None, *, workers: int,
-                 verify: bool) -> None:
+                 verify: bool, process_index: int | None = None) -> None:
         self.folder = folder
         self.records = records
         self.workers = max(1, workers)
         self.verify = verify
+        self.process_index = process_index
         self.storage = LocalStorage(folder)
         self.stats = LoadStateStats(folder, kind, verified=verify and records is not None)
         self._models_read: list[str] = []  # weight files already read into their models (named in errors)
-        self._buffers: dict[str, tuple[mmap.mmap, torch.UntypedStorage]] = {}  # read torch files, until loaded
+        self._buffers: dict[str, tuple[mmap.mmap, list[tuple[str, int, int, int]]]] = {}  # read torch files, spans
+        self._checked: dict[str, str] = {}  # what each file read or checked so far was checked against
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ before stock load_state runs
 
     def precheck(self) -> None:
-        """Read every torch file (all but the model's safetensors, read into the parameters as they are checked)
-        into memory of its own, checking it as it arrives, before anything is loaded; ``IntegrityError`` names the
-        first damaged file."""
+        """Read the torch files load_state reads (all but the model's safetensors, read into the parameters as they
+        are checked) into memory of their own, checking each as it arrives, before anything is loaded;
+        ``IntegrityError`` names the first damaged file. A native folder's are the files its manifest lists (a
+        damaged one is a damaged checkpoint); a stock folder's, those Accelerate's ``load_state`` reads
+        (``stock_reads``): an unrelated file beside them is no business of this load."""
         names = sorted(self.records) if self.records is not None else sorted(
-            n for n in os.listdir(self.folder) if os.path.isfile(os.path.join(self.folder, n)))
+            n for n in os.listdir(self.folder)
+            if stock_reads(n, self.process_index) and os.path.isfile(os.path.join(self.folder, n)))
+        self._read_files([n for n in names if not n.endswith(".safetensors")])
+
+    def _read_files(self, names: list[str]) -> None:
+        """Read the torch zip files ``names`` whole, in parallel pieces, checking them (against the manifest where it
+        lists them, else against their zip CRC-32s); a non-zip one is checked here where the manifest lists it, and
+        left to stock's reading."""
         todo: list[tuple[str, str, int, dict[str, int] | None]] = []
         for name in names:
-            if name.endswith(".safetensors"):
-                continue
             path = os.path.join(self.folder, name)
             record = self.records.get(name) if self.records is not None else None
             size = _size(path, record)
@@ -121,6 +111,7 @@ class FolderReader:
                 todo.append((name, path, size, record))
             elif record is not None and self.verify:  # an old (non-zip) torch file: checked, then stock reads it
                 _check_crc32c(path, size, record["crc32c"], self.workers)
+                self._checked[name] = MANIFEST_CHECKED
         prefetch(self.storage, [t[1] for t in todo])  # queue every file's readahead at once
         ranges: list[Range] = []
         buffers: dict[str, tuple[mmap.mmap, memoryview]] = {}
@@ -131,23 +122,30 @@ class FolderReader:
             view = memoryview(buf)[:size]
             buffers[name] = (buf, view)
             ranges += [Range(path, start, view[start:start + PIECE_BYTES]) for start in range(0, size, PIECE_BYTES)]
-        crcs = self._read(ranges, checksum=self.verify and self.records is not None)
+        crcs = self._read(ranges, checksum=self.verify and any(t[3] is not None for t in todo))
         for name, path, size, record in todo:
             buf, view = buffers[name]
-            if record is not None and self.verify:
-                got = _combined([r for r in ranges if r.path == path], crcs)
-                if got != record["crc32c"]:
-                    raise IntegrityError(f"{path}: checksum mismatch (CRC32C {got:#010x}, the manifest says "
-                                         f"{record['crc32c']:#010x}); the file is damaged, nothing was loaded: load "
-                                         "an older checkpoint with accelerator.load_state(<path>)")
-            elif self.verify:
-                # (name, offset, size, crc) of every record, from the bytes in memory; raises on a malformed zip
-                spans = [span for span in record_spans(path, view) if span[2]]
-                check_records(path, view, spans, self.workers,
-                              advice="the file is damaged, nothing was loaded: load an older checkpoint")
-            self._buffers[name] = (buf, torch.frombuffer(buf, dtype=torch.uint8, count=size).untyped_storage()
-                                   if size else torch.UntypedStorage(0))
-            view.release()
+            try:
+                checked = NOT_CHECKED
+                if record is not None and self.verify:
+                    got = _combined([r for r in ranges if r.path == path], crcs)
+                    if got != record["crc32c"]:
+                        raise IntegrityError(f"{path}: checksum mismatch (CRC32C {got:#010x}, the manifest says "
+                                             f"{record['crc32c']:#010x}); the file is damaged, nothing was loaded: "
+                                             "load an older checkpoint with accelerator.load_state(<path>)")
+                    checked = MANIFEST_CHECKED
+                # (name, offset, size, crc) of every record, from the bytes in memory; IntegrityError naming the file
+                # on a malformed zip. Needed even unchecked: each storage loaded must be exactly its record.
+                spans = record_spans(path, view)
+                if record is None and self.verify and check_records(
+                        path, view, spans, self.workers,
+                        advice="the file is damaged, nothing was loaded: load an older checkpoint"):
+                    checked = ZIP_CHECKED
+            finally:
+                view.release()
+            with self._lock:
+                self._buffers[name] = (buf, spans)
+                self._checked[name] = checked
 
     def _read(self, ranges: list[Range], checksum: bool) -> dict[int, int]:
         """Read ``ranges`` on the worker threads; with ``checksum``, each one's CRC32C (by ``id``), taken by the
@@ -167,22 +165,33 @@ class FolderReader:
     def load_with(self, load: Callable[..., Any], f: Any, map_location: Any = None, *,
                   extra_globals: tuple[Any, ...] = (), **kwargs: Any) -> Any:
         """``load(f, map_location, **kwargs)`` (``torch.load``, or Accelerate's wrapper of it, which allows
-        ``extra_globals`` in weights-only unpickling): from the file's bytes read by ``precheck``."""
-        name = os.path.basename(os.fspath(f))
-        same_folder = os.path.dirname(os.path.abspath(os.fspath(f))) == os.path.abspath(self.folder)
+        ``extra_globals`` in weights-only unpickling): from the file's bytes read by ``precheck``, or read and
+        checked now (a file precheck did not expect: one the manifest does not list, or an unusual name)."""
+        path = os.fspath(f)
+        name = os.path.basename(path)
+        same_folder = os.path.dirname(os.path.abspath(path)) == os.path.abspath(self.folder)
+        ours = same_folder and set(kwargs) <= {"weights_only"}
         with self._lock:
-            held = self._buffers.pop(name, None) if same_folder and set(kwargs) <= {"weights_only"} else None
+            held = self._buffers.pop(name, None) if ours else None
+        if held is None and ours and name not in self._checked and os.path.isfile(path):
+            if self.records is not None and name not in self.records:
+                log.warning("%s: not listed in the manifest of %s (no file of the save fastckpt committed): loaded "
+                            "after a check of its own zip CRC-32s only; last_load_stats.verified is False", path,
+                            self.folder)
+            self._read_files([name])
+            with self._lock:
+                held = self._buffers.pop(name, None)
         if held is None:
-            self._note(name, "stock", "not read beforehand, or load arguments fastckpt leaves to torch.load")
+            self._note(name, "stock", "not read beforehand, or load arguments fastckpt leaves to torch.load",
+                       self._checked.get(name, NOT_CHECKED) if same_folder else NOT_CHECKED)
             return load(f, map_location=map_location, **kwargs)
-        self._note(name, "read")
-        buf, storage = held
+        self._note(name, "read", checked=self._checked[name])
+        buf, spans = held
         weights_only = kwargs.get("weights_only", True)
         with _allowed_globals(extra_globals if weights_only else ()):
-            # torch.load(weights_only=...)'s own loader, given the bytes (as torch.load(mmap=True) is given a mapping)
-            return torch.serialization._load(torch._C.PyTorchFileReader(buf), map_location,
-                                             torch._weights_only_unpickler if weights_only else pickle,
-                                             overall_storage=storage, encoding="utf-8")
+            # torch.load(weights_only=...)'s own loader over the checked bytes, each storage exactly its record
+            return load_zip_buffer(path, buf, spans, map_location=map_location,
+                                   pickle_module=torch._weights_only_unpickler if weights_only else pickle)
 
     def load_model(self, original: Callable[..., Any], model: nn.Module, filename: Any, strict: bool = True,
                    device: str | int = "cpu", **kwargs: Any) -> tuple[Any, list[str]]:
@@ -191,16 +200,19 @@ class FolderReader:
         name = os.path.basename(path)
         record = self.records.get(name) if self.records is not None else None
         if self.records is not None and record is None:
-            self._note(name, "stock", "not listed in the manifest")
+            log.warning("%s: not listed in the manifest of %s (no file of the save fastckpt committed): read by "
+                        "stock, unchecked; last_load_stats.verified is False", path, self.folder)
+            self._note(name, "stock", "not listed in the manifest", NOT_CHECKED)
             return original(model, filename, strict=strict, device=device, **kwargs)
         size = _size(path, record)
         earlier = (f"; {', '.join(self._models_read)} had already been read into their models"
                    if self._models_read else "")
-        plan, why = _plan_model(model, path, size, str(device), strict, kwargs)
+        plan, why = plan_model(model, path, size, str(device), strict, kwargs)
+        checked = MANIFEST_CHECKED if record is not None and self.verify else NOT_CHECKED  # safetensors: no CRCs
         if plan is None:
-            if record is not None and self.verify:  # stock's errors, on checked bytes
+            if checked == MANIFEST_CHECKED:  # stock's errors, on checked bytes
                 _check_crc32c(path, size, record["crc32c"], self.workers, earlier)
-            self._note(name, "stock", why)
+            self._note(name, "stock", why, checked)
             result = original(model, filename, strict=strict, device=device, **kwargs)
             self._models_read.append(name)
             return result
@@ -212,10 +224,10 @@ class FolderReader:
                 "file is damaged. Its tensors were read into the model as they were checked, so the model now holds "
                 f"the file's (damaged) values{earlier}; nothing else (optimizer, scheduler, RNG, ...) was loaded. "
                 "Load an older checkpoint with accelerator.load_state(<path>) before training on")
-        self._note(name, "into")
+        self._note(name, "into", checked=checked)
         return plan.missing, plan.unexpected
 
-    def _read_into(self, path: str, plan: "_ModelPlan", want: int | None) -> int | None:
+    def _read_into(self, path: str, plan: "ModelPlan", want: int | None) -> int | None:
         """Read every range of ``plan``; the file's CRC32C (header and ranges combined) when ``want`` is set."""
         chunks = [Range(path, offset + start, out[start:start + PIECE_BYTES])
                   for offset, out in plan.ranges for start in range(0, len(out), PIECE_BYTES)]
@@ -225,101 +237,16 @@ class FolderReader:
             self.stats.nbytes += len(plan.header)
         return None if want is None else _combined(chunks, crcs, crc32c(plan.header))
 
-    def _note(self, name: str, how: str, why: str = "") -> None:
+    def _note(self, name: str, how: str, why: str = "", checked: str = NOT_CHECKED) -> None:
+        """``name`` was read ``how`` (and why not fast), its bytes checked against ``checked``: ``verified`` holds
+        only while every file read was checked against the manifest."""
         with self._lock:
             self.stats.files[name] = how
+            self.stats.checked[name] = checked
+            if checked != MANIFEST_CHECKED:
+                self.stats.verified = False
             if why:
                 self.stats.fallbacks[name] = why
-
-
-@dataclass
-class _ModelPlan:
-    """Where each byte of a safetensors file lands: the header, then (file offset, memory) ranges that cover the
-    rest of the file exactly; what stock ``load_model`` would return."""
-
-    header: bytes
-    ranges: list[tuple[int, memoryview]]
-    keep: list[torch.Tensor]  # scratch tensors the ranges write into (file keys the model lacks)
-    missing: set[str]
-    unexpected: list[str]
-
-
-def _plan_model(model: nn.Module, path: str, size: int, device: str, strict: bool,
-                kwargs: dict[str, Any]) -> tuple[_ModelPlan | None, str]:
-    """The plan to read ``path`` into ``model``, or (None, why stock must read it)."""
-    if kwargs or device != "cpu":
-        return None, f"load_model arguments {sorted(kwargs)} / device {device!r}: stock reads it"
-    for m in model.modules():
-        if m._load_state_dict_pre_hooks or m._load_state_dict_post_hooks:
-            return None, f"{type(m).__name__} has load_state_dict hooks"
-        if type(m)._load_from_state_dict not in _PLAIN_LOADERS:
-            return None, f"{type(m).__name__} has its own _load_from_state_dict"
-    try:
-        header, entries = _read_header(path, size)
-    except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
-        return None, f"unreadable safetensors header ({e})"
-    targets = model.state_dict(keep_vars=False)
-    by_storage: dict[int, list[str]] = {}
-    for key, t in targets.items():
-        if type(t) is not torch.Tensor or t.device.type != "cpu" or t.layout is not torch.strided \
-                or not t.is_contiguous() or t.is_conj() or t.is_neg():
-            return None, f"tensor {key!r} is not a plain contiguous CPU tensor"
-        if t.numel():
-            by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(key)
-    covered: set[str] = set()  # model keys another key of the file fills (tied weights, stored once)
-    for keys in by_storage.values():
-        if len(keys) < 2:
-            continue
-        first = targets[keys[0]]
-        same = all(targets[k].data_ptr() == first.data_ptr() and targets[k].shape == first.shape
-                   and targets[k].stride() == first.stride() and targets[k].dtype == first.dtype for k in keys)
-        in_file = [k for k in keys if k in entries]
-        if not same or len(in_file) != 1:
-            return None, f"tensors {keys[:3]} share memory in a way only stock resolves"
-        covered.update(k for k in keys if k not in entries)
-    missing = {k for k in targets if k not in entries and k not in covered}
-    unexpected = [k for k in entries if k not in targets]
-    if strict and (missing or unexpected):
-        return None, "keys differ (stock raises its error)"
-    ranges: list[tuple[int, memoryview]] = []
-    keep: list[torch.Tensor] = []
-    end = 0
-    base = len(header)
-    for key, (dtype, shape, start, stop) in sorted(entries.items(), key=lambda kv: kv[1][2]):
-        if start != end:
-            return None, "the tensors do not cover the file back to back"
-        end = stop
-        t = targets.get(key)
-        if t is None:  # not in the model (strict=False): read it anyway, the file's CRC covers it
-            t = torch.empty(stop - start, dtype=torch.uint8)
-            keep.append(t)
-        elif list(t.shape) != shape or st_dtype(t.dtype) != dtype or (dtype == "U8" and t.dtype != torch.uint8) \
-                or t.numel() * t.element_size() != stop - start:
-            return None, f"tensor {key!r}: shape/dtype differ (stock raises its error or adapts it)"
-        if start < stop:
-            ranges.append((base + start, tensor_bytes(t)))
-    if base + end != size:
-        return None, "the file's size does not match its header"
-    return _ModelPlan(header, ranges, keep, missing, unexpected), ""
-
-
-def _read_header(path: str, size: int) -> tuple[bytes, dict[str, tuple[str, list[int], int, int]]]:
-    """The raw header (length + JSON) and each tensor's (dtype, shape, start, stop) within the data."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        if n > _MAX_HEADER or 8 + n > size:
-            raise ValueError(f"header length {n} does not fit the {size}-byte file")
-        body = f.read(n)
-    doc = json.loads(body)
-    entries = {}
-    for key, value in doc.items():
-        if key == "__metadata__":
-            continue
-        start, stop = (int(x) for x in value["data_offsets"])
-        if not 0 <= start <= stop:
-            raise ValueError(f"tensor {key!r} has data_offsets {value['data_offsets']}")
-        entries[key] = (str(value["dtype"]), [int(x) for x in value["shape"]], start, stop)
-    return struct.pack("<Q", n) + body, entries
 
 
 def _size(path: str, record: dict[str, int] | None) -> int:

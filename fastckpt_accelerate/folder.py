@@ -18,7 +18,7 @@ from fastckpt.errors import CheckpointNotFoundError, FastCkptError, IntegrityErr
 from fastckpt.format.layout import LAYOUT_FILES, MANIFEST, parse_manifest
 from fastckpt.read.verify import verify_checkpoint
 
-__all__ = ["CORE", "FILES", "STOCK", "inspect_folder", "local_folder"]
+__all__ = ["CORE", "FILES", "STOCK", "inspect_folder", "local_folder", "unlisted_files"]
 
 FILES, CORE, STOCK = "files", "core", "stock"
 
@@ -73,3 +73,11 @@ def local_folder(path: str, options: dict | None) -> Iterator[str]:
             with open(os.path.join(tmp, name), "wb") as f:
                 f.write(data)
         yield tmp
+
+
+def unlisted_files(folder: str, manifest: dict[str, Any]) -> list[str]:
+    """Files of the local native ``folder`` its manifest does not list (fastckpt's dotfiles aside): no file of the save
+    fastckpt committed, so a load that leaves the reading to stock may read them unchecked."""
+    listed = set(manifest.get("files") or {}) | {MANIFEST}
+    return sorted(n for n in os.listdir(folder) if n not in listed and not n.startswith(".")
+                  and os.path.isfile(os.path.join(folder, n)))

@@ -63,7 +63,7 @@ SURFACE: dict[str, frozenset[str] | str] = {
     "fastckpt.read.readers": frozenset({"PIECE_BYTES", "Range", "prefetch", "read_ranges", "tensor_bytes",
                                         "pread_all"}),
     # the fast, checked reader of torch zip files
-    "fastckpt.read.torchzip": frozenset({"load_torch_file", "check_records"}),
+    "fastckpt.read.torchzip": frozenset({"load_torch_file", "check_records", "load_zip_buffer"}),
     # checking a core checkpoint's bytes without loading it
     "fastckpt.read.verify": frozenset({"verify_checkpoint"}),
     # a root's checkpoints and what retention drops (the command's gc, Lightning's cleanup)

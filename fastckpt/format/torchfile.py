@@ -11,25 +11,25 @@ compute and a list of ``(storage, offset, nbytes)`` ranges it fills from staged 
 The writer skips the records' CRC-32 (their data descriptors say 0). ``TorchFileFormat.parts`` fills them in, in
 the data descriptor that follows each record and in its central-directory entry, so the file is
 a genuine zip that ``torch.load(weights_only=True)``, Python's ``zipfile`` and any zip tool
-read and verify; ``verify_torch_file`` checks them without loading anything.
+read and verify; ``verify_torch_file`` (``zipdir``) checks them without loading anything.
 """
 from __future__ import annotations
 
-import bisect
 import io
-import mmap
-import os
 import struct
 import types
 import warnings
 import zlib
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
 from ..errors import IntegrityError
 from .layout import CheckpointInfo, FileRecord
+# the reading side lives in zipdir; its public checks are re-exported here, where integrations have always found them
+from .zipdir import (DESC_SIG, Sparse, central_entries, crc_less, data_offset, is_zip, record_spans,
+                     verify_torch_bytes, verify_torch_file)
 
 try:  # 5x the speed of the stdlib's crc32 here, and it releases the GIL on large buffers
     from zlib_ng.zlib_ng import crc32 as _crc32
@@ -37,10 +37,8 @@ except ImportError:  # pragma: no cover - the dependency is declared; keep worki
     _crc32 = zlib.crc32
 
 __all__ = ["TorchRecord", "TorchFileLayout", "TorchFileFormat", "plan_torch_file", "verify_torch_file",
-           "verify_torch_bytes", "is_zip", "storage_bytes"]
+           "verify_torch_bytes", "is_zip", "storage_bytes", "record_spans", "crc_less"]
 
-_LOCAL_SIG, _DESC_SIG, _CENTRAL_SIG = b"PK\x03\x04", b"PK\x07\x08", b"PK\x01\x02"
-_EOCD_SIG, _EOCD64_SIG, _LOC64_SIG = b"PK\x05\x06", b"PK\x06\x06", b"PK\x06\x07"
 
 
 @dataclass(frozen=True)
@@ -142,9 +140,9 @@ def plan_torch_file(obj: Any) -> TorchFileLayout:
             torch.save(obj, out, pickle_module=_recording_pickle_module(storages, dtypes))
     segments = tuple(out.segments)
     size = out.end
-    view = _Sparse(segments, size)
+    view = Sparse(segments, size)
     records = []
-    for name, header, central in _central_entries(view):
+    for name, header, central in central_entries(view):
         if not name.startswith("data/"):
             continue
         key = name[len("data/"):]
@@ -152,12 +150,12 @@ def plan_torch_file(obj: Any) -> TorchFileLayout:
             raise IntegrityError(f"torch.save wrote record {name!r} for no storage it reported; "
                                  "this torch version is not supported by fastckpt's torch file writer")
         nbytes = storages[key].nbytes()
-        offset = _data_offset(view, header)
+        offset = data_offset(view, header)
         desc = offset + nbytes
         if nbytes == 0:  # an empty record's CRC is 0, already right, and it has no data descriptor
             records.append(TorchRecord(key, storages[key], offset, 0, -1, -1, dtypes.get(key, "")))
             continue
-        if view.read(desc, 4) != _DESC_SIG:
+        if view.read(desc, 4) != DESC_SIG:
             raise IntegrityError(f"no data descriptor after record {name!r}: unsupported torch zip layout")
         records.append(TorchRecord(key, storages[key], offset, nbytes, desc + 4, central + 16, dtypes.get(key, "")))
     if len(records) != len(storages):
@@ -168,153 +166,6 @@ def plan_torch_file(obj: Any) -> TorchFileLayout:
 def storage_bytes(storage: Any) -> torch.Tensor:
     """A flat uint8 tensor over all of ``storage`` (torch saves whole storages, not the viewed part)."""
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-
-
-def verify_torch_file(path: str) -> list[str]:
-    """Check every record's CRC-32 against its bytes; one line per problem (empty: the file is sound)."""
-    try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size == 0:
-                return [f"{path}: empty file, not a torch checkpoint"]
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-                mv = memoryview(mm)
-                try:
-                    return [f"{path}: {p}" for p in _check_records(_Mapped(mv, size))]
-                finally:
-                    mv.release()
-    except IntegrityError as e:
-        return [f"{path}: {e}"]
-    except (OSError, struct.error, ValueError) as e:
-        return [f"{path}: not a readable torch checkpoint file: {e}"]
-
-
-def verify_torch_bytes(data: bytes | memoryview, source: str) -> list[str]:
-    """``verify_torch_file`` for a file already in memory (a remote object read once)."""
-    mv = memoryview(data)
-    try:
-        return [f"{source}: {p}" for p in _check_records(_Mapped(mv, len(mv)))]
-    except IntegrityError as e:
-        return [f"{source}: {e}"]
-    except (struct.error, ValueError) as e:
-        return [f"{source}: not a readable torch checkpoint file: {e}"]
-    finally:
-        mv.release()
-
-
-def is_zip(head: bytes) -> bool:
-    """Whether a file starting with ``head`` is a zip (torch's format since 1.6; older files are raw pickles)."""
-    return head[:4] == _LOCAL_SIG
-
-
-def _records(view: Any) -> Iterator[tuple[str, int, int, int]]:
-    """Every zip entry of ``view``: (name, data offset, size, CRC-32 its entry records), in directory order."""
-    for name, header, central in _central_entries(view):
-        want, csize, usize = struct.unpack("<III", view.read(central + 16, 12))
-        if usize == 0xFFFFFFFF or csize == 0xFFFFFFFF:
-            usize = _zip64_size(view, central)
-        yield name, _data_offset(view, header), usize, want
-
-
-def _check_records(view: "_Mapped") -> list[str]:
-    problems = []
-    for name, offset, usize, want in _records(view):
-        if offset + usize > view.size:
-            problems.append(f"record {name!r} runs past the end of the file (truncated)")
-            continue
-        if want == 0 and usize:
-            continue  # written with torch's crc32 option off: nothing to check against
-        got = _crc32(view.mv[offset:offset + usize]) & 0xFFFFFFFF
-        if got != want:
-            problems.append(f"record {name!r} has CRC-32 {got:08x}, its zip entry says {want:08x}")
-    return problems
-
-
-# ---- reading the zip structure --------------------------------------------------------------------------------
-
-
-class _Sparse:
-    """Random reads over recorded segments (sorted, disjoint); holes read as zeros."""
-
-    def __init__(self, segments: tuple[tuple[int, bytes], ...], size: int) -> None:
-        self.segments, self.size = segments, size
-        self._starts = [off for off, _ in segments]
-
-    def read(self, offset: int, n: int) -> bytes:
-        out = bytearray(n)
-        # the segment that may hold ``offset``, then those after it up to ``offset + n`` (a binary search: a
-        # skeleton has two segments per storage, and the central directory is read entry by entry)
-        i = max(bisect.bisect_right(self._starts, offset) - 1, 0)
-        while i < len(self.segments) and self.segments[i][0] < offset + n:
-            off, data = self.segments[i]
-            lo, hi = max(off, offset), min(off + len(data), offset + n)
-            if lo < hi:
-                out[lo - offset:hi - offset] = data[lo - off:hi - off]
-            i += 1
-        return bytes(out)
-
-
-class _Mapped:
-    def __init__(self, mv: memoryview, size: int) -> None:
-        self.mv, self.size = mv, size
-
-    def read(self, offset: int, n: int) -> bytes:
-        if offset < 0 or offset + n > self.size:
-            raise IntegrityError(f"zip structure points past the end of the file (offset {offset}, {n} bytes)")
-        return bytes(self.mv[offset:offset + n])
-
-
-def _central_entries(view: Any) -> list[tuple[str, int, int]]:
-    """(name without the archive prefix, local header offset, central entry offset) of every zip entry."""
-    if view.size < 22 or view.read(view.size - 22, 4) != _EOCD_SIG:
-        raise IntegrityError("no zip end-of-central-directory record at the end of the file: not a torch "
-                             "checkpoint, or truncated")
-    count, cd_size, cd_off = struct.unpack("<HII", view.read(view.size - 22 + 10, 10))
-    if cd_off == 0xFFFFFFFF or count == 0xFFFF:
-        loc = view.size - 22 - 20
-        if view.read(loc, 4) != _LOC64_SIG:
-            raise IntegrityError("a zip64 archive without its zip64 locator")
-        (eocd64,) = struct.unpack("<Q", view.read(loc + 8, 8))
-        if view.read(eocd64, 4) != _EOCD64_SIG:
-            raise IntegrityError("the zip64 locator points at no zip64 end-of-central-directory record")
-        count, cd_size, cd_off = struct.unpack("<QQQ", view.read(eocd64 + 32, 24))
-    entries, pos = [], cd_off
-    for _ in range(count):
-        if view.read(pos, 4) != _CENTRAL_SIG:
-            raise IntegrityError(f"corrupt zip central directory at offset {pos}")
-        n, e, c = struct.unpack("<HHH", view.read(pos + 28, 6))
-        (header,) = struct.unpack("<I", view.read(pos + 42, 4))
-        name = view.read(pos + 46, n).decode("utf-8", "replace")
-        if header == 0xFFFFFFFF:
-            csize, usize = struct.unpack("<II", view.read(pos + 20, 8))
-            index = (usize == 0xFFFFFFFF) + (csize == 0xFFFFFFFF)  # zip64 extra: sizes first, then the offset
-            header = _zip64_values(view.read(pos + 46 + n, e), "header offset")[index]
-        entries.append((name.split("/", 1)[-1] if "/" in name else name, header, pos))
-        pos += 46 + n + e + c
-    return entries
-
-
-def _data_offset(view: Any, header: int) -> int:
-    if view.read(header, 4) != _LOCAL_SIG:
-        raise IntegrityError(f"no zip local header at offset {header}")
-    n, e = struct.unpack("<HH", view.read(header + 26, 4))
-    return header + 30 + n + e
-
-
-def _zip64_size(view: Any, central: int) -> int:
-    n, e = struct.unpack("<HH", view.read(central + 28, 4))
-    return _zip64_values(view.read(central + 46 + n, e), "size")[0]  # the uncompressed size comes first
-
-
-def _zip64_values(extra: bytes, what: str) -> list[int]:
-    """The 64-bit values of a zip64 extra field: those of size, compressed size, offset that overflow, in order."""
-    pos = 0
-    while pos + 4 <= len(extra):
-        tag, length = struct.unpack("<HH", extra[pos:pos + 4])
-        if tag == 0x0001 and length >= 8 and pos + 4 + length <= len(extra):
-            return list(struct.unpack(f"<{length // 8}Q", extra[pos + 4:pos + 4 + length // 8 * 8]))
-        pos += 4 + length
-    raise IntegrityError(f"a zip entry's {what} overflows 32 bits but it has no zip64 extra field")
 
 
 # ---- the engine's side: one save of one torch file -------------------------------------------------------------
@@ -388,7 +239,7 @@ class TorchFileFormat:
         for i, r in enumerate(recs):
             if r.nbytes:
                 fields[r.descriptor_crc] = fields[r.central_crc] = struct.pack("<I", crcs[i])
-        sparse = _Sparse(self.layout.segments, size)
+        sparse = Sparse(self.layout.segments, size)
         out: list[tuple[int, bytearray]] = []
         cursor = 0
         for r in recs:
@@ -419,39 +270,9 @@ def _storage_tensors(state: Any) -> dict[tuple[str, int], tuple[str, torch.Tenso
     return names
 
 
-def _patched(sparse: _Sparse, start: int, end: int, fields: dict[int, bytes]) -> bytearray:
+def _patched(sparse: Sparse, start: int, end: int, fields: dict[int, bytes]) -> bytearray:
     gap = bytearray(sparse.read(start, end - start))
     for off, value in fields.items():
         if start <= off and off + len(value) <= end:
             gap[off - start:off - start + len(value)] = value
     return gap
-
-
-def record_spans(path: str, data: memoryview | None = None) -> list[tuple[str, int, int, int]]:
-    """(name, data offset, size, CRC-32 from the central directory) of every record of the torch zip at ``path``:
-    what a parallel reader (``fastckpt.read.torchzip``) needs. ``data``: the file's bytes, already read or mapped
-    (parsed there instead of mapping the file again). Raises ``IntegrityError`` on a malformed zip."""
-    if data is not None:
-        return _spans(path, data)
-    with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size == 0:
-            raise IntegrityError(f"{path}: empty file, not a torch checkpoint")
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            mv = memoryview(mm)
-            try:
-                return _spans(path, mv)
-            finally:
-                mv.release()
-
-
-def _spans(path: str, mv: memoryview) -> list[tuple[str, int, int, int]]:
-    size = len(mv)
-    if size == 0:
-        raise IntegrityError(f"{path}: empty file, not a torch checkpoint")
-    view = _Mapped(mv, size)
-    out = []
-    for name, offset, usize, want in _records(view):
-        if offset + usize > size:
-            raise IntegrityError(f"{path}: record {name!r} runs past the end of the file (truncated)")
-        out.append((name, offset, usize, want))
-    return out

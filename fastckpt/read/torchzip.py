@@ -3,11 +3,12 @@
 ``torch.load`` reads the records one after another on one thread, copying each into a fresh storage,
 and a CRC-32 check of the file (``fastckpt.format.torchfile.verify_torch_file``) is a second pass over it.
 Here the file is mapped copy-on-write (as ``LocalStorage.map_file`` maps safetensors shards for
-``load()``), its storage records are checked against the CRC-32 of their zip entries on a few
+``load()``), all its records (``data.pkl`` included) are checked against the CRC-32 of their zip entries on a few
 threads at once (the page faults of those threads are the parallel reads; zlib releases the GIL),
 and torch's own loader unpickles ``data.pkl`` with its ``weights_only`` unpickler over the mapping,
 as ``torch.load(mmap=True)`` does: the storages are views of the page cache, no copy is made, and a
-write to a loaded tensor never reaches the file. The mapping assumes that the file is replaced by a
+write to a loaded tensor never reaches the file. Never more lenient than ``torch.load``: every storage the pickle
+asks for must be exactly one record (``load_zip_buffer``), as torch.load requires. The mapping assumes that the file is replaced by a
 rename (as fastckpt's Lightning plugin writes it) or deleted, never truncated in place while loaded.
 
 A file that is not in the page cache (``fastckpt.read.pagecache``) is read instead, with O_DIRECT on
@@ -24,6 +25,7 @@ alternating rounds: 0.79 s median (0.66-1.55) against 1.17 s mapped, then 2.24 s
 """
 from __future__ import annotations
 
+import logging
 import os
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -35,9 +37,10 @@ from ..errors import IntegrityError
 from .pagecache import resident_fraction
 from .readers import Range, read_ranges
 from ..storage.local import LocalStorage, aligned_buffer
-from ..format.torchfile import record_spans
+from ..format.zipdir import crc_less, record_spans
 
-__all__ = ["check_records", "load_torch_file"]
+__all__ = ["check_records", "load_torch_file", "load_zip_buffer"]
+log = logging.getLogger("fastckpt")
 
 try:  # the same CRC-32 torchfile uses (zlib-ng is faster where installed); both release the GIL
     from zlib_ng.zlib_ng import crc32 as _crc32
@@ -54,25 +57,72 @@ def load_torch_file(path: str, *, map_location: Any = None, workers: int = 2, ve
         read_ranges(storage, [Range(path, 0, view, direct=True)], workers)
     else:  # cached: view the page cache
         keep, view = storage.map_file(path, size) if size else (None, memoryview(b""))
-    spans = [s for s in record_spans(path, view) if s[0].startswith("data/")]  # the zip directory, from memory
-    if verify:
-        check_records(path, view, spans, workers)
-    overall = torch.frombuffer(keep, dtype=torch.uint8).untyped_storage()  # the storage keeps the mapping alive
-    reader = torch._C.PyTorchFileReader(path)  # the zip directory, data.pkl and the small records
-    return torch.serialization._load(reader, map_location, torch._weights_only_unpickler,
-                                     overall_storage=overall, encoding="utf-8")
+    spans = record_spans(path, view)  # the zip directory, from memory; every record, data.pkl included
+    if verify and not check_records(path, view, spans, workers):
+        log.warning("%s was written with torch's crc32 option off: its records carry no CRC-32, nothing was "
+                    "checked", path)
+    return load_zip_buffer(path, keep, spans, map_location=map_location)
+
+
+def load_zip_buffer(path: str, buffer: Any, spans: list[tuple[str, int, int, int]], *, map_location: Any = None,
+                    pickle_module: Any = None) -> Any:
+    """torch's own loader (``pickle_module``: its weights-only unpickler unless given) over ``buffer``, the bytes of
+    the torch zip ``path`` (an ``mmap``) whose records are ``spans`` (``record_spans``): the loaded storages view
+    ``buffer``, as ``torch.load(mmap=True)``'s view its mapping. ``data.pkl`` and the small records are read from
+    ``buffer`` too, so what is unpickled is what was checked, not the file as it is now.
+
+    Unlike ``torch.load(mmap=True)``, every storage must be exactly one record, as ``torch.load`` itself requires
+    ("record size does not match"): a pickle that asks for more bytes than its record holds would otherwise get
+    the next record's or the zip directory's bytes, silently. ``IntegrityError`` names the file and the record."""
+    whole = torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage()  # keeps ``buffer`` alive
+    reader = torch._C.PyTorchFileReader(buffer)  # the zip directory, data.pkl and the small records, from ``buffer``
+    return torch.serialization._load(reader, map_location,
+                                     torch._weights_only_unpickler if pickle_module is None else pickle_module,
+                                     overall_storage=_Records(path, whole, spans), encoding="utf-8")
+
+
+class _Records:
+    """What torch's loader slices each storage from (``overall_storage[offset:offset + nbytes]``, its only use of
+    it): the file's bytes, each slice checked to be exactly one record. torch.load reads a storage with
+    ``get_storage_from_record``, which refuses a size mismatch; its ``overall_storage`` path does not check."""
+
+    def __init__(self, path: str, whole: torch.UntypedStorage, spans: list[tuple[str, int, int, int]]) -> None:
+        self.path, self.whole = path, whole
+        self.at: dict[int, list[tuple[str, int]]] = {}
+        for name, offset, size, _ in spans:  # several entries may claim one offset in a crafted zip: all must agree
+            self.at.setdefault(offset, []).append((name, size))
+
+    def __getitem__(self, key: slice) -> torch.UntypedStorage:
+        start, stop = key.start, key.stop
+        if not isinstance(key, slice) or key.step is not None or not isinstance(start, int) \
+                or not isinstance(stop, int):
+            raise TypeError(f"torch's loader sliced the storage of {self.path} as {key!r}: this torch version is "
+                            "not supported by fastckpt's torch file reader")
+        found = self.at.get(start)
+        if not found:
+            raise IntegrityError(f"{self.path}: its pickle asks for a storage at byte {start}, where no record's data "
+                                 "starts; the file is damaged or crafted: resume from an earlier checkpoint")
+        for name, size in found:
+            if size != stop - start:
+                raise IntegrityError(
+                    f"{self.path}: record {name!r} holds {size} bytes but the pickle asks for {stop - start} (record "
+                    "size does not match, which torch.load refuses too); the file is damaged or crafted: resume "
+                    "from an earlier checkpoint")
+        return self.whole[start:stop]
 
 
 def check_records(path: str, view: memoryview, spans: list[tuple[str, int, int, int]], workers: int, *,
-                  advice: str = "the checkpoint is damaged: resume from an earlier one") -> None:
-    """Each ``(name, offset, size, crc)`` record of ``spans`` (``record_spans``) in ``view`` (the file's bytes)
-    against the CRC-32 of its zip entry, biggest first on ``workers`` threads; ``IntegrityError`` naming the file
-    and the record, ending with ``advice``."""
+                  advice: str = "the checkpoint is damaged: resume from an earlier one") -> bool:
+    """Each ``(name, offset, size, crc)`` record of ``spans`` (``record_spans``: pass them all, ``data.pkl``
+    included: a flipped bit there is a wrong learning rate or step) in ``view`` (the file's bytes) against the
+    CRC-32 of its zip entry, biggest first on ``workers`` threads; ``IntegrityError`` naming the file and the
+    record, ending with ``advice``. False when there was nothing to check: the file carries no CRC-32s
+    (``crc_less``: written with torch's crc32 option off)."""
+    if crc_less(spans):
+        return False
 
     def one(span: tuple[str, int, int, int]) -> None:
         name, offset, size, want = span
-        if want == 0 and size:
-            return  # written with torch's crc32 option off: nothing to check against
         got = _crc32(view[offset:offset + size]) & 0xFFFFFFFF
         if got != want:
             raise IntegrityError(f"{path}: record {name!r} has CRC-32 {got:08x}, its zip entry says {want:08x}; "
@@ -82,3 +132,4 @@ def check_records(path: str, view: memoryview, spans: list[tuple[str, int, int, 
     with ThreadPoolExecutor(max(1, workers), thread_name_prefix="fastckpt-zipcheck") as pool:
         for f in [pool.submit(one, s) for s in biggest_first]:
             f.result()
+    return True
