@@ -138,6 +138,10 @@ class PersistOptions(_Freezable):
     """CPU priority of the I/O, commit and upload threads: ``idle`` (SCHED_IDLE: only CPU time training
     leaves over), ``low`` (nice 19) or ``normal``. The copy thread always runs at normal priority. While
     persistence falls behind they run at the training thread's priority (fastckpt/engine/priority.py)."""
+    max_lag_s: float = 60.0
+    """How long a checkpoint may stay not durable before a later ``save()`` warns that persistence is falling
+    behind (once per process, on rank 0, naming the measured lag). A save that must wait for a staging slot
+    always warns."""
 
     def __post_init__(self) -> None:
         if isinstance(self.direct_io, bool):  # YAML 1.1 reads a bare on/off as true/false
@@ -150,6 +154,7 @@ class PersistOptions(_Freezable):
         if not isinstance(self.fsync, bool):
             raise ConfigError(f"persist.fsync must be true or false, got {self.fsync!r}")
         _check_choice("persist.", "priority", self.priority, PRIORITIES)
+        _check_seconds("persist.", "max_lag_s", self.max_lag_s, 0.0)
 
 
 @dataclass(kw_only=True, slots=True)

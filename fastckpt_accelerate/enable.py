@@ -2,12 +2,16 @@
 
 Accelerate has no plugin slot for checkpointing (``kwargs_handlers`` is a closed mapping) and its save
 pre-hook can take over only the model weights, so the methods are replaced on the instance. Other
-Accelerators in the process are untouched.
+Accelerators in the process are untouched. The replacements pickle (and deep-copy) as the stock methods: a
+pickled Accelerator is what stock pickles, and its copy is a plain Accelerator (the threads and pending saves
+stay with the original).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+
+from typing import Any, Callable
 
 from accelerate import Accelerator
 
@@ -17,7 +21,8 @@ from .checkpointing import FastAccelerateCheckpointing
 from .config import ConfigSource, resolve_config
 from .fsdp import check_engine
 
-_ATTRIBUTE = "_fastckpt_checkpointing"
+# The Accelerator methods enable() replaces on the instance.
+_ROUTED = ("save_state", "load_state", "end_training")
 
 
 def enable(
@@ -42,7 +47,7 @@ def enable(
     else raises ``UnsafeCheckpointError``). Turn it on only for folders you trust.
     """
     check_engine(accelerator)
-    previous = getattr(accelerator, _ATTRIBUTE, None)
+    previous = get_checkpointing(accelerator)
     if previous is not None and not previous.closed:
         raise ConfigError("fastckpt is already enabled on this Accelerator; close() the returned object first")
     checkpointing = FastAccelerateCheckpointing(
@@ -59,21 +64,53 @@ def enable(
 
 
 def get_checkpointing(accelerator: Accelerator) -> FastAccelerateCheckpointing | None:
-    """The object ``enable`` attached to ``accelerator``, if any."""
-    return getattr(accelerator, _ATTRIBUTE, None)
+    """The object ``enable`` attached to ``accelerator``, if any (None on a pickled copy: see ``_Routed``)."""
+    routed = vars(accelerator).get("save_state")
+    return routed.checkpointing if isinstance(routed, _Routed) else None
+
+
+class _Routed:
+    """One Accelerator method routed through fastckpt, set on the instance by ``enable``.
+
+    A module-level class rather than a closure or a bound method of the checkpointing object, so that the
+    Accelerator still pickles (Accelerate's own tests pickle it, ``ddp_spawn``-like launchers and
+    ``copy.deepcopy`` do too): it reduces to the stock method of the copy, so the copy is a plain Accelerator, as
+    stock pickles it. The checkpointing object (threads, locks, pending saves) is process state and never travels.
+    """
+
+    def __init__(self, accelerator: Accelerator, name: str, checkpointing: FastAccelerateCheckpointing,
+                 call: Callable[..., Any]) -> None:
+        self._accelerator, self._name, self.checkpointing, self._call = accelerator, name, checkpointing, call
+        self.__doc__ = getattr(type(accelerator), name).__doc__
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._call(*args, **kwargs)
+
+    def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        return _stock_method, (self._accelerator, self._name)
+
+    def __repr__(self) -> str:
+        return f"<{type(self._accelerator).__name__}.{self._name} routed through fastckpt>"
+
+
+def _stock_method(accelerator: Accelerator, name: str) -> Callable[..., Any]:
+    """What a routed method unpickles to: the class's own method, bound to the copy."""
+    return getattr(type(accelerator), name).__get__(accelerator)
+
+
+def _end_training(checkpointing: FastAccelerateCheckpointing, original: Callable[[], None]) -> None:
+    # Flush before the process group is destroyed and the trackers finish.
+    try:
+        checkpointing.close()
+    finally:
+        original()
 
 
 def _install(accelerator: Accelerator, checkpointing: FastAccelerateCheckpointing) -> None:
-    original_end_training = type(accelerator).end_training.__get__(accelerator)
-
-    def end_training() -> None:
-        # Flush before the process group is destroyed and the trackers finish.
-        try:
-            checkpointing.close()
-        finally:
-            original_end_training()
-
-    accelerator.save_state = checkpointing.save_state
-    accelerator.load_state = checkpointing.load_state
-    accelerator.end_training = end_training
-    setattr(accelerator, _ATTRIBUTE, checkpointing)
+    calls: dict[str, Callable[..., Any]] = {
+        "save_state": checkpointing.save_state,
+        "load_state": checkpointing.load_state,
+        "end_training": functools.partial(_end_training, checkpointing, _stock_method(accelerator, "end_training")),
+    }
+    for name in _ROUTED:
+        setattr(accelerator, name, _Routed(accelerator, name, checkpointing, calls[name]))

@@ -1,7 +1,8 @@
 """The companion callback: it tells the plugin when parameters are about to change and when training is over.
 
-``FastCheckpointIO`` installs it by itself (first in ``trainer.callbacks``, so its waits run before any other
-callback can touch parameters); nobody needs to add it by hand.
+``FastCheckpointIO`` runs its hooks by itself, before any other callback's (so its waits run before any other
+callback can touch parameters), without adding it to the user's ``trainer.callbacks`` (``hooks.py``); nobody needs
+to add it by hand.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ class _Plugin(Protocol):
 
     def flush(self) -> None: ...
 
-    def log_stats(self, trainer: pl.Trainer) -> None: ...
+    def log_stats(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None: ...
 
 
 class FastCheckpointCallback(Callback):
@@ -40,11 +41,11 @@ class FastCheckpointCallback(Callback):
         """A new fit may have new optimizers: watch them."""
         self._plugin.attach(trainer)
 
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        """Log the stats of checkpoints that finished."""
-        self._plugin.log_stats(trainer)
+        """With ``log_stats=True``: the newest finished checkpoint's figures join the user's logged rows."""
+        self._plugin.log_stats(trainer, pl_module)
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
@@ -69,8 +70,6 @@ class FastCheckpointCallback(Callback):
         self._plugin.wait_staged(raise_errors=False)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Make every checkpoint durable and log its stats while the loggers are still open."""
-        try:
-            self._plugin.flush()
-        finally:
-            self._plugin.log_stats(trainer)
+        """Make every checkpoint durable (their figures stay in ``plugin.stats``: no logger row outside the user's
+        cadence)."""
+        self._plugin.flush()

@@ -35,7 +35,8 @@ from fastckpt_lightning.config import build_config, for_directory, staging_mode
 from fastckpt_lightning.discovery import find_calling_trainer, wrapped_by_async_io
 from fastckpt_lightning.pointer import split_path
 from fastckpt_lightning.reader import read_checkpoint
-from fastckpt_lightning.stats import CheckpointStats, StatsBook, log_to
+from fastckpt_lightning import hooks
+from fastckpt_lightning.stats import CheckpointStats, StatsBook, log_newest
 from fastckpt_lightning.steps import step_of
 from fastckpt_lightning.versioning import see_pending_saves
 
@@ -56,6 +57,8 @@ class FastCheckpointIO(CheckpointIO):
         persist: ``persist`` section overrides, e.g. ``{"workers": 4}``.
         retention: ignored with a warning: ``ModelCheckpoint(save_top_k=...)`` decides what is kept.
         allowed_classes: extra ``module.QualName`` classes the safe loader may rebuild (core checkpoint folders).
+        log_stats: put the newest checkpoint's ``fastckpt/*`` figures in the rows your loggers already write (off).
+            Through ``LightningModule.log``, so only at ``log_every_n_steps``; ``stats`` keeps them either way.
     """
 
     def __init__(
@@ -68,6 +71,7 @@ class FastCheckpointIO(CheckpointIO):
         persist: Optional[dict[str, Any]] = None,
         retention: Optional[dict[str, Any]] = None,
         allowed_classes: Optional[list[str]] = None,
+        log_stats: bool = False,
     ) -> None:
         self.config, self.root = build_config(
             config,
@@ -79,6 +83,8 @@ class FastCheckpointIO(CheckpointIO):
             allowed_classes=allowed_classes,
         )
         self.callback = FastCheckpointCallback(self)
+        self._log_to_loggers = bool(log_stats)
+        hooks.install(_companion_of)  # the callback's hooks run without it being in trainer.callbacks
         self._lazy = staging_mode(self.config) == "lazy"
         self._book = StatsBook()
         self._reset()
@@ -95,10 +101,12 @@ class FastCheckpointIO(CheckpointIO):
         self._saves = 0
 
     def __getstate__(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k in ("config", "root", "callback", "_lazy", "_book")}
+        return {k: v for k, v in self.__dict__.items() if k in ("config", "root", "callback", "_lazy", "_book",
+                                                                 "_log_to_loggers")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        hooks.install(_companion_of)  # a spawned process imports Lightning afresh
         self._reset()
 
     # ---- what users read -------------------------------------------------------------------------------------
@@ -111,11 +119,9 @@ class FastCheckpointIO(CheckpointIO):
     # ---- wiring ------------------------------------------------------------------------------------------------
 
     def attach(self, trainer: pl.Trainer) -> None:
-        """Install the callback in ``trainer`` and watch its optimizers. Done automatically on the first save."""
+        """Wire ``trainer`` and watch its optimizers. Done by the callback's first hook (``setup``), which runs before
+        any other callback's (``fastckpt_lightning.hooks``) though it is not in ``trainer.callbacks``."""
         self._trainer = weakref.ref(trainer)
-        if not any(callback is self.callback for callback in trainer.callbacks):
-            # First, so its waits run before any other callback can change parameters (SWA, EMA...).
-            trainer.callbacks.insert(0, self.callback)
         see_pending_saves(trainer)
         self._adopt_root(trainer)
         module = trainer.lightning_module
@@ -270,11 +276,15 @@ class FastCheckpointIO(CheckpointIO):
         if first is not None:
             raise first
 
-    def log_stats(self, trainer: pl.Trainer) -> None:
-        """Send the stats of newly committed checkpoints to the trainer's loggers (training thread only)."""
+    def log_stats(self, trainer: pl.Trainer, pl_module: Optional[pl.LightningModule]) -> None:
+        """With ``log_stats=True``: hand the newest committed checkpoint's figures to ``pl_module.log`` (training
+        thread, in a training batch hook), so the user's loggers write them in their own rows, at the user's
+        ``log_every_n_steps``, never in rows or at steps of their own. Off: nothing reaches the loggers."""
+        if not self._log_to_loggers or pl_module is None:
+            return
         records = self._book.take_unlogged()
-        if records and trainer.is_global_zero:
-            log_to(trainer.loggers, records)
+        if records:
+            log_newest(pl_module, records)
 
     # ---- hooks for subclasses ------------------------------------------------------------------------------
 
@@ -415,6 +425,11 @@ class FastCheckpointIO(CheckpointIO):
                 if not quiet:
                     raise
                 log.exception("fastckpt_lightning: error while closing after an earlier error")
+
+
+def _companion_of(checkpoint_io: Any) -> Optional[FastCheckpointCallback]:
+    """The callback ``hooks`` runs first for a Trainer whose strategy holds ``checkpoint_io``."""
+    return checkpoint_io.callback if isinstance(checkpoint_io, FastCheckpointIO) else None
 
 
 def _is_rank_zero() -> bool:

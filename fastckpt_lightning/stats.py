@@ -1,4 +1,4 @@
-"""Per-checkpoint statistics and their logging to Lightning loggers."""
+"""Per-checkpoint statistics, and their logging through ``LightningModule.log`` when asked for."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 from fastckpt import SaveStats
-from lightning.pytorch.loggers import Logger
+from lightning.pytorch import LightningModule
 
 PREFIX = "fastckpt/"
 
@@ -101,13 +101,14 @@ class StatsBook:
         return [CheckpointStats.of(path, stats) for path, stats in fresh]
 
 
-def log_to(loggers: Iterable[Logger], records: Iterable[CheckpointStats]) -> None:
-    """Send each record to every logger at the record's step. Must run on the training thread (loggers are not
-    thread-safe)."""
-    loggers = list(loggers)
-    for record in records:
-        for logger in loggers:
-            logger.log_metrics(record.metrics(), step=record.step)
+def log_newest(pl_module: LightningModule, records: list[CheckpointStats]) -> None:
+    """Log the newest of ``records`` through ``pl_module.log`` (in a training batch hook, on the training thread).
+
+    Lightning keeps a step value until it is logged again, and writes it only in the rows of the user's
+    ``log_every_n_steps``: each such row then carries the figures of the newest checkpoint committed so far (a
+    gauge), and no row or step is added. Rank 0's figures, as Lightning's loggers write only there."""
+    for key, value in records[-1].metrics().items():
+        pl_module.log(key, value, on_step=True, on_epoch=False, prog_bar=False, logger=True, rank_zero_only=True)
 
 
 def summary(records: Iterable[CheckpointStats]) -> Optional[dict[str, Any]]:

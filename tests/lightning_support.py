@@ -93,3 +93,12 @@ def ckpt_names(dirpath: str) -> set[str]:
     names = set(os.listdir(dirpath))
     assert all(name.endswith(".ckpt") for name in names), names
     return names
+
+
+class FlushEachBatch(Callback):
+    """Makes every pending checkpoint durable before each batch: their figures are then there by its end."""
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        plugin = trainer.strategy.checkpoint_io
+        plugin.wait_staged()
+        plugin.flush()

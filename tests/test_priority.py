@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from fastckpt import CheckpointConfig, Checkpointer
+from fastckpt.engine.pace import WARNED
 from fastckpt.engine.priority import Policy, ThreadPriorities, policy_of
 from fastckpt.storage.protocol import open_storage
 from tests.helpers import GatedStorage
@@ -61,6 +62,14 @@ class FakeKernel:
         if self.refuse and policy == NORMAL:
             raise PermissionError(1, "Operation not permitted")
         self.policy[tid] = policy
+
+
+@pytest.fixture(autouse=True)
+def fresh_warnings() -> Iterator[None]:
+    """The falling-behind warning is said once per process: each test starts from none said."""
+    WARNED.reset()
+    yield
+    WARNED.reset()
 
 
 @pytest.fixture
@@ -186,7 +195,7 @@ def test_a_save_that_finds_the_previous_one_pending_raises_the_threads(tmp_path,
     main = policy_of(threading.get_native_id())
     before = {t.native_id for t in threading.enumerate()}
     storage = GatedStorage(open_storage(str(tmp_path)))
-    cfg = CheckpointConfig.from_dict({"root": str(tmp_path), "persist": {"workers": 1},
+    cfg = CheckpointConfig.from_dict({"root": str(tmp_path), "persist": {"workers": 1, "max_lag_s": 0},
                                       "staging": {"slots": 2}})
     states = [{"w": torch.randn(256, 256)} for _ in range(3)]
     with Checkpointer(cfg, storage=storage) as ckpt, caplog.at_level(logging.WARNING, logger="fastckpt"):
@@ -277,7 +286,7 @@ def test_saves_complete_on_a_busy_host(tmp_path, busy_host, caplog) -> None:
         pytest.skip("leaving SCHED_IDLE needs CAP_SYS_NICE or RLIMIT_NICE >= 20 here")
     main = policy_of(threading.get_native_id())
     before = {t.native_id for t in threading.enumerate()}
-    cfg = CheckpointConfig.from_dict({"root": str(tmp_path), "staging": {"slots": 2}})
+    cfg = CheckpointConfig.from_dict({"root": str(tmp_path), "staging": {"slots": 2}, "persist": {"max_lag_s": 0}})
     states = [{"w": torch.randn(1024, 1536)} for _ in range(4)]  # 6 MB, as in the issue
     with Checkpointer(cfg) as ckpt, caplog.at_level(logging.WARNING, logger="fastckpt"):
         handles = [ckpt.save(s, step=i) for i, s in enumerate(states, 1)]
@@ -298,7 +307,7 @@ _REFUSED = textwrap.dedent("""
     logging.basicConfig(level=logging.WARNING)
     states = [{"w": torch.randn(256, 256)} for _ in range(2)]
     storage = GatedStorage(open_storage(sys.argv[1]))
-    cfg = CheckpointConfig.from_dict({"root": sys.argv[1], "staging": {"slots": 2}})
+    cfg = CheckpointConfig.from_dict({"root": sys.argv[1], "staging": {"slots": 2}, "persist": {"max_lag_s": 0}})
     with Checkpointer(cfg, storage=storage) as ck:
         hs = [ck.save(states[0], step=1)]
         assert storage.entered.wait(60)  # step 1 is pending: step 2 tries to raise the threads

@@ -69,6 +69,8 @@ class SaveHandle:
     _durable: Future = field(default_factory=Future)
     _on_error_seen: Callable[["SaveHandle"], None] | None = None
     _upload: Future | None = None  # set when this save is also uploaded to the remote tier
+    submitted: float = field(default_factory=time.monotonic)
+    """When ``save()`` built this handle (``time.monotonic()``): how long persistence lags is measured from it."""
 
     def wait_staged(self, timeout: float | None = None, *, host: bool = False) -> None:
         """Block until the copies are queued: the source tensors may change after this (see docs/API.md).

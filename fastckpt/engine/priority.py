@@ -13,14 +13,16 @@ ask the kernel to run them only on CPU time that training leaves over:
 On a host whose cores all stay busy (DataLoader workers decoding data) a lowered thread
 gets almost nothing: a 6 MB checkpoint took seconds, and ``save`` then blocked on full
 slots. So ``ThreadPriorities`` raises every enlisted thread to the training thread's own
-policy while persistence is behind (a save waits for a slot, or finds the previous
-checkpoint not yet durable: its persistence outlived the checkpoint interval), and lowers
-them again once a save finds nothing pending; it warns the first time.
+policy while saves are pending (a save finds the previous checkpoint not yet durable), and
+lowers them again once a save finds nothing pending. Only when persistence really falls
+behind (a save waits for a staging slot, or a checkpoint stays not durable past
+``persist.max_lag_s``) does one warning per process, on rank 0, name the measured lag.
 
 Leaving ``SCHED_IDLE`` or lowering nice needs ``CAP_SYS_NICE`` or a large enough
 ``RLIMIT_NICE`` (most containers have neither). Where the kernel refuses, the lowered
 threads stay lowered, so ``boost`` tells the pipeline to hand new writes to threads that
-were never lowered until persistence catches up, and one warning names the fix.
+were never lowered until persistence catches up; the warning, if persistence falls behind,
+names the fix.
 
 The copy thread is never lowered: the next ``optimizer.step()`` waits for it. Where the OS
 has no per-thread priorities, nothing changes: priority is an optimisation, never a reason
@@ -33,6 +35,8 @@ import os
 import threading
 from dataclasses import dataclass
 from typing import Callable
+
+from .pace import WARNED
 
 __all__ = ["Policy", "ThreadPriorities", "apply_policy", "policy_of"]
 
@@ -93,7 +97,6 @@ class ThreadPriorities:
         self._threads: dict[int, threading.Thread] = {}  # native id -> thread
         self._raised = False
         self._version = 0  # bumped by every raise/settle, so a stale enlist reapplies
-        self._warned = False
         self._refused = False  # the kernel said no once: it will again, so stop asking
         self._boost = False  # raised, but refused: new work goes to threads that were never lowered
         self.raises = 0  # how many times the threads were raised
@@ -136,34 +139,46 @@ class ThreadPriorities:
                 log.debug("fastckpt: could not raise new thread %d: %s", tid, e)
 
     def raise_(self, reason: str, *, behind: bool) -> None:
-        """Called by the ``Checkpointer`` when persistence is behind (``behind``) or when the caller blocks
-        on it anyway (``wait``/``close``): run every enlisted thread at the training thread's priority."""
+        """Called by the ``Checkpointer`` while saves are pending: run every enlisted thread at the training
+        thread's priority. ``behind``: persistence really fell behind (a save waits for a slot, or a checkpoint
+        stayed not durable past ``persist.max_lag_s``), and ``reason`` names the measured lag; only then is a
+        warning due (once per process, on rank 0). A save that merely finds the previous one pending (``save_last``
+        right after another save) or a ``wait()`` raises the threads quietly."""
         with self._lock:
-            if self._low is None or self._raised or self._boost:
-                return
-            if self._refused:
-                self._boost = True
-                return
-            refused = self._apply_all(self._normal)  # type: ignore[arg-type]
-            self._refused = self._boost = refused is not None
-            if not self._refused:
-                self._raised = True
-                self._version += 1
-                self.raises += 1
-            warn = behind and not self._refused and not self._warned
-            self._warned |= warn
-        if refused is not None:
-            log.warning("fastckpt: could not raise the checkpoint I/O threads back from persist.priority=%s while "
-                        "%s: %s. New writes go to threads at the training thread's priority until persistence "
-                        "catches up, but work already started stays lowered. Leaving SCHED_IDLE or lowering nice "
-                        "needs CAP_SYS_NICE (docker run --cap-add SYS_NICE) or RLIMIT_NICE >= 20 (ulimit -e 20); "
-                        "on a host whose CPUs stay busy, set persist.priority: normal. Warned once.",
-                        self._name(), reason, refused)
-        elif warn:
+            if self._low is not None and not self._raised and not self._boost:
+                if self._refused:
+                    self._boost = True
+                else:
+                    refused = self._apply_all(self._normal)  # type: ignore[arg-type]
+                    self._refused = self._boost = refused is not None
+                    if not self._refused:
+                        self._raised = True
+                        self._version += 1
+                        self.raises += 1
+            refused_now = self._refused
+        if behind:
+            self._warn(reason, refused_now)
+
+    def _warn(self, reason: str, refused: bool) -> None:
+        """The one warning of a process that persistence fell behind, with the fix that applies here."""
+        if not WARNED.first("behind"):
+            return
+        if refused:
+            log.warning("fastckpt: checkpoint persistence is falling behind (%s), and fastckpt could not raise the "
+                        "checkpoint I/O threads back from persist.priority=%s. New writes go to threads at the training "
+                        "thread's priority until persistence catches up, but work already started stays lowered. "
+                        "Leaving SCHED_IDLE or lowering nice needs CAP_SYS_NICE (docker run --cap-add SYS_NICE) or "
+                        "RLIMIT_NICE >= 20 (ulimit -e 20); on a host whose CPUs stay busy, set persist.priority: "
+                        "normal. Warned once.", reason, self._name())
+        elif self._low is not None:
             log.warning("fastckpt: checkpoint persistence is falling behind (%s). On a host whose CPUs are busy "
                         "(DataLoader workers) persist.priority=%s threads get almost no CPU, so they now run at the "
                         "training thread's priority until they catch up. If storage is the bottleneck instead, "
-                        "checkpoint less often. Warned once.", reason, self._name())
+                        "checkpoint less often or raise persist.workers. Warned once.", reason, self._name())
+        else:
+            log.warning("fastckpt: checkpoint persistence is falling behind (%s): storage takes longer than the "
+                        "checkpoint interval. Checkpoint less often, raise persist.workers, or use faster storage. "
+                        "Warned once.", reason)
 
     def settle(self) -> None:
         """Called by the ``Checkpointer`` when nothing is pending: lower the threads again."""

@@ -34,6 +34,7 @@ from .distributed import Coordinator
 from .futures import settle
 from .handle import SaveHandle, SaveStats
 from .pipeline import Job, Pipeline
+from .pace import keep_pace, slot_wait_reason, warn_all_eager
 from .priority import ThreadPriorities
 from .sharedfile import SharedFileWrite, can_share
 from .staging import HostArena, Slot
@@ -129,6 +130,9 @@ class Saver:
         self._claim_root()
         lazy_ptrs = self._lazy_ptrs(_named_ptrs(flat, lazy, "lazy"), _named_ptrs(flat, eager, "eager"))
         dirpath = self.storage.join(self.storage.url, name)
+        if self.config.staging.mode == "lazy" and flat.tensors and not any(
+                src.data_ptr() in lazy_ptrs for src in flat.lazy_src):
+            warn_all_eager(name, flat.tensors)  # the whole copy happens inside this call: say so, with the fix
         return self._submit(flat, step, name, dirpath, t0, lazy_ptrs, objects=objects,
                             dtensors=[rec.as_json() for rec in flat.dtensors])
 
@@ -236,10 +240,15 @@ class Saver:
         handle = self.new_handle(name, step, dirpath)
         stats = handle.stats
         cuda = self._prepare_cuda(name, devices) if pin else None  # before a slot is taken: a failure holds none
-        self._keep_pace(name)
+        keep_pace(self.pending(), self._priorities, self.config.persist.max_lag_s, name)
         # new pinned buffers are registered under the state's device: no stray context on GPU 0
         with torch.cuda.device(devices[0]) if pin else contextlib.nullcontext():
-            slot = self._arena.acquire(plan, pin, block=self.config.staging.when_busy == "wait")
+            slot = self._arena.acquire(plan, pin, block=False)
+            if slot is None and self.config.staging.when_busy == "wait":
+                # training stalls until a slot frees: persistence really is behind
+                why = slot_wait_reason(self.pending(), self.config.staging.slots, name)
+                self._priorities.raise_(why, behind=True)
+                slot = self._arena.acquire(plan, pin, block=True)
         if slot is None:
             return self._skipped(handle, t0)
         if self._errors:  # the slot freed because a save failed (a stalled write hit its deadline): say so now
@@ -275,18 +284,6 @@ class Saver:
         self.pipeline.submit(job, lazy)
         stats.blocking_ms = (time.perf_counter() - t0) * 1e3
         return handle
-
-    def _keep_pace(self, name: str) -> None:
-        """Raise the persistence threads when the previous checkpoint's persistence outlived the checkpoint
-        interval (it is still pending now); lower them once nothing is. A busy slot always has a pending
-        save (the committer frees the slot before it drops the save), so a save about to wait for a slot
-        always raises them first."""
-        with self._lock:
-            late = self._pending[0].name if self._pending else None
-        if late is None:
-            self._priorities.settle()  # caught up: training comes first again
-        else:
-            self._priorities.raise_(f"checkpoint {late!r} was not durable yet when {name!r} was saved", behind=True)
 
     def _prepare_cuda(self, name: str, devices: list[int]) -> CudaCopy:
         """Streams and ready events of each device the state lives on (recorded now, on the caller's streams)."""

@@ -1,0 +1,100 @@
+"""Whether persistence keeps pace with ``save()``, measured, and the warnings a user reads once per process.
+
+A save that finds an earlier one pending is normal (``save_last`` right after another save; a checkpoint interval
+shorter than one write): the persisting threads are raised quietly. Persistence falls behind only when a save must
+wait for a staging slot (training stalls) or a checkpoint stays not durable past ``persist.max_lag_s``; then one
+warning per process, on rank 0, names the measured lag.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .handle import SaveHandle
+    from .priority import ThreadPriorities
+
+__all__ = ["OncePerProcess", "WARNED", "keep_pace", "slot_wait_reason", "warn_all_eager"]
+
+log = logging.getLogger("fastckpt")
+
+
+class OncePerProcess:
+    """Warnings said once per process (not per ``Checkpointer``: Lightning builds one per folder), and only on
+    rank 0 (every DDP rank falls behind together; one line says it)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._said: set[str] = set()
+
+    def first(self, kind: str) -> bool:
+        """Whether the warning ``kind`` is due now: True once per process, on rank 0 only."""
+        if _rank() != 0:
+            return False
+        with self._lock:
+            if kind in self._said:
+                return False
+            self._said.add(kind)
+            return True
+
+    def reset(self) -> None:
+        """Forget what was said (tests)."""
+        with self._lock:
+            self._said.clear()
+
+
+WARNED = OncePerProcess()
+
+
+def _rank() -> int:
+    """This process's global rank: torch.distributed's once initialized, else the launcher's ``RANK`` (torchrun,
+    Lightning, Accelerate set it before the process group exists), else 0."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def keep_pace(pending: list[SaveHandle], priorities: ThreadPriorities, max_lag_s: float, name: str) -> None:
+    """Called by ``save()`` before it takes a slot: raise the persisting threads while an earlier save is pending
+    (warning only when the oldest has lagged past ``max_lag_s``), lower them once nothing is."""
+    if not pending:
+        priorities.settle()  # caught up: training comes first again
+        return
+    oldest = pending[0]
+    lag = time.monotonic() - oldest.submitted
+    if lag > max_lag_s:
+        priorities.raise_(f"checkpoint {oldest.name!r} was still not durable {lag:.1f} s after its save() when "
+                          f"{name!r} was saved; persist.max_lag_s is {max_lag_s:g} s", behind=True)
+    else:
+        priorities.raise_(f"{oldest.name!r} pending", behind=False)
+
+
+def slot_wait_reason(pending: list[SaveHandle], slots: int, name: str) -> str:
+    """Why save ``name`` is about to wait for a staging slot, with the measured lag of the oldest pending save."""
+    lag = "" if not pending else (f"; the oldest pending checkpoint, {pending[0].name!r}, was saved "
+                                  f"{time.monotonic() - pending[0].submitted:.1f} s ago and is not durable yet")
+    return (f"save {name!r} waits for a staging slot: all {slots} are busy{lag}; training stalls until one frees "
+            "(staging.slots, or staging.when_busy: skip)")
+
+
+def warn_all_eager(name: str, tensors: list[torch.Tensor]) -> None:
+    """Once per process: a lazy-mode ``save()`` with nothing lazy copies the whole state inside ``save()``."""
+    if not WARNED.first("all-eager"):
+        return
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    log.warning("fastckpt: save(%r) copies all %d tensors (%.1f MB) inside save(), because none of them is lazy (no "
+                "watched optimizer owns them, and save(lazy=...) names none), so the training thread waits for the whole copy (seconds for GBs), not "
+                "milliseconds. Call checkpointer.watch(optimizer) once (its parameters and state are then copied "
+                "while training goes on, until its next step()), or pass save(..., lazy=[tensors or key patterns]) "
+                "for tensors that do not change before you say so; set staging.mode: eager to copy everything "
+                "inside save() without this warning. Warned once.", name, len(tensors), nbytes / 1e6)
