@@ -213,7 +213,8 @@ def test_import_dcp_checkpoint(tmp_path, capsys) -> None:
 
 def test_gc_retention_and_garbage(root, capsys) -> None:
     root.save(1, 2, 3, 4, 5)
-    root.put("step-000000009/meta.0123456789ab.json", b"{}")  # a save that died uncommitted
+    root.put("step-000000009/meta.0123456789ab.json",  # a save that died uncommitted (its meta names its uid)
+             json.dumps({"tree": {"T": 0}, "tensors": [{"file": "shard-00000.0123456789ab.safetensors"}]}).encode())
     argv = ["gc", root.url, "--keep-last", "2", "--keep-every", "2", "--grace-s", "0", *root.argv]
     code, out, _ = run([*argv, "--dry-run"], capsys)
     assert code == 0 and "would remove" in out and "step-000000001" in out and "step-000000009" in out

@@ -115,17 +115,18 @@ def test_list(copy, capsys) -> None:
     assert all(r["layout"] == "lightning" and r["where"] == "local" for r in rows.values())
 
 
-def test_gc_keeps_the_newest_and_last_and_removes_old_torn_files(copy, capsys) -> None:
-    torn = copy / "epoch=9-step=99.ckpt"
+def test_gc_keeps_the_newest_and_last_and_never_removes_torn_files(copy, capsys) -> None:
+    torn = copy / "epoch=9-step=99.ckpt"  # a torn file fastckpt cannot prove it wrote (its saves appear by rename)
     torn.write_bytes((copy / "last.ckpt").read_bytes()[:100])
-    os.utime(torn, (1, 1))  # unchanged for ages: no writer is at work on it
+    os.utime(torn, (1, 1))
     argv = ["gc", str(copy), "--keep-last", "1", "--grace-s", "60"]
     code, out, _ = run([*argv, "--dry-run"], capsys)
-    assert code == 0 and out.count("would remove") == 3 and "epoch=9-step=99.ckpt  (torn)" in out
+    assert code == 0 and out.count("would remove") == 2 and "epoch=9-step=99.ckpt" not in out
     assert sorted(os.listdir(copy)) == sorted([*NAMES, torn.name, ".fastckpt.lock"])
     code, out, _ = run(argv, capsys)
-    assert code == 0 and out.count("removed") == 3
-    assert sorted(n for n in os.listdir(copy) if n.endswith(".ckpt")) == ["epoch=1-step=6.ckpt", "last.ckpt"]
+    assert code == 0 and out.count("removed") == 2
+    assert sorted(n for n in os.listdir(copy) if n.endswith(".ckpt")) == sorted([torn.name, "epoch=1-step=6.ckpt",
+                                                                                 "last.ckpt"])
 
 
 def test_inspect(dirpath, capsys) -> None:
@@ -246,19 +247,27 @@ def test_every_command_on_s3(dirpath, s3_root, tmp_path, capsys) -> None:
 
 
 def test_gc_removes_the_temporary_files_of_dead_saves_only(copy, capsys) -> None:
-    """A save killed before its rename leaves `.NAME.fastckpt-tmp-*`; gc removes it once unchanged for the grace
-    period, and leaves a fresh one (a live save may still be writing it) and every checkpoint alone."""
+    """A save killed before its rename leaves `.NAME.fastckpt-tmp-*` and its marker; gc removes both once unchanged
+    for the grace period, and leaves a fresh one (a live save may still be writing it), a file merely named like
+    one (no marker: not fastckpt's) and every checkpoint alone."""
+    from fastckpt.storage.tempmark import mark_bytes
+
     dead = copy / ".epoch=2-step=8.ckpt.fastckpt-tmp-4242-777"
     shared = copy / ".epoch=2-step=9.ckpt.fastckpt-tmp-0a1b2c3d4e5f"
     live = copy / ".epoch=3-step=10.ckpt.fastckpt-tmp-4243-778"
-    for f in (dead, shared, live):
+    named = copy / ".epoch=3-step=11.ckpt.fastckpt-tmp-4244-779"
+    marks = [Path(f"{f}.fastckpt-mark") for f in (dead, shared, live)]
+    for f, m in zip((dead, shared, live), marks):
+        m.write_bytes(mark_bytes(f.name))
+    for f in (dead, shared, live, named):
         f.write_bytes(b"\0" * 100)
-    for f in (dead, shared):
+    for f in (dead, shared, named, *marks[:2]):
         os.utime(f, (1, 1))
     argv = ["gc", str(copy), "--grace-s", "60"]
     code, out, _ = run([*argv, "--dry-run"], capsys)
-    assert code == 0 and out.count("(temporary file of a dead save)") == 2 and dead.exists()
+    assert code == 0 and out.count("(temporary file of a dead save)") == 4 and dead.exists()
     code, out, _ = run(argv, capsys)
     assert code == 0 and str(dead) in out and str(shared) in out
-    assert not dead.exists() and not shared.exists() and live.exists()
+    assert not dead.exists() and not shared.exists() and not any(m.exists() for m in marks[:2])
+    assert live.exists() and marks[2].exists() and named.exists()
     assert all((copy / n).exists() for n in NAMES)

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import os
+import struct
 import pickle
 import re
 import subprocess
@@ -307,7 +309,9 @@ def test_object_store_orphans_are_collected_by_age_only(s3_root) -> None:
     cfg = CheckpointConfig(root=s3_root.url, storage_options=s3_root.storage_options)
     with Checkpointer(cfg) as ckpt:
         ckpt.save(STATE, step=1).wait(timeout=120)
-    fs.pipe(f"{base}/step-000000002/shard-00000.0123456789ab.safetensors", b"partial")  # another host, mid-save
+    head = json.dumps({"__metadata__": {"format": "pt", "producer": "fastckpt", "step": "2"}}).encode()
+    fs.pipe(f"{base}/step-000000002/shard-00000.0123456789ab.safetensors",  # another host, mid-save: its header
+            struct.pack("<Q", len(head)) + head + b"partial")  # (what proves fastckpt wrote it) and some data
     with Checkpointer(cfg) as ckpt:
         ckpt.save(STATE, step=3).wait(timeout=120)
         assert ckpt.removed_orphans == []

@@ -26,7 +26,7 @@ from ..format.paths import confine, plain_name
 from .. import LocalStorage, Storage, open_storage
 
 __all__ = ["Located", "locate", "children", "kind_of", "read_skeleton", "pointer_parts", "pointer_step",
-           "has_zip_end", "is_torch_name", "ACCELERATE_FILE", "accelerate_files"]
+           "has_zip_end", "is_zip_start", "is_torch_name", "ACCELERATE_FILE", "accelerate_files"]
 
 # The files stock Accelerate's save_state writes (model_1.safetensors, optimizer_1.bin... for more objects).
 ACCELERATE_FILE = re.compile(r"(model|pytorch_model|optimizer|scheduler|sampler|dl_state_dict|scaler|"
@@ -171,6 +171,11 @@ def _read_range(loc: Located, offset: int, n: int) -> bytes:
     return bytes(buf)
 
 
+def is_zip_start(loc: Located) -> bool:
+    """Whether the file starts as a zip does (its first local file header), as every torch zip file does."""
+    return _read_range(loc, 0, 4) == b"PK\x03\x04"
+
+
 def has_zip_end(loc: Located) -> bool:
     """Whether the file ends with a zip's end record: a torn (truncated) torch file does not."""
     size = loc.storage.size(loc.path)
@@ -190,4 +195,4 @@ def read_skeleton(loc: Located) -> Any:
             return torch.load(f, map_location="cpu", weights_only=True)
         except Exception as e:  # torch raises UnpicklingError, RuntimeError or ValueError for foreign files
             raise IntegrityError(f"{loc.path}: not a torch checkpoint readable with weights_only=True: "
-                                 f"{str(e).splitlines()[0]}") from e
+                                 f"{(str(e).splitlines() or [type(e).__name__])[0]}") from e

@@ -4,12 +4,19 @@ Accelerate ``checkpoints/`` folder.
 Rows are read cheaply: core manifests, Lightning file names (``step=N``) or, failing that, the
 torch file's pickle only (``layout.read_skeleton``), Accelerate folder names. Status says what a
 user must know before resuming: ``committed``, ``pending upload`` (committed here, not yet on the
-remote tier), ``torn`` (a truncated file) or ``uncommitted`` (a save that never committed: gc's).
+remote tier), ``torn`` (a truncated zip file), ``foreign`` (a torch-named file that is no checkpoint
+``torch.load(weights_only=True)`` reads: a whole pickled module, an unrelated ``.bin``) or
+``uncommitted`` (a save that never committed: gc's). A Lightning dirpath may hold sharded checkpoints,
+folders named like files (``epoch=0-step=10.ckpt/``): fastckpt's (a core checkpoint, layout
+``lightning-sharded``) or stock Lightning's (a DCP folder, layout ``lightning-dcp``). Entries that are
+neither regular files nor folders (a FIFO, a dangling link) are never opened.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import stat
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -17,8 +24,10 @@ from typing import Any
 
 from ..errors import FastCkptError, IntegrityError
 from ..format.layout import MANIFEST, parse_manifest
-from .layout import (ACCELERATE_FILE, Located, children, has_zip_end, is_torch_name, locate, pointer_parts,
-                     pointer_step, read_skeleton)
+from ..tiers.gc import is_save_folder
+from .. import LocalStorage
+from .layout import (ACCELERATE_FILE, Located, children, has_zip_end, is_torch_name, is_zip_start, locate,
+                     pointer_parts, pointer_step, read_skeleton)
 from .options import CliOptions, is_remote, print_json
 
 __all__ = ["Row", "list_root", "run"]
@@ -54,8 +63,8 @@ def list_root(root: str, opts: CliOptions) -> list[Row]:
         names = children(loc) or []
     here = "remote" if is_remote(loc.path) else "local"
     if any(is_torch_name(n) for n in names):
-        rows = [_lightning_row(Located(loc.storage, loc.storage.join(loc.path, n)), here) for n in names
-                if is_torch_name(n)]
+        rows = [row for n in names if is_torch_name(n)
+                for row in [_lightning_entry(Located(loc.storage, loc.storage.join(loc.path, n)), here)] if row]
     elif any(_ACC_FOLDER.fullmatch(n) for n in names):
         rows = [_accelerate_row(Located(loc.storage, loc.storage.join(loc.path, n)), here) for n in names
                 if _ACC_FOLDER.fullmatch(n)]
@@ -105,11 +114,9 @@ def _core_row(loc: Located, where: str) -> Row | None:
     except (FastCkptError, OSError):
         return None
     if MANIFEST not in files:
-        from ..tiers.gc import is_save_folder
-
         if not files or not is_save_folder(files):
             return None
-        size = sum(storage.size(storage.join(loc.path, f)) for f in files)
+        size = sum(_file_size(loc, f) for f in files)
         step = re.fullmatch(r"step-(\d+)", loc.name)
         return Row(loc.name, int(step.group(1)) if step else None, None, _mtime(loc, files), size, where,
                    "uncommitted", loc.path, "core")
@@ -124,6 +131,45 @@ def _core_row(loc: Located, where: str) -> Row | None:
                doc.get("nbytes", 0), where, "committed", loc.path, "core")
 
 
+def _lightning_entry(loc: Located, where: str) -> Row | None:
+    """The row of a torch-named entry of a Lightning dirpath: a file, a sharded checkpoint folder, or None."""
+    kind = _entry_kind(loc)
+    if kind == "file":
+        return _lightning_row(loc, where)
+    if kind != "dir":
+        return None  # a FIFO, a socket, a dangling link: never opened (a FIFO would block the read)
+    files = children(loc) or []
+    if MANIFEST in files or is_save_folder(files):  # FastModelParallelStrategy's: a core checkpoint
+        row = _core_row(loc, where)
+        if row is not None:
+            row.layout = "lightning-sharded"
+        return row
+    if ".metadata" in files:  # stock Lightning's sharded checkpoint (torch.distributed.checkpoint)
+        step = _STEP.search(loc.name)
+        epoch = _EPOCH.search(loc.name)
+        return Row(loc.name, int(step.group(1)) if step else None, int(epoch.group(1)) if epoch else None,
+                   _mtime(loc, files), sum(_file_size(loc, f) for f in files), where, "committed", loc.path, "lightning-dcp")
+    return None  # a folder that is no checkpoint
+
+
+def _entry_kind(loc: Located) -> str:
+    """``file``, ``dir`` or ``other`` (what a local symlink points to; every object of a store is a file)."""
+    if not isinstance(loc.storage, LocalStorage):
+        return "file" if children(loc) is None else "dir"
+    try:
+        mode = os.stat(loc.path).st_mode
+    except OSError:
+        return "other"
+    return "file" if stat.S_ISREG(mode) else "dir" if stat.S_ISDIR(mode) else "other"
+
+
+def _file_size(loc: Located, name: str) -> int:
+    try:
+        return loc.storage.size(loc.storage.join(loc.path, name))
+    except (FastCkptError, OSError):
+        return 0
+
+
 def _lightning_row(loc: Located, where: str) -> Row:
     step = _STEP.search(loc.name)
     epoch = _EPOCH.search(loc.name)
@@ -135,14 +181,14 @@ def _lightning_row(loc: Located, where: str) -> Row:
             return row
     except FastCkptError:
         pass
-    if not has_zip_end(loc):
-        row.status = "torn"  # no zip end record: the write stopped part way
+    if not has_zip_end(loc) and is_zip_start(loc):
+        row.status = "torn"  # a zip without its end record: the write stopped part way
         return row
-    if row.step is None or row.epoch is None:
+    if row.step is None or row.epoch is None or not has_zip_end(loc):
         try:
             skeleton = read_skeleton(loc)  # the pickle only: no tensor bytes are read
         except FastCkptError:
-            row.status = "torn"
+            row.status = "foreign"  # torch's safe loader refuses it: not a checkpoint to resume, nor fastckpt's
             return row
         if isinstance(skeleton, dict):
             row.step = skeleton.get("global_step", row.step)
@@ -151,14 +197,14 @@ def _lightning_row(loc: Located, where: str) -> Row:
 
 
 def _accelerate_row(loc: Located, where: str) -> Row:
-    files = children(loc) or []
+    files = (children(loc) or []) if _entry_kind(loc) == "dir" else []
     index = int(_ACC_FOLDER.fullmatch(loc.name).group(1))  # type: ignore[union-attr]
     if MANIFEST in files:  # written by fastckpt: its manifest knows the step
         row = _core_row(loc, where)
         assert row is not None
         row.layout = "accelerate"
         return row
-    size = sum(loc.storage.size(loc.storage.join(loc.path, f)) for f in files)
+    size = sum(_file_size(loc, f) for f in files)
     status = "committed" if any(ACCELERATE_FILE.fullmatch(f) for f in files) else "uncommitted"
     return Row(loc.name, index, None, _mtime(loc, files), size, where, status, loc.path, "accelerate")
 

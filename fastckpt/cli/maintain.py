@@ -42,16 +42,22 @@ def _locked(root: str, opts: CliOptions, work: Callable[[Any], list[str]]) -> li
 
 def run_gc(args: argparse.Namespace, opts: CliOptions) -> int:
     verb = "would remove" if args.dry_run else "removed"
-    lines = _locked(args.root, opts, lambda storage: [f"{verb}  {line}" for line in _collect(storage, args, opts)])
+    failed: list[str] = []
+    lines = _locked(args.root, opts, lambda storage: [f"{verb}  {line}" for line in _collect(storage, args, opts,
+                                                                                              failed)])
     for line in lines:
         print(line)
-    if not lines:
+    for line in failed:
+        print(f"fastckpt: error: {line}", file=sys.stderr)
+    if not lines and not failed:
         print(f"nothing to remove under {args.root}", file=sys.stderr)
-    return 0
+    return 1 if failed else 0
 
 
-def _collect(storage: Any, args: argparse.Namespace, opts: CliOptions) -> list[str]:
-    """What gc removes (or would): checkpoints retention does not keep, then dead uncommitted saves."""
+def _collect(storage: Any, args: argparse.Namespace, opts: CliOptions, failed: list[str]) -> list[str]:
+    """What gc removes (or would): checkpoints retention does not keep, then what dead saves left that fastckpt
+    can prove it wrote (``fastckpt.tiers.gc``). Only what is gone is reported; what could not be removed goes to
+    ``failed``. Files fastckpt cannot prove its own (a torn or foreign ``.ckpt``, a symlink) are never removed."""
     from ..tiers.catalog import Catalog, doomed
     from .. import RetentionOptions
     from ..tiers.gc import collect, collect_temp_files
@@ -59,30 +65,61 @@ def _collect(storage: Any, args: argparse.Namespace, opts: CliOptions) -> list[s
 
     rules = RetentionOptions(keep_last=args.keep_last, keep_every_n_steps=args.keep_every)
     rows = [r for r in list_root(args.root, opts) if r.layout != "core"]
-    if not rows:  # a core root: the Catalog's own rules, then fastckpt.tiers.gc's proof of death
-        catalog = Catalog(storage)
-        lines = []
-        for info in catalog.doomed(rules, set()):
-            if not args.dry_run:
-                catalog.delete(info.name)
-            lines.append(f"{info.path}  (step {info.step}, retention)")
-        return lines + [f"{path}  (uncommitted)" for path in collect(storage, args.grace_s, dry_run=args.dry_run)]
-    # A Lightning dirpath or an Accelerate checkpoints/ folder: the same rules over its rows; last.ckpt is a
-    # second copy of a step that stays. Torn files are garbage once unchanged for the grace period.
-    kept = [r for r in rows if r.status == "committed" and r.step is not None and r.name != "last.ckpt"
-            and r.layout in ("lightning", "accelerate")]  # a 0.1 pointer names data folders: left alone
-    old = time.time() - args.grace_s
-    dead = [r for r in rows if r.status == "torn" and r.created is not None and r.created < old]
+    catalog = Catalog(storage)
     lines = []
-    for row, why in [(r, f"step {r.step}, retention") for r in doomed(kept, rules, set())] + \
-            [(r, "torn") for r in dead]:
-        if not args.dry_run:
-            (storage.delete_tree if row.layout == "accelerate" else storage.delete)(row.path)
-        lines.append(f"{row.path}  ({why})")
-    if any(r.layout == "lightning" for r in rows):  # a save killed before its rename left its temporary file
-        lines += [f"{path}  (temporary file of a dead save)"
-                  for path in collect_temp_files(storage, args.grace_s, dry_run=args.dry_run)]
+    if not rows:  # a core root: the Catalog's own rules, then fastckpt.tiers.gc's proofs of death and authorship
+        for info in catalog.doomed(rules, set()):
+            if _remove(failed, info.path, args.dry_run, lambda: catalog.delete(info.name)):
+                lines.append(f"{info.path}  (step {info.step}, retention)")
+    else:
+        # A Lightning dirpath or an Accelerate checkpoints/ folder: the same rules over its rows; last.ckpt is a
+        # second copy of a step that stays. Only what a save writes is counted (a 0.1 pointer names data folders,
+        # a DCP folder is stock Lightning's, a symlink is somebody else's): left alone.
+        kept = [r for r in rows if r.status == "committed" and r.step is not None and r.name != "last.ckpt"
+                and r.layout in ("lightning", "lightning-sharded", "accelerate") and not _is_link(storage, r.path)]
+        for row in doomed(kept, rules, set()):
+            if row.layout == "lightning-sharded":
+                work: Callable[[], None] = lambda row=row: catalog.delete(row.name)  # type: ignore[misc]
+            elif row.layout == "accelerate":
+                work = lambda row=row: storage.delete_tree(row.path)  # type: ignore[misc]
+            else:
+                work = lambda row=row: _delete_file(storage, row.path)  # type: ignore[misc]
+            if _remove(failed, row.path, args.dry_run, work):
+                lines.append(f"{row.path}  (step {row.step}, retention)")
+    if rows and not any(r.layout.startswith("lightning") for r in rows):
+        return lines  # an Accelerate folder: its saves are folders, never temporary files
+    lines += [f"{path}  (uncommitted)" for path in collect(storage, args.grace_s, dry_run=args.dry_run)]
+    lines += [f"{path}  (temporary file of a dead save)"
+              for path in collect_temp_files(storage, args.grace_s, dry_run=args.dry_run)]
     return lines
+
+
+def _remove(failed: list[str], path: str, dry_run: bool, work: Callable[[], None]) -> bool:
+    """Run ``work`` (unless ``dry_run``); whether ``path`` is gone (or would be). Failures go to ``failed``."""
+    if dry_run:
+        return True
+    try:
+        work()
+    except (FastCkptError, OSError) as e:
+        failed.append(f"{path} was not removed: {' '.join(str(e).split())}")
+        return False
+    return True
+
+
+def _is_link(storage: Any, path: str) -> bool:
+    from .. import LocalStorage
+
+    return isinstance(storage, LocalStorage) and os.path.islink(path)
+
+
+def _delete_file(storage: Any, path: str) -> None:
+    """Delete a checkpoint file retention dropped: a regular file only, never through a symlink."""
+    from ..errors import StorageError
+
+    is_plain = getattr(storage, "is_plain_file", None)
+    if is_plain is not None and not is_plain(path):
+        raise StorageError(f"{path} is not a regular file (a symlink, a folder or a FIFO): not deleted")
+    storage.delete(path)
 
 
 def run_persist_pending(args: argparse.Namespace, opts: CliOptions) -> int:

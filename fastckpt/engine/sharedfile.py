@@ -32,6 +32,7 @@ from typing import Any
 from .distributed import Coordinator
 from ..errors import FastCkptError, StateMismatchError, StorageError
 from ..format.torchfile import TorchFileFormat
+from ..storage.tempmark import temp_basename
 
 __all__ = ["SharedFileWrite", "can_share", "temporary_name"]
 
@@ -45,9 +46,9 @@ def can_share(storage: Any) -> bool:
 
 def temporary_name(path: str, uid: str) -> str:
     """The hidden temporary file next to ``path`` the ranks write into; ``uid`` is the save's, alike on every rank
-    (a SIGKILLed save leaves it behind: ``.NAME.fastckpt-tmp-*`` files are never checkpoints)."""
+    (a SIGKILLed save leaves it behind, with the marker rank 0 created: storage/tempmark.py)."""
     folder, base = os.path.split(path)
-    return os.path.join(folder, f".{base}.fastckpt-tmp-{uid}")
+    return os.path.join(folder, temp_basename(base, uid))
 
 
 class SharedFileWrite:
@@ -59,6 +60,7 @@ class SharedFileWrite:
         self.tmp = temporary_name(fmt.path, uid)
         self.writers = writers  # the rank that writes each record, as this rank planned it
         self.written = 0  # bytes this rank wrote (its records; rank 0 also the fixed bytes)
+        self.marked = False  # rank 0: whether it created the temporary file's marker (storage/tempmark.py)
 
     def run(self, views: dict[int, memoryview], crcs: dict[int, int], error: BaseException | None,
             pool: Executor | None = None) -> int:
@@ -67,6 +69,12 @@ class SharedFileWrite:
         coord = self.coord
         layout = self.fmt.layout
         mine = (self.fmt.signature(), self.writers, [r.offset for r in layout.records])
+        if coord.rank == 0 and error is None:
+            try:  # before any rank writes a byte: the file new, and its marker, gc's proof that fastckpt wrote it
+                self.storage.mark_temp(self.tmp, create_temp=True)
+                self.marked = True
+            except FastCkptError as e:
+                error = e
         try:
             ref = self._collective(coord.share, mine if error is None else None)  # 1.
         except FastCkptError:
@@ -154,7 +162,13 @@ class SharedFileWrite:
             self.storage.publish(self.tmp, self.fmt.path)  # <- the commit point
         except BaseException as e:  # noqa: BLE001 - broadcast as the verdict
             return f"rank 0 commit: {e}"
+        self._unmark()
         return None
+
+    def _unmark(self) -> None:
+        if self.marked:
+            self.marked = False
+            self.storage.unmark_temp(self.tmp)
 
     def _remove_tmp(self) -> None:
         """Every rank, on failure: no rank renames after a failed verdict, so the file is garbage."""
@@ -162,3 +176,5 @@ class SharedFileWrite:
             self.storage.delete(self.tmp)
         except Exception as e:  # noqa: BLE001 - the storage may be what failed
             log.warning("fastckpt: could not remove the temporary file %s: %s", self.tmp, e)
+            return  # its marker stays: gc removes both once they are old
+        self._unmark()

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, Callable, Iterator, Sequence
 
 from ..config import NetworkOptions
 from .deadline import Deadline, describe, in_thread, storage_error
+from .tempmark import mark_bytes, mark_name, temp_basename
 from ..errors import StorageError
 
 __all__ = ["FsspecStorage"]
@@ -145,14 +144,47 @@ class FsspecStorage:
             self.write_file(path, parts)
             return
         folder, base = path.rsplit("/", 1) if "/" in path else ("", path)
-        tmp = f"{folder}/.{base}.fastckpt-tmp-{os.getpid()}-{threading.get_ident()}"
-        self.write_file(tmp, parts)
+        tmp = f"{folder}/{temp_basename(base)}"
+        self.mark_temp(tmp)  # the proof gc needs to remove it after a crash (storage/tempmark.py)
         try:
+            self.write_file(tmp, parts)
             self._call("renaming into", path, "mv", self._p(tmp), self._p(path))
         except StorageError:
             with contextlib.suppress(Exception):
                 self.fs.rm_file(self._p(tmp))
+            self.unmark_temp(tmp)
             raise
+        self.unmark_temp(tmp)
+
+    def mark_temp(self, tmp: str) -> None:
+        """Write the marker of the temporary file ``tmp`` before its first byte (storage/tempmark.py)."""
+        self._call("creating the marker of", tmp, "pipe_file", self._p(mark_name(tmp)),
+                   mark_bytes(tmp.rsplit("/", 1)[-1]))
+
+    def unmark_temp(self, tmp: str) -> None:
+        """Remove the marker once ``tmp`` is renamed or removed; a leftover one is collected by gc."""
+        try:
+            self.delete(mark_name(tmp))
+        except StorageError as e:
+            log.info("fastckpt: could not remove the marker of %s: %s", tmp, e)
+
+    def read_plain(self, path: str, offset: int, n: int) -> bytes | None:
+        """At most ``n`` bytes of the file ``path`` from ``offset`` (None if it is not a file): gc's proofs."""
+        try:
+            size = self.size(path)
+        except (FileNotFoundError, StorageError):
+            return None
+        out = bytearray(max(0, min(n, size - offset)))
+        if out:
+            self.read_into(path, offset, memoryview(out))
+        return bytes(out)
+
+    def is_plain_file(self, path: str) -> bool:
+        """Whether ``path`` is a file (object stores have no symlinks)."""
+        try:
+            return bool(self._call("checking", path, "isfile", self._p(path)))
+        except StorageError:
+            return False
 
     def read_into(self, path: str, offset: int, out: memoryview) -> None:
         pieces = [(s, min(s + _READ_PIECE, len(out))) for s in range(0, len(out), _READ_PIECE)]

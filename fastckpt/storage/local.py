@@ -8,10 +8,12 @@ import errno
 import logging
 import mmap
 import os
-import threading
+import secrets
+import stat
 from typing import Sequence
 
 from .deadline import storage_error
+from .tempmark import mark_bytes, mark_name, temp_basename
 from ..errors import StorageError
 
 __all__ = ["LocalStorage", "aligned_buffer"]
@@ -19,6 +21,9 @@ __all__ = ["LocalStorage", "aligned_buffer"]
 log = logging.getLogger("fastckpt")
 
 _DIRECT_ALIGN = 4096
+# Every file fastckpt creates is new (O_EXCL) and never reached through a symlink (O_NOFOLLOW): a name planted in
+# the root (a link to a user's file, a hard link, a FIFO) is refused, never written through or truncated.
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class LocalStorage:
@@ -45,7 +50,7 @@ class LocalStorage:
 
     def _write_direct(self, path: str, parts: Sequence[memoryview]) -> bool:
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+            fd = _create(path, os.O_DIRECT, replace=True)
         except OSError as e:
             if e.errno != errno.EINVAL or self._direct == "on":
                 raise
@@ -65,7 +70,7 @@ class LocalStorage:
         finally:
             os.close(fd)
         if tail:  # the unaligned remainder goes through the page cache
-            self._write_fd(path, tail, os.O_WRONLY | os.O_APPEND)
+            self._write_fd(path, tail, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC)
         return True
 
     def _note_direct(self, works: bool, e: OSError | None) -> None:
@@ -74,11 +79,11 @@ class LocalStorage:
             if not works:
                 log.info("fastckpt: O_DIRECT not supported under %s (%s); using buffered writes", self.url, e)
 
-    def _write_buffered(self, path: str, parts: Sequence[memoryview]) -> None:
-        self._write_fd(path, parts, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    def _write_buffered(self, path: str, parts: Sequence[memoryview], replace: bool = True) -> None:
+        self._write_fd(path, parts, None, replace)
 
-    def _write_fd(self, path: str, parts: Sequence[memoryview], flags: int) -> None:
-        fd = os.open(path, flags, 0o644)
+    def _write_fd(self, path: str, parts: Sequence[memoryview], flags: int | None, replace: bool = True) -> None:
+        fd = _create(path, 0, replace=replace) if flags is None else os.open(path, flags)
         try:
             for part in parts:
                 _write_all(fd, part)
@@ -88,10 +93,10 @@ class LocalStorage:
             os.close(fd)
 
     def write_atomic(self, path: str, data: bytes) -> None:
-        tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+        tmp = f"{path}.tmp-{secrets.token_hex(8)}"  # random: no entry can be planted under it in advance
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            self._write_buffered(tmp, [memoryview(data)])
+            self._write_buffered(tmp, [memoryview(data)], replace=False)
             os.replace(tmp, path)  # atomic on POSIX: readers see old or new, never half
             if self._fsync:
                 _fsync_dir(os.path.dirname(path))
@@ -101,18 +106,53 @@ class LocalStorage:
 
     def write_file_atomic(self, path: str, parts: Sequence[memoryview]) -> None:
         # A hidden temporary name in the same folder: the rename is atomic and a reader of ``path`` sees the
-        # previous file or the complete new one, never a torn one, even after SIGKILL (gc removes the temp).
+        # previous file or the complete new one, never a torn one, even after SIGKILL. Its marker, created first,
+        # is what lets gc remove it after a crash (storage/tempmark.py): a name alone proves nothing.
         folder, base = os.path.split(path)
-        tmp = os.path.join(folder, f".{base}.fastckpt-tmp-{os.getpid()}-{threading.get_ident()}")
+        tmp = os.path.join(folder, temp_basename(base))
+        marked = False
         try:
             os.makedirs(folder, exist_ok=True)
-            self._write_buffered(tmp, parts)
+            self.mark_temp(tmp)
+            marked = True
+            self._write_buffered(tmp, parts, replace=False)
             os.replace(tmp, path)
             if self._fsync:
                 _fsync_dir(folder)
-        except OSError as e:
+        except (OSError, StorageError) as e:
             _silent_remove(tmp)
+            if marked:
+                self.unmark_temp(tmp)
+            if isinstance(e, StorageError):
+                raise
             raise storage_error("writing", path, e) from e
+        self.unmark_temp(tmp)
+
+    def mark_temp(self, tmp: str, create_temp: bool = False) -> None:
+        """Create the marker of the temporary file ``tmp`` before its first byte (storage/tempmark.py);
+        ``create_temp``: create ``tmp`` itself too, empty (the ranks of a shared file then open it with ``write_at``)."""
+        try:
+            os.makedirs(os.path.dirname(tmp), exist_ok=True)
+            fd = _create(mark_name(tmp), 0, replace=False)
+            try:
+                _write_all(fd, memoryview(mark_bytes(os.path.basename(tmp))))
+            finally:
+                os.close(fd)
+            if create_temp:
+                try:
+                    os.close(_create(tmp, 0, replace=False))
+                except OSError:
+                    _silent_remove(mark_name(tmp))  # ours, just created: no temporary file of ours to prove
+                    raise
+        except OSError as e:
+            raise storage_error("creating the marker of", tmp, e) from e
+
+    def unmark_temp(self, tmp: str) -> None:
+        """Remove the marker once ``tmp`` is renamed or removed; a leftover one is collected by gc."""
+        try:
+            _silent_remove(mark_name(tmp))
+        except OSError as e:
+            log.info("fastckpt: could not remove the marker of %s: %s", tmp, e)
 
     # ---- one file written by several processes (fastckpt.engine.sharedfile) -----------------------------------------
 
@@ -120,8 +160,11 @@ class LocalStorage:
         """Write each ``(offset, bytes)`` of ``pieces`` into ``path``, created if absent and never truncated: other
         processes write other ranges of the same file at the same time. Durable only after ``sync``."""
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+            # Shared by the ranks, so not O_EXCL: rank 0 created it with its marker (``mark_temp``) before any
+            # rank writes; never through a symlink, and only into a regular file (a FIFO would block).
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
             try:
+                _check_regular(fd, path)
                 for offset, part in pieces:
                     _pwrite_all(fd, part, offset)
             finally:
@@ -134,8 +177,9 @@ class LocalStorage:
         if not self._fsync:
             return
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
             try:
+                _check_regular(fd, path)
                 os.fsync(fd)
             finally:
                 os.close(fd)
@@ -190,10 +234,37 @@ class LocalStorage:
     def size(self, path: str) -> int:
         return os.stat(path).st_size
 
-    def modified(self, path: str) -> float:
-        """Last modification (seconds since the epoch) of a file or folder; the garbage collector's clock."""
+    def read_plain(self, path: str, offset: int, n: int) -> bytes | None:
+        """At most ``n`` bytes of ``path`` from ``offset``, or None if ``path`` is not a regular file (a symlink, a
+        FIFO, a folder): the garbage collector's proofs read only what fastckpt could have written."""
         try:
-            return os.stat(path).st_mtime
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as e:
+            if e.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR, errno.ENOENT, errno.ENOTDIR):
+                return None
+            raise storage_error("reading", path, e) from e
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                return None
+            return os.pread(fd, max(0, min(n, st.st_size - offset)), offset)
+        except OSError as e:
+            raise storage_error("reading", path, e) from e
+        finally:
+            os.close(fd)
+
+    def is_plain_file(self, path: str) -> bool:
+        """Whether ``path`` itself (not what a symlink points to) is a regular file."""
+        try:
+            return stat.S_ISREG(os.lstat(path).st_mode)
+        except OSError:
+            return False
+
+    def modified(self, path: str) -> float:
+        """Last modification (seconds since the epoch) of a file or folder, never of a symlink's target; the
+        garbage collector's clock."""
+        try:
+            return os.lstat(path).st_mtime
         except OSError as e:
             raise storage_error("stat of", path, e) from e
 
@@ -210,9 +281,25 @@ class LocalStorage:
         _silent_remove(path)
 
     def delete_tree(self, path: str) -> None:
+        """Remove the folder ``path``; missing is fine. A symlink or a file is refused (``StorageError``), never
+        followed or removed in its place, and so is anything ``rmtree`` could not remove."""
         import shutil
 
-        shutil.rmtree(path, ignore_errors=True)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            raise storage_error("deleting", path, e) from e
+        if not stat.S_ISDIR(st.st_mode):
+            raise StorageError(f"{path} is not a folder (a symlink or a file): fastckpt removes only folders it "
+                               "created and never follows a link; remove it by hand if it is yours to remove")
+
+        def failed(_fn: object, where: str, info: tuple) -> None:
+            if not isinstance(info[1], FileNotFoundError):  # removed meanwhile by someone else: fine
+                raise storage_error("deleting", where, info[1]) from info[1]
+
+        shutil.rmtree(path, onerror=failed)
 
     def check(self, what: str) -> None:
         # The root itself may not exist yet (the first save creates it): its nearest existing
@@ -226,6 +313,24 @@ class LocalStorage:
         if not os.access(path, os.W_OK | os.X_OK):
             raise StorageError(f"{what} {self.url!r} is not writable: {path!r} is on a read-only filesystem or "
                                f"this user may not write there; set {what} to a writable directory")
+
+
+def _create(path: str, extra: int, *, replace: bool) -> int:
+    """A new file at ``path`` (O_EXCL, O_NOFOLLOW). ``replace``: an entry already there (the uid-named file of an
+    earlier attempt of this save, or a planted link) is unlinked first, which never changes another file's bytes,
+    then the file is created anew; else it raises ``FileExistsError``."""
+    try:
+        return os.open(path, _CREATE | extra, 0o644)
+    except FileExistsError:
+        if not replace:
+            raise
+    os.unlink(path)
+    return os.open(path, _CREATE | extra, 0o644)
+
+
+def _check_regular(fd: int, path: str) -> None:
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        raise OSError(errno.EINVAL, "not a regular file (refused: fastckpt writes only files it created)", path)
 
 
 def _aligned(parts: Sequence[memoryview]) -> bool:

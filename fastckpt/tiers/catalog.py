@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import threading
 from typing import Protocol, Sequence, TypeVar
 
@@ -15,6 +16,7 @@ from ..errors import CheckpointNotFoundError, FastCkptError, IntegrityError, Sto
 from ..format.layout import MANIFEST, parse_manifest
 from ..format.layout import CheckpointInfo
 from ..format.paths import confine
+from ..storage.local import LocalStorage
 from ..storage.protocol import Storage
 
 __all__ = ["Catalog", "doomed"]
@@ -108,6 +110,10 @@ class Catalog:
         a malformed or crafted manifest leaves its listed files to ``delete_tree``, which stays inside.
         """
         path = confine(self.storage.url, self.storage.join(self.storage.url, name), "checkpoint directory")
+        if isinstance(self.storage, LocalStorage) and os.path.islink(path):
+            # fastckpt never creates a symlink: what it names is somebody else's, never deleted through it
+            raise StorageError(f"{path} is a symlink, not a checkpoint folder fastckpt wrote: not deleted (nor what "
+                               "it points to); remove the link by hand if it is yours to remove")
         mpath = self.storage.join(path, MANIFEST)
         try:
             files = list(parse_manifest(self.storage.read_bytes(mpath), mpath)["files"])

@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import socket
+import stat
 import threading
 import weakref
 
@@ -66,7 +67,7 @@ class RootLock:
         if self._fd is not None or not self.supported:
             return True
         os.makedirs(self.root, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = self._open()
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -84,11 +85,36 @@ class RootLock:
         os.pwrite(fd, holder, 0)  # for the error message of the next writer
         return True
 
+    def _open(self) -> int:
+        """The lock file, created if absent. It is written (the holder's pid), so it must be fastckpt's own: never
+        a symlink (O_NOFOLLOW), a FIFO (O_NONBLOCK, then refused), or a hard link to another file (a link count
+        above 1): any of those planted in the root is refused with ``StorageError``, the file it names untouched."""
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        try:
+            fd = os.open(self.path, flags, 0o644)
+        except OSError as e:
+            if e.errno not in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
+                raise
+            raise StorageError(self._not_ours(f"a symlink, a FIFO or a folder ({e.strerror})")) from e
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            os.close(fd)
+            what = "not a regular file" if not stat.S_ISREG(st.st_mode) else f"a hard link ({st.st_nlink} names)"
+            raise StorageError(self._not_ours(what))
+        return fd
+
+    def _not_ours(self, what: str) -> str:
+        return (f"the lock file {self.path} of checkpoint root {self.root} is {what}: fastckpt creates it as a plain "
+                "file and writes into it, so it refuses to use (or write through) anything else there. Remove it "
+                "(it is not fastckpt's) and start again")
+
     def acquire(self) -> None:
         """Take the lock or raise ``StorageError`` naming the root and the holder."""
         try:
             if self.try_acquire():
                 return
+        except StorageError:
+            raise
         except OSError as e:
             raise StorageError(f"cannot create the lock file {self.path} of checkpoint root {self.root}: {e}. "
                                "The writer of a root needs write access to it") from e
@@ -100,8 +126,11 @@ class RootLock:
     def holder(self) -> str:
         """Who holds the lock, as written by its holder."""
         try:
-            with open(self.path, "rb") as f:
-                info = json.loads(f.read() or b"{}")
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            with os.fdopen(fd, "rb") as f:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise ValueError("not a regular file")
+                info = json.loads(f.read(4096) or b"{}")
             return f"pid {int(info['pid'])} on host {info.get('host', '?')}"
         except (OSError, ValueError, KeyError, TypeError):
             return "a process that took it a moment ago and has not written its pid yet"

@@ -119,7 +119,7 @@ class ShmTier:
         and renamed into place, so no scanner ever sees the folder without its lock."""
         tmp = os.path.join(self.base, f".new-{self.owner}")
         os.makedirs(tmp)
-        fd = os.open(os.path.join(tmp, _ALIVE), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        fd = os.open(os.path.join(tmp, _ALIVE), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.rename(tmp, self.dir)
         self._alive_fd = fd
@@ -179,7 +179,9 @@ class ShmTier:
         slot_dir = job.slot.dir
         tmp = os.path.join(slot_dir, RECORD + ".tmp")
         try:
-            with open(tmp, "wb") as f:
+            _unlink(tmp)  # a leftover of a failed write of this slot: the record is always created anew
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "wb") as f:
                 f.write(encode_record(job, self.owner, self.rank, self.world))
             os.replace(tmp, os.path.join(slot_dir, RECORD))
         except OSError as e:
