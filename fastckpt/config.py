@@ -15,10 +15,12 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .errors import ConfigError
+from .yamlfile import load_yaml, read_yaml
 
 __all__ = [
     "CheckpointConfig",
     "config_mapping",
+    "load_yaml",
     "StagingOptions",
     "PersistOptions",
     "RetentionOptions",
@@ -36,26 +38,59 @@ PRIORITIES = ("idle", "low", "normal")
 
 
 class _Freezable:
-    """A config object that refuses changes once a ``Checkpointer`` holds it.
+    """A config section that checks every assignment and refuses changes once a ``Checkpointer`` holds it.
 
-    The Checkpointer sizes its threads, buffers and rules from the config at construction and
-    reads some fields later again; a field changed in between (``staging.slots = 0``) would leave
-    it half on the old value and half on the new one, which can hang ``save()``.
-    ``dataclasses.replace`` builds a new, unfrozen config for a new Checkpointer.
+    Every field is checked when the object is built and again on every later assignment (``cfg.staging.slots = 0``
+    raises ``ConfigError`` naming ``staging.slots`` and keeps the old value): a bad value never waits in a config
+    until it hangs ``save()``. Once a Checkpointer holds the config it is frozen: the Checkpointer sized its threads,
+    buffers and rules from it and reads some fields later again, so a change in between would leave it half on the
+    old value and half on the new one. ``dataclasses.replace`` builds a new, unfrozen config for a new Checkpointer.
     """
 
-    __slots__ = ("_frozen",)
+    __slots__ = ("_frozen", "_ready", "_checking")
     _prefix = ""  # the field path of this section, for error messages
 
+    def __post_init__(self) -> None:
+        self._checked()
+        object.__setattr__(self, "_ready", True)  # built: from now on every assignment is checked
+
+    def validate(self) -> None:
+        """Check (and normalize) every field, raising ``ConfigError`` naming the first bad one."""
+
+    def _checked(self) -> None:
+        # validate()'s own normalizing assignments (``root = str(root)``) go straight through while it runs
+        object.__setattr__(self, "_checking", True)
+        try:
+            self.validate()
+        finally:
+            object.__setattr__(self, "_checking", False)
+
     def __setattr__(self, name: str, value: Any) -> None:
+        known = self.__dataclass_fields__  # type: ignore[attr-defined]
+        if name not in known:  # a typo (``staging.slot``) must not pass for a setting
+            raise ConfigError(f"{self._prefix}{name} is not a config field; the fields of "
+                              f"{self._prefix.rstrip('.') or 'the top level'} are {sorted(known)}")
         if getattr(self, "_frozen", False):
             raise ConfigError(f"{self._prefix}{name} cannot change: a Checkpointer uses this config (it is frozen "
                               "once a Checkpointer holds it). Build a new one with dataclasses.replace(config, ...) "
                               "and create a new Checkpointer")
+        if not getattr(self, "_ready", False) or getattr(self, "_checking", False):
+            object.__setattr__(self, name, value)  # being built or validated: checked as a whole right after
+            return
+        old = getattr(self, name)
         object.__setattr__(self, name, value)
+        try:
+            self._checked()
+        except BaseException:
+            object.__setattr__(self, name, old)  # refused: the config stays as it was
+            raise
 
     def freeze(self) -> None:
-        """Called by ``Checkpointer.__init__``: refuse every later assignment, in the sections too."""
+        """Called by ``Checkpointer.__init__``: check the whole config once more (a list or dict field may have
+        changed in place), then refuse every later assignment, in the sections too."""
+        if self.frozen:
+            return
+        self._checked()
         for f in fields(self):  # type: ignore[arg-type]
             value = getattr(self, f.name)
             if isinstance(value, _Freezable):
@@ -74,6 +109,7 @@ class _Freezable:
     def __setstate__(self, state: dict[str, Any]) -> None:
         for name, value in state.items():
             object.__setattr__(self, name, value)
+        self.__post_init__()  # checked like any new config
 
 
 def _check_int(section: str, name: str, value: Any, minimum: int, allow_none: bool = False) -> None:
@@ -108,7 +144,7 @@ class StagingOptions(_Freezable):
     shm_dir: str = "/dev/shm"
     """Where shared-memory staging files live (a tmpfs)."""
 
-    def __post_init__(self) -> None:
+    def validate(self) -> None:
         _check_choice("staging.", "mode", self.mode, _MODES)
         _check_int("staging.", "slots", self.slots, 1)
         _check_choice("staging.", "when_busy", self.when_busy, _WHEN_BUSY)
@@ -143,7 +179,7 @@ class PersistOptions(_Freezable):
     behind (once per process, on rank 0, naming the measured lag). A save that must wait for a staging slot
     always warns."""
 
-    def __post_init__(self) -> None:
+    def validate(self) -> None:
         if isinstance(self.direct_io, bool):  # YAML 1.1 reads a bare on/off as true/false
             self.direct_io = "on" if self.direct_io else "off"
         _check_int("persist.", "workers", self.workers, 1)
@@ -167,7 +203,7 @@ class RetentionOptions(_Freezable):
     keep_every_n_steps: int | None = None
     """Also keep every checkpoint whose step is a multiple of N."""
 
-    def __post_init__(self) -> None:
+    def validate(self) -> None:
         _check_int("retention.", "keep_last", self.keep_last, 1, allow_none=True)
         _check_int("retention.", "keep_every_n_steps", self.keep_every_n_steps, 1, allow_none=True)
 
@@ -189,7 +225,7 @@ class RemoteOptions(_Freezable):
     keep_last: int | None = None
     """Keep the newest N checkpoints on the remote (null keeps all); ``retention`` governs ``root``."""
 
-    def __post_init__(self) -> None:
+    def validate(self) -> None:
         if self.url is not None:
             if not isinstance(self.url, str) or not self.url.strip():
                 raise ConfigError(f"remote.url must be an fsspec URL such as s3://bucket/run or null, got {self.url!r}")
@@ -231,7 +267,7 @@ class NetworkOptions(_Freezable):
     backoff_s: float = 1.0
     """Wait before the first retry; doubled before each next one."""
 
-    def __post_init__(self) -> None:
+    def validate(self) -> None:
         _check_seconds("network.", "timeout_s", self.timeout_s, 0.001)
         _check_int("network.", "retries", self.retries, 0)
         _check_seconds("network.", "backoff_s", self.backoff_s, 0.0)
@@ -268,9 +304,9 @@ class CheckpointConfig(_Freezable):
     (and ``fastckpt gc``) once nothing in it changed for this long and, on a local root, no live writer holds
     the root; null never removes them (see fastckpt/tiers/gc.py)."""
 
-    def __post_init__(self) -> None:
-        if isinstance(self.root, Path):
-            self.root = str(self.root)
+    def validate(self) -> None:
+        if isinstance(self.root, os.PathLike):
+            self.root = os.fspath(self.root)
         if not isinstance(self.root, str) or not self.root.strip():
             raise ConfigError(f"root must be a non-empty path or URL, got {self.root!r}")
         self.root = _expand_user(self.root)
@@ -302,7 +338,7 @@ class CheckpointConfig(_Freezable):
         if not isinstance(data, Mapping):
             raise ConfigError(f"a fastckpt config must be a mapping, got {type(data).__name__}")
         allowed = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - allowed)
+        unknown = sorted((k for k in data if k not in allowed), key=repr)  # keys of any type (YAML: 1, null)
         if unknown:
             raise ConfigError(f"unknown config field(s) {unknown}; allowed top-level fields: {sorted(allowed)}")
         if "root" not in data:
@@ -311,19 +347,10 @@ class CheckpointConfig(_Freezable):
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "CheckpointConfig":
-        """Read a YAML file holding the schema documented in docs/API.md."""
-        import yaml
-
+        """Read a YAML file holding the schema documented in docs/API.md (bounded: see fastckpt/yamlfile.py)."""
+        data = read_yaml(path)
         try:
-            text = Path(path).read_text()
-        except OSError as e:
-            raise ConfigError(f"cannot read fastckpt config {str(path)!r}: {e}") from e
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{str(path)!r} is not valid YAML: {e}") from e
-        try:
-            return cls.from_dict(data or {})
+            return cls.from_dict({} if data is None else data)
         except ConfigError as e:
             raise ConfigError(f"{path}: {e}") from e
 
@@ -344,16 +371,9 @@ def config_mapping(source: "CheckpointConfig | Mapping[str, Any] | str | Path | 
         return source.to_dict()
     if isinstance(source, Mapping):
         return dict(source)
-    if isinstance(source, (str, Path)) or hasattr(source, "__fspath__"):
-        import yaml
-
+    if isinstance(source, (str, os.PathLike)):
         path = Path(source)
-        try:
-            loaded = yaml.safe_load(path.read_text())
-        except OSError as e:
-            raise ConfigError(f"cannot read fastckpt config {str(path)!r}: {e}") from e
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{str(path)!r} is not valid YAML: {e}") from e
+        loaded = read_yaml(path)
         if loaded is None:
             return {}
         if not isinstance(loaded, Mapping):
@@ -376,7 +396,7 @@ def _same_place(a: str, b: str) -> bool:
 
 def _build_section(name: str, cls: type, data: Mapping[str, Any]) -> Any:
     allowed = {f.name for f in fields(cls)}
-    unknown = sorted(set(data) - allowed)
+    unknown = sorted((k for k in data if k not in allowed), key=repr)
     if unknown:
         raise ConfigError(f"unknown field(s) {[f'{name}.{u}' for u in unknown]}; allowed: {sorted(allowed)}")
     return cls(**dict(data))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import warnings
 import os
+from collections.abc import Mapping
 from typing import Union
 
 from accelerate import Accelerator
@@ -31,12 +32,17 @@ def resolve_config(source: ConfigSource, accelerator: Accelerator) -> Checkpoint
     """A validated ``CheckpointConfig`` from a config object, a dict, a YAML path, or None (all defaults)."""
     raw = config_mapping(source)
     project = accelerator.project_configuration
-    if not raw.get("root"):
-        raw["root"] = _default_root(project.project_dir)
-    # One spelling per root, so that save_state(output_dir) under the root reuses its Checkpointer.
-    raw["root"] = normalize(str(raw["root"]))
+    root = raw.get("root")
+    if root is None or root == "":
+        root = _default_root(project.project_dir)
+    if isinstance(root, os.PathLike):
+        root = os.fspath(root)
+    if isinstance(root, str):  # anything else (root: 5) is refused by CheckpointConfig, naming root
+        # One spelling per root, so that save_state(output_dir) under the root reuses its Checkpointer.
+        root = normalize(root)
+    raw["root"] = root
     total_limit = project.total_limit
-    if total_limit is not None:
+    if total_limit is not None and isinstance(raw.get("retention") or {}, Mapping):  # else refused below
         retention = dict(raw.get("retention") or {})
         keep_last = retention.get("keep_last")
         if keep_last is None:
@@ -47,7 +53,7 @@ def resolve_config(source: ConfigSource, accelerator: Accelerator) -> Checkpoint
             )
         raw["retention"] = retention
     staging = raw.get("staging")
-    if isinstance(staging, dict) and staging.get("shm"):
+    if isinstance(staging, Mapping) and staging.get("shm"):
         # The YAML is shared with the core and Lightning: the shared-memory tier holds core checkpoints only, so
         # turn it off here (with one warning) rather than refuse a config that serves the other users.
         warnings.warn(

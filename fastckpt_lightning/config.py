@@ -29,14 +29,17 @@ def build_config(source: ConfigSource, **overrides: Any) -> tuple[CheckpointConf
     for key, value in overrides.items():
         if value is None:
             continue
-        if isinstance(value, Mapping) and isinstance(base.get(key), Mapping):
+        if isinstance(value, Mapping) and base.get(key) is not None:
+            if not isinstance(base[key], Mapping):  # never let an override hide a broken section of the file
+                raise ConfigError(f"{key} must be a mapping in the fastckpt config, got {type(base[key]).__name__}")
             base[key] = {**base[key], **value}
         else:
             base[key] = value
     user_root = base.get("root")
-    base["root"] = str(user_root) if user_root is not None else _PLACEHOLDER_ROOT
+    if user_root is None:
+        base["root"] = _PLACEHOLDER_ROOT
     base = _without_retention(base)
-    config = _without_shm(CheckpointConfig.from_dict(base))
+    config = _without_shm(CheckpointConfig.from_dict(base))  # checks root (a path, not 5) and every section
     if config.remote.url is not None:
         # ModelCheckpoint's folder also holds the pointer files (`last.ckpt`, `epoch=...ckpt`) that name the
         # data; a remote copy of the data alone could not be resumed from with ckpt_path="last".
@@ -45,7 +48,7 @@ def build_config(source: ConfigSource, **overrides: Any) -> tuple[CheckpointConf
             "ModelCheckpoint(dirpath='s3://bucket/run') at the bucket instead (saves stay asynchronous, and "
             "pointers and data live together), or set remote.url: null for Lightning"
         )
-    return config, (str(user_root) if user_root is not None else None)
+    return config, (config.root if user_root is not None else None)
 
 
 def for_directory(config: CheckpointConfig, dirpath: str) -> CheckpointConfig:
@@ -61,6 +64,9 @@ def staging_mode(config: CheckpointConfig) -> str:
 def _without_retention(config: dict[str, Any]) -> dict[str, Any]:
     # ModelCheckpoint(save_top_k=...) owns retention; core retention would delete data that pointers still name.
     retention = config.get("retention") or {}
+    if not isinstance(retention, Mapping):
+        raise ConfigError(f"retention must be a mapping, got {type(retention).__name__} (FastCheckpointIO ignores "
+                          "it anyway: ModelCheckpoint(save_top_k=...) keeps the newest N)")
     if any(value is not None for value in retention.values()):
         warnings.warn(
             "FastCheckpointIO ignores `retention` settings: use ModelCheckpoint(save_top_k=...) to keep the newest N.",

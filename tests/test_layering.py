@@ -10,7 +10,9 @@ module that defines ``Name`` (``fastckpt._EXPORTS``).
 The layers of ``fastckpt/``, lowest first. A module may import its own folder and any lower rank, never a
 higher one:
 
-    0  errors.py, config.py    anyone may import them; config imports only errors, errors imports nothing
+    0  errors.py, yamlfile.py, config.py
+                               anyone may import them; config imports only errors and yamlfile, yamlfile only
+                               errors, errors nothing
     1  storage/                where bytes go
     2  format/                 what a checkpoint is
     3  engine/  read/          how a save runs / how a load runs: siblings, neither imports the other
@@ -45,8 +47,9 @@ ALL = "*"
 SURFACE: dict[str, frozenset[str] | str] = {
     # the exception types; Accelerate re-raises another rank's error by its class name (getattr on the module)
     "fastckpt.errors": ALL,
-    # merging a framework's config sources into a CheckpointConfig; the schema's sections (tools/configref)
-    "fastckpt.config": frozenset({"config_mapping", "SECTIONS"}),
+    # merging a framework's config sources into a CheckpointConfig; the schema's sections (tools/configref);
+    # YAML from the command line, bounded like a config file
+    "fastckpt.config": frozenset({"config_mapping", "SECTIONS", "load_yaml"}),
     # names read from disk, checked before they are joined to a path
     "fastckpt.format.paths": frozenset({"confine", "plain_name"}),
     # CRC32C of bytes an integration reads itself
@@ -77,10 +80,10 @@ SURFACE: dict[str, frozenset[str] | str] = {
 }
 SURFACE_USERS = ("fastckpt_lightning", "fastckpt_accelerate", "fastckpt.cli", "benchmarks", "tools")
 
-RANKS = {"errors": 0, "config": 0, "storage": 1, "format": 2, "engine": 3, "read": 3, "tiers": 4,
+RANKS = {"errors": 0, "yamlfile": 0, "config": 0, "storage": 1, "format": 2, "engine": 3, "read": 3, "tiers": 4,
          "checkpointer": 5, "timeline": 5, "cli": 6}
 SIBLINGS = {("engine", "read"), ("read", "engine")}
-ONLY = {"errors": set(), "config": {"errors"}}  # the units these may import (besides themselves)
+ONLY = {"errors": set(), "yamlfile": {"errors"}, "config": {"errors", "yamlfile"}}  # the units these may import (besides themselves)
 FACADE = ("fastckpt", "fastckpt.__main__")
 
 # Private attributes of third-party objects that an integration reads on purpose, and that merely share

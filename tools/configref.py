@@ -5,7 +5,7 @@
 
 Everything comes from the code, so the reference cannot say what the code does not: each field's type
 and default from its dataclass, its description from the docstring written under it, and its allowed
-values from the validation calls in ``__post_init__`` (``_check_choice``, ``_check_int``...). The
+values from the validation calls in ``validate`` (``_check_choice``, ``_check_int``...). The
 integrations' options come from their signatures and docstrings.
 """
 
@@ -76,10 +76,10 @@ def _field_docs(cls: type) -> dict[str, str]:
 
 
 def _allowed_values(cls: type) -> dict[str, str]:
-    """Each field's rule, read from ``__post_init__``: the validation helpers' arguments, else the
+    """Each field's rule, read from ``validate``: the validation helpers' arguments, else the
     ``"<field> must be <rule>, got ..."`` message of a ``ConfigError`` raised there."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls.__post_init__)))
-    names = cls.__post_init__.__globals__  # what a name in that source refers to (the config module's globals)
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls.validate)))
+    names = cls.validate.__globals__  # what a name in that source refers to (the config module's globals)
     rules: dict[str, str] = {}
     messages: dict[str, str] = {}
     for node in ast.walk(tree):

@@ -48,16 +48,16 @@ def checkpoint_config(opts: CliOptions, root: str, **sections: Any) -> Any:
 
 def parse_pair(text: str) -> tuple[list[str], Any]:
     """``a.b=value`` -> (["a", "b"], value parsed as YAML); the error names the pair and the fix."""
-    import yaml
+    from ..config import load_yaml  # bounded: an alias bomb on the command line is refused too
 
     key, sep, raw = text.partition("=")
     path = key.strip().split(".")
     if not sep or not all(path):
         raise ConfigError(f"--storage-option {text!r} must look like key=value (nested: client_kwargs.region_name=x)")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as e:
-        raise ConfigError(f"--storage-option {text!r}: the value is not valid YAML: {e}; quote it") from e
+        value = load_yaml(raw, f"the value of --storage-option {key.strip()!r}") if raw.strip() else ""
+    except ConfigError as e:
+        raise ConfigError(f"{e}; quote it") from e
     return path, value
 
 

@@ -216,16 +216,23 @@ class Pipeline:
     # ---- I/O workers -----------------------------------------------------------------
 
     def _write_shard(self, job: Job, shard: Shard) -> ShardResult:
-        events = shard_events(job.shard_events, shard.index)
-        if events:
-            host_wait(events)  # blocking events: this worker sleeps until the DMA has filled the buffer
-            job.copied_at[shard.index] = time.perf_counter()
-        buf = job.slot.held(shard)
         fmt = job.file_format
-        result = fmt.write_shard(self.storage, job, shard, memoryview(buf.numpy())[: shard.nbytes])
-        if not fmt.keeps_shards:
-            job.slot.release(shard)  # written: the buffer may take the next save's bytes
-        return result
+        try:
+            events = shard_events(job.shard_events, shard.index)
+            if events:
+                host_wait(events)  # blocking events: this worker sleeps until the DMA has filled the buffer
+                job.copied_at[shard.index] = time.perf_counter()
+            buf = job.slot.held(shard)
+            return fmt.write_shard(self.storage, job, shard, memoryview(buf.numpy())[: shard.nbytes])
+        except BaseException as e:
+            # Ring mode: the copier may be waiting for this very buffer; it must learn the snapshot is lost.
+            err = StorageError(f"checkpoint {job.handle.name!r} at {job.handle.path} failed: {e}")
+            err.__cause__ = e
+            job.slot.fail(err)
+            raise
+        finally:
+            if not fmt.keeps_shards:
+                job.slot.release(shard)  # written or failed: the buffer may take the next bytes either way
 
     # ---- committer -----------------------------------------------------------------
 

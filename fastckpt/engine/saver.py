@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 
 from ..config import CheckpointConfig
-from ..errors import ConfigError, FastCkptError, StateMismatchError
+from ..errors import ConfigError, FastCkptError, StateMismatchError, StorageError
 from ..format.bundle import FileBundle
 from ..format.codec import dumps_objects
 from ..format.layout import CheckpointInfo
@@ -273,6 +273,8 @@ class Saver:
         except BaseException as e:
             job.error, job.reported = e, True  # the committer cleans up and frees the slot
             self.pipeline.submit(job, [])
+            if isinstance(e, StorageError):  # ring mode: a write failed while save() still staged; raised here, once
+                raise
             raise FastCkptError(f"staging checkpoint {name!r} failed: {e}") from e
         events = [(d, ev) for (_, d), ev in job.shard_events.items()]
         if events:  # the next forward (BatchNorm stats) on each device must not overwrite what the copy reads

@@ -112,6 +112,7 @@ class Slot:
     busy: bool = False
     dir: str | None = None  # shared-memory folder backing the buffers (staging.shm)
     recovered: bool = False  # adopted from a crashed process; not owned by an arena
+    _failed: BaseException | None = None  # ring mode: a write of this snapshot failed; the copier stops with it
 
     def adopt(self, index: int, buffer: torch.Tensor, keep: object) -> None:
         """Called by ``tiers.shm`` while recovering a slot: shard ``index`` is the existing ``buffer``, and ``keep``
@@ -120,12 +121,15 @@ class Slot:
         self._buffers[index] = buffer
 
     def buffer(self, shard: Shard, timeout: float | None = None) -> torch.Tensor:
-        """Called by the copier before filling ``shard``."""
+        """Called by the copier before filling ``shard``. In ring mode it raises the error ``fail()`` was given
+        instead of waiting for a buffer that a failed snapshot would never need again."""
         if not self.ring:
             return self._buffers[shard.index]
         with self._cond:
-            if not self._cond.wait_for(lambda: bool(self._free), timeout):
+            if not self._cond.wait_for(lambda: bool(self._free) or self._failed is not None, timeout):
                 raise TimeoutError("no staging buffer was released in time")
+            if self._failed is not None:
+                raise self._failed
             buf = self._free.pop()
             self._held[shard.index] = buf
             return buf
@@ -143,12 +147,23 @@ class Slot:
                     self._free.append(buf)
                     self._cond.notify()
 
+    def fail(self, error: BaseException) -> None:
+        """Called by a writer whose shard failed: the snapshot is lost, so the copier (``save()`` itself when
+        eager, the copy thread when lazy) stops at its next ``buffer()`` with ``error`` (the first one) instead of
+        copying the rest into buffers only more doomed writes would free. Only ring mode waits for buffers."""
+        if self.ring:
+            with self._cond:
+                if self._failed is None:
+                    self._failed = error
+                self._cond.notify_all()
+
     def reset(self) -> None:
-        """Called when a snapshot ends (success or failure): every ring buffer is free again."""
+        """Called when a snapshot ends (success or failure): every ring buffer is free again, for the next one."""
         if self.ring:
             with self._cond:
                 self._free.extend(self._held.values())
                 self._held.clear()
+                self._failed = None
                 self._cond.notify_all()
 
 
