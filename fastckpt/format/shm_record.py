@@ -130,6 +130,10 @@ def _plan(doc: dict[str, Any], source: str, slot_dir: str) -> tuple[Plan, set[in
         s.entries.sort(key=lambda e: (e.offset, -e.dtype.itemsize, e.index))
         for a, b in zip(s.entries, s.entries[1:]):
             _check(a.offset + a.nbytes <= b.offset, source, f"entries[{b.index}]", "no overlap with another tensor")
+        # The planner packs a shard's tensors with no hole, so its size is exactly theirs: a larger claim would
+        # have recovery allocate, checksum-skip and write bytes no tensor covers (a sparse buffer of any size).
+        _check(s.nbytes == sum(e.nbytes for e in s.entries), source, f"shards[{s.index}]",
+               f"sized by its tensors ({sum(e.nbytes for e in s.entries)} bytes, not {s.nbytes})")
     owned = doc.get("owned")
     _check(owned is None or (isinstance(owned, list) and all(_is_int(i) and 0 <= i < len(shards) for i in owned)),
            source, "owned", "null or a list of shard indices")
