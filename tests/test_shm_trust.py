@@ -11,10 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-import resource
 import stat
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,14 +19,12 @@ import torch
 
 from fastckpt import CheckpointConfig, Checkpointer
 from tests import shm_children as kids
-from tests.helpers import assert_bit_equal
+from tests.helpers import assert_bit_equal, run_child
 from tests.test_shm_load import CountingStorage, _committed_then_killed
 from tests.test_shm_tier import _orphan, _records
 
 NOBODY = 65534
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="simulating another user's files needs root (os.chown)")
-CHILD_AS_BYTES = 8 << 30  # torch's own mappings fit; a read of /dev/zero or a runaway allocation does not
-CHILD_TIMEOUT_S = 120  # a safety net: the child answers in seconds, or it hangs for ever without the fix
 
 
 @pytest.fixture
@@ -58,19 +53,6 @@ def _resume_and_save(root: Path, shm: Path) -> Checkpointer:
     ck.save(state, step=6).wait()
     assert_bit_equal(state, ck.load())
     return ck
-
-
-def _run_child(code: str, *args: str) -> subprocess.CompletedProcess:
-    """``code`` in a fresh interpreter (this worktree first on its path) under RLIMIT_AS and a timeout."""
-    def limit() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (CHILD_AS_BYTES, CHILD_AS_BYTES))
-
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
-    try:
-        return subprocess.run([sys.executable, "-c", code, *args], env=env, preexec_fn=limit, capture_output=True,
-                              text=True, timeout=CHILD_TIMEOUT_S)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"the child hung for {CHILD_TIMEOUT_S}s (stdout {e.stdout!r}, stderr {e.stderr!r})")
 
 
 # ---- item 4: a snapshot is trusted only if this user made it --------------------------------------------------
@@ -176,7 +158,7 @@ import logging, sys
 logging.basicConfig(level=logging.INFO)  # the fall-back from shared memory is said at INFO
 from fastckpt import Checkpointer
 from tests import shm_children as kids
-from tests.helpers import assert_bit_equal
+from tests.helpers import assert_bit_equal, run_child
 with Checkpointer(kids.config(sys.argv[1], sys.argv[2])) as ck:
     assert [h.step for h in ck.recovered] == [], ck.recovered
     assert_bit_equal(kids.expected(1), ck.load(step=1))
@@ -190,7 +172,7 @@ def test_a_fifo_buffer_never_blocks_a_restarts_load(dirs) -> None:
     buf = max(shm.rglob("shard-*.bin"), key=lambda p: p.stat().st_size)
     buf.unlink()
     os.mkfifo(buf, 0o600)  # opening it O_RDONLY blocks until a writer comes: none ever does
-    done = _run_child(_LOAD_CHILD, str(root), str(shm))
+    done = run_child(_LOAD_CHILD, str(root), str(shm))
     assert done.returncode == 0, done.stderr
     assert "served by local" in done.stdout
     assert "FIFO" in done.stderr and buf.name in done.stderr  # said why shared memory was not used
@@ -202,7 +184,7 @@ def test_a_fifo_record_never_blocks_a_restart(dirs) -> None:
     [record] = shm.rglob("committed.json")
     record.unlink()
     os.mkfifo(record.parent / "staged.json", 0o600)  # a staged record nobody will ever write
-    done = _run_child(_LOAD_CHILD, str(root), str(shm))
+    done = run_child(_LOAD_CHILD, str(root), str(shm))
     assert done.returncode == 0, done.stderr
     assert "served by local" in done.stdout
 
