@@ -104,6 +104,7 @@ def decode_record(data: bytes, slot_dir: str, source: str, *, root: str, join: A
            "keys", "one string per tensor entry")
     _check(isinstance(numpy, list) and len(numpy) == entries and all(isinstance(b, bool) for b in numpy),
            source, "numpy", "one boolean per tensor entry")
+    _check_tree(doc.get("tree"), entries, source)
     dtensors = doc.get("dtensors") or []
     _check(isinstance(dtensors, list) and all(isinstance(d, dict) for d in dtensors), source, "dtensors",
            "a list of objects")
@@ -173,6 +174,22 @@ def _crcs(doc: dict[str, Any], plan: Plan, owned: set[int] | None, source: str) 
                "one CRC32C per tensor of the shard")
         out[s.index] = values
     return out
+
+
+def _check_tree(tree: Any, entries: int, source: str) -> None:
+    """Every tensor reference ``{"T": i}`` of the tree is an int in ``range(entries)`` (Python would read -1 as the
+    last tensor), checked before the snapshot is committed; walked iteratively, so depth cannot break it."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if "T" in node:
+                ref = node["T"]
+                _check(type(ref) is int and 0 <= ref < entries, source, "tree",
+                       f"a tree whose tensor references lie in [0, {entries}) (found {ref!r:.40})")
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
 
 
 def _objects(raw: Any, source: str) -> bytes | None:
