@@ -70,7 +70,7 @@ class Checkpointer:
         if self._coord is not None and st.when_busy == "skip":
             # ranks deciding to skip independently would leave the commit protocol waiting on each other
             raise ConfigError("staging.when_busy=skip cannot be used with distributed=True (ranks could disagree); use wait")
-        self._shm = ShmTier.for_root(st.shm_dir, self.storage, self._coord) if st.shm else None
+        self._shm = ShmTier.trusted(st.shm_dir, self.storage, self._coord) if st.shm else None
         self._planner = Planner(p.chunk_bytes)
         self._arena = HostArena(st.slots, st.max_host_bytes, self._shm)
         self._streams = CopyStreams()  # per-device copy streams, created on the first CUDA save
@@ -90,7 +90,7 @@ class Checkpointer:
                 run_in_order=self._after_saves, pending=self.pending_names, on_failed=self._saver.record_error)
         self._atexit = _exit_flusher(self)
         register_exit_hook(self._atexit)
-        self.recovered: list[SaveHandle] = [] if self._shm is None else recover(
+        self.recovered: list[SaveHandle] = [] if not st.shm else recover(
             self._shm, self._coord, self._root.claim, self._saver.submit_recovered)
         # what a previous process committed but never uploaded (the recovered ones' uploads were queued already)
         self.resumed_uploads: list[SaveHandle] = [] if self._uploader is None else self._tiers.resume_uploads(
@@ -403,3 +403,4 @@ def _exit_flusher(ckpt: Checkpointer) -> Any:
             log.error("fastckpt: pending checkpoint failed at exit: %s", e)
 
     return flush
+

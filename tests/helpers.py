@@ -3,7 +3,11 @@ from __future__ import annotations
 
 import errno
 import os
+import resource
+import subprocess
+import sys
 import threading
+from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
@@ -122,3 +126,24 @@ def drop_page_cache(path: Any) -> None:
     from benchmarks.measure import drop_file_cache
 
     drop_file_cache(path)
+
+
+CHILD_AS_BYTES = 8 << 30  # torch's own mappings fit; a read of /dev/zero or a runaway allocation does not
+CHILD_TIMEOUT_S = 120  # a safety net: a child answers in seconds, or it hangs for ever without the fix
+
+
+def run_child(code: str, *args: str) -> subprocess.CompletedProcess:
+    """``code`` (argv: ``args``) in a fresh interpreter importing this worktree first, under RLIMIT_AS and a
+    timeout: for anything that could hang (a FIFO) or allocate without end (``/dev/zero``). A hang fails the test."""
+    import pytest
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (CHILD_AS_BYTES, CHILD_AS_BYTES))
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    try:
+        return subprocess.run([sys.executable, "-c", code, *args], env=env, preexec_fn=limit, capture_output=True,
+                              text=True, timeout=CHILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the child hung for {CHILD_TIMEOUT_S}s (stdout {e.stdout!r}, stderr {e.stderr!r})")
+

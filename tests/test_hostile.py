@@ -168,6 +168,10 @@ CRAFTED: dict[str, Callable[[Ckpt], None]] = {
     "meta-tensors-dict": _set("meta.tensors", {"a": 1}),
     "meta-objects-dotdot": _set("meta.objects", "../../objects.pt"),
     "meta-tree-bad-index": _set("meta.tree", {"D": [["a", {"T": 99}]]}),
+    # Python reads -1 as the last tensor and True as 1: a crafted reference must not load another tensor silently
+    "meta-tree-negative-index": _set("meta.tree", {"D": [["a", {"T": -1}]]}),
+    "meta-tree-bool-index": _set("meta.tree", {"D": [["a", {"T": True}]]}),
+    "meta-tree-negative-object": _set("meta.tree", {"D": [["a", {"P": -1}]]}),
     "meta-tree-bad-node": _set("meta.tree", {"Q": 1}),
     "meta-tree-bad-device": _set("meta.tree", {"D": [["dev", {"dv": "nonsense:99"}]]}),
     "meta-dtensor-bad-block": _set("meta.dtensors", [{"key": "d", "dtype": "float32", "shape": [1 << 40],

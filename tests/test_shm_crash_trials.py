@@ -10,6 +10,7 @@ forkserver that has torch imported, so a trial costs a fraction of a second.
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 from pathlib import Path
@@ -155,3 +156,21 @@ def test_two_ranks_staged_snapshot_is_recovered_whole(tmp_path) -> None:
         recovered, committed, _ = rest
         assert 2 in recovered and committed == [1, 2]
     _assert_clean(shm, "two ranks")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="simulating another user's namespace needs root (os.chown)")
+def test_a_rank_whose_namespace_is_another_users_still_joins_the_agreement(tmp_path) -> None:
+    """Rank 1's namespace refused (another uid's): it stages in host memory and recovers nothing, but still takes
+    its part in the ranks' agreement, so rank 0 discards its half of step 2 instead of waiting for ever."""
+    root, shm = _staged_step2(tmp_path)
+    [theirs] = shm.glob("*-rank1")
+    for path in [theirs, *theirs.rglob("*")]:
+        os.lchown(path, 65534, 65534)
+    results = _recover_ranks(root, shm, must=[1])
+    for rank, (status, *rest) in enumerate(results):
+        assert status == "ok", f"rank {rank}: {rest[0]}"
+        recovered, committed, warnings = rest
+        assert 2 not in recovered and committed == [1], (rank, recovered, committed)
+        assert any("NOT recovered" in w and "step 2" in w for w in warnings), (rank, warnings)
+    assert any("refusing to use this shared-memory folder" in w for w in results[1][3])
+    assert any(theirs.rglob("staged.json")), "another user's files are left as they are"

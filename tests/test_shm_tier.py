@@ -212,6 +212,7 @@ _PLANTS = {
     "tensor past its shard": lambda doc, out: doc["entries"][0].__setitem__(5, 1 << 40),
     "another owner's record": lambda doc, out: doc.update(owner="1-1-00000000"),
     "step as text": lambda doc, out: doc.update(step="5"),
+    "tree reference -1": lambda doc, out: doc.update(tree={"D": [["w", {"T": -1}]]}),
 }
 
 

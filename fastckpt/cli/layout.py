@@ -70,6 +70,9 @@ def children(loc: Located) -> list[str] | None:
             return sorted(os.listdir(path))
         if os.path.isfile(path):
             return None
+        if os.path.lexists(path):  # never opened: a FIFO would block the command, /dev/zero never end
+            raise IntegrityError(f"{path} is not a regular file or a folder (a FIFO, a device, a socket or a dangling "
+                                 "symbolic link): a checkpoint never is, so it is not read")
     else:
         names = storage.listdir(path)
         if names and names != [loc.name]:

@@ -185,7 +185,7 @@ def decode_tree(node: Any, tensors: list[Any], objects: list[Any]) -> Any:
     if not isinstance(node, dict) or len(node) == 0:
         raise ValueError(f"malformed tree node {node!r:.80}")
     if "T" in node:
-        return tensors[node["T"]]
+        return tensors[_index(node["T"], len(tensors), "tensor")]
     if "D" in node:
         pairs = ((decode_tree(k, tensors, objects), decode_tree(v, tensors, objects)) for k, v in node["D"])
         return OrderedDict(pairs) if node.get("o") else dict(pairs)
@@ -211,8 +211,17 @@ def decode_tree(node: Any, tensors: list[Any], objects: list[Any]) -> Any:
     if "S" in node:
         return torch.Size(node["S"])
     if "P" in node:
-        return objects[node["P"]]
+        return objects[_index(node["P"], len(objects), "object")]
     raise ValueError(f"malformed tree node with keys {sorted(node)}")
+
+
+def _index(raw: Any, count: int, table: str) -> int:
+    """A reference into the tensor or object table: an int in ``range(count)``. Python would read -1 as the last
+    entry (a crafted tree then loads some other tensor, silently) and True as 1."""
+    if type(raw) is not int or not 0 <= raw < count:
+        raise ValueError(f"the tree refers to {table} {raw!r:.40}, but the {table} table holds {count} "
+                         f"(a reference is an integer from 0 to {count - 1})")
+    return raw
 
 
 def _decode_numpy(node: dict[str, Any]) -> Any:

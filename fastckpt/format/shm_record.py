@@ -104,6 +104,7 @@ def decode_record(data: bytes, slot_dir: str, source: str, *, root: str, join: A
            "keys", "one string per tensor entry")
     _check(isinstance(numpy, list) and len(numpy) == entries and all(isinstance(b, bool) for b in numpy),
            source, "numpy", "one boolean per tensor entry")
+    _check_tree(doc.get("tree"), entries, source)
     dtensors = doc.get("dtensors") or []
     _check(isinstance(dtensors, list) and all(isinstance(d, dict) for d in dtensors), source, "dtensors",
            "a list of objects")
@@ -130,6 +131,10 @@ def _plan(doc: dict[str, Any], source: str, slot_dir: str) -> tuple[Plan, set[in
         s.entries.sort(key=lambda e: (e.offset, -e.dtype.itemsize, e.index))
         for a, b in zip(s.entries, s.entries[1:]):
             _check(a.offset + a.nbytes <= b.offset, source, f"entries[{b.index}]", "no overlap with another tensor")
+        # The planner packs a shard's tensors with no hole, so its size is exactly theirs: a larger claim would
+        # have recovery allocate, checksum-skip and write bytes no tensor covers (a sparse buffer of any size).
+        _check(s.nbytes == sum(e.nbytes for e in s.entries), source, f"shards[{s.index}]",
+               f"sized by its tensors ({sum(e.nbytes for e in s.entries)} bytes, not {s.nbytes})")
     owned = doc.get("owned")
     _check(owned is None or (isinstance(owned, list) and all(_is_int(i) and 0 <= i < len(shards) for i in owned)),
            source, "owned", "null or a list of shard indices")
@@ -169,6 +174,22 @@ def _crcs(doc: dict[str, Any], plan: Plan, owned: set[int] | None, source: str) 
                "one CRC32C per tensor of the shard")
         out[s.index] = values
     return out
+
+
+def _check_tree(tree: Any, entries: int, source: str) -> None:
+    """Every tensor reference ``{"T": i}`` of the tree is an int in ``range(entries)`` (Python would read -1 as the
+    last tensor), checked before the snapshot is committed; walked iteratively, so depth cannot break it."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if "T" in node:
+                ref = node["T"]
+                _check(type(ref) is int and 0 <= ref < entries, source, "tree",
+                       f"a tree whose tensor references lie in [0, {entries}) (found {ref!r:.40})")
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
 
 
 def _objects(raw: Any, source: str) -> bytes | None:

@@ -15,6 +15,7 @@ import zlib
 from typing import Any, Iterator
 
 from ..errors import IntegrityError
+from ..storage.local import open_regular
 
 try:  # 5x the speed of the stdlib's crc32 here, and it releases the GIL on large buffers
     from zlib_ng.zlib_ng import crc32 as _crc32
@@ -32,7 +33,7 @@ _U32 = 0xFFFFFFFF  # a 32-bit zip field that says "see the zip64 extra field"
 def verify_torch_file(path: str) -> list[str]:
     """Check every record's CRC-32 against its bytes; one line per problem (empty: the file is sound)."""
     try:
-        with open(path, "rb") as f:
+        with os.fdopen(open_regular(path), "rb") as f:  # a FIFO or a device is refused before any read
             size = os.fstat(f.fileno()).st_size
             if size == 0:
                 return [f"{path}: empty file, not a torch checkpoint"]
@@ -207,7 +208,7 @@ def record_spans(path: str, data: memoryview | None = None) -> list[tuple[str, i
     (parsed there instead of mapping the file again). Raises ``IntegrityError`` naming ``path`` on a malformed zip."""
     if data is not None:
         return _spans(path, data)
-    with open(path, "rb") as f:
+    with os.fdopen(open_regular(path), "rb") as f:  # a FIFO or a device is refused before any read
         if os.fstat(f.fileno()).st_size == 0:
             raise IntegrityError(f"{path}: empty file, not a torch checkpoint")
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:

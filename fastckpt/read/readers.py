@@ -41,7 +41,7 @@ import torch
 
 from ..format.checksum import combine, crc32c
 from ..errors import IntegrityError, StorageError
-from ..storage.local import LocalStorage
+from ..storage.local import LocalStorage, open_regular
 from ..storage.protocol import Storage
 
 __all__ = ["PIECE_BYTES", "LOCAL_PIECE_BYTES", "READS_IN_FLIGHT", "COPY_STEP", "Piece", "Range", "read_ranges",
@@ -109,9 +109,9 @@ def prefetch(storage: Storage, paths: Sequence[str]) -> None:
         return
     for path in paths:
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            continue  # the read itself reports a missing file, naming it
+            fd = open_regular(path)
+        except (OSError, IntegrityError):
+            continue  # the read itself reports a missing or non-regular file, naming it
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
         finally:
@@ -212,9 +212,9 @@ class _Job:
         with self.lock:
             fd = self.fds.get((path, direct))
             if fd is None:
-                flags = os.O_RDONLY | os.O_CLOEXEC | (getattr(os, "O_DIRECT", 0) if direct else 0)
-                try:
-                    fd = self.fds[(path, direct)] = os.open(path, flags)
+                flags = getattr(os, "O_DIRECT", 0) if direct else 0
+                try:  # a FIFO would block the open, /dev/zero never end: refused before any read
+                    fd = self.fds[(path, direct)] = open_regular(path, flags)
                 except OSError as e:
                     if direct and e.errno == errno.EINVAL:  # tmpfs and some FUSE mounts reject O_DIRECT
                         self.direct_refused.add(path)

@@ -14,9 +14,9 @@ from typing import Sequence
 
 from .deadline import storage_error
 from .tempmark import mark_bytes, mark_name, temp_basename
-from ..errors import StorageError
+from ..errors import IntegrityError, StorageError
 
-__all__ = ["LocalStorage", "aligned_buffer"]
+__all__ = ["LocalStorage", "aligned_buffer", "open_regular"]
 
 log = logging.getLogger("fastckpt")
 
@@ -197,7 +197,7 @@ class LocalStorage:
 
     def read_into(self, path: str, offset: int, out: memoryview) -> None:
         try:
-            with open(path, "rb", buffering=0) as f:
+            with os.fdopen(open_regular(path), "rb", buffering=0) as f:
                 f.seek(offset)
                 got = 0
                 while got < len(out):
@@ -214,7 +214,7 @@ class LocalStorage:
         ``readahead=False`` maps without starting to read (the remote tier maps files long before it reads them).
         """
         try:
-            with open(path, "rb") as f:
+            with os.fdopen(open_regular(path), "rb") as f:
                 mm = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except (OSError, ValueError) as e:
             raise storage_error("mapping", path, e) from e
@@ -223,9 +223,11 @@ class LocalStorage:
         return mm, memoryview(mm)
 
     def read_bytes(self, path: str) -> bytes:
+        """The whole file, read up to the size ``fstat`` gave at open: a file that grows meanwhile (or a device
+        that never ends) is never read past it. A FIFO, a device or a socket raises ``IntegrityError``."""
         try:
-            with open(path, "rb") as f:
-                return f.read()
+            with os.fdopen(open_regular(path), "rb") as f:
+                return f.read(os.fstat(f.fileno()).st_size)
         except (FileNotFoundError, NotADirectoryError) as e:
             raise FileNotFoundError(e.errno, e.strerror, path) from e
         except OSError as e:
@@ -331,6 +333,29 @@ def _create(path: str, extra: int, *, replace: bool) -> int:
 def _check_regular(fd: int, path: str) -> None:
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         raise OSError(errno.EINVAL, "not a regular file (refused: fastckpt writes only files it created)", path)
+
+
+def open_regular(path: str, flags: int = 0) -> int:
+    """A read-only descriptor (opened with ``flags`` too, e.g. O_DIRECT) of ``path`` if it is a regular file (symlinks followed: Lightning's ``last.ckpt`` is
+    one), else ``IntegrityError`` naming it. O_NONBLOCK: opening a FIFO must not wait for a writer that never
+    comes; ``fstat`` then refuses it, and a device (``/dev/zero`` reads for ever) or a socket, before any read.
+    A folder raises ``IsADirectoryError``, as ``open`` would; other ``OSError``s propagate as they are."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | flags)
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+        if not stat.S_ISREG(mode):
+            kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a character device" if stat.S_ISCHR(mode) else
+                    "a block device" if stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a file")
+            link = f" (a symbolic link to {os.path.realpath(path)!r})" if os.path.islink(path) else ""
+            raise IntegrityError(f"{path}{link} is {kind}, not a regular file: a checkpoint never is, so it is not "
+                                 "read (it could block or never end). Replace it with the checkpoint file")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _aligned(parts: Sequence[memoryview]) -> bool:

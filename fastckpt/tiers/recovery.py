@@ -28,11 +28,17 @@ __all__ = ["recover", "recoverable"]
 log = logging.getLogger("fastckpt")
 
 
-def recover(tier: "ShmTier", coord: "Coordinator | None", claim: Callable[[Iterable[str]], None],
+def recover(tier: "ShmTier | None", coord: "Coordinator | None", claim: Callable[[Iterable[str]], None],
             submit: Callable[[StagedRecord, Slot], SaveHandle]) -> list[SaveHandle]:
     """Persist the snapshots a crashed process had staged in shared memory, and return once they are committed
     (or failed: raised at the next save/wait/close), so that ``latest()`` and ``load()`` already see them.
-    ``claim``: take the root before writing into it, sparing the named folders; ``submit``: queue one snapshot."""
+    ``claim``: take the root before writing into it, sparing the named folders; ``submit``: queue one snapshot.
+    ``tier`` None: this rank's namespace was refused (``ShmTier.open_namespace``); it recovers nothing, but with
+    ``coord`` still takes its part in the ranks' agreement, which the others wait for."""
+    if tier is None:
+        if coord is not None:
+            _agreed([], None, coord)
+        return []
     with tier.recovering():
         found = list(recoverable(tier, coord))
         if found:
@@ -57,7 +63,7 @@ def recoverable(tier: "ShmTier", coord: "Coordinator | None") -> list[tuple[Stag
     return found if coord is None else _agreed(found, tier, coord)
 
 
-def _agreed(found: list[tuple[StagedRecord, Slot]], tier: "ShmTier",
+def _agreed(found: list[tuple[StagedRecord, Slot]], tier: "ShmTier | None",
             coord: "Coordinator") -> list[tuple[StagedRecord, Slot]]:
     """Keep what every rank holds verified; all ranks compute the same list in the same order."""
     mine = {rec.uid: (rec.name, rec.step) for rec, _ in found}
@@ -67,6 +73,7 @@ def _agreed(found: list[tuple[StagedRecord, Slot]], tier: "ShmTier",
     for rec, slot in found:
         missing = [r for r, theirs in enumerate(everyone) if tuple(theirs.get(rec.uid) or ()) != (rec.name, rec.step)]
         if missing:
+            assert tier is not None  # None only when this rank found nothing
             tier.discard(rec.dir, f"{rec.label}: rank(s) {missing} hold no verified part of it, so it cannot be "
                                   "committed whole")
             continue

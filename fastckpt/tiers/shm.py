@@ -29,25 +29,24 @@ import mmap
 import os
 import re
 import shutil
-import stat
 import uuid
 from typing import Any, Callable, Iterator
 
 import torch
 
-from ..errors import FastCkptError, IntegrityError, StorageError
+from ..errors import FastCkptError, IntegrityError, StorageError, UnsafeCheckpointError
 from ..format.paths import confine
 from ..format.shm_record import COMMITTED, RECORD, StagedRecord, decode_record, encode_record
 from ..engine.staging import Slot, staged_crcs
+from .shm_trust import (ALIVE, check_entry, check_namespace, lock_held, open_buffer, open_buffer_fd, open_trusted,
+                        read_record)
 
 __all__ = ["ShmTier", "StagedRecord"]
 
 log = logging.getLogger("fastckpt")
 
 _OWNER_RE = re.compile(r"^(\d+)-(\d+)-([0-9a-f]{8})$")
-_MAX_RECORD_BYTES = 256 << 20  # a record holds names and the tree, never tensor bytes
 _LOCK = "recovery.lock"
-_ALIVE = "alive.lock"
 
 
 def _start_time(pid: int) -> int | None:
@@ -68,23 +67,6 @@ def _start_time(pid: int) -> int | None:
     except PermissionError:
         pass
     return 0
-
-
-def _lock_held(owner_dir: str) -> bool:
-    """Whether another process holds the owner's ``alive.lock``. POSIX record locks die with their
-    process (SIGKILL included), are not inherited by forked children (DataLoader workers), and
-    work across pid namespaces sharing one tmpfs, where pids say nothing."""
-    try:
-        fd = os.open(os.path.join(owner_dir, _ALIVE), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return False  # no lock file: the owner died before it could stage anything
-    try:
-        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return False
-    except OSError:
-        return True
-    finally:
-        os.close(fd)  # releases the lock if we just took it from a dead owner
 
 
 def _buffer_name(index: int) -> str:
@@ -114,12 +96,40 @@ class ShmTier:
         return cls(shm_dir, storage.url, join=storage.join, rank=coord.rank if coord else 0,
                    world=coord.world if coord else 1, distributed=coord is not None)
 
+    @classmethod
+    def trusted(cls, shm_dir: str, storage: Any, coord: Any = None) -> "ShmTier | None":
+        """``for_root``'s tier, or None if its namespace is not this user's alone (another uid made it, or could
+        replace it): nothing there is recovered or loaded, and the ``Checkpointer`` stages in ordinary host memory,
+        said once, loudly. A ``shm_dir`` that cannot be used at all still raises ``StorageError``."""
+        tier = cls.for_root(shm_dir, storage, coord)
+        try:
+            tier.open_namespace()
+        except UnsafeCheckpointError as e:
+            log.warning("fastckpt: staging.shm is off for this Checkpointer: %s. Nothing staged there is recovered "
+                        "or loaded; snapshots are staged in ordinary host memory (a crash loses what is not yet on "
+                        "disk)", e)
+            return None
+        return tier
+
+    def open_namespace(self) -> None:
+        """Create this root's namespace (``0700``) if it is missing and check that only this user could have put
+        anything in it (``fastckpt.tiers.shm_trust``): ``UnsafeCheckpointError`` naming the folder if not (the
+        ``Checkpointer`` then stages in ordinary memory), ``StorageError`` if ``shm_dir`` cannot be used at all."""
+        try:
+            check_namespace(self.shm_dir, self.base)
+        except UnsafeCheckpointError:
+            raise
+        except OSError as e:
+            raise StorageError(f"cannot open the shared-memory namespace {self.base}: {e}. Check staging.shm_dir "
+                               "(a writable tmpfs), or set staging.shm: false") from e
+
     def _claim(self) -> None:
         """Create this owner's folder holding a locked ``alive.lock``. It is built under a temporary name
         and renamed into place, so no scanner ever sees the folder without its lock."""
         tmp = os.path.join(self.base, f".new-{self.owner}")
-        os.makedirs(tmp)
-        fd = os.open(os.path.join(tmp, _ALIVE), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        self.open_namespace()
+        os.mkdir(tmp, 0o700)
+        fd = open_trusted(os.path.join(tmp, ALIVE), os.O_RDWR | os.O_CREAT | os.O_EXCL, "owner's lock file")
         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.rename(tmp, self.dir)
         self._alive_fd = fd
@@ -128,7 +138,7 @@ class ShmTier:
         """Whether the owner of ``path`` (its name matched by ``_OWNER_RE``) still runs."""
         if (int(m.group(1)), int(m.group(2))) == self._me:
             return True  # this process; opening its lock file would drop its lock (POSIX semantics)
-        return _lock_held(path)
+        return lock_held(path)
 
     # ---- this process's slots -------------------------------------------------------
 
@@ -139,8 +149,8 @@ class ShmTier:
         try:
             if self._alive_fd is None:
                 self._claim()
-            os.makedirs(path)
-        except OSError as e:
+            os.mkdir(path, 0o700)
+        except (OSError, UnsafeCheckpointError) as e:
             raise StorageError(f"cannot create the shared-memory staging folder {path}: {e}. Check staging.shm_dir "
                                "(a writable tmpfs), or set staging.shm: false") from e
         return path
@@ -179,9 +189,9 @@ class ShmTier:
         slot_dir = job.slot.dir
         tmp = os.path.join(slot_dir, RECORD + ".tmp")
         try:
-            _unlink(tmp)  # a leftover of a failed write of this slot: the record is always created anew
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-            with os.fdopen(fd, "wb") as f:
+            _unlink(tmp)  # left by a write that failed: O_EXCL below creates the file afresh, never through a link
+            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600),
+                           "wb") as f:
                 f.write(encode_record(job, self.owner, self.rank, self.world))
             os.replace(tmp, os.path.join(slot_dir, RECORD))
         except OSError as e:
@@ -219,9 +229,9 @@ class ShmTier:
             os.close(self._alive_fd)
             self._alive_fd = None
         for _, path in self._dead_owners():
-            for slot in _listdir(path):  # committed snapshots kept for loading: their memory goes back now
-                if os.path.exists(os.path.join(path, slot, COMMITTED)):
-                    self.remove(os.path.join(path, slot))
+            for slot_dir in _slots(path):  # committed snapshots kept for loading: their memory goes back now
+                if check_entry(os.path.join(slot_dir, COMMITTED), False, "shared-memory record"):
+                    self.remove(slot_dir)
             _sweep(path)
 
     # ---- what dead owners left ----------------------------------------------------------
@@ -230,10 +240,10 @@ class ShmTier:
     def recovering(self) -> Iterator[None]:
         """Held by a ``Checkpointer`` while it recovers: two processes starting at once on one root (and
         rank) never both adopt a snapshot. The kernel drops the lock if the holder dies."""
+        self.open_namespace()
         try:
-            os.makedirs(self.base, exist_ok=True)
-            fd = os.open(os.path.join(self.base, _LOCK), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-        except OSError as e:
+            fd = open_trusted(os.path.join(self.base, _LOCK), os.O_RDWR | os.O_CREAT, "recovery lock")
+        except (OSError, UnsafeCheckpointError) as e:
             raise StorageError(f"cannot open the shared-memory namespace {self.base}: {e}. Check staging.shm_dir "
                                "(a writable tmpfs), or set staging.shm: false") from e
         try:
@@ -247,8 +257,8 @@ class ShmTier:
         warning naming it; folders of dead owners with no record (staging never finished) are removed."""
         found: list[StagedRecord] = []
         for owner, path in self._dead_owners():
-            for slot in _listdir(path):
-                rec = self._adopt(owner, os.path.join(path, slot)) if slot != _ALIVE else None
+            for slot_dir in _slots(path):
+                rec = self._adopt(owner, slot_dir)
                 if rec is not None:
                     found.append(rec)
             _sweep(path)
@@ -258,9 +268,11 @@ class ShmTier:
         for owner in _listdir(self.base):
             path = os.path.join(self.base, owner)
             m = _OWNER_RE.match(owner)
-            if m is None or os.path.islink(path):
+            if m is None:
                 if owner != _LOCK and not owner.startswith(".new-"):  # a lock, or an owner being created
                     log.warning("fastckpt: ignoring %s: not a shared-memory staging folder of fastckpt", path)
+                continue
+            if not check_entry(path, True, "shared-memory owner folder"):  # a link, a file, a FIFO, another uid's
                 continue
             if owner != self.owner and not self._owner_alive(m, path):
                 yield owner, path
@@ -269,7 +281,7 @@ class ShmTier:
         source = os.path.join(slot_dir, RECORD)
         try:
             confine(self.base, slot_dir, "shared-memory slot folder")
-            data = _read_record(source)
+            data = read_record(source)
             if data is None:
                 if not os.path.exists(os.path.join(slot_dir, COMMITTED)):  # kept: a load may use it
                     self.remove(slot_dir)  # crashed before staging finished: nothing was promised
@@ -284,14 +296,13 @@ class ShmTier:
         """Validated records of committed snapshots still held by dead owners' slots (``fastckpt.tiers.shm_load``);
         a record that fails validation is skipped with a warning, its slot left to ``close``."""
         for owner, path in self._dead_owners():
-            for slot in _listdir(path):
-                slot_dir = os.path.join(path, slot)
+            for slot_dir in _slots(path):
                 source = os.path.join(slot_dir, COMMITTED)
-                if slot == _ALIVE or not os.path.lexists(source):
+                if not os.path.lexists(source):
                     continue
                 try:
                     confine(self.base, slot_dir, "shared-memory slot folder")
-                    data = _read_record(source)
+                    data = read_record(source)
                     if data is not None:
                         yield decode_record(data, slot_dir, source, root=self.root, join=self._join,
                                             owner=owner, rank=self.rank, world=self.world)
@@ -306,7 +317,7 @@ class ShmTier:
         out: dict[int, int] = {}
         try:
             for shard in rec.plan.mine(rec.plan.shards):
-                out[shard.index] = _open_buffer_fd(os.path.join(rec.dir, _buffer_name(shard.index)), shard.nbytes,
+                out[shard.index] = open_buffer_fd(os.path.join(rec.dir, _buffer_name(shard.index)), shard.nbytes,
                                                    os.O_RDONLY)
         except BaseException:
             for fd in out.values():
@@ -327,7 +338,7 @@ class ShmTier:
         """The recovered slot of ``rec``: its existing buffers, checked against the record's checksums."""
         slot = Slot(plan=rec.plan, ring=False, pinned=False, dir=rec.dir, recovered=True)
         for shard in rec.plan.mine(rec.plan.shards):
-            keep, buf = _open_buffer(os.path.join(rec.dir, _buffer_name(shard.index)), shard.nbytes)
+            keep, buf = open_buffer(os.path.join(rec.dir, _buffer_name(shard.index)), shard.nbytes)
             slot.adopt(shard.index, buf, keep)
             got = staged_crcs(buf, shard)
             for e, want, have in zip(shard.entries, rec.crcs[shard.index], got):
@@ -339,56 +350,21 @@ class ShmTier:
         return slot
 
 
-def _open_buffer(path: str, nbytes: int) -> tuple[object, torch.Tensor]:
-    """Map an existing staging buffer; never create one (a missing shard must not read as zeros)."""
-    fd = _open_buffer_fd(path, nbytes, os.O_RDWR)  # mmap maps it shared, readable and writable
-    try:
-        mm = mmap.mmap(fd, max(nbytes, 1), mmap.MAP_SHARED)
-    finally:
-        os.close(fd)
-    return mm, torch.frombuffer(mm, dtype=torch.uint8)
-
-
-def _open_buffer_fd(path: str, nbytes: int, mode: int) -> int:
-    """Open an existing staging buffer (``mode``: os.O_RDONLY or os.O_RDWR), checked to be a regular file of the
-    staged size; never through a symlink."""
-    size = max(nbytes, 1)
-    try:
-        fd = os.open(path, mode | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as e:
-        raise IntegrityError(f"{path}: the staged buffer cannot be opened ({e}); the snapshot is incomplete") from e
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size != size:
-            raise IntegrityError(f"{path}: the staged buffer is not a regular file of {size} bytes "
-                                 f"(found {st.st_size}); the snapshot is incomplete or was altered")
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _read_record(path: str) -> bytes | None:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        raise IntegrityError(f"{path}: cannot open the record ({e})") from e
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_RECORD_BYTES:
-            raise IntegrityError(f"{path}: not a regular file under {_MAX_RECORD_BYTES} bytes")
-        with os.fdopen(os.dup(fd), "rb") as f:
-            return f.read()
-    finally:
-        os.close(fd)
+def _slots(owner_dir: str) -> Iterator[str]:
+    """The slot folders of a dead owner's folder that this user made (``check_entry``); its lock file is not one."""
+    for slot in _listdir(owner_dir):
+        path = os.path.join(owner_dir, slot)
+        if slot != ALIVE and check_entry(path, True, "shared-memory slot folder"):
+            yield path
 
 
 def _sweep(owner_dir: str) -> None:
     """Remove a dead owner's folder once no slot is left in it."""
-    if set(_listdir(owner_dir)) <= {_ALIVE}:
-        _unlink(os.path.join(owner_dir, _ALIVE))
+    if set(_listdir(owner_dir)) <= {ALIVE}:
+        alive = os.path.join(owner_dir, ALIVE)
+        if os.path.lexists(alive) and not check_entry(alive, False, "owner's lock file"):
+            return  # not ours to remove: the folder stays, warned of
+        _unlink(alive)
         try:
             os.rmdir(owner_dir)
         except OSError:
