@@ -78,6 +78,7 @@ class Checkpointer:
         self._priorities = ThreadPriorities(p.priority)  # built here: the training thread's policy is "normal"
         self._root = RootClaim(self.storage, leader=self._leader, grace_s=config.orphan_grace_s,
                                in_flight=self.pending_names)
+        self.removed_orphans = self._root.removed_orphans  # folders of dead saves removed at the first write
         self._saver = Saver(config, self.storage, planner=self._planner, arena=self._arena, streams=self._streams,
                             priorities=self._priorities, coord=self._coord, claim_root=self._root.claim,
                             uploads=remote_storage is not None and self._leader, on_commit=self._on_commit)
@@ -105,11 +106,10 @@ class Checkpointer:
     def save(self, state: Any, step: int, *, name: str | None = None, eager: Any = (), lazy: Any = ()) -> SaveHandle:
         """Snapshot ``state``; returns once eager tensors are copied (milliseconds).
 
-        ``eager``: tensors, or fnmatch patterns of their keys, copied inside ``save()`` even though a
-        watched optimizer owns them (written in place before the next ``step()``: an embedding's
-        ``max_norm``, an EMA swap). ``lazy``: tensors nothing writes before the next ``step()`` although
-        no watched optimizer owns them (frozen or LoRA base weights), copied in the background too.
-        """
+        ``eager``: tensors, or fnmatch patterns of their keys, copied inside ``save()`` even though a watched
+        optimizer owns them (written in place before the next ``step()``: an embedding's ``max_norm``, an EMA swap).
+        ``lazy``: tensors nothing writes before the next ``step()`` although no watched optimizer owns them (frozen
+        or LoRA base weights), copied in the background too."""
         self._check_open()
         return self._saver.save(state, step, name=name, eager=eager, lazy=lazy)
 
@@ -218,6 +218,8 @@ class Checkpointer:
         return storage, storage.join(storage.url, target)
 
     def _open_reader(self, storage: Storage, dirpath: str) -> CheckpointReader:
+        if self._coord is not None:  # a distributed load's collectives come after every pending commit's, on every rank
+            self._saver.drain()
         return CheckpointReader(storage, dirpath, verify=self.config.persist.verify_on_load,
                                 workers=self.config.persist.workers, allowed_classes=self.config.allowed_classes,
                                 coord=self._coord)
@@ -285,11 +287,6 @@ class Checkpointer:
     @property
     def _leader(self) -> bool:
         return self._coord is None or self._coord.rank == 0
-
-    @property
-    def removed_orphans(self) -> list[str]:
-        """The folders of dead saves removed at this Checkpointer's first write (``orphan_grace_s``)."""
-        return self._root.removed_orphans if self._root is not None else []
 
     @property
     def stats(self) -> list[SaveStats]:
@@ -403,4 +400,3 @@ def _exit_flusher(ckpt: Checkpointer) -> Any:
             log.error("fastckpt: pending checkpoint failed at exit: %s", e)
 
     return flush
-

@@ -166,3 +166,70 @@ def _close_joins_private_group(rank: int, world: int, root: str) -> None:
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads through Linux's /proc")
 def test_close_destroys_the_private_group_and_joins_its_threads(tmp_path) -> None:
     run_ranks(_close_joins_private_group, 2, str(tmp_path / "ckpt"))
+
+
+def _collectives_in_one_order(rank: int, world: int, root: str, out: str) -> None:
+    import json
+    import threading
+
+    from fastckpt.engine.distributed import Coordinator
+    from fastckpt.engine.saver import Saver
+    from tests.helpers import GatedStorage
+
+    order: list[str] = []
+    gathering, load_started = threading.Event(), threading.Event()
+
+    def recorded(name: str, fn):  # every collective of the private group, in the order this rank issues it
+        def wrapped(self, *args, **kwargs):
+            order.append(name)
+            (gathering if name == "gather" else load_started if name == "share_files" else threading.Event()).set()
+            return fn(self, *args, **kwargs)
+        return wrapped
+
+    for name in ("assign", "gather", "outcome", "share_files"):
+        setattr(Coordinator, name, recorded(name, getattr(Coordinator, name)))
+    real_drain = Saver.drain
+
+    def drain(self):
+        load_started.set()
+        return real_drain(self)
+
+    Saver.drain = drain
+    storage = GatedStorage(open_storage(root))
+    storage.gate.set()
+    with Checkpointer(CheckpointConfig(root=root, persist={"chunk_bytes": 4096}), storage=storage,
+                      distributed=True) as ckpt:
+        model, opt = _model()
+        ckpt.watch(opt)
+        first = clone_state({"model": model.state_dict()})
+        ckpt.save({"model": model.state_dict()}, step=1).wait()
+        gathering.clear()
+        if rank == 1:
+            storage.gate.clear()  # rank 1's shards of step 2 are held: its commit cannot begin
+        with torch.no_grad():
+            model[0].weight.add_(1)
+        second = clone_state({"model": model.state_dict()})
+        handle = ckpt.save({"model": model.state_dict()}, step=2)
+        if rank == 0:
+            assert gathering.wait(60), "rank 0's commit of step 2 never reached its gather"
+        else:  # rank 1 lets its commit go only once its load is under way: the worst order for the group
+            threading.Thread(target=lambda: load_started.wait(60) and storage.gate.set(), daemon=True).start()
+        assert_bit_equal(first, ckpt.load(step=1))
+        handle.wait()
+        assert_bit_equal(second, ckpt.load(step=2))
+    Path(out, f"rank{rank}").write_text(json.dumps(order))
+
+
+def test_a_load_overlapping_a_commit_issues_the_groups_collectives_in_one_order(tmp_path) -> None:
+    """The private gloo group carries collectives from the training thread (plan agreement, loads) and from the
+    committer (commits). Rank 0's commit of step 2 waits in its gather while rank 1's is held back; both ranks then
+    load step 1. Every rank must issue the group's collectives in the same order (else a load's exchange pairs with
+    a commit's on the other rank: a hang, or bytes of the wrong kind), and both loads are bit-exact."""
+    import json
+
+    out = tmp_path / "out"
+    out.mkdir()
+    run_ranks(_collectives_in_one_order, 2, str(tmp_path / "ckpt"), str(out))
+    orders = [json.loads((out / f"rank{r}").read_text()) for r in range(2)]
+    assert orders[0] == orders[1], orders
+    assert orders[0].index("share_files") > orders[0].index("outcome", orders[0].index("gather", 2)), orders[0]

@@ -122,8 +122,13 @@ class Coordinator:
 
     # ---- planning (training thread) -------------------------------------------------
 
+    def agreed(self, plan: Plan) -> bool:
+        """Whether the ranks already agreed on ``plan`` (``assign`` then runs no collective)."""
+        return plan.plan_id in self._checked
+
     def assign(self, plan: Plan) -> None:
-        """Give ``plan`` its owned shards; on first sight, check every rank planned the same."""
+        """Give ``plan`` its owned shards; on first sight, check every rank planned the same (a collective: run it
+        where the private group's other collectives are ordered, see ``Saver``)."""
         if plan.plan_id in self._checked:
             return
         digest = hashlib.sha1(repr(plan.key).encode()).hexdigest()

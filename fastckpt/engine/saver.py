@@ -233,8 +233,15 @@ class Saver:
         writers = None
         if self._coord is not None and shared_file is not None:
             writers = self._coord.assign_file(plan)
-        elif self._coord is not None:
+        elif self._coord is not None and self._coord.agreed(plan):
             self._coord.assign(plan)
+        elif self._coord is not None:
+            # The agreement on a new plan is a collective on the private group, which the committers also use for
+            # earlier saves' commits. Every rank queues it behind the same saves, so the ranks issue the group's
+            # collectives in one order; on the training thread it could pair with another rank's commit. It waits
+            # for the pending commits only when a new plan appears (the first save, a changed structure).
+            coord = self._coord
+            self.pipeline.run_in_order(lambda: coord.assign(plan)).result()
         devices = cuda_devices(flat.tensors)
         pin = bool(devices)
         handle = self.new_handle(name, step, dirpath)
@@ -334,6 +341,11 @@ class Saver:
     def pending_names(self) -> list[str]:
         """Names of saves submitted but not yet committed or failed, oldest first."""
         return [h.name for h in self.pending()]
+
+    def drain(self) -> None:
+        """Block until the committer has run everything submitted so far (the commits of every pending save), and
+        raise nothing: a distributed load's collectives then never pair with a commit's on another rank."""
+        self.pipeline.run_in_order(lambda: None).result()
 
     def wait_staged(self, *, host: bool = False) -> None:
         """Block until every pending snapshot's copies are queued; see ``SaveHandle.wait_staged``."""

@@ -37,8 +37,9 @@ class RootClaim:
         self.claimed = True
         keep = set(protect)
         if self.grace_s is not None:  # under the lock: no live writer can be starting a save in what is removed
-            self.removed_orphans = collect_quietly(self.storage, self.grace_s,
-                                                   lambda name: name in keep or name in self._in_flight())
+            # in place: the Checkpointer hands this very list to its users
+            self.removed_orphans[:] = collect_quietly(self.storage, self.grace_s,
+                                                      lambda name: name in keep or name in self._in_flight())
 
     def claim_together(self, coord: Coordinator) -> None:
         """Distributed: rank 0 claims the root at construction, and every rank learns whether it could."""
