@@ -7,7 +7,6 @@ script (see ``_run_phase``) instead of calling ``trainer.fit`` inside pytest.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,9 +19,10 @@ STOP_AT, TOTAL_STEPS = 3, 6
 
 def _run_phase(phase: str, root: Path) -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, __file__, phase, str(root)], env=env, capture_output=True, text=True,
-                          timeout=240)
-    assert done.returncode == 0, f"{phase} failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    from rank_logs import run_phase
+
+    code, _, report = run_phase([sys.executable, __file__, phase, str(root)], env, root / f"{phase}-logs", 240)
+    assert code == 0, f"{phase} failed:\n{report}"
 
 
 @pytest.mark.slow
@@ -65,4 +65,7 @@ def _worker(phase: str, root: Path) -> None:
 
 
 if __name__ == "__main__":
+    from rank_logs import split_rank_output
+
+    split_rank_output()
     _worker(sys.argv[1], Path(sys.argv[2]))

@@ -26,11 +26,12 @@ pytestmark = pytest.mark.slow
 
 def _run_phase(root: Path, phase: str, ok: bool = True, devices: int = 2) -> str:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, __file__, phase, str(root), str(devices)], env=env, capture_output=True,
-                          text=True, timeout=400)
-    output = f"{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
-    assert (done.returncode == 0) == ok, f"{phase} exited {done.returncode}:\n{output}"
-    return done.stderr
+    from rank_logs import run_phase
+
+    code, err, report = run_phase([sys.executable, __file__, phase, str(root), str(devices)], env,
+                                  root / f"{phase}-logs", 400)
+    assert (code == 0) == ok, f"{phase} exited {code}:\n{report}"
+    return err
 
 
 def _result(root: Path, phase: str, rank: int) -> dict[str, Any]:
@@ -241,4 +242,7 @@ def _main(phase: str, root: Path, devices: int) -> None:
 
 
 if __name__ == "__main__":
+    from rank_logs import split_rank_output
+
+    split_rank_output()
     _main(sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -26,9 +25,11 @@ pytestmark = pytest.mark.slow
 def _run_phase(root: Path, phase: str, devices: int, max_steps: int, ckpt_path: str, ok: bool = True) -> str:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
     args = [sys.executable, __file__, str(root), phase, str(devices), str(max_steps), ckpt_path]
-    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=500)
-    assert (done.returncode == 0) == ok, f"{phase} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
-    return done.stderr
+    from rank_logs import run_phase
+
+    code, err, report = run_phase(args, env, root / f"{phase}-logs", 500)
+    assert (code == 0) == ok, f"{phase} exited {code}:\n{report}"
+    return err
 
 
 def test_model_parallel_saves_sharded_and_resumes_on_other_world_sizes(tmp_path) -> None:
@@ -223,6 +224,9 @@ def _main(root: Path, phase: str, devices: int, max_steps: int, ckpt_path: str) 
 
 
 if __name__ == "__main__":
+    from rank_logs import split_rank_output
+
+    split_rank_output()
     _main(Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
 
 

@@ -1,0 +1,34 @@
+"""The multi-rank script harness keeps every rank's output and shows it when a phase fails."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from tests.rank_logs import run_phase
+
+HERE = Path(__file__).resolve().parent
+
+SCRIPT = """
+import os, subprocess, sys
+from rank_logs import split_rank_output
+split_rank_output()
+rank = os.environ.get("LOCAL_RANK", "0")
+print(f"out of rank {rank}", flush=True)
+print(f"err of rank {rank}", file=sys.stderr, flush=True)
+if rank == "0":  # as Lightning's launcher does: the other ranks re-run the script with the parent's stdout/stderr
+    for r in (1, 2):
+        subprocess.run([sys.executable, __file__], env=dict(os.environ, LOCAL_RANK=str(r)), check=True)
+    sys.exit(3)  # the phase fails: its report must show every rank
+"""
+
+
+def test_every_ranks_output_is_kept_apart_and_reported(tmp_path) -> None:
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+    code, err, report = run_phase([sys.executable, str(script)], env, tmp_path / "logs", 60)
+    assert code == 3
+    assert (tmp_path / "logs" / "rank1.log").read_text() == "out of rank 1\nerr of rank 1\n"
+    for r in (0, 1, 2):
+        assert f"err of rank {r}" in err and f"out of rank {r}" in report and f"err of rank {r}" in report
