@@ -66,7 +66,8 @@ class FileBundle:
              loaders: dict[str, PickleLoader] | None = None,
              ) -> tuple["FileBundle", list[torch.Tensor], list[str], list[Any]]:
         """``files``: file name -> (``SAFETENSORS`` with a dict of tensors | ``TORCH`` with any object);
-        ``loaders``: torch file name -> the loader that will read it (checked before the commit). Returns the bundle, the tensors to stage, their keys and the tensors whose versions the guard watches."""
+        ``loaders``: torch file name -> the loader that will read it (checked before the commit). Returns the
+        bundle, the tensors to stage, their keys and the tensors whose versions the guard watches."""
         members: list[Member] = []
         tensors: list[torch.Tensor] = []
         keys: list[str] = []
