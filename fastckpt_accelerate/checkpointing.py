@@ -7,8 +7,9 @@ Save (every process calls ``save_state``, as Accelerate requires):
 2. gather every process's RNG states to the main process (one small collective);
 3. the main process hands the files stock ``save_state`` writes (``native.stock_files``) to
    ``Checkpointer.save_files``, which returns in milliseconds: tensors are copied in the background (the
-   watched optimizers' ``step()`` waits until they are), each file is written in its stock format, and
-   ``manifest.json`` last. Retention (``total_limit``) removes the oldest committed folders after a commit;
+   watched optimizers' ``step()`` waits until they are), each torch file's pickle is unpickled as ``load_state``
+   will read it (``foreign.save_loaders``: a file it would refuse fails the save, naming the keys), each file is
+   written in its stock format, and ``manifest.json`` last. Retention (``total_limit``) removes the oldest committed folders after a commit;
 4. ``project_configuration.iteration`` advances, as in Accelerate.
 
 Load: the main process picks the folder (after pending saves of it, from any Accelerator in the process,
@@ -40,13 +41,14 @@ from fastckpt import CheckpointConfig, Checkpointer, RemoteOptions, load_checkpo
 from fastckpt.errors import (CheckpointNotFoundError, ConfigError, FastCkptError, IntegrityError,
                              UnsafeCheckpointError)
 from fastckpt.engine.exithook import register_exit_hook
+from fastckpt.format.bundle import TORCH
 
 from . import naming
 from .distributed import all_gather, broadcast_from_main, can_share_writes
 from .fastload import FolderReader
 from .loadstats import LoadStateStats
 from .folder import CORE, FILES, inspect_folder, local_folder, unlisted_files
-from .foreign import load_accelerate_folder
+from .foreign import load_accelerate_folder, save_loaders
 from .native import rng_file_state, stock_files
 from .state import META_KEY, read_meta, restore_process_state, restore_state
 from .stats import StatsLogger
@@ -151,8 +153,12 @@ class FastAccelerateCheckpointing:
             files = stock_files(self._accelerator, target.url, safe_serialization, [g["rng"] for g in gathered])
             meta = {"format": NATIVE_FORMAT, "iteration": iteration, "step": self._accelerator.step,
                     "num_processes": self._accelerator.num_processes}
+            # Each torch file is unpickled on the committer as load_state will read it, before the commit: a state
+            # that saves but would be refused at the resume fails the save (logged then), naming the keys.
+            loaders = save_loaders([n for n, (kind, _) in files.items() if kind == TORCH],
+                                   self.config.allowed_classes, self.allow_unsafe_pickle)
             handle = checkpointer.save_files(files, target.name, step=iteration, user={META_KEY: meta},
-                                            made=not naming.is_url(target.url))
+                                            made=not naming.is_url(target.url), loaders=loaders)
             self._in_flight = [h for h in self._in_flight if not h.done()] + [handle]
             self._last_handle = handle
         self._accelerator.project_configuration.iteration = iteration + 1
@@ -356,7 +362,7 @@ class FastAccelerateCheckpointing:
         if reader is not None:
             reader.precheck()  # every file but the model's weights, before anything is loaded
         load_accelerate_folder(self._original_load_state, path, load_kwargs, self.allow_unsafe_pickle, reader,
-                               **kwargs)
+                               self.config.allowed_classes, **kwargs)
         iteration = naming.iteration_from_name(os.path.basename(path))
         if iteration is not None:
             self._accelerator.project_configuration.iteration = iteration + 1

@@ -42,14 +42,14 @@ import os
 import pickle
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from fastckpt import LocalStorage
 from fastckpt.format.checksum import combine, crc32c
+from fastckpt.format.picklecheck import allowing
 from fastckpt.errors import IntegrityError
 from fastckpt.read.readers import PIECE_BYTES, Range, prefetch, read_ranges
 from fastckpt.format.torchfile import is_zip, record_spans
@@ -184,11 +184,12 @@ class FolderReader:
         if held is None:
             self._note(name, "stock", "not read beforehand, or load arguments fastckpt leaves to torch.load",
                        self._checked.get(name, NOT_CHECKED) if same_folder else NOT_CHECKED)
-            return load(f, map_location=map_location, **kwargs)
+            with allowing(extra_globals if kwargs.get("weights_only", True) else ()):
+                return load(f, map_location=map_location, **kwargs)
         self._note(name, "read", checked=self._checked[name])
         buf, spans = held
         weights_only = kwargs.get("weights_only", True)
-        with _allowed_globals(extra_globals if weights_only else ()):
+        with allowing(extra_globals if weights_only else ()):
             # torch.load(weights_only=...)'s own loader over the checked bytes, each storage exactly its record
             return load_zip_buffer(path, buf, spans, map_location=map_location,
                                    pickle_module=torch._weights_only_unpickler if weights_only else pickle)
@@ -268,22 +269,6 @@ def _combined(ranges: list[Range], crcs: dict[int, int], start: int = 0) -> int:
     for r in sorted(ranges, key=lambda r: r.offset):
         total = combine(total, crcs[id(r)], len(r.out))
     return total
-
-
-@contextmanager
-def _allowed_globals(extra: tuple[Any, ...]) -> Iterator[None]:
-    """``extra`` allowed in weights-only unpickling for the block, as Accelerate's ``load`` allows its own."""
-    if not extra:
-        yield
-        return
-    old = torch.serialization.get_safe_globals()
-    torch.serialization.add_safe_globals(list(extra))
-    try:
-        yield
-    finally:
-        torch.serialization.clear_safe_globals()
-        if old:
-            torch.serialization.add_safe_globals(old)
 
 
 def _check_crc32c(path: str, size: int, want: int, workers: int, earlier: str = "") -> None:

@@ -58,6 +58,9 @@ SURFACE: dict[str, frozenset[str] | str] = {
     "fastckpt.format.layout": frozenset({"MANIFEST", "LAYOUT_FILES", "checkpoint_dir", "parse_manifest"}),
     # torch's zip format as data: the .ckpt Lightning's save_file writes, pytorch_model.bin, and their checks
     "fastckpt.format.torchfile": frozenset({"is_zip", "record_spans", "verify_torch_file", "verify_torch_bytes"}),
+    # whether a torch file's pickle loads under the loader that will read it; numpy's safe globals (Accelerate's
+    # registered objects, checked at save time and loaded with them)
+    "fastckpt.format.picklecheck": frozenset({"PickleLoader", "allowing", "numpy_safe_globals", "resolve_globals"}),
     # a bundle's in-progress marker and its file kinds (Accelerate's save folders)
     "fastckpt.format.bundle": frozenset({"PENDING", "SAFETENSORS", "TORCH"}),
     # safetensors' name of a torch dtype, to check a model file's header

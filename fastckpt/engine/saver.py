@@ -175,12 +175,15 @@ class Saver:
                             version_src=sources, chunk_bytes=chunk, shared_file=fmt if self._coord is not None else None)
 
     def save_files(self, files: dict[str, tuple[str, Any]], name: str, *, step: int = 0,
-                   user: dict[str, Any] | None = None, made: bool = False) -> SaveHandle:
+                   user: dict[str, Any] | None = None, made: bool = False,
+                   loaders: dict[str, Any] | None = None) -> SaveHandle:
         """``Checkpointer.save_files``: a framework's checkpoint folder ``root/name`` as one save
         (``fastckpt.format.bundle``): every file is written by the engine, then ``manifest.json`` (``"layout":
         "files"``, each file's size and CRC32C) last: the commit. No root lock, no retention (the folder is the
         framework's), one process. ``user``: extra fields of the manifest. ``made``: the caller created the folder,
-        so a save whose folder vanished (the user removed it) fails instead of recreating it."""
+        so a save whose folder vanished (the user removed it) fails instead of recreating it. ``loaders``: torch file
+        name -> the ``PickleLoader`` that will read it; the committer unpickles each file's pickle as it will before
+        the commit (``FileBundle.check_pickles``), so a file that would not load fails the save, not the resume."""
         t0 = time.perf_counter()
         name = file_name(name)
         if self._coord is not None or self.config.staging.shm:
@@ -189,7 +192,8 @@ class Saver:
         self.raise_pending()
         dirpath = self.storage.join(self.storage.url, name)
         try:
-            fmt, tensors, keys, sources = FileBundle.plan(files, dirpath, name, step, self.storage, user, made)
+            fmt, tensors, keys, sources = FileBundle.plan(files, dirpath, name, step, self.storage, user, made,
+                                                         loaders)
         except (TypeError, ValueError, AttributeError, RuntimeError, pickle.PicklingError) as e:
             raise StateMismatchError(f"cannot save this state as the files of {dirpath!r}: {e}") from e
         # the buffers stay held until the commit: a state larger than the limit would never fit

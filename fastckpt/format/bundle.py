@@ -5,6 +5,8 @@ A framework such as Accelerate saves a checkpoint as a folder of files in its ow
 file is a format (``SafetensorsFileFormat`` or ``TorchFileFormat``) that decides its header/skeleton and where
 its tensors go; the engine stages every member's tensors into one host slot and the committer writes:
 
+0. each torch member with a ``PickleLoader`` (``loaders``): its pickle is unpickled as that loader will read it
+   (``fastckpt.format.picklecheck``); a refusal fails the save, naming the file and the key paths at fault;
 1. ``.fastckpt-pending`` (a marker: "fastckpt is writing this folder"), and removes an older ``manifest.json``;
 2. each member file atomically (temporary name, then rename), computing its CRC32C while writing;
 3. ``manifest.json`` (``"layout": "files"``: every member's size and CRC32C): the commit point;
@@ -19,18 +21,19 @@ import functools
 import json
 import time
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Union
 
 import torch
 
 from .checksum import crc32c
-from ..errors import StorageError
+from ..errors import StorageError, UnsafeCheckpointError
 from .layout import FORMAT, LAYOUT_FILES, MANIFEST, CheckpointInfo, FileRecord
 from .paths import plain_name
+from .picklecheck import PickleLoader, check_loads, culprits, pickle_of
 from .safetensorsfile import SafetensorsFileFormat
 from ..storage.protocol import Storage
-from .torchfile import TorchFileFormat
+from .torchfile import TorchFileFormat, plan_torch_file
 
 __all__ = ["FileBundle", "PENDING", "SAFETENSORS", "TORCH"]
 
@@ -51,15 +54,20 @@ class FileBundle:
     starts: list[int]  # first table index of each member
     user: dict[str, Any]
     made: bool = False  # the caller created the folder: if it vanishes (the user removed it) the save fails
+    # torch member name -> (the loader that will read it, the object saved): checked by the committer, before
+    # anything is written. The object is only walked again when its loader refuses the file, to name the keys.
+    checks: dict[str, tuple[PickleLoader, Any]] = field(default_factory=dict)
     catalogued = True  # a checkpoint of the root like save()'s: listed, retained and uploaded by its manifest
     keeps_shards = True  # the member files are written at the commit, from the slot
 
     @classmethod
     def plan(cls, files: dict[str, tuple[str, Any]], dirpath: str, name: str, step: int, storage: Storage,
              user: dict[str, Any] | None = None, made: bool = False,
+             loaders: dict[str, PickleLoader] | None = None,
              ) -> tuple["FileBundle", list[torch.Tensor], list[str], list[Any]]:
-        """``files``: file name -> (``SAFETENSORS`` with a dict of tensors | ``TORCH`` with any object).
-        Returns the bundle, the tensors to stage, their keys and the tensors whose versions the guard watches."""
+        """``files``: file name -> (``SAFETENSORS`` with a dict of tensors | ``TORCH`` with any object);
+        ``loaders``: torch file name -> the loader that will read it (checked before the commit). Returns the
+        bundle, the tensors to stage, their keys and the tensors whose versions the guard watches."""
         members: list[Member] = []
         tensors: list[torch.Tensor] = []
         keys: list[str] = []
@@ -81,7 +89,10 @@ class FileBundle:
                 tensors += ts
                 sources += srcs
                 keys += [f"{fname}/{k}" for k in ks]
-        return cls(dirpath, name, step, list(files), members, starts, dict(user or {}), made), tensors, keys, sources
+        checks = {n: (loader, files[n][1]) for n, loader in (loaders or {}).items()
+                  if n in files and files[n][0] == TORCH}
+        bundle = cls(dirpath, name, step, list(files), members, starts, dict(user or {}), made, checks)
+        return bundle, tensors, keys, sources
 
     @property
     def size(self) -> int:
@@ -107,9 +118,31 @@ class FileBundle:
     def commit(self, storage: Storage, snap: Any, results: Any, staged: Any,
                pool: Executor | None = None) -> tuple[CheckpointInfo, int]:
         """``FileFormat``: called by the committer; writes the member files and then the manifest (the commit)."""
+        self.check_pickles(storage)
         views, crcs = staged()
         size = self.write(storage, views, crcs, pool)
         return CheckpointInfo(snap.name, snap.step, self.dirpath, size), size
+
+    def check_pickles(self, storage: Storage) -> None:
+        """Each torch member with a loader, unpickled as that loader will read it (storages on the meta device);
+        ``UnsafeCheckpointError`` naming the file, what its loader refused, the key paths at fault and the fix.
+        Run by the committer before anything of the folder is written: a save that could not be loaded never
+        commits, and the error is logged then and raised by the next save or ``wait()``."""
+        for k, fname in enumerate(self.names):
+            if fname not in self.checks:
+                continue
+            loader, obj = self.checks[fname]
+            member = self.members[k]
+            assert isinstance(member, TorchFileFormat)
+            try:
+                check_loads(pickle_of(member.layout), loader)
+            except Exception as e:  # the unpickler raises UnpicklingError, RuntimeError, TypeError, ...
+                bad = culprits(obj, loader, lambda value: pickle_of(plan_torch_file(value)))
+                where = f" the values at fault: {', '.join(bad)};" if bad else ""
+                reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+                raise UnsafeCheckpointError(
+                    f"{storage.join(self.dirpath, fname)}: {loader.reader} would refuse to load this file ({reason});"
+                    f"{where} {loader.fix}. Nothing of this checkpoint was committed") from e
 
     def discard(self, storage: Storage, snap: Any) -> None:
         """``FileFormat``: nothing to remove: each member appears by rename, and the pending marker stays so that

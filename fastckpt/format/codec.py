@@ -11,7 +11,6 @@ could not be loaded back fails the ``save()`` call, not the restore months later
 from __future__ import annotations
 
 import base64
-import importlib
 import io
 import math
 from collections import OrderedDict
@@ -20,6 +19,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from ..errors import StateMismatchError, UnsafeCheckpointError
+from .picklecheck import allowing, numpy_safe_globals, resolve_globals
 
 __all__ = ["encode_tree", "decode_tree", "dumps_objects", "loads_objects", "path_name", "MAX_NESTING"]
 
@@ -239,22 +239,10 @@ def _decode_numpy(node: dict[str, Any]) -> Any:
     return dtype.type(float(value["F"]) if isinstance(value, dict) else value)
 
 
-def _resolve(names: Iterable[str]) -> list[Any]:
-    out = []
-    for name in names:
-        module, _, attr = name.rpartition(".")
-        try:
-            target: Any = importlib.import_module(module)
-            out.append(getattr(target, attr))
-        except (ImportError, AttributeError, ValueError) as e:
-            raise UnsafeCheckpointError(f"allowed class {name!r} cannot be imported: {e}") from e
-    return out
-
-
 def loads_objects(data: bytes, allowed: Iterable[str], source: str) -> list[Any]:
-    """Unpickle the object table with torch's weights_only unpickler and the allowlist."""
+    """Unpickle the object table with torch's weights_only unpickler, numpy's arrays and scalars and the allowlist."""
     try:
-        with torch.serialization.safe_globals(_resolve(allowed)):
+        with allowing([*numpy_safe_globals(), *resolve_globals(allowed)]):
             objects = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
     except UnsafeCheckpointError:
         raise
