@@ -87,14 +87,17 @@ def _save(rank: int, world: int, root: str, out: str) -> dict:
     assert model[2].weight.to_local().numel() == (5 if rank == 0 else 0), "rank 0 alone holds Linear(5, 1)'s row"
     with Checkpointer(CheckpointConfig(root=root, persist={"chunk_bytes": 4096}), distributed=True) as ckpt:
         ckpt.watch(opt)
+        # "tied": the one-row weight again (tied embeddings): one entry on every rank, empty block or not
         state = {"model": model.state_dict(), "optim": opt.state_dict(), "extra": _extras(world, world == 4),
-                 "step": 1}
+                 "tied": model.state_dict()["2.weight"], "step": 1}
         ref = _full(state)
         h = ckpt.save(state, step=1)
         _train_step(model, opt, 2)  # no explicit wait: the lazy copies must have seen step 1's values
         h.wait()
         assert not torch.equal(_full(model.state_dict())["2.weight"], ref["model"]["2.weight"])
-        assert_bit_equal(ref, ckpt.load(step=1))
+        loaded = ckpt.load(step=1)
+        assert_bit_equal(ref, loaded)
+        assert loaded["tied"] is loaded["model"]["2.weight"]
 
         # reshard on load within this world: matrices split by columns, vectors replicated
         mesh = init_device_mesh("cpu", (world,))

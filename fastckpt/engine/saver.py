@@ -32,7 +32,7 @@ from ..storage.protocol import Storage
 from .distributed import Coordinator
 from .futures import settle
 from .handle import SaveHandle, SaveStats
-from .identity import address, named_addresses
+from ..format.identity import address, named_addresses
 from .pipeline import Job, Pipeline
 from .pace import keep_pace, slot_wait_reason, warn_all_eager
 from .priority import ThreadPriorities
@@ -312,7 +312,7 @@ class Saver:
         return (self._optimizer_ptrs() | also) - never
 
     def _optimizer_ptrs(self) -> set[Hashable]:
-        """The identities of the watched optimizers' parameters and state tensors (``fastckpt.engine.identity``)."""
+        """The identities of the watched optimizers' parameters and state tensors (``fastckpt.format.identity``)."""
         # Addresses, not tensor objects: state_dict() hands out detached aliases. A tensor is
         # lazy only if it starts exactly where a watched param/state tensor starts (an empty one: same storage).
         ptrs: set[Hashable] = set()

@@ -5,7 +5,8 @@ where its data lives. A non-empty tensor is its data address. An empty one has n
 FSDP2 gives a rank an empty block of any parameter whose first dimension is smaller than the number of ranks
 (``Linear(32, 1)`` on 2 ranks), and its optimizer state is empty there too. Such a tensor is matched by its storage
 object instead, which every alias shares; were it not, that rank alone would plan the DTensor's blocks as eager, and
-the ranks' plans would disagree.
+the ranks' plans would disagree. ``flatten`` finds tied DTensors by the same identity, so a rank whose block of a
+tied weight is empty dedups it as the others do.
 """
 from __future__ import annotations
 
