@@ -21,6 +21,7 @@ from ..config import CheckpointConfig
 from ..errors import ConfigError, FastCkptError, StateMismatchError, StorageError
 from ..format.bundle import FileBundle
 from ..format.codec import dumps_objects
+from ..format.identity import address, named_addresses
 from ..format.layout import CheckpointInfo
 from ..format.openlayout import OPEN_LAYOUT
 from ..format.paths import checkpoint_name, file_name
@@ -32,7 +33,6 @@ from ..storage.protocol import Storage
 from .distributed import Coordinator
 from .futures import settle
 from .handle import SaveHandle, SaveStats
-from ..format.identity import address, named_addresses
 from .pipeline import Job, Pipeline
 from .pace import keep_pace, slot_wait_reason, warn_all_eager
 from .priority import ThreadPriorities
