@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError, StateMismatchError, StorageError
-from ..format.plan import Plan
+from ..format.plan import Plan, TensorEntry
 
 __all__ = ["Coordinator", "balance", "shard_owners"]
 
@@ -76,6 +76,13 @@ def shard_owners(plan: Plan, world: int, group_rank: Callable[[int], int] = int,
     lazy = [s for s in plan.shards if (s.lazy or spread_eager) and s.owner < 0]
     owners.update((s.index, r) for s, r in zip(lazy, balance([s.nbytes for s in lazy], world, load)))
     return owners
+
+
+def _describe(key: str, entry: TensorEntry) -> str:
+    """One planned tensor as a user reads it: its name, dtype, global shape, copy class and writer."""
+    kind = "lazy: a watched optimizer's tensor" if entry.lazy else "eager: no watched optimizer's tensor"
+    block = f", a block written by rank {entry.owner}" if entry.owner >= 0 else ""
+    return f"{key!r} as {str(entry.dtype).removeprefix('torch.')} {list(entry.shape)} ({kind}{block})"
 
 
 class Coordinator:
@@ -126,9 +133,10 @@ class Coordinator:
         """Whether the ranks already agreed on ``plan`` (``assign`` then runs no collective)."""
         return plan.plan_id in self._checked
 
-    def assign(self, plan: Plan) -> None:
+    def assign(self, plan: Plan, keys: list[str]) -> None:
         """Give ``plan`` its owned shards; on first sight, check every rank planned the same (a collective: run it
-        where the private group's other collectives are ordered, see ``Saver``)."""
+        where the private group's other collectives are ordered, see ``Saver``; ``keys``: the name of each table
+        entry, for the error that says where the ranks differ)."""
         if plan.plan_id in self._checked:
             return
         digest = hashlib.sha1(repr(plan.key).encode()).hexdigest()
@@ -136,12 +144,36 @@ class Coordinator:
         dist.all_gather_object(digests, digest, group=self.group)
         if len(set(digests)) != 1:
             raise StateMismatchError(
-                "ranks passed states with different structures to save(); with distributed=True every rank "
-                "must save the same replicated state (per-rank state belongs in a separate checkpoint)")
+                "ranks passed states with different structures to save(): " + self._first_difference(plan, keys)
+                + ". With distributed=True every rank must save the same structure: the same keys, dtypes and "
+                "global shapes, the same optimizers watched and the same save(eager=/lazy=) (per-rank state belongs "
+                "in a separate checkpoint)")
         owners = shard_owners(plan, self.world, self._group_rank)
         mine = {index for index, r in owners.items() if r == self.rank}
         plan.owned = mine
         self._checked.add(plan.plan_id)
+
+    def _first_difference(self, plan: Plan, keys: list[str]) -> str:
+        """Where each rank's plan first departs from rank 0's, the same text on every rank (failure path only:
+        rank 0's entry list travels to every rank once)."""
+        mine = [_describe(key, entry) for key, entry in zip(keys, plan.entries)]
+        reference = self.share(mine)
+        found = None
+        for ours, theirs in zip(mine, reference):
+            if ours != theirs:
+                found = f"{theirs} on rank 0 but {ours} on rank {self.rank}"
+                break
+        if found is None and len(mine) != len(reference):
+            longer, who = (reference, "rank 0") if len(reference) > len(mine) else (mine, f"rank {self.rank}")
+            extra = longer[min(len(mine), len(reference))]
+            found = f"{len(reference)} tensors on rank 0 but {len(mine)} on rank {self.rank}; {who} also has {extra}"
+        found_all: list[Any] = [None] * self.world
+        dist.all_gather_object(found_all, found, group=self.group)
+        found_any = [f for f in found_all if f]
+        if not found_any:
+            return "their plans differ in layout (report this as a bug)"
+        more = f"; and {len(found_any) - 3} more ranks" if len(found_any) > 3 else ""
+        return "; ".join(found_any[:3]) + more
 
     def assign_file(self, plan: Plan) -> list[int]:
         """Give ``plan`` (one torch file shared by the ranks) its owned shards; return the rank that writes each

@@ -8,13 +8,12 @@ finished saves. The pipeline it owns stages, writes and commits; committing is r
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import logging
 import pickle
 import threading
 import time
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Hashable
 
 import torch
 
@@ -22,6 +21,7 @@ from ..config import CheckpointConfig
 from ..errors import ConfigError, FastCkptError, StateMismatchError, StorageError
 from ..format.bundle import FileBundle
 from ..format.codec import dumps_objects
+from ..format.identity import address, named_addresses
 from ..format.layout import CheckpointInfo
 from ..format.openlayout import OPEN_LAYOUT
 from ..format.paths import checkpoint_name, file_name
@@ -128,10 +128,10 @@ class Saver:
         # After the checks of the arguments, before anything is written: a dead folder of this very name (a
         # resumed run re-saving the step it died in) is removed first, so none of its files outlive the commit.
         self._claim_root()
-        lazy_ptrs = self._lazy_ptrs(_named_ptrs(flat, lazy, "lazy"), _named_ptrs(flat, eager, "eager"))
+        lazy_ptrs = self._lazy_ptrs(named_addresses(flat, lazy, "lazy"), named_addresses(flat, eager, "eager"))
         dirpath = self.storage.join(self.storage.url, name)
         if self.config.staging.mode == "lazy" and flat.tensors and not any(
-                src.data_ptr() in lazy_ptrs for src in flat.lazy_src):
+                address(src) in lazy_ptrs for src in flat.lazy_src):
             warn_all_eager(name, flat.tensors)  # the whole copy happens inside this call: say so, with the fix
         return self._submit(flat, step, name, dirpath, t0, lazy_ptrs, objects=objects,
                             dtensors=[rec.as_json() for rec in flat.dtensors])
@@ -163,7 +163,7 @@ class Saver:
         chunk = None
         if self._coord is not None:  # only what DDP keeps identical on every rank may come from another rank
             shared = self._optimizer_ptrs()
-            owners = [-1 if t.data_ptr() in shared else self._coord.leader for t in tensors]
+            owners = [-1 if address(t) in shared else self._coord.leader for t in tensors]
             chunk = _shared_chunk(self.config.persist.chunk_bytes, [r.nbytes for r in fmt.layout.records],
                                   self._coord.world)
         flat = FlatState(tree=None, tensors=tensors, keys=keys, numpy=[False] * len(tensors), objects=[],
@@ -228,24 +228,24 @@ class Saver:
             raise ConfigError(f"staging.max_host_bytes ({limit}) is smaller than {what} ({size} bytes), which "
                               f"{verb} written whole; raise the limit or unset it")
 
-    def _submit(self, flat: FlatState, step: int, name: str, dirpath: str, t0: float, lazy_ptrs: set[int], *,
+    def _submit(self, flat: FlatState, step: int, name: str, dirpath: str, t0: float, lazy_ptrs: set[Hashable], *,
                 objects: bytes | None = None, dtensors: list[dict[str, Any]] | None = None,
                 file_format: FileFormat = OPEN_LAYOUT, version_src: list[Any] | None = None,
                 chunk_bytes: int | None = None, shared_file: TorchFileFormat | None = None) -> SaveHandle:
         """Plan, take a staging slot, copy the eager shards now and queue the rest (every save path)."""
-        plan = self._planner.plan(flat, lambda t: t.data_ptr() in lazy_ptrs, chunk_bytes)
+        plan = self._planner.plan(flat, lambda t: address(t) in lazy_ptrs, chunk_bytes)
         writers = None
         if self._coord is not None and shared_file is not None:
             writers = self._coord.assign_file(plan)
         elif self._coord is not None and self._coord.agreed(plan):
-            self._coord.assign(plan)
+            self._coord.assign(plan, flat.keys)
         elif self._coord is not None:
             # The agreement on a new plan is a collective on the private group, which the committers also use for
             # earlier saves' commits. Every rank queues it behind the same saves, so the ranks issue the group's
             # collectives in one order; on the training thread it could pair with another rank's commit. It waits
             # for the pending commits only when a new plan appears (the first save, a changed structure).
-            coord = self._coord
-            self.pipeline.run_in_order(lambda: coord.assign(plan)).result()
+            coord, keys = self._coord, flat.keys
+            self.pipeline.run_in_order(lambda: coord.assign(plan, keys)).result()
         devices = cuda_devices(flat.tensors)
         pin = bool(devices)
         handle = self.new_handle(name, step, dirpath)
@@ -317,21 +317,21 @@ class Saver:
         self.stats.append(handle.stats)
         return handle
 
-    def _lazy_ptrs(self, also: set[int], never: set[int]) -> set[int]:
+    def _lazy_ptrs(self, also: set[Hashable], never: set[Hashable]) -> set[Hashable]:
         if self.config.staging.mode != "lazy":
             return set()  # eager mode: save(lazy=...) is ignored too
         return (self._optimizer_ptrs() | also) - never
 
-    def _optimizer_ptrs(self) -> set[int]:
-        """Where the watched optimizers' parameters and state tensors start."""
+    def _optimizer_ptrs(self) -> set[Hashable]:
+        """The identities of the watched optimizers' parameters and state tensors (``fastckpt.format.identity``)."""
         # Addresses, not tensor objects: state_dict() hands out detached aliases. A tensor is
-        # lazy only if it starts exactly where a watched param/state tensor starts.
-        ptrs: set[int] = set()
+        # lazy only if it starts exactly where a watched param/state tensor starts (an empty one: same storage).
+        ptrs: set[Hashable] = set()
         for opt in list(self._watched):
             for group in opt.param_groups:
-                ptrs.update(_address(p) for p in group["params"])
+                ptrs.update(address(p) for p in group["params"])
             for st in opt.state.values():
-                ptrs.update(_address(v) for v in st.values() if isinstance(v, torch.Tensor))
+                ptrs.update(address(v) for v in st.values() if isinstance(v, torch.Tensor))
         ptrs.discard(0)
         return ptrs
 
@@ -399,28 +399,6 @@ class Saver:
     def _mark_seen(self, handle: SaveHandle) -> None:
         with self._lock:
             self._errors = [(h, e) for h, e in self._errors if h is not handle]
-
-
-def _address(t: torch.Tensor) -> int:
-    """Where ``t``'s data starts; a DTensor's (FSDP2 parameter, its optimizer state) is its local block's."""
-    local = getattr(t, "_local_tensor", None)
-    return (local if isinstance(local, torch.Tensor) else t).data_ptr()
-
-
-def _named_ptrs(flat: Any, names: Any, what: str) -> set[int]:
-    """Addresses of the tensors ``save(eager=/lazy=...)`` names: tensors, or fnmatch patterns of flattened keys."""
-    if isinstance(names, (str, torch.Tensor)):
-        names = [names]
-    names = list(names)
-    patterns = [e for e in names if isinstance(e, str)]
-    ptrs = {_address(t) for t in names if isinstance(t, torch.Tensor)}
-    bad = [e for e in names if not isinstance(e, (str, torch.Tensor))]
-    if bad:
-        raise ConfigError(f"save({what}=...) takes tensors or key patterns (str), got {type(bad[0]).__name__}")
-    if patterns:
-        ptrs.update(_address(src) for key, src in zip(flat.keys, flat.lazy_src)
-                    if any(fnmatch.fnmatchcase(key, p) for p in patterns))
-    return ptrs
 
 
 def _shared_chunk(chunk_bytes: int, sizes: list[int], world: int) -> int:

@@ -93,7 +93,12 @@ def _layout(shape: tuple[int, ...], dtype: torch.dtype, placements: tuple, mesh_
         rank = ranks[flat_index]
         if block not in chunks or rank < chunks[block]:
             chunks[block] = rank  # replicas: the lowest rank writes
-    ordered = tuple(Chunk(offsets=o, shape=s, owner=r) for (o, s), r in chunks.items())
+    # A rank may hold an empty block: FSDP2 splits dim 0 as torch.chunk, so Linear(32, 1) on 2 ranks gives rank 1
+    # a [0, 32] weight, and 5 rows on 4 ranks give 2, 2, 1, 0. An empty block holds no byte; it is left out, so no
+    # rank writes a file of nothing and the blocks kept still cover the tensor. A tensor with no element at all
+    # keeps its first block: the tree refers to a DTensor by its first block.
+    kept = {block: r for block, r in chunks.items() if all(block[1])} or dict([next(iter(chunks.items()))])
+    ordered = tuple(Chunk(offsets=o, shape=s, owner=r) for (o, s), r in kept.items())
     labels = tuple(",".join(map(str, c.offsets)) for c in ordered)
     return Layout(shape=shape, dtype=dtype, chunks=ordered, mesh_size=len(ranks), labels=labels)
 

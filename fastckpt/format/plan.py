@@ -20,6 +20,7 @@ import torch
 
 from . import dtensor as dt
 from .codec import encode_tree, path_name
+from .identity import address
 from ..errors import StateMismatchError
 
 __all__ = ["TensorEntry", "Shard", "Plan", "FlatState", "DTensorRecord", "flatten", "Planner"]
@@ -173,8 +174,10 @@ def flatten(state: Any) -> FlatState:
 
     def on_dtensor(path: tuple, t: Any) -> int:
         local = t._local_tensor
-        ident = ("dtensor", local.data_ptr(), tuple(t.shape), t.dtype, tuple(t.placements), id(t.device_mesh))
-        if local.data_ptr() and ident in seen:  # a tied DTensor
+        # By address(), not data_ptr(): a rank whose block of a tied DTensor is empty must dedup it as the others do
+        where = address(local)
+        ident = ("dtensor", where, tuple(t.shape), t.dtype, tuple(t.placements), id(t.device_mesh))
+        if where != 0 and ident in seen:  # a tied DTensor (0: a meta block has no identity)
             return seen[ident]
         key = unique(_key(path))
         layout = dt.layout_of(t, key)
