@@ -27,7 +27,7 @@ __all__ = ["DESC_SIG", "Sparse", "central_entries", "crc_less", "data_offset", "
 _LOCAL_SIG, DESC_SIG, _CENTRAL_SIG = b"PK\x03\x04", b"PK\x07\x08", b"PK\x01\x02"
 _EOCD_SIG, _EOCD64_SIG, _LOC64_SIG = b"PK\x05\x06", b"PK\x06\x06", b"PK\x06\x07"
 _U32 = 0xFFFFFFFF  # a 32-bit zip field that says "see the zip64 extra field"
-_CRC_STEP = 64 << 20  # bytes checksummed between two progress reports (large enough to stay at full speed)
+_CRC_STEP = 16 << 20  # bytes checksummed between two progress reports (large enough to stay at full speed)
 Progress = Callable[[int], None]
 
 
