@@ -21,7 +21,7 @@ from .engine.priority import ThreadPriorities
 from .engine.saver import Saver, WatchHandle
 from .engine.staging import HostArena
 from .engine.streams import CopyStreams
-from .errors import CheckpointTimeoutError, ConfigError, FastCkptError, IntegrityError
+from .errors import CheckpointTimeoutError, ConfigError, FastCkptError
 from .format.layout import CheckpointInfo
 from .format.paths import checkpoint_name, file_name
 from .format.plan import Planner
@@ -238,10 +238,9 @@ class Checkpointer:
             self.last_load_stats = reader.stats
             return out
 
-        try:  # ranks read together (self._coord): one retrying alone would hang the others
+        with self._tiers.explaining(storage, dirpath, self.config.root):  # damaged: what it lacks, what loads
+            # ranks read together (self._coord): one retrying alone would hang the others
             return run() if self._coord is not None else read_consistently(storage, dirpath, run)
-        except IntegrityError as e:  # say what the checkpoint lacks, and which older one loads
-            raise self._tiers.explain(storage, dirpath, e, self.config.root) from e
 
     def load(self, step: int | None = None, *, name: str | None = None, map_location: Any = None) -> Any:
         """Rebuild a saved state (the latest committed by default); tensors on CPU unless ``map_location``."""

@@ -189,6 +189,8 @@ def test_native_folder_written_by_fastckpt_accelerate(tmp_path, capsys) -> None:
         reset_accelerate()
     folder = tmp_path / "proj" / "checkpoints" / "checkpoint_0"
     assert (folder / "manifest.json").is_file() and (folder / "model.safetensors").is_file()
+    code, out, _ = run(["list", str(tmp_path / "proj"), "--json"], capsys)
+    assert code == 0 and [(r["name"], r["step"]) for r in json.loads(out)] == [("checkpoint_0", 1)]  # the training step
 
     code, out, _ = run(["inspect", str(folder), "--json"], capsys)
     assert code == 0 and "accelerate" in out

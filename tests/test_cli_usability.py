@@ -19,7 +19,6 @@ from safetensors.torch import save_file
 
 from fastckpt import CheckpointConfig, Checkpointer
 from fastckpt.cli import main
-from fastckpt.cli.progress import ByteProgress
 from fastckpt.errors import IntegrityError
 from tests.helpers import assert_bit_equal
 
@@ -100,6 +99,8 @@ def test_export_and_import_progress_reads_and_writes_in_bytes(tmp_path, capsys) 
 
 
 def test_progress_on_a_terminal_redraws_one_line_without_escapes() -> None:
+    from fastckpt.cli.progress import ByteProgress
+
     class Terminal(io.StringIO):
         def isatty(self) -> bool:
             return True

@@ -13,8 +13,9 @@ from __future__ import annotations
 import logging
 import os
 from concurrent.futures import Future
+from contextlib import contextmanager
 from concurrent.futures import wait as wait_futures
-from typing import Callable
+from typing import Callable, Iterator
 
 from ..config import RetentionOptions
 from ..engine.futures import remaining, resolved, settle
@@ -214,16 +215,29 @@ class CatalogUnion:
         target = infos[-1].name
         return (self.local.storage if target in local else remote.storage), target
 
-    def explain(self, storage: Storage, dirpath: str, err: IntegrityError, root: str) -> IntegrityError:
-        """``err`` of a load from ``dirpath``, told so that the user can act: what the checkpoint lacks (a folder
-        deleted part way keeps its manifest) and which older checkpoint is whole, to load instead."""
+    @contextmanager
+    def explaining(self, storage: Storage, dirpath: str, root: str) -> Iterator[None]:
+        """Around a load from ``dirpath``: an ``IntegrityError`` (a file missing, short or failing its checksum)
+        is raised again told so that the user can act (``explain``). Its subclasses (``UnsafeCheckpointError``: a
+        class not allowed, no damage) pass unchanged."""
+        try:
+            yield
+        except IntegrityError as e:
+            better = self.explain(storage, dirpath, e, root) if type(e) is IntegrityError else None
+            if better is None:
+                raise
+            raise better from e
+
+    def explain(self, storage: Storage, dirpath: str, err: IntegrityError, root: str) -> IntegrityError | None:
+        """``err`` of a load from ``dirpath`` with what the checkpoint lacks (a folder deleted part way keeps its
+        manifest) and which older checkpoint is whole, to load instead; None when the root cannot be listed."""
         name = dirpath.rstrip("/").rsplit("/", 1)[-1].rsplit(os.sep, 1)[-1]
         catalog = self.remote if self.remote is not None and storage is self.remote.storage else self.local
         try:
             lacks = catalog.damage(name)
             older = self.older_whole(name)
         except FastCkptError:
-            return err  # the root cannot be listed now: the reader's own error says enough
+            return None  # the root cannot be listed now: the reader's own error says enough
         what = f"{err}" + (f" ({name}: {lacks})" if lacks else "")
         if older is None:
             return IntegrityError(f"{what}; no older checkpoint under {root} has all its files. `fastckpt verify` "
