@@ -98,6 +98,26 @@ def test_export_and_import_progress_reads_and_writes_in_bytes(tmp_path, capsys) 
     assert code == 0 and err == ""
 
 
+def test_progress_moves_on_s3(s3_root, tmp_path, capsys) -> None:
+    """An object store: ranged reads through ``CountingStorage`` (verify, export) and counted uploads (import)."""
+    opts = ["--storage-options", json.dumps(s3_root.storage_options)]
+    config = CheckpointConfig(root=s3_root.url, storage_options=s3_root.storage_options, staging={"mode": "eager"})
+    state = {"model": {"w": torch.randn(BIG, generator=torch.Generator().manual_seed(0))}}
+    with Checkpointer(config) as ckpt:
+        ckpt.save(state, step=2).wait()
+    path = f"{s3_root.url}/step-000000002"
+    code, out, err = run(["verify", path, "--progress", *opts], capsys)
+    assert code == 0 and out == f"OK  {path}\n" and moved(percents(err, "verifying")), err
+    code, _, err = run(["export", path, str(tmp_path / "s3.pt"), "--to", "torch", "--progress", *opts], capsys)
+    assert code == 0 and moved(percents(err, "reading")), err
+    assert_bit_equal(torch.load(tmp_path / "s3.pt", weights_only=True), state)
+    code, out, err = run(["import", str(tmp_path / "s3.pt"), f"{s3_root.url}/imported", "--step", "2", "--progress",
+                          *opts], capsys)
+    assert code == 0 and percents(err, "writing")[-1] == 100, err
+    with Checkpointer(CheckpointConfig(root=f"{s3_root.url}/imported", storage_options=s3_root.storage_options)) as ck:
+        assert_bit_equal(ck.load(step=2), state)
+
+
 def test_progress_on_a_terminal_redraws_one_line_without_escapes() -> None:
     from fastckpt.cli.progress import ByteProgress
 
@@ -215,6 +235,10 @@ def test_no_escape_sequence_reaches_the_terminal(tmp_path, capsys) -> None:
     assert "epoch=0-step=1\\x1b]8;;x\\x07\\x1b[2J.ckpt" in outputs[0][1]  # visible, so the user sees it
     assert "key\\x1b]8;;" in outputs[1][1]
     assert outputs[2][0] == 1 and outputs[3][0] == 1 and "missing\\x1b" in outputs[3][2]
+    with pytest.raises(SystemExit):  # argparse quotes what was typed: escaped too
+        main(["list", str(dirpath), evil])
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: \\x1b]8;;x\\x07" in err and "\x1b" not in err
 
 
 # ---- a checkpoint deleted part way ----------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import importlib
 import json
 import os
 import sys
-from typing import Sequence
+from typing import NoReturn, Sequence
 
 __all__ = ["main", "build_parser"]
 
@@ -66,6 +66,15 @@ def _size(text: str) -> int:
     return parse_size(text)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's errors quote what was typed: shown with control characters escaped, as every message is."""
+
+    def error(self, message: str) -> NoReturn:
+        from .text import clean
+
+        super().error(clean(message))
+
+
 def _command(sub: argparse._SubParsersAction, name: str, target: str, help: str) -> argparse.ArgumentParser:
     p = sub.add_parser(name, help=help, description=help)
     _common(p, "_sub", suppress=True)
@@ -79,7 +88,7 @@ def _progress(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fastckpt", description="List, inspect, verify, convert and maintain "
+    parser = _Parser(prog="fastckpt", description="List, inspect, verify, convert and maintain "
                                      "fastckpt, Lightning, Accelerate and DCP checkpoints.")
     _common(parser, "", suppress=False)
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")

@@ -90,12 +90,12 @@ def _core_rows(loc: Located, names: list[str], here: str, opts: CliOptions) -> l
     remote = locate(opts.remote_url, opts.remote_options)
     for name in children(remote) if _exists(remote) else []:
         row = _core_row(Located(remote.storage, remote.storage.join(remote.path, name)), "remote")
-        if row is None or row.status != "committed":
+        if row is None or row.status not in ("committed", "damaged"):
             continue
         mine = rows.get(name)
         if mine is None:
-            rows[name] = row
-        elif mine.status == "committed":
+            rows[name] = row  # only there (a damaged remote copy too: a resume from there would fail)
+        elif mine.status == row.status == "committed":
             mine.where = "both"
     for row in rows.values():
         if row.where == here and row.status == "committed":
