@@ -198,11 +198,12 @@ def test_import_takes_the_step_the_checkpoint_records(tmp_path, capsys) -> None:
 
 def test_accelerate_list_shows_the_training_step(tmp_path, capsys) -> None:
     """A stock folder's step is the ``step`` Accelerate wrote into ``random_states_0.pkl`` (numpy arrays in it are
-    read under torch's numpy allowlist; nothing else unpickles), not the folder's index."""
+    read under torch's numpy allowlist; nothing else unpickles), not the folder's index. Rows stay in the order of
+    the saves (the folder index): Accelerate restarts its step at the end of each prepared dataloader."""
     import numpy as np
     import random
 
-    for index, step in ((0, 150), (1, 300), (2, None)):
+    for index, step in ((0, 150), (1, 300), (2, None), (10, 20)):
         folder = tmp_path / "checkpoints" / f"checkpoint_{index}"
         folder.mkdir(parents=True)
         save_file({"w": torch.randn(3)}, folder / "model.safetensors")
@@ -212,9 +213,14 @@ def test_accelerate_list_shows_the_training_step(tmp_path, capsys) -> None:
     code, out, _ = run(["list", str(tmp_path), "--json"], capsys)
     assert code == 0
     assert [(r["name"], r["step"]) for r in json.loads(out)] == [
-        ("checkpoint_2", None), ("checkpoint_0", 150), ("checkpoint_1", 300)]  # no step recorded: "-"
+        ("checkpoint_0", 150), ("checkpoint_1", 300), ("checkpoint_2", None), ("checkpoint_10", 20)]  # None: "-"
+    code, out, _ = run(["list", str(tmp_path)], capsys)
+    assert [line.split()[0] for line in out.splitlines()] == ["STEP", "150", "300", "-", "20"]
     code, out, _ = run(["import", str(tmp_path / "checkpoints" / "checkpoint_1"), str(tmp_path / "core")], capsys)
     assert code == 0 and "(step 300, as recorded in it)" in out
+    code, out, _ = run(["gc", str(tmp_path / "checkpoints"), "--keep-last", "1"], capsys)  # the newest save stays
+    left = sorted(p.name for p in (tmp_path / "checkpoints").glob("checkpoint_*"))
+    assert code == 0 and left == ["checkpoint_10", "checkpoint_2"]  # a folder recording no step is never removed
 
 
 # ---- control characters ---------------------------------------------------------------------------------------

@@ -74,7 +74,16 @@ def list_root(root: str, opts: CliOptions) -> list[Row]:
                 if _ACC_FOLDER.fullmatch(n)]
     else:
         rows = _core_rows(loc, names, here, opts)
-    return sorted(rows, key=lambda r: (r.step if r.step is not None else -1, r.name))
+    return sorted(rows, key=_order)
+
+
+def _order(row: Row) -> tuple[int, str]:
+    """Oldest first: by step; Accelerate folders by their index, the order they were saved in (the step Accelerate
+    records restarts at 0 at the end of each prepared dataloader, so it orders saves only within one epoch)."""
+    index = _ACC_FOLDER.fullmatch(row.name) if row.layout == "accelerate" else None
+    if index is not None:
+        return int(index.group(1)), row.name
+    return (row.step if row.step is not None else -1), row.name
 
 
 def _core_rows(loc: Located, names: list[str], here: str, opts: CliOptions) -> list[Row]:
