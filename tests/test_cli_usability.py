@@ -88,8 +88,8 @@ def test_export_and_import_progress_reads_and_writes_in_bytes(tmp_path, capsys) 
     assert code == 0 and moved(percents(err, "reading")), err
     assert percents(err, "writing")[-1] == 100
     assert_bit_equal(torch.load(tmp_path / "out.pt", weights_only=True), states[7])
-    code, out, err = run(["import", str(tmp_path / "out.pt"), str(tmp_path / "core2"), "--step", "7", "--progress"],
-                         capsys)
+    code, _, err = run(["import", str(tmp_path / "out.pt"), str(tmp_path / "core2"), "--step", "7", "--progress"],
+                       capsys)
     assert code == 0 and moved(percents(err, "reading")), err
     assert percents(err, "writing")[-1] == 100 and "writing" in err
     with Checkpointer(CheckpointConfig(root=str(tmp_path / "core2"))) as ckpt:
@@ -160,7 +160,7 @@ def test_inspect_has_a_header_aligned_columns_human_sizes_and_one_dtype_spelling
     code, out, _ = run(["inspect", str(folder)], capsys)
     assert code == 0
     lines = out.splitlines()
-    assert lines[0] == f"{folder}  (accelerate, 3 tensors, 24.0 KB, 1 other values)"
+    assert lines[0] == f"{folder}  (accelerate, 3 tensors, 24.0 KB, 1 other value)"
     header = lines[1]
     assert header.split() == ["KEY", "DTYPE", "SHAPE", "SIZE"]
     rows = lines[2:5]

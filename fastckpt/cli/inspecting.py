@@ -120,8 +120,8 @@ def run(args: argparse.Namespace, opts: CliOptions) -> int:
         print_json(info)
         return 0
     tensors, objects = info["tensors"], info["objects"]
-    print(clean(f"{info['path']}  ({info['kind']}, {len(tensors)} tensors, {human_size(info['nbytes'])}, "
-                f"{len(objects)} other values)"))
+    print(clean(f"{info['path']}  ({info['kind']}, {_count(len(tensors), 'tensor')}, {human_size(info['nbytes'])}, "
+                f"{_count(len(objects), 'other value')})"))
     if tensors:
         rows = [(t["key"], t["dtype"], _shape(t["shape"]), human_size(t["nbytes"])) for t in tensors]
         print("\n".join(table(("KEY", "DTYPE", "SHAPE", "SIZE"), rows, right=(3,))))
@@ -129,6 +129,10 @@ def run(args: argparse.Namespace, opts: CliOptions) -> int:
         print()
         print("\n".join(table(("KEY", "TYPE", "VALUE"), [(o["key"], o["type"], o["value"]) for o in objects])))
     return 0
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}" if n == 1 else f"{n} {what}s"
 
 
 def _shape(shape: list[int]) -> str:

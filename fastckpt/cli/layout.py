@@ -207,6 +207,8 @@ def accelerate_step(loc: Located) -> int | None:
     The file is read with ``weights_only=True`` plus exactly what numpy's RNG state needs (arrays and their
     dtypes, the globals torch's own ``weights_only`` documentation allowlists for numpy): nothing else unpickles.
     """
+    import pickle
+
     import numpy as np
     import torch
 
@@ -221,8 +223,8 @@ def accelerate_step(loc: Located) -> int | None:
         data = loc.storage.read_bytes(path)
         with torch.serialization.safe_globals([_reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]):
             state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception:  # absent, unreadable or refused: the folder's step is then unknown, never guessed
-        return None
+    except (FastCkptError, OSError, pickle.UnpicklingError, RuntimeError, ValueError, EOFError):
+        return None  # absent, unreadable or refused: the folder's step is then unknown, never guessed
     step = state.get("step") if isinstance(state, dict) else None
     return step if type(step) is int and step >= 0 else None
 

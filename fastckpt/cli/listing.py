@@ -223,8 +223,7 @@ def _lightning_row(loc: Located, where: str) -> Row:
 
 def _accelerate_row(loc: Located, where: str) -> Row:
     files = (children(loc) or []) if _entry_kind(loc) == "dir" else []
-    index = int(_ACC_FOLDER.fullmatch(loc.name).group(1))  # type: ignore[union-attr]
-    if MANIFEST in files:  # written by fastckpt: its manifest knows the step
+    if MANIFEST in files:  # written by fastckpt_accelerate: its manifest records the training step
         row = _core_row(loc, where)
         assert row is not None
         row.layout = "accelerate"
