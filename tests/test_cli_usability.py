@@ -135,6 +135,35 @@ def test_progress_on_a_terminal_redraws_one_line_without_escapes() -> None:
     assert "1.0 KB / 1.0 KB (100%)" in text
 
 
+def test_progress_on_a_real_terminal_by_default(tmp_path) -> None:
+    """stderr a pseudo-terminal, no flag: the line is drawn and redrawn there; stdout (a pipe) gets only ``OK``."""
+    import pty
+
+    torch.save({"w": torch.randn(BIG)}, tmp_path / "a.ckpt")
+    master, slave = pty.openpty()
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    try:
+        proc = subprocess.run([sys.executable, "-m", "fastckpt", "verify", str(tmp_path / "a.ckpt")], env=env,
+                              stdout=subprocess.PIPE, stderr=slave, timeout=120, check=False)
+    finally:
+        os.close(slave)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(master, 1 << 16)
+        except OSError:  # EIO: the terminal's other end is closed and everything was read
+            break
+        if not chunk:
+            break
+        seen += chunk
+    os.close(master)
+    text = seen.decode()
+    assert proc.returncode == 0 and proc.stdout == f"OK  {tmp_path / 'a.ckpt'}\n".encode()
+    draws = [d for d in text.split("\r") if d.strip()]
+    assert len(draws) >= 3 and "\x1b" not in text and draws[-1].startswith("verifying") and text.endswith("\n")
+    assert moved([int(p) for p in re.findall(r"\((\d+)%\)", text)]), text
+
+
 def test_progress_is_never_written_into_a_pipe(tmp_path) -> None:
     torch.save({"w": torch.randn(1000)}, tmp_path / "a.ckpt")
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
