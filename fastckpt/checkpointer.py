@@ -226,8 +226,7 @@ class Checkpointer:
 
     def _read(self, step: int | None, name: str | None, use: Callable[[CheckpointReader], Any],
               shm: Callable[[CheckpointReader], Any] | None = None) -> Any:
-        """``use`` a reader of the checkpoint; read again if a re-save of its name replaced it meanwhile.
-        ``shm``: how to load it from the shared-memory tier instead, where it is still there (nearest first)."""
+        """``use`` a reader (``shm``: a load from the shared-memory tier, nearest first), again if replaced meanwhile."""
         self._check_open()
         storage, dirpath = self._locate(step, name)
 
@@ -241,9 +240,9 @@ class Checkpointer:
             self.last_load_stats = reader.stats
             return out
 
-        if self._coord is not None:  # the ranks read together: one retrying alone would hang the others
-            return run()
-        return read_consistently(storage, dirpath, run)
+        with self._tiers.explaining(storage, dirpath, self.config.root):  # damaged: what it lacks, what loads
+            # ranks read together (self._coord): one retrying alone would hang the others
+            return run() if self._coord is not None else read_consistently(storage, dirpath, run)
 
     def load(self, step: int | None = None, *, name: str | None = None, map_location: Any = None) -> Any:
         """Rebuild a saved state (the latest committed by default); tensors on CPU unless ``map_location``."""

@@ -82,7 +82,7 @@ def test_list_json_rows_and_garbage(root, capsys) -> None:
     rows = json.loads(out)
     assert [(r["step"], r["status"]) for r in rows] == [(1, "committed"), (2, "committed"), (3, "committed"),
                                                          (4, "uncommitted")]
-    assert {r["where"] for r in rows} == {"remote" if "://" in root.url else "local"}
+    assert {r["where"] for r in rows} == {"s3" if "://" in root.url else "local"}  # the root's own scheme
     assert all(r["created"] and r["nbytes"] > 0 for r in rows)
     code, out, _ = run([*root.argv, "list", root.url], capsys)  # options before the command work too
     assert code == 0 and out.splitlines()[0].split()[:3] == ["STEP", "EPOCH", "COMMITTED"]

@@ -60,7 +60,7 @@ def test_list(project, capsys) -> None:
         code, out, _ = run(["list", str(target), "--json"], capsys)
         assert code == 0
         assert [(r["name"], r["step"], r["status"], r["layout"]) for r in json.loads(out)] == [
-            ("checkpoint_0", 0, "committed", "accelerate"), ("checkpoint_1", 1, "committed", "accelerate")]
+            ("checkpoint_0", 2, "committed", "accelerate"), ("checkpoint_1", 4, "committed", "accelerate")]  # training steps
 
 
 def test_inspect(project, capsys) -> None:
@@ -70,7 +70,7 @@ def test_inspect(project, capsys) -> None:
     info = json.loads(out)
     tensors = {t["key"]: t for t in info["tensors"]}
     weight = snapshots[1]["model"]["0.weight"]
-    assert tensors["model.0.weight"] == {"key": "model.0.weight", "dtype": "F32", "shape": list(weight.shape),
+    assert tensors["model.0.weight"] == {"key": "model.0.weight", "dtype": "float32", "shape": list(weight.shape),
                                          "nbytes": weight.numel() * 4}
     assert tensors["optimizer.state.0.exp_avg"]["dtype"] == "float32"
     assert any(o["key"] == "random_states_0" and o["type"] == "pickle" for o in info["objects"])
@@ -145,8 +145,7 @@ def test_every_command_on_s3(project, s3_root, tmp_path, capsys) -> None:
     opts = ["--storage-options", json.dumps(s3_root.storage_options)]
     code, out, _ = run(["list", url, "--json", *opts], capsys)
     assert code == 0
-    assert [(r["name"], r["where"]) for r in json.loads(out)] == [("checkpoint_0", "remote"),
-                                                                   ("checkpoint_1", "remote")]
+    assert [(r["name"], r["where"]) for r in json.loads(out)] == [("checkpoint_0", "s3"), ("checkpoint_1", "s3")]
     code, out, _ = run(["inspect", f"{url}/checkpoint_1", "--json", *opts], capsys)
     assert code == 0 and any(t["key"] == "model.0.weight" for t in json.loads(out)["tensors"])
     code, _, _ = run(["verify", f"{url}/checkpoint_0", f"{url}/checkpoint_1", *opts], capsys)
@@ -190,6 +189,8 @@ def test_native_folder_written_by_fastckpt_accelerate(tmp_path, capsys) -> None:
         reset_accelerate()
     folder = tmp_path / "proj" / "checkpoints" / "checkpoint_0"
     assert (folder / "manifest.json").is_file() and (folder / "model.safetensors").is_file()
+    code, out, _ = run(["list", str(tmp_path / "proj"), "--json"], capsys)
+    assert code == 0 and [(r["name"], r["step"]) for r in json.loads(out)] == [("checkpoint_0", 1)]  # the training step
 
     code, out, _ = run(["inspect", str(folder), "--json"], capsys)
     assert code == 0 and "accelerate" in out

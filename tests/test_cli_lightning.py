@@ -226,8 +226,8 @@ def test_every_command_on_s3(dirpath, s3_root, tmp_path, capsys) -> None:
     code, out, _ = run(["list", s3_root.url, "--json", *opts], capsys)
     assert code == 0
     assert [(r["name"], r["step"], r["where"]) for r in json.loads(out)] == [
-        ("epoch=0-step=2.ckpt", 2, "remote"), ("epoch=0-step=4.ckpt", 4, "remote"),
-        ("epoch=1-step=6.ckpt", 6, "remote"), ("last.ckpt", 6, "remote")]
+        ("epoch=0-step=2.ckpt", 2, "s3"), ("epoch=0-step=4.ckpt", 4, "s3"),
+        ("epoch=1-step=6.ckpt", 6, "s3"), ("last.ckpt", 6, "s3")]
     code, out, _ = run(["inspect", f"{s3_root.url}/last.ckpt", "--json", *opts], capsys)
     assert code == 0 and any(t["key"] == "state_dict.net.0.weight" for t in json.loads(out)["tensors"])
     out_path = tmp_path / "from-s3.ckpt"

@@ -3,9 +3,9 @@
     fastckpt list ROOT [--json] [--remote URL]    checkpoints under a core root, a Lightning dirpath or an
                                                   Accelerate checkpoints/ folder
     fastckpt inspect CKPT [--json]                the state tree: keys, dtypes, shapes, bytes
-    fastckpt verify CKPT...                       every checksum; exit 1 and one line per bad file
+    fastckpt verify CKPT... [--progress]          every checksum; exit 1 and one line per bad file
     fastckpt export CKPT OUT --to torch|safetensors [--key K] [--max-shard-size 5GB]
-    fastckpt import IN ROOT --step N              torch.save file, .ckpt, Accelerate or DCP folder -> core
+    fastckpt import IN ROOT [--step N]            torch.save file, .ckpt, Accelerate or DCP folder -> core
     fastckpt gc ROOT [--keep-last N [--keep-every S]] [--grace-s S] [--dry-run]
     fastckpt persist-pending ROOT [--shm-dir DIR] commit what a crashed process left in shared memory
 
@@ -20,7 +20,7 @@ import importlib
 import json
 import os
 import sys
-from typing import Sequence
+from typing import NoReturn, Sequence
 
 __all__ = ["main", "build_parser"]
 
@@ -66,6 +66,15 @@ def _size(text: str) -> int:
     return parse_size(text)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's errors quote what was typed: shown with control characters escaped, as every message is."""
+
+    def error(self, message: str) -> NoReturn:
+        from .text import clean
+
+        super().error(clean(message))
+
+
 def _command(sub: argparse._SubParsersAction, name: str, target: str, help: str) -> argparse.ArgumentParser:
     p = sub.add_parser(name, help=help, description=help)
     _common(p, "_sub", suppress=True)
@@ -73,8 +82,13 @@ def _command(sub: argparse._SubParsersAction, name: str, target: str, help: str)
     return p
 
 
+def _progress(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="bytes done so far on stderr (default: only when stderr is a terminal)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fastckpt", description="List, inspect, verify, convert and maintain "
+    parser = _Parser(prog="fastckpt", description="List, inspect, verify, convert and maintain "
                                      "fastckpt, Lightning, Accelerate and DCP checkpoints.")
     _common(parser, "", suppress=False)
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
@@ -86,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON")
     p = _command(sub, "verify", "verifying:run", "check every checksum; exit 1 if any checkpoint is bad")
     p.add_argument("paths", metavar="CKPT", nargs="+")
+    _progress(p)
     p = _command(sub, "export", "convert:run_export", "write a checkpoint as a torch file or safetensors")
     p.add_argument("ckpt", metavar="CKPT")
     p.add_argument("out", metavar="OUT", help="a file (--to torch); a folder or a .safetensors file")
@@ -93,11 +108,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--key", help="the subtree to export, dotted (default for safetensors: Lightning state_dict, "
                    "Accelerate model, core model)")
     p.add_argument("--max-shard-size", type=_size, metavar="SIZE", help="shard safetensors (5GB, 500MiB)")
+    _progress(p)
     p = _command(sub, "import", "convert:run_import", "save a foreign checkpoint into a core root")
     p.add_argument("src", metavar="IN", help="a torch.save file, a Lightning .ckpt, an Accelerate or DCP folder")
     p.add_argument("root", metavar="ROOT")
-    p.add_argument("--step", type=_step, required=True)
+    p.add_argument("--step", type=_step, help="the step to save it at (default: the step it records: a .ckpt's "
+                   "global_step, a manifest's step, an Accelerate folder's training step)")
     p.add_argument("--name", help="the checkpoint's name (default step-NNNNNNNNN)")
+    _progress(p)
     p = _command(sub, "gc", "maintain:run_gc", "retention by hand, and folders of saves that died uncommitted")
     p.add_argument("root", metavar="ROOT")
     p.add_argument("--keep-last", type=_positive, metavar="N", help="keep the newest N committed checkpoints")
@@ -134,7 +152,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         run = getattr(importlib.import_module(f".{module}", __name__), fn)
         return run(args, _options(args))
     except FastCkptError as e:
-        print(f"fastckpt: error: {' '.join(str(e).split())}", file=sys.stderr)
+        from .text import clean
+
+        print(f"fastckpt: error: {clean(' '.join(str(e).split()))}", file=sys.stderr)
         return 1
     except BrokenPipeError:
         # `fastckpt list ROOT | head -1`: the reader left. Point stdout at /dev/null so the interpreter's

@@ -15,10 +15,17 @@ from ..errors import IntegrityError
 from .layout import accelerate_files, kind_of, locate, Located, pointer_parts, read_skeleton
 from .options import CliOptions, print_json
 from .states import leaves
+from .text import clean, human_size, table
 
 __all__ = ["describe", "run"]
 
 _MAX_HEADER = 100 << 20  # a safetensors header larger than this is crafted, not a model's
+
+# safetensors spells dtypes its own way (``F32``); every kind of checkpoint is shown in torch's spelling.
+_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+                       "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32",
+                       "I16": "int16", "I8": "int8", "U64": "uint64", "U32": "uint32", "U16": "uint16",
+                       "U8": "uint8", "BOOL": "bool", "C64": "complex64"}
 
 
 def describe(path: str, opts: CliOptions) -> dict[str, Any]:
@@ -43,7 +50,8 @@ def describe(path: str, opts: CliOptions) -> dict[str, Any]:
 
 
 def _row(key: str, dtype: Any, shape: Any, nbytes: int) -> dict[str, Any]:
-    return {"key": key, "dtype": str(dtype).removeprefix("torch."), "shape": list(shape), "nbytes": int(nbytes)}
+    name = str(dtype).removeprefix("torch.")
+    return {"key": key, "dtype": _SAFETENSORS_DTYPES.get(name, name), "shape": list(shape), "nbytes": int(nbytes)}
 
 
 def _core(path: str, opts: CliOptions, prefix: str, out: list[dict[str, Any]]) -> None:
@@ -111,9 +119,22 @@ def run(args: argparse.Namespace, opts: CliOptions) -> int:
     if args.json:
         print_json(info)
         return 0
-    print(f"{info['path']}  ({info['kind']}, {len(info['tensors'])} tensors, {info['nbytes'] / 1e6:.1f} MB)")
-    for t in info["tensors"]:
-        print(f"  {t['key']:<60} {t['dtype']:<10} {str(t['shape']):<20} {t['nbytes']:>12}")
-    for o in info["objects"]:
-        print(f"  {o['key']:<60} {o['type']:<10} {o['value']}")
+    tensors, objects = info["tensors"], info["objects"]
+    print(clean(f"{info['path']}  ({info['kind']}, {_count(len(tensors), 'tensor')}, {human_size(info['nbytes'])}, "
+                f"{_count(len(objects), 'other value')})"))
+    if tensors:
+        rows = [(t["key"], t["dtype"], _shape(t["shape"]), human_size(t["nbytes"])) for t in tensors]
+        print("\n".join(table(("KEY", "DTYPE", "SHAPE", "SIZE"), rows, right=(3,))))
+    if objects:
+        print()
+        print("\n".join(table(("KEY", "TYPE", "VALUE"), [(o["key"], o["type"], o["value"]) for o in objects])))
     return 0
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}" if n == 1 else f"{n} {what}s"
+
+
+def _shape(shape: list[int]) -> str:
+    """``8x8``; a scalar is ``scalar``."""
+    return "x".join(map(str, shape)) if shape else "scalar"

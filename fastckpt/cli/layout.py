@@ -20,13 +20,14 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from ..errors import CheckpointNotFoundError, IntegrityError
+from ..errors import CheckpointNotFoundError, FastCkptError, IntegrityError
 from ..format.layout import MANIFEST, checkpoint_dir
 from ..format.paths import confine, plain_name
 from .. import LocalStorage, Storage, open_storage
 
 __all__ = ["Located", "locate", "children", "kind_of", "read_skeleton", "pointer_parts", "pointer_step",
-           "has_zip_end", "is_zip_start", "is_torch_name", "ACCELERATE_FILE", "accelerate_files"]
+           "has_zip_end", "is_zip_start", "is_torch_name", "ACCELERATE_FILE", "accelerate_files", "accelerate_step",
+           "checkpoint_bytes"]
 
 # The files stock Accelerate's save_state writes (model_1.safetensors, optimizer_1.bin... for more objects).
 ACCELERATE_FILE = re.compile(r"(model|pytorch_model|optimizer|scheduler|sampler|dl_state_dict|scaler|"
@@ -35,6 +36,7 @@ _TORCH_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin")
 _POINTER_FORMAT = "fastckpt-lightning-pointer"  # fastckpt_lightning/pointer.py: FORMAT
 _MAX_POINTER_BYTES = 64 * 1024
 _ZIP_END = b"PK\x05\x06"  # the end-of-central-directory signature: the last record torch writes
+_MAX_RNG_FILE = 16 << 20  # random_states_0.pkl holds a few RNG states (KBs): a larger one is not Accelerate's
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,3 +201,50 @@ def read_skeleton(loc: Located) -> Any:
         except Exception as e:  # torch raises UnpicklingError, RuntimeError or ValueError for foreign files
             raise IntegrityError(f"{loc.path}: not a torch checkpoint readable with weights_only=True: "
                                  f"{(str(e).splitlines() or [type(e).__name__])[0]}") from e
+
+
+def accelerate_step(loc: Located) -> int | None:
+    """The training step (``Accelerator.step``) stock ``save_state`` recorded in ``random_states_0.pkl`` of the
+    folder ``loc``; None when the file is absent, too large to be Accelerate's, or holds no integer ``step``.
+
+    The file is read with ``weights_only=True`` plus exactly what numpy's RNG state needs (arrays and their
+    dtypes, the globals torch's own ``weights_only`` documentation allowlists for numpy): nothing else unpickles.
+    """
+    import pickle
+
+    import numpy as np
+    import torch
+
+    try:
+        from numpy._core.multiarray import _reconstruct  # numpy 2
+    except ImportError:  # numpy 1
+        from numpy.core.multiarray import _reconstruct  # type: ignore[no-redef]
+    path = loc.storage.join(loc.path, "random_states_0.pkl")
+    try:
+        if loc.storage.size(path) > _MAX_RNG_FILE:
+            return None
+        data = loc.storage.read_bytes(path)
+        with torch.serialization.safe_globals([_reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]):
+            state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except (FastCkptError, OSError, pickle.UnpicklingError, RuntimeError, ValueError, EOFError):
+        return None  # absent, unreadable or refused: the folder's step is then unknown, never guessed
+    step = state.get("step") if isinstance(state, dict) else None
+    return step if type(step) is int and step >= 0 else None
+
+
+def checkpoint_bytes(path: str, options: dict[str, Any]) -> int:
+    """The bytes of the checkpoint at ``path`` (its files, a pointer's folders): the total progress counts to."""
+    loc = locate(path, options)
+    names = children(loc)
+    if names is None:
+        folders = pointer_parts(loc)
+        if folders is None:
+            return loc.storage.size(loc.path)
+        return sum(checkpoint_bytes(f, options) for f in folders)
+    total = 0
+    for name in names:
+        try:
+            total += loc.storage.size(loc.storage.join(loc.path, name))
+        except (OSError, FastCkptError):
+            continue  # a sub-folder, or a file gone meanwhile: verify itself reports what matters
+    return total

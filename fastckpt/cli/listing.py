@@ -24,11 +24,13 @@ from typing import Any
 
 from ..errors import FastCkptError, IntegrityError
 from ..format.layout import MANIFEST, parse_manifest
+from ..tiers.catalog import Catalog
 from ..tiers.gc import is_save_folder
 from .. import LocalStorage
-from .layout import (ACCELERATE_FILE, Located, children, has_zip_end, is_torch_name, is_zip_start, locate,
-                     pointer_parts, pointer_step, read_skeleton)
+from .layout import (ACCELERATE_FILE, Located, accelerate_step, children, has_zip_end, is_torch_name, is_zip_start,
+                     locate, pointer_parts, pointer_step, read_skeleton)
 from .options import CliOptions, is_remote, print_json
+from .text import clean, human_size, table
 
 __all__ = ["Row", "list_root", "run"]
 
@@ -50,6 +52,8 @@ class Row:
     status: str
     path: str
     layout: str
+    problem: str | None = None
+    """What a ``damaged`` checkpoint lacks (a folder deleted part way keeps its manifest); else None."""
 
 
 def list_root(root: str, opts: CliOptions) -> list[Row]:
@@ -61,7 +65,7 @@ def list_root(root: str, opts: CliOptions) -> list[Row]:
     if "checkpoints" in names and not any(_ACC_FOLDER.fullmatch(n) for n in names):
         loc = Located(loc.storage, loc.storage.join(loc.path, "checkpoints"))  # an Accelerate project_dir
         names = children(loc) or []
-    here = "remote" if is_remote(loc.path) else "local"
+    here = _where(loc.path)
     if any(is_torch_name(n) for n in names):
         rows = [row for n in names if is_torch_name(n)
                 for row in [_lightning_entry(Located(loc.storage, loc.storage.join(loc.path, n)), here)] if row]
@@ -70,7 +74,16 @@ def list_root(root: str, opts: CliOptions) -> list[Row]:
                 if _ACC_FOLDER.fullmatch(n)]
     else:
         rows = _core_rows(loc, names, here, opts)
-    return sorted(rows, key=lambda r: (r.step if r.step is not None else -1, r.name))
+    return sorted(rows, key=_order)
+
+
+def _order(row: Row) -> tuple[int, str]:
+    """Oldest first: by step; Accelerate folders by their index, the order they were saved in (the step Accelerate
+    records restarts at 0 at the end of each prepared dataloader, so it orders saves only within one epoch)."""
+    index = _ACC_FOLDER.fullmatch(row.name) if row.layout == "accelerate" else None
+    if index is not None:
+        return int(index.group(1)), row.name
+    return (row.step if row.step is not None else -1), row.name
 
 
 def _core_rows(loc: Located, names: list[str], here: str, opts: CliOptions) -> list[Row]:
@@ -86,12 +99,12 @@ def _core_rows(loc: Located, names: list[str], here: str, opts: CliOptions) -> l
     remote = locate(opts.remote_url, opts.remote_options)
     for name in children(remote) if _exists(remote) else []:
         row = _core_row(Located(remote.storage, remote.storage.join(remote.path, name)), "remote")
-        if row is None or row.status != "committed":
+        if row is None or row.status not in ("committed", "damaged"):
             continue
         mine = rows.get(name)
         if mine is None:
-            rows[name] = row
-        elif mine.status == "committed":
+            rows[name] = row  # only there (a damaged remote copy too: a resume from there would fail)
+        elif mine.status == row.status == "committed":
             mine.where = "both"
     for row in rows.values():
         if row.where == here and row.status == "committed":
@@ -104,6 +117,11 @@ def _exists(loc: Located) -> bool:
         return children(loc) is not None
     except FastCkptError:
         return False
+
+
+def _where(path: str) -> str:
+    """``local``, or the URL scheme of a remote root (``s3``, ``gs``): where the root's own rows live."""
+    return path.split("://", 1)[0] if is_remote(path) else "local"
 
 
 def _core_row(loc: Located, where: str) -> Row | None:
@@ -124,11 +142,18 @@ def _core_row(loc: Located, where: str) -> Row | None:
     try:
         doc = parse_manifest(storage.read_bytes(mpath), mpath)
     except FastCkptError as e:
-        print(f"fastckpt: warning: {e}", file=sys.stderr)
+        print(f"fastckpt: warning: {clean(e)}", file=sys.stderr)
         return Row(loc.name, None, None, None, 0, where, "torn", loc.path, "core")
     created = doc.get("created")
-    return Row(loc.name, doc["step"], None, created if isinstance(created, (int, float)) else None,
-               doc.get("nbytes", 0), where, "committed", loc.path, "core")
+    row = Row(loc.name, doc["step"], None, created if isinstance(created, (int, float)) else None,
+              doc.get("nbytes", 0), where, "committed", loc.path, "core")
+    meta = (doc.get("user") or {}).get("fastckpt_accelerate")  # fastckpt_accelerate's: the training step
+    if isinstance(meta, dict) and type(meta.get("step")) is int:
+        row.step = meta["step"]
+    row.problem = Catalog.damage_of(storage, loc.path, doc, files)
+    if row.problem is not None:
+        row.status = "damaged"  # committed, then deleted part way (or copied part way): it does not load
+    return row
 
 
 def _lightning_entry(loc: Located, where: str) -> Row | None:
@@ -198,15 +223,22 @@ def _lightning_row(loc: Located, where: str) -> Row:
 
 def _accelerate_row(loc: Located, where: str) -> Row:
     files = (children(loc) or []) if _entry_kind(loc) == "dir" else []
-    index = int(_ACC_FOLDER.fullmatch(loc.name).group(1))  # type: ignore[union-attr]
-    if MANIFEST in files:  # written by fastckpt: its manifest knows the step
+    if MANIFEST in files:  # written by fastckpt_accelerate: its manifest records the training step
         row = _core_row(loc, where)
         assert row is not None
         row.layout = "accelerate"
         return row
     size = sum(_file_size(loc, f) for f in files)
     status = "committed" if any(ACCELERATE_FILE.fullmatch(f) for f in files) else "uncommitted"
-    return Row(loc.name, index, None, _mtime(loc, files), size, where, status, loc.path, "accelerate")
+    step = accelerate_step(loc) if status == "committed" else None
+    row = Row(loc.name, step, None, _mtime(loc, files), size, where, status, loc.path, "accelerate")
+    if status == "committed":  # stock save_state writes the model first and the RNG states last: both, or damaged
+        lacks = [what for what, there in (("the model file", any(f.startswith(("model", "pytorch_model"))
+                                                                 for f in files)),
+                                          ("random_states_0.pkl", "random_states_0.pkl" in files)) if not there]
+        if lacks:
+            row.status, row.problem = "damaged", f"{' and '.join(lacks)} missing"
+    return row
 
 
 def _modified(loc: Located) -> float | None:
@@ -228,12 +260,16 @@ def run(args: argparse.Namespace, opts: CliOptions) -> int:
         print_json([asdict(r) for r in rows])
         return 0
     if not rows:
-        print(f"no checkpoints under {args.root}", file=sys.stderr)
+        print(f"no checkpoints under {clean(args.root)}", file=sys.stderr)
         return 0
-    print(f"{'STEP':>10}  {'EPOCH':>5}  {'COMMITTED':<19}  {'SIZE':>10}  {'WHERE':<6}  {'STATUS':<14}  NAME")
+    cells = [(_dash(r.step), _dash(r.epoch), _when(r.created), human_size(r.nbytes), r.where, r.status, r.name)
+             for r in rows]
+    print("\n".join(table(("STEP", "EPOCH", "COMMITTED", "SIZE", "WHERE", "STATUS", "NAME"), cells,
+                          right=(0, 1, 3))))
     for r in rows:
-        print(f"{_dash(r.step):>10}  {_dash(r.epoch):>5}  {_when(r.created):<19}  {_size(r.nbytes):>10}  "
-              f"{r.where:<6}  {r.status:<14}  {r.name}")
+        if r.problem is not None:  # the table says damaged; this says why, and what to do
+            print(clean(f"fastckpt: warning: {r.name} is damaged: {r.problem}; it does not load. `fastckpt verify "
+                        f"{r.path}` checks every file; remove it once you have what you need from it"), file=sys.stderr)
     return 0
 
 
@@ -243,11 +279,3 @@ def _dash(value: Any) -> str:
 
 def _when(t: float | None) -> str:
     return "-" if t is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
-
-
-def _size(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000  # type: ignore[assignment]
-    return str(n)

@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 from ..errors import CheckpointNotFoundError, FastCkptError
 from .options import CliOptions, checkpoint_config
+from .text import clean
 
 __all__ = ["run_gc", "run_persist_pending"]
 
@@ -46,11 +47,11 @@ def run_gc(args: argparse.Namespace, opts: CliOptions) -> int:
     lines = _locked(args.root, opts, lambda storage: [f"{verb}  {line}" for line in _collect(storage, args, opts,
                                                                                               failed)])
     for line in lines:
-        print(line)
+        print(clean(line))
     for line in failed:
-        print(f"fastckpt: error: {line}", file=sys.stderr)
+        print(f"fastckpt: error: {clean(line)}", file=sys.stderr)
     if not lines and not failed:
-        print(f"nothing to remove under {args.root}", file=sys.stderr)
+        print(f"nothing to remove under {clean(args.root)}", file=sys.stderr)
     return 1 if failed else 0
 
 
@@ -133,10 +134,11 @@ def run_persist_pending(args: argparse.Namespace, opts: CliOptions) -> int:
         for handle in ckpt.recovered:
             try:
                 info = handle.wait()
-                print(f"committed  {info.path if info else handle.path}  (step {handle.step})")
+                print(clean(f"committed  {info.path if info else handle.path}  (step {handle.step})"))
             except FastCkptError as e:
                 failed += 1
-                print(f"fastckpt: error: {handle.name} (step {handle.step}) was not committed: {e}", file=sys.stderr)
+                print(clean(f"fastckpt: error: {handle.name} (step {handle.step}) was not committed: "
+                            f"{' '.join(str(e).split())}"), file=sys.stderr)
         if not ckpt.recovered:
-            print(f"nothing staged in shared memory for {args.root}", file=sys.stderr)
+            print(f"nothing staged in shared memory for {clean(args.root)}", file=sys.stderr)
     return 1 if failed else 0

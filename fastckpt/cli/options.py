@@ -9,15 +9,12 @@ Nothing here imports torch: ``fastckpt --help`` must stay fast.
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, TypeVar
+from typing import Any, Iterable
 
 from ..errors import ConfigError
 
-__all__ = ["CliOptions", "checkpoint_config", "parse_pair", "merge_pairs", "load_options", "is_remote", "print_json", "progress"]
-
-T = TypeVar("T")
+__all__ = ["CliOptions", "checkpoint_config", "parse_pair", "merge_pairs", "load_options", "is_remote", "print_json"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,19 +97,3 @@ def is_remote(path: str) -> bool:
 
 def print_json(obj: Any) -> None:
     print(json.dumps(obj, indent=1, sort_keys=False))
-
-
-def progress(items: Iterable[T], total: int, what: str) -> Iterator[T]:
-    """``items``, with a progress bar on stderr when it is a terminal (quiet in pipes, logs and tests)."""
-    if not sys.stderr.isatty():
-        yield from items
-        return
-    try:
-        from tqdm import tqdm
-    except ImportError:  # tqdm is optional: without it, one line per item
-        for i, item in enumerate(items, 1):
-            print(f"\r{what}: {i}/{total}", end="", file=sys.stderr, flush=True)
-            yield item
-        print(file=sys.stderr)
-        return
-    yield from tqdm(items, total=total, desc=what, unit="file", leave=False)

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import io
 import sys
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from ..errors import CheckpointNotFoundError, ConfigError, UnsafeCheckpointError
 from .. import LocalStorage
 from .layout import accelerate_files, kind_of, locate, Located, pointer_parts
+from .progress import CountingStorage, counting_file
+from .text import clean
 
 __all__ = ["load_state", "torch_load", "leaves", "subtree", "DEFAULT_KEY"]
 
@@ -21,27 +23,41 @@ DEFAULT_KEY = {"torch": "state_dict", "pointer": "state_dict", "accelerate": "mo
                "dcp": "model"}
 
 
-def load_state(path: str, options: dict[str, Any]) -> tuple[str, Any]:
-    """(kind, state) of the checkpoint at ``path``: tensors on the CPU, bytes verified where checksummed."""
-    from .. import load_checkpoint
+Count = Callable[[int], None]
 
+
+def load_state(path: str, options: dict[str, Any], count: Count | None = None) -> tuple[str, Any]:
+    """(kind, state) of the checkpoint at ``path``: tensors on the CPU, bytes verified where checksummed.
+    ``count(n)`` is told of the bytes read as they are (``fastckpt.cli.progress``; DCP folders are not counted)."""
     loc = locate(path, options)
     kind = kind_of(loc)
     if kind == "core":
-        return kind, load_checkpoint(loc.path, storage_options=options)
+        return kind, _core_state(loc.path, options, count)
     if kind == "pointer":  # fastckpt 0.1's Lightning layout: later parts override top-level keys
         merged: dict[str, Any] = {}
         for part in pointer_parts(loc) or []:
-            merged.update(load_checkpoint(part, storage_options=options))
+            merged.update(_core_state(part, options, count))
         return kind, merged
     if kind == "torch":
-        return kind, torch_load(loc)
+        return kind, torch_load(loc, count)
     if kind == "accelerate":
-        return kind, _accelerate_state(loc)
+        return kind, _accelerate_state(loc, count)
     return kind, _dcp_state(loc)
 
 
-def torch_load(loc: Located) -> Any:
+def _core_state(path: str, options: dict[str, Any], count: Count | None) -> Any:
+    """``load_checkpoint(path)``; counted through a ``CountingStorage`` only while someone watches (the wrapper
+    hides ``LocalStorage``'s mapped reads from the reader)."""
+    from .. import CheckpointReader, load_checkpoint, open_storage
+    from ..format.layout import checkpoint_dir
+
+    if count is None:
+        return load_checkpoint(path, storage_options=options)
+    storage = open_storage(checkpoint_dir(path), options)
+    return CheckpointReader(CountingStorage(storage, count), storage.url, verify=True).load(None)
+
+
+def torch_load(loc: Located, count: Count | None = None) -> Any:
     """``torch.load(weights_only=True)`` of one file; a refusal names the file and what to do."""
     import pickle
 
@@ -49,28 +65,35 @@ def torch_load(loc: Located) -> Any:
 
     source: Any = loc.path
     if not isinstance(loc.storage, LocalStorage):
-        source = io.BytesIO(loc.storage.read_bytes(loc.path))  # one read: torch seeks all over the file
+        storage = loc.storage if count is None else CountingStorage(loc.storage, count)
+        source = io.BytesIO(storage.read_bytes(loc.path))  # one read: torch seeks all over the file
+    elif count is not None:
+        source = counting_file(loc.path, count)
     try:
         return torch.load(source, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError) as e:
         raise UnsafeCheckpointError(
             f"{loc.path}: torch.load(weights_only=True) refused it: {str(e).splitlines()[0]}. fastckpt's command "
             "line never unpickles arbitrary objects; load it in your own code if you trust it") from e
+    finally:
+        if not isinstance(source, str):
+            source.close()
 
 
-def _accelerate_state(loc: Located) -> dict[str, Any]:
+def _accelerate_state(loc: Located, count: Count | None = None) -> dict[str, Any]:
     """The stock Accelerate files as one dict keyed by file stem (``model``, ``optimizer``, ``scheduler``...)."""
     from safetensors.torch import load as load_safetensors
 
     state: dict[str, Any] = {}
+    storage = loc.storage if count is None else CountingStorage(loc.storage, count)
     for name, file, stem in accelerate_files(loc):
         if name.endswith(".safetensors"):
-            state[stem] = load_safetensors(loc.storage.read_bytes(file.path))
+            state[stem] = load_safetensors(storage.read_bytes(file.path))
             continue
         try:
-            state[stem] = torch_load(file)
+            state[stem] = torch_load(file, count)
         except UnsafeCheckpointError as e:  # random_states_N.pkl holds numpy RNG state: not weights_only
-            print(f"fastckpt: warning: skipped {e}", file=sys.stderr)
+            print(f"fastckpt: warning: skipped {clean(' '.join(str(e).split()))}", file=sys.stderr)
     return state
 
 

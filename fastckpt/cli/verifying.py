@@ -10,37 +10,42 @@ import argparse
 import json
 import struct
 import sys
-from typing import Any
+from typing import Any, Callable
 
 from ..errors import FastCkptError
 from ..format.layout import MANIFEST
 from .. import LocalStorage
-from .layout import Located, children, kind_of, locate, pointer_parts
-from .options import CliOptions, progress
+from .layout import Located, checkpoint_bytes, children, kind_of, locate, pointer_parts
+from .options import CliOptions
+from .progress import ByteProgress, CountingStorage, wanted
+from .text import clean
 
 __all__ = ["verify_path", "verify_accelerate_folder", "run"]
 
+Count = Callable[[int], None]
 
-def verify_path(path: str, opts: CliOptions) -> list[str]:
-    """One line per problem in the checkpoint at ``path`` (empty: every checksum matched)."""
+
+def verify_path(path: str, opts: CliOptions, count: Count | None = None) -> list[str]:
+    """One line per problem in the checkpoint at ``path`` (empty: every checksum matched). ``count(n)`` is told
+    of the bytes checked as they are (``fastckpt.cli.progress``)."""
     try:
         loc = locate(path, opts.storage_options)
         kind = kind_of(loc)
         if kind == "core":
-            return _core(loc, opts.storage_options)
+            return _core(loc, opts.storage_options, count)
         if kind == "pointer":
             parts = pointer_parts(loc) or []
-            return [p for part in parts for p in _core(Located(loc.storage, part), opts.storage_options)]
+            return [p for part in parts for p in _core(Located(loc.storage, part), opts.storage_options, count)]
         if kind == "torch":
-            return _torch_file(loc)
+            return _torch_file(loc, count)
         if kind == "accelerate":
-            return verify_accelerate_folder(loc, opts.storage_options)
+            return verify_accelerate_folder(loc, opts.storage_options, count)
         return [f"{loc.path}: a DCP checkpoint carries no checksums; there is nothing fastckpt can verify"]
     except FastCkptError as e:
         return [str(e)]
 
 
-def verify_accelerate_folder(loc: Located, options: dict[str, Any]) -> list[str]:
+def verify_accelerate_folder(loc: Located, options: dict[str, Any], count: Count | None = None) -> list[str]:
     """An Accelerate ``checkpoint_N/`` folder: through its fastckpt manifest when it has one; else each torch
     file's zip CRC-32s and each safetensors header (stock files carry no other checksum).
 
@@ -48,31 +53,34 @@ def verify_accelerate_folder(loc: Located, options: dict[str, Any]) -> list[str]
     """
     names = children(loc) or []
     if MANIFEST in names:
-        return _core(loc, options)
+        return _core(loc, options, count)
     problems: list[str] = []
     for name in names:
         file = Located(loc.storage, loc.storage.join(loc.path, name))
         if name.endswith(".safetensors"):
-            problems += _safetensors_header(file)
+            problems += _safetensors_header(file, count)
         elif _head(file) == b"PK\x03\x04":
-            problems += _torch_file(file)
+            problems += _torch_file(file, count)
     return problems
 
 
-def _core(loc: Located, options: dict[str, Any]) -> list[str]:
+def _core(loc: Located, options: dict[str, Any], count: Count | None = None) -> list[str]:
     from .. import open_storage
     from ..read.verify import verify_checkpoint
 
     storage = open_storage(loc.path, options)
-    return verify_checkpoint(storage, storage.url)[1]
+    # Counted only while someone watches: the wrapper hides LocalStorage's fast paths from the reader.
+    return verify_checkpoint(storage if count is None else CountingStorage(storage, count), storage.url)[1]
 
 
-def _torch_file(loc: Located) -> list[str]:
+def _torch_file(loc: Located, count: Count | None = None) -> list[str]:
     from ..format.torchfile import verify_torch_bytes, verify_torch_file
 
     if isinstance(loc.storage, LocalStorage):
-        return verify_torch_file(loc.path)
-    return verify_torch_bytes(loc.storage.read_bytes(loc.path), loc.path)
+        return verify_torch_file(loc.path, count)
+    storage = loc.storage if count is None else CountingStorage(loc.storage, count)
+    data = storage.read_bytes(loc.path)  # counted as it is read; the CRC pass over memory is not counted again
+    return verify_torch_bytes(data, loc.path)
 
 
 def _head(loc: Located) -> bytes:
@@ -81,9 +89,9 @@ def _head(loc: Located) -> bytes:
     return bytes(buf)
 
 
-def _safetensors_header(loc: Located) -> list[str]:
+def _safetensors_header(loc: Located, count: Count | None = None) -> list[str]:
     """The header parses and its tensors tile the data section exactly (no CRC exists to check)."""
-    data = loc.storage.read_bytes(loc.path)
+    data = (loc.storage if count is None else CountingStorage(loc.storage, count)).read_bytes(loc.path)
     try:
         (n,) = struct.unpack("<Q", data[:8])
         header = json.loads(data[8:8 + n])
@@ -103,12 +111,22 @@ def _safetensors_header(loc: Located) -> list[str]:
 
 def run(args: argparse.Namespace, opts: CliOptions) -> int:
     bad = 0
-    for path in progress(args.paths, len(args.paths), "verifying"):
-        problems = verify_path(path, opts)
+    show = wanted(args.progress)
+    for path in args.paths:
+        total = _total(path, opts) if show else 0
+        with ByteProgress(f"verifying {path}", total, show) as bar:
+            problems = verify_path(path, opts, bar.add if show else None)
         for line in problems:  # one line per problem, so that scripts can count and grep them
-            print(f"fastckpt: error: {' '.join(line.split())}", file=sys.stderr)
+            print(f"fastckpt: error: {clean(' '.join(line.split()))}", file=sys.stderr)
         if problems:
             bad += 1
         else:
-            print(f"OK  {path}")
+            print(f"OK  {clean(path)}")
     return 1 if bad else 0
+
+
+def _total(path: str, opts: CliOptions) -> int:
+    try:
+        return checkpoint_bytes(path, opts.storage_options)
+    except FastCkptError:
+        return 0  # verify_path reports the path's own problem

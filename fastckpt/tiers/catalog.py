@@ -88,6 +88,43 @@ class Catalog:
             return None
         return CheckpointInfo(name, doc["step"], path, doc.get("nbytes", 0))
 
+    @staticmethod
+    def damage_of(storage: Storage, path: str, doc: dict, present: list[str] | None = None) -> str | None:
+        """What a committed checkpoint lacks, or None when every file its manifest lists is there (at its listed size
+        where sizes are cheap: a local folder). ``present``: the folder's names when the caller listed it already.
+
+        A folder removed by hand part way (``rm -r`` interrupted, a sync that copied only some files) keeps its
+        manifest while shards are gone: listings show it as damaged and a load says which older step is whole.
+        No byte is read: ``fastckpt verify`` checks the contents.
+        """
+        try:
+            names = set(present if present is not None else storage.listdir(path))
+        except (FastCkptError, OSError) as e:
+            return f"its folder cannot be listed: {e}"
+        missing = [f for f in doc["files"] if f not in names]
+        if missing:
+            shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+            return f"{len(missing)} of its {len(doc['files'])} files are missing ({shown})"
+        if isinstance(storage, LocalStorage):
+            for f, rec in doc["files"].items():
+                try:
+                    size = os.stat(os.path.join(path, f)).st_size
+                except OSError as e:
+                    return f"{f} cannot be read: {e.strerror}"
+                if size != rec["size"]:
+                    return f"{f} is {size} bytes, its manifest says {rec['size']} (truncated or replaced)"
+        return None
+
+    def damage(self, name: str) -> str | None:
+        """``damage_of`` of the committed checkpoint ``name`` (None when whole, or when it is not committed)."""
+        path = self.storage.join(self.storage.url, name)
+        mpath = self.storage.join(path, MANIFEST)
+        try:
+            doc = parse_manifest(self.storage.read_bytes(mpath), mpath)
+        except (FastCkptError, OSError):
+            return None  # not committed (or unreadable): Catalog.list never offers it
+        return self.damage_of(self.storage, path, doc)
+
     def committed(self, info: CheckpointInfo) -> None:
         """Called by the committer right after a manifest lands."""
         with self._lock:

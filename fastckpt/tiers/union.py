@@ -11,15 +11,17 @@ submitted before it, and the checkpoints a dead process committed but never uplo
 from __future__ import annotations
 
 import logging
+import os
 from concurrent.futures import Future
+from contextlib import contextmanager
 from concurrent.futures import wait as wait_futures
-from typing import Callable
+from typing import Callable, Iterator
 
 from ..config import RetentionOptions
 from ..engine.futures import remaining, resolved, settle
 from ..engine.handle import SaveHandle
 from ..engine.priority import ThreadPriorities
-from ..errors import CheckpointNotFoundError, FastCkptError, StorageError
+from ..errors import CheckpointNotFoundError, FastCkptError, IntegrityError, StorageError
 from ..format.layout import CheckpointInfo
 from ..storage.protocol import Storage
 from .catalog import Catalog
@@ -212,6 +214,48 @@ class CatalogUnion:
                                           f"remote tier at {remote.storage.url}")
         target = infos[-1].name
         return (self.local.storage if target in local else remote.storage), target
+
+    @contextmanager
+    def explaining(self, storage: Storage, dirpath: str, root: str) -> Iterator[None]:
+        """Around a load from ``dirpath``: an ``IntegrityError`` (a file missing, short or failing its checksum)
+        is raised again told so that the user can act (``explain``). Its subclasses (``UnsafeCheckpointError``: a
+        class not allowed, no damage) pass unchanged."""
+        try:
+            yield
+        except IntegrityError as e:
+            better = self.explain(storage, dirpath, e, root) if type(e) is IntegrityError else None
+            if better is None:
+                raise
+            raise better from e
+
+    def explain(self, storage: Storage, dirpath: str, err: IntegrityError, root: str) -> IntegrityError | None:
+        """``err`` of a load from ``dirpath`` with what the checkpoint lacks (a folder deleted part way keeps its
+        manifest) and which older checkpoint is whole, to load instead; None when the root cannot be listed."""
+        name = dirpath.rstrip("/").rsplit("/", 1)[-1].rsplit(os.sep, 1)[-1]
+        catalog = self.remote if self.remote is not None and storage is self.remote.storage else self.local
+        try:
+            lacks = catalog.damage(name)
+            older = self.older_whole(name)
+        except FastCkptError:
+            return None  # the root cannot be listed now: the reader's own error says enough
+        what = f"{err}" + (f" ({name}: {lacks})" if lacks else "")
+        if older is None:
+            return IntegrityError(f"{what}; no older checkpoint under {root} has all its files. `fastckpt verify` "
+                                  "names every bad file")
+        return IntegrityError(f"{what}. The newest older checkpoint with all its files is {older.name} (step "
+                              f"{older.step}): load it with load(step={older.step}), and remove the damaged one "
+                              f"(Checkpointer.delete({name!r})) so that the latest loads again")
+
+    def older_whole(self, name: str) -> CheckpointInfo | None:
+        """The newest checkpoint listed before ``name`` (older step) whose files are all there, in either tier."""
+        infos, local = self.listing()
+        names = [i.name for i in infos]
+        before = infos[: names.index(name)] if name in names else infos
+        for info in reversed(before):
+            catalog = self.local if info.name in local or self.remote is None else self.remote
+            if catalog.damage(info.name) is None:
+                return info
+        return None
 
     def not_uploaded(self, skip: set[str]) -> list[CheckpointInfo] | None:
         """The local checkpoints newer than the newest remote one (a previous process committed them but never
