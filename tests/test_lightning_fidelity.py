@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import pathlib
 import signal
 import stat
 import subprocess
@@ -232,18 +233,23 @@ def test_the_first_save_into_a_folder_collects_the_temporary_files_of_dead_saves
     `orphan_grace_s`, never a recent one (another process may be writing it) nor anything else."""
     dirpath = tmp_path / "ckpts"
     dirpath.mkdir()
+    from fastckpt.storage.tempmark import mark_bytes, mark_name
+
     dead = dirpath / ".epoch=0-step=4.ckpt.fastckpt-tmp-4242-777"
     recent = dirpath / ".epoch=0-step=6.ckpt.fastckpt-tmp-4243-778"
+    unmarked = dirpath / ".epoch=0-step=8.ckpt.fastckpt-tmp-4244-779"  # named like ours, but no marker proves it
     foreign = dirpath / ".notes.txt"
-    for f in (dead, recent, foreign):
+    for f in (dead, recent, unmarked, foreign):
         f.write_bytes(b"x" * 10)
-    os.utime(dead, (1, 1))
-    os.utime(foreign, (1, 1))
+    for f in (dead, recent):  # what fastckpt writes before the first byte of a temporary file
+        pathlib.Path(mark_name(str(f))).write_bytes(mark_bytes(f.name))
+    for f in (dead, pathlib.Path(mark_name(str(dead))), unmarked, foreign):
+        os.utime(f, (1, 1))
     plugin = FastCheckpointIO({"orphan_grace_s": 600})
     callback = ModelCheckpoint(dirpath=dirpath, every_n_train_steps=2, save_top_k=-1)
     make_trainer([callback], plugin, max_steps=2).fit(TinyModule(), ResumableBatches())
-    assert not dead.exists()
-    assert recent.exists() and foreign.exists()
+    assert not dead.exists() and not pathlib.Path(mark_name(str(dead))).exists()
+    assert recent.exists() and unmarked.exists() and foreign.exists()
     assert (dirpath / "epoch=0-step=2.ckpt").exists()
     saved = torch.load(dirpath / "epoch=0-step=2.ckpt", weights_only=True)
     assert saved["global_step"] == 2
