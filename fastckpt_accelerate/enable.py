@@ -53,6 +53,7 @@ def enable(
         shared_writes=shared_writes,
         original_load_state=type(accelerator).load_state.__get__(accelerator),
         allow_unsafe_pickle=allow_unsafe_pickle,
+        original_wait_for_everyone=type(accelerator).wait_for_everyone.__get__(accelerator),
     )
     _install(accelerator, checkpointing)
     return checkpointing
@@ -76,4 +77,5 @@ def _install(accelerator: Accelerator, checkpointing: FastAccelerateCheckpointin
     accelerator.save_state = checkpointing.save_state
     accelerator.load_state = checkpointing.load_state
     accelerator.end_training = end_training
+    accelerator.wait_for_everyone = checkpointing.wait_for_everyone  # pending saves commit first
     setattr(accelerator, _ATTRIBUTE, checkpointing)

@@ -24,6 +24,8 @@ class _Plugin(Protocol):
 
     def log_stats(self, trainer: pl.Trainer) -> None: ...
 
+    def deliver_logger_calls(self) -> None: ...
+
 
 class FastCheckpointCallback(Callback):
     """Waits for lazy copies before each optimizer step, finishes them when training ends, flushes at teardown."""
@@ -43,8 +45,17 @@ class FastCheckpointCallback(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        """Log the stats of checkpoints that finished."""
+        """Log the stats of checkpoints that finished; loggers see the checkpoints that landed."""
         self._plugin.log_stats(trainer)
+        self._plugin.deliver_logger_calls()
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Loggers see the checkpoints that landed (the last batch of an epoch has no next batch start)."""
+        self._plugin.deliver_logger_calls()
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Loggers see the checkpoints that landed."""
+        self._plugin.deliver_logger_calls()
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
