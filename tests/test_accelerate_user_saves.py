@@ -40,6 +40,21 @@ def gated(closing):
         storage.gate.set()
 
 
+class OneSaveAtATime(GatedStorage):
+    """Closes its gate after each manifest: the next save's files (and a marker written by the background
+    writer rather than inside save_state) wait until the test opens it again."""
+
+    def write_atomic(self, path, data):
+        if threading.current_thread() is not threading.main_thread() and not self.gate.wait(30):
+            raise TimeoutError("test gate never opened")
+        self._inner.write_atomic(path, data)
+
+    def write_file_atomic(self, path, parts):
+        super().write_file_atomic(path, parts)
+        if os.path.basename(path) == MANIFEST:
+            self.gate.clear()
+
+
 def _enable(accelerator, closing, **kwargs):
     checkpointing = fastckpt_accelerate.enable(accelerator, **kwargs)
     closing.append(checkpointing)
@@ -144,3 +159,35 @@ def test_a_removed_folder_is_not_recreated_by_a_writer_already_past_its_check(tm
     acc.wait_for_everyone()
     assert os.path.exists(os.path.join(second, MANIFEST))
     assert sum("removed" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING) == 1
+
+
+def test_saving_one_folder_again_shows_the_latest_save_only(tmp_path, closing):
+    """The second save_state of a folder whose first save is still being written waits for it, then marks the
+    folder: a reader never takes the first save's manifest for the second's checkpoint."""
+    acc = make_accelerator(tmp_path / "project", automatic=False)
+    root = tmp_path / "project" / "checkpoints"
+    storage = OneSaveAtATime(str(root))
+    _enable(acc, closing, config={"root": str(root)}, storage=storage)
+    setup = Setup(acc)
+    target = str(root / "latest")
+    setup.step()
+    storage.gate.clear()
+    acc.save_state(target)
+
+    def open_gate_once_writing() -> None:
+        assert storage.write_started.wait(30)
+        storage.gate.set()
+
+    opener = threading.Thread(target=open_gate_once_writing, name="test-gate")
+    opener.start()
+    setup.step()
+    expected = setup.snapshot()
+    acc.save_state(target)  # waits for the first save of this folder, then marks it again
+    opener.join(30)
+    assert not os.path.exists(os.path.join(target, MANIFEST))  # the first save's manifest is not taken for this one
+    assert os.path.exists(os.path.join(target, PENDING))
+    storage.gate.set()
+    acc.wait_for_everyone()
+    setup.step()
+    acc.load_state(target)
+    assert_same(expected, setup.snapshot())
