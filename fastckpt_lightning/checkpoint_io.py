@@ -179,7 +179,7 @@ class FastCheckpointIO(CheckpointIO):
         checkpointer = self._folder(folder)
         if self._lazy and not self._optimizers:
             self._warn_eager()
-        if self._relay.holds(path):  # a removal of this very name waits behind a logger call: let both run first
+        if self._relay.needs(path):  # a logger call queued before this save must see the previous file first
             self._relay.deliver(block=True)
         # A save the user's own code asked for (trainer.save_checkpoint from a callback or a script) is complete
         # when the call returns, as with stock: they may copy, upload or torch.load it next. Saves Lightning makes

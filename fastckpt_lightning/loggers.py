@@ -68,9 +68,17 @@ class LoggerRelay:
         else:
             self._queue.append(_Held(action, path))
 
-    def holds(self, path: str) -> bool:
-        """Whether a removal of ``path`` is held (a new save of ``path`` must not be removed by it)."""
-        return any(isinstance(item, _Held) and item.path == path for item in self._queue)
+    def needs(self, path: str) -> bool:
+        """Whether a queued item is about ``path``: a held removal of it (a new save of ``path`` must not be removed
+        by it), or a call whose scan would see the file (saved again, it would be logged with the new bytes and the
+        old score, and the later call would skip it as already logged). A new save of ``path`` waits for them."""
+        for item in self._queue:
+            if isinstance(item, _Held):
+                if item.path == path:
+                    return True
+            elif path in _scanned(item.state):
+                return True
+        return False
 
     def deliver(self, block: bool = False) -> None:
         """Run the queued calls whose saves are durable, in order (``block``: wait for the saves, run them all)."""
@@ -129,6 +137,12 @@ def _freeze(callback: Any) -> dict[str, Any]:
     """The callback's attributes now, containers copied one level (``best_k_models`` changes at the next save)."""
     state = dict(callback.__dict__)
     return {k: (type(v)(v) if isinstance(v, (dict, list, set)) else v) for k, v in state.items()}
+
+
+def _scanned(state: dict[str, Any]) -> set[str]:
+    """The paths a logger's scan of a ModelCheckpoint in ``state`` looks at (lightning's ``_scan_checkpoints``)."""
+    paths = {state.get("last_model_path"), state.get("best_model_path"), *(state.get("best_k_models") or {})}
+    return {str(p) for p in paths if p}
 
 
 def _replay(call: _Call) -> None:

@@ -33,16 +33,15 @@ WAIT_S = 60  # a writer held longer than this means training is stuck behind it:
 
 
 class LandLater:
-    """Local storage whose file writes wait for ``moved_on``: a checkpoint lands only after training moved on."""
+    """Local storage whose file writes wait until training has moved past the save that made them."""
 
-    def __init__(self, root: str, moved_on: threading.Event) -> None:
+    def __init__(self, root: str, plugin: "LateIO") -> None:
         self._inner = LocalStorage(root, direct_io="off", fsync=False)
         self.url = self._inner.url
-        self.moved_on = moved_on
+        self.plugin = plugin
 
     def write_file_atomic(self, path: str, parts: Any) -> None:
-        if not self.moved_on.wait(WAIT_S):
-            raise TimeoutError("training never moved on")
+        self.plugin.wait_until_past(path)
         self._inner.write_file_atomic(path, parts)
 
     def __getattr__(self, name: str) -> Any:
@@ -50,29 +49,53 @@ class LandLater:
 
 
 class LateIO(FastCheckpointIO):
-    """The plugin over ``LandLater`` storage."""
+    """The plugin over ``LandLater`` storage: a ModelCheckpoint save's file lands once training reached the next
+    batch start, validation or the end of training (``advance``); the training thread blocking on a save of its
+    own (a user's save) lets every earlier one land, as time passing would."""
 
     def __init__(self, **kwargs: Any) -> None:
         kwargs.setdefault("persist", {"fsync": False})
         super().__init__(**kwargs)
-        self.moved_on = threading.Event()
+        self.progress = 0
+        self.moved = threading.Condition()
+        self.release_at: dict[str, list[int]] = {}  # per path, one entry per save, in order (files land in order)
+
+    def advance(self) -> None:
+        with self.moved:
+            self.progress += 1
+            self.moved.notify_all()
+
+    def wait_until_past(self, path: str) -> None:
+        with self.moved:
+            queue = self.release_at.get(path) or [0]
+            release = queue.pop(0)
+            if not self.moved.wait_for(lambda: self.progress >= release, WAIT_S):
+                raise TimeoutError(f"training never moved past the save of {path}")
+
+    def save_checkpoint(self, checkpoint: dict, path: Any, storage_options: Any = None) -> None:
+        if self.relay.needs(os.fspath(path)):
+            self.advance()  # the plugin waits for earlier saves to land first: time passes for them
+        if scheduled_by_lightning():
+            with self.moved:
+                self.release_at.setdefault(os.fspath(path), []).append(self.progress + 1)
+        else:
+            self.advance()
+            with self.moved:
+                self.release_at.setdefault(os.fspath(path), []).append(0)
+        super().save_checkpoint(checkpoint, path, storage_options)
 
     def _create_checkpointer(self, config: CheckpointConfig) -> Checkpointer:
-        return Checkpointer(config, storage=LandLater(config.root, self.moved_on))
+        return Checkpointer(config, storage=LandLater(config.root, self))
 
 
 class MoveOn(Callback):
-    """Holds each save's files back until the training thread has moved past it."""
+    """Training moved on: the files of earlier ModelCheckpoint saves may land."""
 
     def __init__(self, plugin: LateIO) -> None:
         self.plugin = plugin
 
-    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict) -> None:
-        if scheduled_by_lightning():  # a user's save is awaited inside the call: holding it back would deadlock
-            self.plugin.moved_on.clear()
-
     def on_train_batch_start(self, *args: Any) -> None:
-        self.plugin.moved_on.set()
+        self.plugin.advance()
 
     on_validation_start = on_train_batch_start
     on_train_end = on_train_batch_start
