@@ -142,6 +142,7 @@ def _mlflow_artifacts(tracking: Path) -> dict[str, Path]:
 
 
 def test_mlflow_log_model_all_logs_the_files_stock_logs(tmp_path, monkeypatch):
+    pytest.importorskip("mlflow", reason="mlflow-skinny is not installed (the [test] extra has it)")
     from lightning.pytorch.loggers import MLFlowLogger
 
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # mlflow's own switch: a file store needs no database
@@ -183,7 +184,7 @@ class WandbSpy:
 
 
 def test_wandb_offline_log_model_all_logs_the_files_stock_logs(tmp_path, monkeypatch):
-    pytest.importorskip("wandb", reason="wandb is not installed")
+    pytest.importorskip("wandb", reason="wandb is not installed (the [test] extra has it)")
     from lightning.pytorch.loggers import WandbLogger
 
     monkeypatch.setenv("WANDB_MODE", "offline")  # offline=True refuses log_model; the client itself runs offline
