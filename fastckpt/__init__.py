@@ -35,6 +35,7 @@ _EXPORTS = {
     "FastCkptError": ".errors",
     "ConfigError": ".errors",
     "StorageError": ".errors",
+    "FolderRemovedError": ".errors",
     "CheckpointTimeoutError": ".errors",
     "IntegrityError": ".errors",
     "CheckpointNotFoundError": ".errors",

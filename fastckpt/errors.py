@@ -30,6 +30,12 @@ class StorageError(FastCkptError, OSError):
     """Reading or writing the checkpoint storage failed (disk full, permission, network)."""
 
 
+class FolderRemovedError(StorageError):
+    """The folder a pending save was writing was removed by someone else (a ``TemporaryDirectory`` cleanup, a
+    cleanup script): the save is abandoned, nothing is recreated, and it is not raised at the next save, ``wait`` or
+    ``close`` (a warning says so once); only ``handle.wait()`` of that very save raises it."""
+
+
 class CheckpointTimeoutError(StorageError, TimeoutError):
     """A storage request, ``wait(timeout)`` or ``close(timeout)`` ran past its deadline; the message names
     what was still pending."""

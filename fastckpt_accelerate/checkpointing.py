@@ -72,6 +72,7 @@ class FastAccelerateCheckpointing:
         shared_writes: bool | None = None,
         original_load_state: Callable[..., Any] | None = None,
         allow_unsafe_pickle: bool = False,
+        original_wait_for_everyone: Callable[[], Any] | None = None,
     ) -> None:
         self._closed = True  # until construction succeeds, so close() is safe on a half-built object
         self._accelerator = accelerator
@@ -79,6 +80,7 @@ class FastAccelerateCheckpointing:
         self.root = naming.normalize(config.root)
         self._storage = storage
         self._original_load_state = original_load_state
+        self._original_wait_for_everyone = original_wait_for_everyone
         self.allow_unsafe_pickle = bool(allow_unsafe_pickle)  # see foreign.py: Accelerate folders' pickles
         self._checkpointers: dict[str, Checkpointer] = {}
         self._watchers: dict[str, OptimizerWatcher] = {}
@@ -148,6 +150,9 @@ class FastAccelerateCheckpointing:
         checked.raise_shared(gathered[0]["error"])
         iteration = self._accelerator.project_configuration.iteration
         if self._accelerator.is_main_process:
+            # The folder must always show its latest save_state: an earlier save of it still pending would publish
+            # its manifest (and drop the marker) after this call returned. Rare (one folder saved twice in a row).
+            _wait_for_saves_of(naming.normalize(target.url))
             checkpointer = self._checkpointer_for(target.root)
             self._watchers[target.root].sync(self._accelerator._optimizers)
             files = stock_files(self._accelerator, target.url, safe_serialization, [g["rng"] for g in gathered])
@@ -244,6 +249,21 @@ class FastAccelerateCheckpointing:
         for ckpt in list(self._checkpointers.values()):
             ckpt.wait()
         self.log_stats()
+
+    def wait_for_everyone(self) -> None:
+        """Replaces ``Accelerator.wait_for_everyone``: every pending save commits first (its files and manifest are
+        complete once this returns, on every process: the main process waits before the barrier), then stock's
+        barrier. A background error is raised on the main process after the barrier (the others are not held)."""
+        error: FastCkptError | None = None
+        if not self._closed:
+            try:
+                self.wait()
+            except FastCkptError as e:
+                error = e
+        if self._original_wait_for_everyone is not None:
+            self._original_wait_for_everyone()
+        if error is not None:
+            raise error
 
     def log_stats(self) -> int:
         """Send the stats of saves finished since the last call to ``accelerator.log`` (if enabled)."""

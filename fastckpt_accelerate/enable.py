@@ -22,7 +22,7 @@ from .config import ConfigSource, resolve_config
 from .fsdp import check_engine
 
 # The Accelerator methods enable() replaces on the instance.
-_ROUTED = ("save_state", "load_state", "end_training")
+_ROUTED = ("save_state", "load_state", "end_training", "wait_for_everyone")
 
 
 def enable(
@@ -58,6 +58,7 @@ def enable(
         shared_writes=shared_writes,
         original_load_state=type(accelerator).load_state.__get__(accelerator),
         allow_unsafe_pickle=allow_unsafe_pickle,
+        original_wait_for_everyone=type(accelerator).wait_for_everyone.__get__(accelerator),
     )
     _install(accelerator, checkpointing)
     return checkpointing
@@ -111,6 +112,7 @@ def _install(accelerator: Accelerator, checkpointing: FastAccelerateCheckpointin
         "save_state": checkpointing.save_state,
         "load_state": checkpointing.load_state,
         "end_training": functools.partial(_end_training, checkpointing, _stock_method(accelerator, "end_training")),
+        "wait_for_everyone": checkpointing.wait_for_everyone,  # pending saves commit first
     }
     for name in _ROUTED:
         setattr(accelerator, name, _Routed(accelerator, name, checkpointing, calls[name]))

@@ -25,6 +25,8 @@ class _Plugin(Protocol):
 
     def log_stats(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None: ...
 
+    def deliver_logger_calls(self) -> None: ...
+
 
 class FastCheckpointCallback(Callback):
     """Waits for lazy copies before each optimizer step, finishes them when training ends, flushes at teardown."""
@@ -46,6 +48,20 @@ class FastCheckpointCallback(Callback):
     ) -> None:
         """With ``log_stats=True``: the newest finished checkpoint's figures join the user's logged rows."""
         self._plugin.log_stats(trainer, pl_module)
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        """Loggers see the checkpoints that landed."""
+        self._plugin.deliver_logger_calls()
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Loggers see the checkpoints that landed (the last batch of an epoch has no next batch start)."""
+        self._plugin.deliver_logger_calls()
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Loggers see the checkpoints that landed."""
+        self._plugin.deliver_logger_calls()
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer

@@ -32,7 +32,8 @@ from torch.optim import Optimizer
 from fastckpt_lightning import pending
 from fastckpt_lightning.callback import FastCheckpointCallback
 from fastckpt_lightning.config import build_config, for_directory, staging_mode
-from fastckpt_lightning.discovery import find_calling_trainer, wrapped_by_async_io
+from fastckpt_lightning.discovery import find_calling_trainer, scheduled_by_lightning, wrapped_by_async_io
+from fastckpt_lightning.loggers import LoggerRelay, wrap_loggers
 from fastckpt_lightning.pointer import split_path
 from fastckpt_lightning.reader import read_checkpoint
 from fastckpt_lightning import hooks
@@ -59,6 +60,9 @@ class FastCheckpointIO(CheckpointIO):
         allowed_classes: extra ``module.QualName`` classes the safe loader may rebuild (core checkpoint folders).
         log_stats: put the newest checkpoint's ``fastckpt/*`` figures in the rows your loggers already write (off).
             Through ``LightningModule.log``, so only at ``log_every_n_steps``; ``stats`` keeps them either way.
+        async_user_saves: ``trainer.save_checkpoint(path)`` called by your own code during ``fit`` (a callback)
+            returns once the file is complete, as with stock Lightning, unless this is True; the saves
+            ``ModelCheckpoint`` makes are asynchronous either way (docs/lightning.md, "When a file is there").
     """
 
     def __init__(
@@ -72,6 +76,7 @@ class FastCheckpointIO(CheckpointIO):
         retention: Optional[dict[str, Any]] = None,
         allowed_classes: Optional[list[str]] = None,
         log_stats: bool = False,
+        async_user_saves: bool = False,
     ) -> None:
         self.config, self.root = build_config(
             config,
@@ -82,6 +87,7 @@ class FastCheckpointIO(CheckpointIO):
             retention=retention,
             allowed_classes=allowed_classes,
         )
+        self.async_user_saves = bool(async_user_saves)
         self.callback = FastCheckpointCallback(self)
         self._log_to_loggers = bool(log_stats)
         hooks.install(_companion_of)  # the callback's hooks run without it being in trainer.callbacks
@@ -96,13 +102,14 @@ class FastCheckpointIO(CheckpointIO):
         self._removals: list[tuple[str, Future]] = []
         self._optimizers: list[tuple[Optimizer, bool]] = []
         self._trainer: Optional[weakref.ref] = None
+        self._relay = LoggerRelay()  # loggers' after_save_checkpoint, deferred until the saves are durable
         self._warned_eager = False
         self._warned_root = False
         self._saves = 0
 
     def __getstate__(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k in ("config", "root", "callback", "_lazy", "_book",
-                                                                 "_log_to_loggers")}
+                                                                 "_log_to_loggers", "async_user_saves")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -123,6 +130,7 @@ class FastCheckpointIO(CheckpointIO):
         any other callback's (``fastckpt_lightning.hooks``) though it is not in ``trainer.callbacks``."""
         self._trainer = weakref.ref(trainer)
         see_pending_saves(trainer)
+        wrap_loggers(trainer.loggers, self)
         self._adopt_root(trainer)
         module = trainer.lightning_module
         # Without a closure (manual optimization), torch's step pre-hook fires right before the update: use it too.
@@ -135,6 +143,19 @@ class FastCheckpointIO(CheckpointIO):
         optimizer = inner if isinstance(inner, Optimizer) else optimizer
         if all(known is not optimizer for known, _ in self._optimizers):
             self._set_optimizers([*self._optimizers, (optimizer, True)])
+
+    @property
+    def relay(self) -> LoggerRelay:
+        """The loggers' deferred ``after_save_checkpoint`` calls (``fastckpt_lightning.loggers``)."""
+        return self._relay
+
+    def pending_handles(self) -> list[SaveHandle]:
+        """The saves still in flight in this process."""
+        return pending.handles()
+
+    def deliver_logger_calls(self) -> None:
+        """Run the loggers' deferred ``after_save_checkpoint`` calls whose saves landed (training thread)."""
+        self._relay.deliver()
 
     # ---- CheckpointIO ----------------------------------------------------------------------------------------
 
@@ -163,8 +184,14 @@ class FastCheckpointIO(CheckpointIO):
         checkpointer = self._folder(folder)
         if self._lazy and not self._optimizers:
             self._warn_eager()
+        if self._relay.needs(path):  # a logger call queued before this save must see the previous file first
+            self._relay.deliver(block=True)
+        # A save the user's own code asked for (trainer.save_checkpoint from a callback or a script) is complete
+        # when the call returns, as with stock: they may copy, upload or torch.load it next. Saves Lightning makes
+        # on its own schedule (ModelCheckpoint) stay asynchronous; `async_user_saves=True` makes all of them so.
+        complete = self._user_asked()
         handle = checkpointer.save_file(checkpoint, name, step=self._step_of(checkpoint))
-        self._track(path, name, handle)
+        self._track(path, name, handle, complete=complete)
 
     def load_checkpoint(
         self, path: _PATH, map_location: Optional[Any] = None, weights_only: Optional[bool] = None
@@ -193,7 +220,8 @@ class FastCheckpointIO(CheckpointIO):
             storage = open_storage(folder, self.config.storage_options)
             storage.delete(storage.join(storage.url, name))
             return
-        self._removals.append((path, self._folder(folder).remove_file(name)))
+        # Behind the loggers' calls queued before it: stock logged the file before removing it.
+        self._relay.hold(lambda: self._removals.append((path, self._folder(folder).remove_file(name))), path)
 
     def teardown(self) -> None:
         """Flush every pending save, stop the threads, raise a background error once. Called by the strategy."""
@@ -216,8 +244,9 @@ class FastCheckpointIO(CheckpointIO):
         checkpointer = self._folder(folder, distributed=True)
         if self._lazy and not self._optimizers:
             self._warn_eager()
+        complete = self._user_asked()  # every rank decides alike: the same call stack shape
         handle = checkpointer.save_file(checkpoint, name, step=self._step_of(checkpoint))
-        self._track(path, name, handle)
+        self._track(path, name, handle, complete=complete)
 
     # ---- called by FastModelParallelStrategy on every rank (sharded state) -------------------------------
 
@@ -267,6 +296,14 @@ class FastCheckpointIO(CheckpointIO):
                 checkpointer.wait()
             except FastCkptError as e:
                 first = first or e
+        # Every save has ended: the loggers' deferred calls run now, before Lightning finalizes the loggers
+        # (those of failed saves are dropped with a warning), and the removals held behind them are queued.
+        self._relay.deliver(block=True)
+        for checkpointer in list(self._folders.values()):
+            try:
+                checkpointer.wait()  # the removals the relay just released
+            except FastCkptError as e:
+                first = first or e
         removals, self._removals = self._removals, []
         for path, future in removals:
             error = future.exception()
@@ -299,15 +336,16 @@ class FastCheckpointIO(CheckpointIO):
 
     # ---- internals -----------------------------------------------------------------------------------------
 
-    def _track(self, path: str, name: str, handle: SaveHandle) -> None:
+    def _track(self, path: str, name: str, handle: SaveHandle, complete: bool = False) -> None:
         """After a file's save is submitted: make it visible as pending, record its stats once durable, and finish
-        it now where nothing follows that it could overlap with."""
+        it now where nothing follows that it could overlap with, or where the caller must find it complete."""
         pending.add(path, handle)
         handle.durable.add_done_callback(lambda _: self._record(path, handle))
-        if _REQUEUE_SAVE.fullmatch(name) and self._overlapping():
-            # Lightning's SLURM handler saves `hpc_ckpt_N.ckpt`, then asks SLURM to requeue the job, which kills this
-            # process: the file must be complete when this returns, as with stock Lightning (and `hpc_save_path`
-            # numbers the next one from the files on disk). The rest of the run keeps its threads.
+        if (complete or _REQUEUE_SAVE.fullmatch(name)) and self._overlapping():
+            # The user's own save (they may copy, upload or load it next), or Lightning's SLURM handler saving
+            # `hpc_ckpt_N.ckpt` before SLURM requeues (kills) the job: the file must be complete when this returns, as
+            # with stock Lightning (`hpc_save_path` numbers the next one from the files on disk). The rest of the run
+            # keeps its threads.
             self.wait_staged()
             handle.wait()
         elif not self._overlapping():
@@ -315,6 +353,14 @@ class FastCheckpointIO(CheckpointIO):
             # call): finish it here, so its errors surface here and the file exists when this returns; and stop
             # the threads, as no teardown may follow (stock Lightning leaves no thread behind either).
             self.teardown()
+
+    def _user_asked(self) -> bool:
+        """Whether this save must be complete when it returns: the user's own ``trainer.save_checkpoint`` during a
+        fit (not ModelCheckpoint's), unless ``async_user_saves``. Fabric has no Trainer: ``watch(optimizer)`` is the
+        opt-in to asynchronous saves there."""
+        if self.async_user_saves or self._attached_trainer() is None:
+            return False
+        return not scheduled_by_lightning()
 
     def _record(self, path: str, handle: SaveHandle) -> None:
         if handle.durable.exception() is None:  # failures are raised, not recorded
@@ -418,6 +464,7 @@ class FastCheckpointIO(CheckpointIO):
         self._watches = {}
         self._trainer = None
         self._optimizers = []
+        self._relay.clear()
         for checkpointer in folders.values():
             try:
                 checkpointer.close()

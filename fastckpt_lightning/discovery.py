@@ -31,6 +31,28 @@ def find_calling_trainer(plugin: Any) -> Optional[pl.Trainer]:
     return None
 
 
+def scheduled_by_lightning() -> bool:
+    """Whether the save on the stack was made by a ``ModelCheckpoint`` (Lightning's own schedule: it may stay
+    asynchronous) rather than by the user's code (a callback's or a script's ``trainer.save_checkpoint``)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    frame = sys._getframe(1)
+    for _ in range(_MAX_DEPTH):
+        if frame is None:
+            return False
+        if frame.f_code is _TRAINER_SAVE:
+            caller = frame.f_back
+            # A Trainer subclass's save_checkpoint calling super(): its caller is the one that asked.
+            while caller is not None and isinstance(caller.f_locals.get("self"), pl.Trainer):
+                caller = caller.f_back
+            return caller is not None and isinstance(caller.f_locals.get("self"), ModelCheckpoint)
+        frame = frame.f_back
+    return False
+
+
+_TRAINER_SAVE = pl.Trainer.save_checkpoint.__code__
+
+
 def _uses(trainer: pl.Trainer, plugin: Any) -> bool:
     # Read the private slot: the public property swaps in a default plugin inside wrapping plugins.
     return getattr(trainer.strategy, "_checkpoint_io", None) is plugin

@@ -36,6 +36,12 @@ def add(path: str, handle: SaveHandle) -> None:
     handle.durable.add_done_callback(done)
 
 
+def handles() -> list[SaveHandle]:
+    """Every save still in flight in this process (what a logger's deferred ``after_save_checkpoint`` waits for)."""
+    with _lock:
+        return list(_pending.values())
+
+
 def handle_of(path: str) -> Optional[SaveHandle]:
     """The handle of the save of ``path`` still in flight in this process, or None."""
     with _lock:

@@ -80,6 +80,8 @@ class GatedIO(FastCheckpointIO):
 
     def __init__(self, **kwargs: Any) -> None:
         kwargs.setdefault("persist", {"fsync": False})
+        # The tests' own callbacks save to observe the overlap: opt in to what ModelCheckpoint's saves do.
+        kwargs.setdefault("async_user_saves", True)
         super().__init__(**kwargs)
         self.gate = threading.Event()
         self.opened_by: list[str] = []

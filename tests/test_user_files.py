@@ -108,6 +108,9 @@ from fastckpt import CheckpointConfig, Checkpointer, LocalStorage
 import fastckpt.storage.local as local
 
 d = sys.argv[1]
+# Where the file system has O_TMPFILE, a new file is written unnamed and linked in once complete: no temporary
+# name exists to leave behind. Named temporary files (and their markers) are what a file system without it gets.
+local._UNNAMED_OK = False
 def die(*a, **k):
     os.kill(os.getpid(), signal.SIGKILL)
 if sys.argv[2] == "before-rename":  # a single-file save killed right before its rename: temp + marker left

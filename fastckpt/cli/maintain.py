@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from typing import Any, Callable
 
 from ..errors import CheckpointNotFoundError, FastCkptError

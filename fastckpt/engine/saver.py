@@ -18,7 +18,7 @@ from typing import Any, Callable, Hashable
 import torch
 
 from ..config import CheckpointConfig
-from ..errors import ConfigError, FastCkptError, StateMismatchError, StorageError
+from ..errors import ConfigError, FastCkptError, FolderRemovedError, StateMismatchError, StorageError
 from ..format.bundle import FileBundle
 from ..format.codec import dumps_objects
 from ..format.identity import address, named_addresses
@@ -198,6 +198,10 @@ class Saver:
             raise StateMismatchError(f"cannot save this state as the files of {dirpath!r}: {e}") from e
         # the buffers stay held until the commit: a state larger than the limit would never fit
         self._check_fits(fmt.size, f"the files of {dirpath!r}", "are")
+        # Visibly incomplete from now on: a copy made before the commit is refused, never taken as whole. Not while
+        # an earlier save of the same folder is pending: its commit removes the marker (this save marks at its own).
+        if made and not any(h.path == dirpath for h in self.pending()):
+            fmt.mark(self.storage)
         flat = FlatState(tree=None, tensors=tensors, keys=keys, numpy=[False] * len(tensors), objects=[],
                          owners=[-1] * len(tensors), lazy_src=list(tensors))
         return self._submit(flat, step, name, dirpath, t0, self._lazy_ptrs(set(), set()), file_format=fmt,
@@ -384,9 +388,15 @@ class Saver:
         return bool(self._errors)
 
     def _on_failure(self, job: Job, err: FastCkptError) -> None:
-        log.error("fastckpt: checkpoint %r failed: %s", job.handle.name, err)
+        # The user removed the folder (a TemporaryDirectory's cleanup right after the save): their removal wins,
+        # as it would after a stock synchronous save. Said once; not raised at the next save/wait/close.
+        quiet = isinstance(err, FolderRemovedError)
+        if quiet:
+            log.warning("fastckpt: %s", err)
+        else:
+            log.error("fastckpt: checkpoint %r failed: %s", job.handle.name, err)
         with self._lock:
-            if not job.reported:
+            if not job.reported and not quiet:
                 self._errors.append((job.handle, err))
             self._drop_pending(job.handle)
         if job.handle.upload is not None:

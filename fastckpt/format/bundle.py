@@ -13,12 +13,21 @@ its tensors go; the engine stages every member's tensors into one host slot and 
 4. removes the marker.
 
 A crash anywhere before 3 leaves the marker and no manifest: fastckpt never takes the folder as committed.
+
+A folder the caller created (``made``: Accelerate's ``save_state`` folders) gets its marker, and loses an older
+manifest, inside the save call (``mark``), so a copy taken right after the call is visibly incomplete. If the user
+removes that folder before the commit (a ``TemporaryDirectory`` cleanup), their removal wins: the save stops with
+``FolderRemovedError`` (quiet: the saver warns once and does not raise it later), and whatever a storage's
+``makedirs`` recreated meanwhile is removed again (``_undo_recreation``).
 """
 from __future__ import annotations
 
 import bisect
+import concurrent.futures
+import contextlib
 import functools
 import json
+import os
 import time
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -27,11 +36,12 @@ from typing import Any, Union
 import torch
 
 from .checksum import crc32c
-from ..errors import StorageError, UnsafeCheckpointError
+from ..errors import FolderRemovedError, UnsafeCheckpointError
 from .layout import FORMAT, LAYOUT_FILES, MANIFEST, CheckpointInfo, FileRecord
 from .paths import plain_name
 from .picklecheck import PickleLoader, check_loads, culprits, pickle_of
 from .safetensorsfile import SafetensorsFileFormat
+from ..storage.local import LocalStorage
 from ..storage.protocol import Storage
 from .torchfile import TorchFileFormat, plan_torch_file
 
@@ -57,6 +67,10 @@ class FileBundle:
     # torch member name -> (the loader that will read it, the object saved): checked by the committer, before
     # anything is written. The object is only walked again when its loader refuses the file, to name the keys.
     checks: dict[str, tuple[PickleLoader, Any]] = field(default_factory=dict)
+    # (path, inode, device) of the made folder and its parents when planned: a folder with another identity later
+    # was removed (and recreated by a storage's makedirs, or by the user).
+    identities: tuple[tuple[str, int, int], ...] = ()
+    marked = False  # PENDING written and the older manifest removed (by ``mark``)
     catalogued = True  # a checkpoint of the root like save()'s: listed, retained and uploaded by its manifest
     keeps_shards = True  # the member files are written at the commit, from the slot
 
@@ -91,7 +105,8 @@ class FileBundle:
                 keys += [f"{fname}/{k}" for k in ks]
         checks = {n: (loader, files[n][1]) for n, loader in (loaders or {}).items()
                   if n in files and files[n][0] == TORCH}
-        bundle = cls(dirpath, name, step, list(files), members, starts, dict(user or {}), made, checks)
+        bundle = cls(dirpath, name, step, list(files), members, starts, dict(user or {}), made, checks=checks,
+                     identities=_identities(dirpath) if made else ())
         return bundle, tensors, keys, sources
 
     @property
@@ -148,18 +163,39 @@ class FileBundle:
         """``FileFormat``: nothing to remove: each member appears by rename, and the pending marker stays so that
         the folder is never taken as committed."""
 
+    def mark(self, storage: Storage) -> None:
+        """Called inside the save call: the folder shows ``PENDING`` and no older manifest from now until the
+        commit, so a copy or an upload made before the commit is refused by every fastckpt reader."""
+        try:
+            self._check_folder(storage)
+            storage.write_atomic(storage.join(self.dirpath, PENDING), b"fastckpt is writing this folder\n")
+            storage.delete(storage.join(self.dirpath, MANIFEST))  # an older save of this folder is being replaced
+            self.marked = True
+        except FolderRemovedError:
+            raise
+        except Exception as e:
+            self._removed_or_raise(storage, e)
+            raise
+
     def write(self, storage: Storage, views: dict[int, memoryview], crcs: dict[int, int],
               pool: Executor | None = None) -> int:
         """Write every member (in parallel on ``pool``, the idle I/O workers), then the manifest: the commit point.
         Returns the bytes written."""
-        self._check_folder(storage)
-        storage.write_atomic(storage.join(self.dirpath, PENDING), b"fastckpt is writing this folder\n")
-        storage.delete(storage.join(self.dirpath, MANIFEST))  # an older save of this folder is being replaced
-        write = functools.partial(self._write_member, storage, views, crcs)
-        indices = range(len(self.members))
-        records = list(pool.map(write, indices) if pool is not None else map(write, indices))
-        storage.write_atomic(storage.join(self.dirpath, MANIFEST), self.manifest(records))  # <- the commit point
-        storage.delete(storage.join(self.dirpath, PENDING))
+        try:
+            if not self.marked:  # a made folder was marked inside the save call: writing again would race a removal
+                self.mark(storage)
+            write = functools.partial(self._write_member, storage, views, crcs)
+            indices = range(len(self.members))
+            records = _every(pool, write, indices)
+            self._check_folder(storage)
+            self._publish(storage, MANIFEST, self.manifest(records))  # <- the commit point
+            storage.delete(storage.join(self.dirpath, PENDING))
+        except FolderRemovedError:
+            self._undo_recreation(storage)
+            raise
+        except Exception as e:
+            self._removed_or_raise(storage, e)
+            raise
         return sum(r.size for r in records)
 
     def _write_member(self, storage: Storage, views: dict[int, memoryview], crcs: dict[int, int],
@@ -172,15 +208,70 @@ class FileBundle:
         for p in parts:
             crc = crc32c(p, crc)
         self._check_folder(storage)
-        path = storage.join(self.dirpath, self.names[k])
-        storage.write_file_atomic(path, parts)
+        self._publish(storage, self.names[k], parts)
         return FileRecord(self.names[k], sum(len(p) for p in parts), crc)
+
+    def _publish(self, storage: Storage, name: str, data: Any) -> None:
+        """Write ``name`` atomically. In a made local folder, right before the file takes its name, check that the
+        marker ``mark`` wrote is still there: a user's ``rmtree`` of the folder removes it first or soon, and a name
+        created after the removal listed the folder would make that removal fail ("Directory not empty")."""
+        path = storage.join(self.dirpath, name)
+        parts = [memoryview(data)] if isinstance(data, bytes) else data
+        if self.made and self.identities and isinstance(storage, LocalStorage):
+            storage.write_file_atomic(path, parts, before_publish=functools.partial(self._still_marked, storage),
+                                      create_folder=False)
+        else:
+            storage.write_file_atomic(path, parts)
+
+    def _still_marked(self, storage: Storage) -> None:
+        if not storage.exists(storage.join(self.dirpath, PENDING)):
+            raise FolderRemovedError(f"{self.dirpath} is being removed (its {PENDING} marker is gone) while its "
+                                     f"checkpoint {self.name!r} was being written; the save is abandoned")
 
     def _check_folder(self, storage: Storage) -> None:
         # Writing would recreate a folder the user deleted (a test's temporary directory, a cleanup script).
-        if self.made and not storage.exists(self.dirpath):
-            raise StorageError(f"{self.dirpath} was removed while its checkpoint was being written; the save "
-                               "is abandoned (nothing is recreated there)")
+        if self._removed(storage):
+            raise FolderRemovedError(f"{self.dirpath} was removed before its checkpoint {self.name!r} was written; "
+                                     "the save is abandoned and nothing is recreated there")
+
+    def _removed(self, storage: Storage) -> bool:
+        """Whether the made folder was removed: once marked, its marker is gone (an inode number alone is no proof:
+        a folder recreated at once may reuse it); before, it is gone or another folder."""
+        if not (self.made and self.identities):
+            return False
+        if self.marked:
+            return not storage.exists(storage.join(self.dirpath, PENDING))
+        return _identities(self.dirpath)[:1] != self.identities[:1]
+
+    def _removed_or_raise(self, storage: Storage, error: BaseException) -> None:
+        """A write failed: if the folder went away meanwhile, that is the user's removal winning (quiet)."""
+        if self._removed(storage):
+            self._undo_recreation(storage)
+            raise FolderRemovedError(f"{self.dirpath} was removed while its checkpoint {self.name!r} was being "
+                                     "written; the save is abandoned and nothing is recreated there") from error
+
+    def _undo_recreation(self, storage: Storage) -> None:
+        """Remove what this save put in a folder (and parents) that a storage's ``makedirs`` recreated after the
+        user removed them: only our own names, and only folders that are then empty (never the user's files).
+        ``LocalStorage`` never recreates a made folder (``create_folder=False``): nothing to undo, and a folder
+        still there is one the user's ``rmtree`` is removing right now (removing it under them would fail it)."""
+        if isinstance(storage, LocalStorage):
+            return
+        known = set(self.names) | {PENDING, MANIFEST}
+        for level, (path, ino, dev) in enumerate(self.identities):
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue  # still gone: nothing of ours there
+            if level and (st.st_ino, st.st_dev) == (ino, dev):
+                return  # the user's folder, untouched from here up (the folder itself: its marker said it went)
+            with contextlib.suppress(OSError):
+                for entry in os.listdir(path):
+                    if entry in known or ".fastckpt-tmp-" in entry or ".tmp-" in entry and entry.split(".tmp-")[0] in {
+                            PENDING, MANIFEST}:
+                        os.unlink(os.path.join(path, entry))
+                os.rmdir(path)
+            known = set()  # parents hold only the folder we just removed
 
     def manifest(self, records: list[FileRecord]) -> bytes:
         doc = {"format": FORMAT, "version": 1, "layout": LAYOUT_FILES, "name": self.name, "step": self.step,
@@ -202,6 +293,34 @@ class _Shifted:
 
     def __getattr__(self, attr: str) -> Any:
         return getattr(self.entry, attr)
+
+
+def _every(pool: Executor | None, fn: Any, indices: range) -> list[FileRecord]:
+    """``fn`` on each index (in parallel on ``pool``); every call has ended before an error is raised, so nothing
+    writes into the folder after a failure (an abandoned save's clean-up must come last)."""
+    if pool is None:
+        return [fn(i) for i in indices]
+    futures = [pool.submit(fn, i) for i in indices]
+    concurrent.futures.wait(futures)
+    return [f.result() for f in futures]
+
+
+def _identities(dirpath: str) -> tuple[tuple[str, int, int], ...]:
+    """(path, inode, device) of ``dirpath`` and each existing parent, innermost first; () if ``dirpath`` is gone."""
+    out = []
+    path = os.path.abspath(dirpath)
+    while True:
+        try:
+            st = os.stat(path)
+        except OSError:
+            if not out:
+                return ()
+        else:
+            out.append((path, st.st_ino, st.st_dev))
+        parent = os.path.dirname(path)
+        if parent == path:
+            return tuple(out)
+        path = parent
 
 
 def _size(member: Member) -> int:

@@ -4,13 +4,14 @@ Errors are raised as ``StorageError`` naming the path, chained to the OS error.
 """
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import mmap
 import os
 import secrets
 import stat
-from typing import Sequence
+from typing import Callable, Sequence
 
 from .deadline import storage_error
 from .tempmark import mark_bytes, mark_name, temp_basename
@@ -24,6 +25,21 @@ _DIRECT_ALIGN = 4096
 # Every file fastckpt creates is new (O_EXCL) and never reached through a symlink (O_NOFOLLOW): a name planted in
 # the root (a link to a user's file, a hard link, a FIFO) is refused, never written through or truncated.
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+# Linking an O_TMPFILE file into place: linkat(/proc/self/fd/N, AT_SYMLINK_FOLLOW) (AT_EMPTY_PATH needs privileges,
+# and os.link calls link(2), which links the /proc symlink itself).
+_AT_FDCWD, _AT_SYMLINK_FOLLOW = -100, 0x400
+try:
+    _linkat = ctypes.CDLL(None, use_errno=True).linkat
+except (OSError, AttributeError):
+    _linkat = None
+_UNNAMED_OK = _linkat is not None and hasattr(os, "O_TMPFILE") and os.path.isdir("/proc/self/fd")
+
+
+def _link_fd(fd: int, path: str) -> None:
+    """Give the unnamed file open as ``fd`` the name ``path`` (raises ``FileExistsError`` if taken)."""
+    if _linkat(_AT_FDCWD, f"/proc/self/fd/{fd}".encode(), _AT_FDCWD, os.fsencode(path), _AT_SYMLINK_FOLLOW) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code), path)
 
 
 class LocalStorage:
@@ -92,19 +108,30 @@ class LocalStorage:
         finally:
             os.close(fd)
 
-    def write_atomic(self, path: str, data: bytes) -> None:
+    def write_atomic(self, path: str, data: bytes, *, before_publish: Callable[[], None] | None = None) -> None:
+        """``before_publish`` (optional) runs right before the complete file takes its name; raising stops that."""
         tmp = f"{path}.tmp-{secrets.token_hex(8)}"  # random: no entry can be planted under it in advance
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
+            if self._publish_unnamed(path, [memoryview(data)], tmp, before_publish):
+                return
             self._write_buffered(tmp, [memoryview(data)], replace=False)
+            if before_publish is not None:
+                before_publish()
             os.replace(tmp, path)  # atomic on POSIX: readers see old or new, never half
             if self._fsync:
                 _fsync_dir(os.path.dirname(path))
+        except StorageError:  # before_publish refused: its own error, as it is
+            _silent_remove(tmp)
+            raise
         except OSError as e:
             _silent_remove(tmp)
             raise storage_error("committing", path, e) from e
 
-    def write_file_atomic(self, path: str, parts: Sequence[memoryview]) -> None:
+    def write_file_atomic(self, path: str, parts: Sequence[memoryview], *,
+                          before_publish: Callable[[], None] | None = None, create_folder: bool = True) -> None:
+        """As ``write_atomic``, from several buffers; ``create_folder=False``: a missing folder is an error, never
+        recreated (a folder the user removed stays removed)."""
         # A hidden temporary name in the same folder: the rename is atomic and a reader of ``path`` sees the
         # previous file or the complete new one, never a torn one, even after SIGKILL. Its marker, created first,
         # is what lets gc remove it after a crash (storage/tempmark.py): a name alone proves nothing.
@@ -112,14 +139,19 @@ class LocalStorage:
         tmp = os.path.join(folder, temp_basename(base))
         marked = False
         try:
-            os.makedirs(folder, exist_ok=True)
-            self.mark_temp(tmp)
+            if create_folder:
+                os.makedirs(folder, exist_ok=True)
+            if self._publish_unnamed(path, parts, tmp, before_publish, mark=True):
+                return
+            self.mark_temp(tmp, make_folder=create_folder)
             marked = True
             self._write_buffered(tmp, parts, replace=False)
+            if before_publish is not None:
+                before_publish()
             os.replace(tmp, path)
             if self._fsync:
                 _fsync_dir(folder)
-        except (OSError, StorageError) as e:
+        except (OSError, StorageError) as e:  # a StorageError: before_publish refused, raised as it is
             _silent_remove(tmp)
             if marked:
                 self.unmark_temp(tmp)
@@ -128,11 +160,13 @@ class LocalStorage:
             raise storage_error("writing", path, e) from e
         self.unmark_temp(tmp)
 
-    def mark_temp(self, tmp: str, create_temp: bool = False) -> None:
+    def mark_temp(self, tmp: str, create_temp: bool = False, *, make_folder: bool = True) -> None:
         """Create the marker of the temporary file ``tmp`` before its first byte (storage/tempmark.py);
-        ``create_temp``: create ``tmp`` itself too, empty (the ranks of a shared file then open it with ``write_at``)."""
+        ``create_temp``: create ``tmp`` itself too, empty (the ranks of a shared file then open it with ``write_at``);
+        ``make_folder=False``: a missing folder is an error (a folder the user removed stays removed)."""
         try:
-            os.makedirs(os.path.dirname(tmp), exist_ok=True)
+            if make_folder:
+                os.makedirs(os.path.dirname(tmp), exist_ok=True)
             fd = _create(mark_name(tmp), 0, replace=False)
             try:
                 _write_all(fd, memoryview(mark_bytes(os.path.basename(tmp))))
@@ -153,6 +187,45 @@ class LocalStorage:
             _silent_remove(mark_name(tmp))
         except OSError as e:
             log.info("fastckpt: could not remove the marker of %s: %s", tmp, e)
+
+    def _publish_unnamed(self, path: str, parts: Sequence[memoryview], tmp: str,
+                         before_publish: Callable[[], None] | None, mark: bool = False) -> bool:
+        """Write ``path`` atomically through an unnamed file (``O_TMPFILE``, linked in once complete): nothing of a
+        half-written file is ever listed in the folder, so a user's ``rmtree`` of the folder never races a temporary
+        name, and a kill leaves no temporary file behind. False where the filesystem has no ``O_TMPFILE`` (the
+        caller then writes a named temporary file)."""
+        if not _UNNAMED_OK:
+            return False
+        folder = os.path.dirname(path)
+        try:
+            fd = os.open(folder, os.O_TMPFILE | os.O_WRONLY, 0o644)
+        except OSError as e:
+            if e.errno in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+                return False
+            raise
+        try:
+            for part in parts:
+                _write_all(fd, part)
+            if self._fsync:
+                os.fsync(fd)
+            if before_publish is not None:
+                before_publish()
+            try:
+                _link_fd(fd, path)  # fails on a removed folder: it is never recreated
+            except FileExistsError:  # replacing a file: link under the hidden name, then rename over it
+                if mark:  # a kill between the link and the rename leaves a temporary file gc can prove ours
+                    self.mark_temp(tmp, make_folder=False)
+                try:
+                    _link_fd(fd, tmp)
+                    os.replace(tmp, path)
+                finally:
+                    if mark:
+                        self.unmark_temp(tmp)
+        finally:
+            os.close(fd)
+        if self._fsync:
+            _fsync_dir(folder)
+        return True
 
     # ---- one file written by several processes (fastckpt.engine.sharedfile) -----------------------------------------
 

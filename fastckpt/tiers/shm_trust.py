@@ -103,7 +103,7 @@ def check_namespace(shm_dir: str, base: str) -> None:
         pass
     try:
         fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as e:
+    except OSError:
         if os.path.islink(base):
             _refuse(base, "it is a symbolic link (to someone else's folder, perhaps); it is never followed")
         if os.path.lexists(base) and not os.path.isdir(base):
