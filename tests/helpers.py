@@ -7,8 +7,9 @@ import resource
 import subprocess
 import sys
 import threading
+from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -147,3 +148,18 @@ def run_child(code: str, *args: str) -> subprocess.CompletedProcess:
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"the child hung for {CHILD_TIMEOUT_S}s (stdout {e.stdout!r}, stderr {e.stderr!r})")
 
+
+
+def bounded(fn: Callable[[], Any], timeout: float = 60.0) -> Any:
+    """``fn()`` on a daemon thread; its result (or exception), or ``TimeoutError`` when it has not returned within
+    ``timeout``: a regression that hangs fails its test instead of hanging the suite."""
+    fut: Future = Future()
+
+    def run() -> None:
+        try:
+            fut.set_result(fn())
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            fut.set_exception(e)
+
+    threading.Thread(target=run, name="bounded", daemon=True).start()
+    return fut.result(timeout)

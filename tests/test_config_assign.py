@@ -5,32 +5,15 @@ from __future__ import annotations
 import copy
 import dataclasses
 import pickle
-import threading
-from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
 
 from fastckpt import CheckpointConfig, Checkpointer, ConfigError, StagingOptions
-from tests.helpers import assert_bit_equal
+from tests.helpers import assert_bit_equal, bounded
 
-BOUND_S = 60.0
-
-
-def bounded(fn: Callable[[], Any], timeout: float = BOUND_S) -> Any:
-    """``fn()`` on a daemon thread, or ``TimeoutError``: a regression that hangs fails instead."""
-    fut: Future = Future()
-
-    def run() -> None:
-        try:
-            fut.set_result(fn())
-        except BaseException as e:  # noqa: BLE001 - handed to the test
-            fut.set_exception(e)
-
-    threading.Thread(target=run, daemon=True).start()
-    return fut.result(timeout)
 
 
 def _target(cfg: CheckpointConfig, dotted: str) -> tuple[Any, str]:

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import errno
 import threading
-from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import pytest
 import torch
@@ -18,10 +17,9 @@ from torch import nn
 
 from fastckpt import CheckpointConfig, Checkpointer, StorageError
 from fastckpt.storage.protocol import open_storage
-from tests.helpers import WrappedStorage, assert_bit_equal, clone_state
+from tests.helpers import WrappedStorage, assert_bit_equal, bounded, clone_state
 
 LIMIT = 512 * 1024  # two ring buffers of one 256 KiB shard each
-BOUND_S = 60.0  # generous on a loaded 2-core machine; a hang is forever
 
 
 class BrokenDisk(WrappedStorage):
@@ -39,20 +37,6 @@ class BrokenDisk(WrappedStorage):
             self.inner.write_file(path, [parts[0][: max(1, len(parts[0]) // 2)]])  # a torn file stays behind
             raise OSError(errno.ENOSPC, "injected: ENOSPC", path)
         self.inner.write_file(path, parts)
-
-
-def bounded(fn: Callable[[], Any], timeout: float = BOUND_S) -> Any:
-    """``fn()`` on a daemon thread; its result, or ``TimeoutError`` when it has not returned within ``timeout``."""
-    fut: Future = Future()
-
-    def run() -> None:
-        try:
-            fut.set_result(fn())
-        except BaseException as e:  # noqa: BLE001 - handed to the test
-            fut.set_exception(e)
-
-    threading.Thread(target=run, name="bounded", daemon=True).start()
-    return fut.result(timeout)
 
 
 def _config(root: Path, mode: str) -> CheckpointConfig:

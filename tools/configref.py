@@ -11,7 +11,6 @@ integrations' options come from their signatures and docstrings.
 
 from __future__ import annotations
 
-import argparse
 import ast
 import dataclasses
 import inspect
@@ -22,6 +21,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from fastckpt import CheckpointConfig
+
+from . import regen
 from fastckpt.config import SECTIONS as CONFIG_SECTIONS
 
 __all__ = ["render", "main"]
@@ -192,20 +193,7 @@ def _args_section(doc: str) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.configref", description=__doc__.split("\n")[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 when the file differs from the code")
-    parser.add_argument("--out", type=Path, default=OUTPUT, help=f"default: {OUTPUT}")
-    args = parser.parse_args(argv)
-    text = render()
-    if args.check:
-        current = args.out.read_text() if args.out.exists() else ""
-        if current != text:
-            print(f"{args.out} is out of date: run `python -m tools.configref`", file=sys.stderr)
-            return 1
-        return 0
-    args.out.write_text(text)
-    print(f"wrote {args.out}")
-    return 0
+    return regen.main("tools.configref", __doc__.split("\n")[0], OUTPUT, lambda current: render(), argv)
 
 
 if __name__ == "__main__":

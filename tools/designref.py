@@ -11,11 +11,12 @@ read with ``ast``: nothing is imported. Only the text between the markers below 
 
 from __future__ import annotations
 
-import argparse
 import ast
 import re
 import sys
 from pathlib import Path
+
+from . import regen
 
 __all__ = ["render", "main", "modules", "summary"]
 
@@ -99,20 +100,7 @@ def render(current: str | None = None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.designref", description=__doc__.split("\n")[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 when the tables differ from the code")
-    parser.add_argument("--out", type=Path, default=OUTPUT, help=f"default: {OUTPUT}")
-    args = parser.parse_args(argv)
-    current = args.out.read_text()
-    text = render(current)
-    if args.check:
-        if current != text:
-            print(f"{args.out}'s module tables are out of date: run `python -m tools.designref`", file=sys.stderr)
-            return 1
-        return 0
-    args.out.write_text(text)
-    print(f"wrote {args.out}")
-    return 0
+    return regen.main("tools.designref", __doc__.split("\n")[0], OUTPUT, render, argv)
 
 
 if __name__ == "__main__":
