@@ -106,8 +106,9 @@ def check_committed(ck: Checkpointer, must: list[int]) -> list[int]:
 # ---- the children ------------------------------------------------------------------------
 
 def train(conn: Connection, root: str, shm: str, steps: int, stuck_at: int, rank: int = 0, world: int = 1,
-          port: int = 0) -> None:
-    """Save steps 1..steps, reporting each once staged; mutate the watched tensors right after."""
+          port: int = 0, durable_first: bool = False) -> None:
+    """Save steps 1..steps, reporting each once staged; mutate the watched tensors right after. ``durable_first``:
+    the steps before ``stuck_at`` are reported once committed (a test that needs them on disk before the kill)."""
     if world > 1:
         dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
     ck = Checkpointer(config(root, shm), storage=StuckStorage(root, stuck_at), distributed=world > 1)
@@ -115,7 +116,8 @@ def train(conn: Connection, root: str, shm: str, steps: int, stuck_at: int, rank
     ck.watch(opt)
     for step in range(1, steps + 1):
         set_step(m, step)
-        ck.save(state(m, step), step=step).wait_staged()
+        handle = ck.save(state(m, step), step=step)
+        handle.wait() if durable_first and step < stuck_at else handle.wait_staged()
         conn.send(step)
         with torch.no_grad():  # what the optimizer would do: the snapshot must not see it
             for p in m.parameters():

@@ -102,7 +102,8 @@ def test_a_state_load_state_would_refuse_fails_the_save_naming_file_and_key(tmp_
     assert "meta/started (datetime.datetime)" in message and "meta/objects (numpy.ndarray)" in message
     assert "custom_checkpoint_1.pkl" in caplog.text  # said when the check ran, not only at the next call
     assert not os.path.exists(os.path.join(folder, "manifest.json"))  # never committed
-    assert os.listdir(folder) == []
+    # nothing of the save was written; the pending marker (written inside save_state) says the folder is no checkpoint
+    assert os.listdir(folder) == [".fastckpt-pending"]
 
 
 def test_allowed_classes_and_the_unsafe_opt_in_let_the_same_state_save_and_load(tmp_path, closing):

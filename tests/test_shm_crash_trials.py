@@ -108,12 +108,13 @@ def test_sigkill_trials_two_ranks_50(tmp_path) -> None:
     _trials_ranks(tmp_path, range(100, 150))
 
 
-def _staged_step2(tmp_path: Path) -> tuple[Path, Path]:
-    """Two ranks staged step 2 (their disks hang), then both are SIGKILLed."""
+def _staged_step2(tmp_path: Path, durable_first: bool = False) -> tuple[Path, Path]:
+    """Two ranks staged step 2 (their disks hang), then both are SIGKILLed. ``durable_first``: step 1 is committed
+    before step 2 is saved (else it may be on disk or only in shared memory when the kill comes)."""
     root, shm = tmp_path / "ckpts", tmp_path / "shm"
     shm.mkdir()
     port = kids.free_port()
-    ranks = [kids.start(kids.train, str(root), str(shm), 2, 2, r, 2, port) for r in range(2)]
+    ranks = [kids.start(kids.train, str(root), str(shm), 2, 2, r, 2, port, durable_first) for r in range(2)]
     try:
         for proc, conn in ranks:
             assert [kids.receive(proc, conn) for _ in range(2)] == [1, 2]
@@ -162,7 +163,7 @@ def test_two_ranks_staged_snapshot_is_recovered_whole(tmp_path) -> None:
 def test_a_rank_whose_namespace_is_another_users_still_joins_the_agreement(tmp_path) -> None:
     """Rank 1's namespace refused (another uid's): it stages in host memory and recovers nothing, but still takes
     its part in the ranks' agreement, so rank 0 discards its half of step 2 instead of waiting for ever."""
-    root, shm = _staged_step2(tmp_path)
+    root, shm = _staged_step2(tmp_path, durable_first=True)  # step 1 on disk: only step 2 hangs on the agreement
     [theirs] = shm.glob("*-rank1")
     for path in [theirs, *theirs.rglob("*")]:
         os.lchown(path, 65534, 65534)
