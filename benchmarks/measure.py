@@ -188,13 +188,13 @@ def paired_stall(ckpt_windows: list[float], clean_windows: list[float]) -> dict[
     """
     if len(clean_windows) != len(ckpt_windows) + 1:
         raise ValueError("need one more clean window than checkpointed windows")
+    from fastckpt.timeline import median_and_noise  # the demo (examples/lightning_gpt.py) states the same noise
+
     diffs = [w - (clean_windows[i] + clean_windows[i + 1]) / 2 for i, w in enumerate(ckpt_windows)]
-    m = statistics.median(diffs)
-    mad = statistics.median([abs(d - m) for d in diffs])
-    n = len(diffs)
+    m, noise = median_and_noise(diffs)
     return {
         "stall_s": m,
-        "noise_s": 1.2533 * 1.4826 * mad / n**0.5,
+        "noise_s": noise,
         "stall_mean_s": statistics.fmean(diffs),
         "stall_pairs_s": diffs,
     }
