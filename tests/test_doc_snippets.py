@@ -4,7 +4,8 @@ Each block runs alone, in a fresh interpreter whose cwd is an empty tmp dir, so 
 A block may carry one directive, an HTML comment on the line right before its fence (invisible when rendered):
 
 - ``<!-- snippet: file=NAME -->`` on a non-python block (the YAML config): its text is written to ``NAME`` in
-  the cwd of every block, because the prose tells the reader to save it there (``fastckpt.yaml``).
+  the cwd of every block of the same document, because the prose tells the reader to save it there
+  (``fastckpt.yaml``).
 - ``<!-- snippet: s3 -->`` on a python block that uses ``s3://bucket/...``: it runs against the suite's SeaweedFS
   server, reached the way any boto client is, through the standard ``AWS_*`` environment variables.
 - ``<!-- snippet: skip: WHY -->`` on a python block that cannot run alone (it needs several ranks): it is
@@ -86,12 +87,13 @@ RUNNABLE = [b for b in PYTHON if not b.directive.startswith("skip:")]
 SKIPPED = [b for b in PYTHON if b.directive.startswith("skip:")]
 
 
-def shared_files() -> dict[str, str]:
-    """Files the docs show and tell the reader to create (``file=NAME`` blocks); one content per name."""
+def shared_files(doc: str | None = None) -> dict[str, str]:
+    """Files a document shows and tells the reader to create (``file=NAME`` blocks); one content per name.
+    With no ``doc``, checks every document's directives."""
     files: dict[str, tuple[str, str]] = {}
     for block in ALL_BLOCKS:
         check_directive(block)
-        if block.directive.startswith("file="):
+        if block.directive.startswith("file=") and (doc is None or block.doc == doc):
             name = block.directive[len("file="):]
             if name in files and files[name][1] != block.text:
                 raise AssertionError(f"{block.id}: {name} is shown differently at {files[name][0]}")
@@ -120,8 +122,9 @@ def s3_env(request: pytest.FixtureRequest) -> dict[str, str]:
 
 
 def test_the_docs_have_python_blocks_and_directives_are_known() -> None:
-    assert len(RUNNABLE) >= 10, [b.id for b in PYTHON]
-    shared_files()  # checks every directive and that a shared file is shown one way only
+    assert len(RUNNABLE) >= 9, [b.id for b in PYTHON]
+    for doc in DOCS:  # checks every directive, and that a document shows each file one way only
+        shared_files(doc.relative_to(REPO).as_posix())
     assert len(SKIPPED) <= MAX_SKIPPED, f"too many skipped blocks: {[b.id for b in SKIPPED]}"
     # Python hidden in an unlabelled or mislabelled fence would escape this test.
     for block in ALL_BLOCKS:
@@ -141,7 +144,7 @@ def test_a_mistyped_directive_fails(tmp_path: Path) -> None:
 @pytest.mark.timeout(BLOCK_TIMEOUT_S + 60)
 @pytest.mark.parametrize("block", RUNNABLE, ids=lambda b: b.id)
 def test_python_block_runs_as_written(block: Block, tmp_path: Path, request: pytest.FixtureRequest) -> None:
-    for name, text in shared_files().items():
+    for name, text in shared_files(block.doc).items():
         (tmp_path / name).write_text(text)
     script = tmp_path / "snippet.py"
     script.write_text(block.text)
