@@ -80,6 +80,8 @@ SURFACE: dict[str, frozenset[str] | str] = {
     "fastckpt.tiers.lock": frozenset({"RootLock"}),
     # finishing saves in flight before the process exits (Accelerate)
     "fastckpt.engine.exithook": frozenset({"register_exit_hook"}),
+    # the one estimate of a median and its noise, shared by the demo and the benchmarks
+    "fastckpt.timeline": frozenset({"median_and_noise"}),
 }
 SURFACE_USERS = ("fastckpt_lightning", "fastckpt_accelerate", "fastckpt.cli", "benchmarks", "tools")
 
