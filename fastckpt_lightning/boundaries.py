@@ -45,7 +45,7 @@ BOUNDARY_HOOKS = (
 # Stock callbacks whose hooks read the model but never write its parameters or optimizer state. Their own hook
 # implementations are exempt; a subclass that overrides a hook is not (its code may write).
 _READ_ONLY = (
-    "lightning.pytorch.callbacks.ModelCheckpoint",
+    "lightning.pytorch.callbacks.ModelCheckpoint",  # FastModelCheckpoint inherits its hooks
     "lightning.pytorch.callbacks.EarlyStopping",
     "lightning.pytorch.callbacks.progress.ProgressBar",
     "lightning.pytorch.callbacks.TQDMProgressBar",
@@ -59,7 +59,15 @@ _READ_ONLY = (
     "lightning.pytorch.callbacks.GradientAccumulationScheduler",
     "lightning.pytorch.callbacks.SpikeDetection",
     "lightning.pytorch.callbacks.OnExceptionCheckpoint",
-)  # FastModelCheckpoint inherits ModelCheckpoint's hooks
+)
+
+# Single hooks of stock writers that write no weight a checkpoint holds lazily, where a wait would cost the overlap
+# of every epoch-end checkpoint: SWA's epoch end only resets a loop flag; WeightAveraging's updates its averaged
+# copy, whose tensors are no optimizer's, so a save copies them inside save_checkpoint (eagerly).
+_READ_ONLY_HOOKS = {
+    "lightning.pytorch.callbacks.StochasticWeightAveraging": ("on_train_epoch_end",),
+    "lightning.pytorch.callbacks.WeightAveraging": ("on_train_epoch_end",),
+}
 
 
 def writers(trainer: pl.Trainer, pl_module: Optional[pl.LightningModule], hook: str,
@@ -87,7 +95,8 @@ def _function(method: Any) -> Optional[Callable[..., Any]]:
 def _harmless(hook: str) -> frozenset[Callable[..., Any]]:
     """The implementations of ``hook`` that never write weights: ``Callback``'s no-op and the read-only stock ones."""
     found = {getattr(Callback, hook)}
-    for qualified in _READ_ONLY:
+    exempt = [*_READ_ONLY, *(name for name, hooks in _READ_ONLY_HOOKS.items() if hook in hooks)]
+    for qualified in exempt:
         cls = _resolve(qualified)
         if cls is not None:
             found.add(_function(getattr(cls, hook, None)))
