@@ -7,11 +7,16 @@ to add it by hand.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+import logging
+from typing import Any, Callable, Optional, Protocol
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from torch.optim import Optimizer
+
+from fastckpt_lightning.boundaries import BOUNDARY_HOOKS, writers
+
+log = logging.getLogger(__name__)
 
 
 class _Plugin(Protocol):
@@ -28,11 +33,31 @@ class _Plugin(Protocol):
     def deliver_logger_calls(self) -> None: ...
 
 
+def _at_boundary(hook: str) -> Callable[..., None]:
+    """A boundary hook of the companion that only waits where a writer runs (``wait_for_writers``)."""
+
+    def wait(self: "FastCheckpointCallback", trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.wait_for_writers(trainer, pl_module, hook)
+
+    wait.__name__ = wait.__qualname__ = hook
+    wait.__doc__ = f"Finish lazy copies before ``{hook}`` if a callback or the module that runs it may write weights."
+    return wait
+
+
 class FastCheckpointCallback(Callback):
     """Waits for lazy copies before each optimizer step, finishes them when training ends, flushes at teardown."""
 
     def __init__(self, plugin: _Plugin) -> None:
         self._plugin = plugin
+
+    def wait_for_writers(self, trainer: pl.Trainer, pl_module: Optional[pl.LightningModule], hook: str) -> None:
+        """At an epoch or phase boundary: finish lazy copies if a callback or the module that runs ``hook`` next may
+        write weights there (``boundaries``: SWA, weight averaging, pruning, fine-tuning, user code), so a checkpoint
+        saved before it holds the weights of its step; else keep the overlap."""
+        found = writers(trainer, pl_module, hook, self)
+        if found:
+            log.debug("fastckpt_lightning: %s of %s may write weights: finishing lazy copies first", hook, found)
+            self._plugin.wait_staged()
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Wire the plugin before ``ModelCheckpoint.setup`` resolves its folder (it runs last), when this callback
@@ -42,6 +67,7 @@ class FastCheckpointCallback(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """A new fit may have new optimizers: watch them."""
         self._plugin.attach(trainer)
+        self.wait_for_writers(trainer, pl_module, "on_train_start")
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -56,11 +82,14 @@ class FastCheckpointCallback(Callback):
         self._plugin.deliver_logger_calls()
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Loggers see the checkpoints that landed (the last batch of an epoch has no next batch start)."""
+        """Loggers see the checkpoints that landed (the last batch of an epoch has no next batch start); pruning
+        and user code may write weights next."""
+        self.wait_for_writers(trainer, pl_module, "on_train_epoch_end")
         self._plugin.deliver_logger_calls()
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Loggers see the checkpoints that landed."""
+        self.wait_for_writers(trainer, pl_module, "on_validation_end")
         self._plugin.deliver_logger_calls()
 
     def on_before_optimizer_step(
@@ -76,6 +105,16 @@ class FastCheckpointCallback(Callback):
 
     on_test_start = on_validation_start
     on_predict_start = on_validation_start
+
+    # The other boundaries where a stock callback or user code may write weights (SWA's BatchNorm epoch starts in
+    # on_train_epoch_start, fine-tuning unfreezes there, pruning runs at epoch ends): wait only if one runs there.
+    on_fit_start = _at_boundary("on_fit_start")
+    on_sanity_check_start = _at_boundary("on_sanity_check_start")
+    on_sanity_check_end = _at_boundary("on_sanity_check_end")
+    on_train_epoch_start = _at_boundary("on_train_epoch_start")
+    on_validation_epoch_start = _at_boundary("on_validation_epoch_start")
+    on_validation_epoch_end = _at_boundary("on_validation_epoch_end")
+    on_fit_end = _at_boundary("on_fit_end")
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Finish copies before callbacks like SWA overwrite weights and the strategy moves the model to CPU."""

@@ -90,6 +90,68 @@ class GatedIO(FastCheckpointIO):
         return GatedCheckpointer(config, self.gate, self.opened_by)
 
 
+class HeldCheckpointer(Checkpointer):
+    """Holds every save's background copy until the training thread waits for staging (``GatedCheckpointer``'s gate
+    opens once; this one closes again at each save), so each copy provably overlaps whatever runs until the next
+    wait, and records the hook that was running when a held copy was released."""
+
+    def __init__(self, config: CheckpointConfig, gate: threading.Event, released_in: list[str],
+                 current_hook: Any) -> None:
+        super().__init__(config)
+        self._gate = gate
+        self._released_in = released_in
+        self._current_hook = current_hook
+        pipeline = self._pipeline
+        copy_shard = pipeline._copy_shard
+
+        def held(job: Any, shard: Any, *rest: Any) -> None:
+            if threading.current_thread().name.startswith("fastckpt-copy") and not gate.wait(timeout=60):
+                raise TimeoutError("test gate never opened: nobody waited for staging")
+            copy_shard(job, shard, *rest)
+
+        pipeline._copy_shard = held
+
+    def save_file(self, *args: Any, **kwargs: Any) -> Any:
+        self._gate.clear()
+        return super().save_file(*args, **kwargs)
+
+    def _open(self) -> None:
+        if not self._gate.is_set():
+            self._released_in.append(self._current_hook())
+            self._gate.set()
+
+    def wait_staged(self, *args: Any, **kwargs: Any) -> None:
+        self._open()
+        super().wait_staged(*args, **kwargs)
+
+    def wait(self, *args: Any, **kwargs: Any) -> None:
+        self._open()
+        super().wait(*args, **kwargs)
+
+    def close(self, *args: Any, **kwargs: Any) -> None:
+        self._gate.set()
+        super().close(*args, **kwargs)
+
+
+class HeldIO(FastCheckpointIO):
+    """The plugin with every lazy copy held back until the training thread waits for it; ``released_in`` lists
+    the Lightning hook that was running at each release (``"?"`` outside a hook)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("persist", {"fsync": False})
+        super().__init__(**kwargs)
+        self.gate = threading.Event()
+        self.released_in: list[str] = []
+
+    def _current_hook(self) -> str:
+        trainer = self._attached_trainer()
+        module = trainer.lightning_module if trainer is not None else None
+        return getattr(module, "_current_fx_name", None) or "?"
+
+    def _create_checkpointer(self, config: CheckpointConfig) -> Checkpointer:
+        return HeldCheckpointer(config, self.gate, self.released_in, self._current_hook)
+
+
 def ckpt_names(dirpath: str) -> set[str]:
     """The checkpoint files in ``dirpath`` (every other name is a failure: no sidecars, no temporaries)."""
     names = set(os.listdir(dirpath))
