@@ -61,12 +61,7 @@ def plot_timeline(path: str | Path, step_starts: Sequence[float], step_ms: Seque
     bottom.set_xlabel("time since the first step (s)")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in _PHASES.values()]
     bottom.legend(handles, [f"{name}" for name in _PHASES], loc="lower right", fontsize=7, ncol=4)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def _draw_save(axes: Any, row: int, start: float, stats: Any) -> None:
@@ -230,12 +225,7 @@ def plot_cost(path: str | Path, step_starts: Sequence[float], step_ms: Sequence[
     bottom.set_ylabel("extra ms per checkpoint")
     bottom.set_title("a checkpointed window minus its clean neighbours (dots: windows; bar: median; "
                      "error bar: the noise)", fontsize=9)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def _check_windows(windows: Sequence[Window], step_ms: Sequence[float]) -> None:
@@ -253,3 +243,13 @@ def _kind_colours(kinds: Sequence[str]) -> dict[str, str]:
     palette = ["#e6550d", "#3182bd", "#31a354", "#756bb1", "#969696"]
     named = [k for k in dict.fromkeys(kinds) if k != CLEAN]
     return {k: palette[i % len(palette)] for i, k in enumerate(named)}
+
+
+def _save(fig: Any, path: str | Path) -> Path:
+    """Write ``fig`` to ``path`` (its folder made) and free it: pyplot keeps every open figure alive."""
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    _pyplot().close(fig)
+    return path
