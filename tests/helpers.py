@@ -162,4 +162,13 @@ def bounded(fn: Callable[[], Any], timeout: float = 60.0) -> Any:
             fut.set_exception(e)
 
     threading.Thread(target=run, name="bounded", daemon=True).start()
-    return fut.result(timeout)
+    try:
+        return fut.result(timeout)
+    except TimeoutError:
+        if fut.done():
+            raise  # fn itself raised a TimeoutError: its own, as it is
+        raise StillBlocked(f"still blocked after {timeout}s") from None
+
+
+class StillBlocked(TimeoutError):
+    """``bounded``'s function had not returned in time (a ``TimeoutError`` it raised itself stays what it is)."""

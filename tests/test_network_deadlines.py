@@ -9,7 +9,6 @@ import errno
 import socket
 import threading
 import time
-from concurrent.futures import Future
 from typing import Any, Callable
 
 import fsspec.implementations.memory
@@ -19,7 +18,7 @@ import torch
 from fastckpt import CheckpointConfig, Checkpointer, CheckpointTimeoutError, StorageError
 from fastckpt.storage.fsspec import FsspecStorage
 from fastckpt.storage.local import LocalStorage
-from tests.helpers import GatedStorage, assert_bit_equal
+from tests.helpers import GatedStorage, StillBlocked, assert_bit_equal, bounded
 from tests.s3server import s3_storage_options
 
 _PATIENT_BOTOCORE = {"connect_timeout": 3600, "read_timeout": 3600}  # alone, it would wait an hour
@@ -32,21 +31,10 @@ def _state(v: float) -> dict:
 
 def _within(seconds: float, fn: Callable[[], Any]) -> Any:
     """``fn()``'s result or exception, or fail the test if it is still blocked after ``seconds``."""
-    fut: Future = Future()
-
-    def run() -> None:
-        try:
-            fut.set_result(fn())
-        except BaseException as e:  # noqa: BLE001 - handed to the test
-            fut.set_exception(e)
-
-    threading.Thread(target=run, name="test-within", daemon=True).start()
     try:
-        return fut.result(seconds)
-    except TimeoutError:
-        if not fut.done():
-            pytest.fail(f"still blocked after {seconds}s")
-        raise
+        return bounded(fn, seconds)
+    except StillBlocked:
+        pytest.fail(f"still blocked after {seconds}s")
 
 
 def _patient(proxy) -> dict:

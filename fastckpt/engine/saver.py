@@ -383,10 +383,6 @@ class Saver:
             log.error("fastckpt: another checkpoint also failed: %s", other)
         raise first
 
-    def has_errors(self) -> bool:
-        """Whether a background error waits to be raised."""
-        return bool(self._errors)
-
     def _on_failure(self, job: Job, err: FastCkptError) -> None:
         # The user removed the folder (a TemporaryDirectory's cleanup right after the save): their removal wins,
         # as it would after a stock synchronous save. Said once; not raised at the next save/wait/close.
