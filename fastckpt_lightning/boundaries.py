@@ -13,6 +13,10 @@ Waiting everywhere would be simpler and always safe, but a checkpoint saved at t
 its overlap with training entirely (the next boundary follows at once): the most common checkpoint would cost a
 full copy stall. Waiting only where a writer runs keeps that overlap, and costs nothing per step: batch hooks are
 never boundaries (the wait before ``optimizer.step()`` covers what the step changes).
+
+User code at a boundary (``user_code``: the module's override, a callback that is not Lightning's) may also read
+the files saved before it, as it can in stock Lightning; there the companion waits for the pending saves
+themselves unless ``FastCheckpointIO(async_user_hooks=True)``.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
-__all__ = ["BOUNDARY_HOOKS", "writers"]
+__all__ = ["BOUNDARY_HOOKS", "user_code", "writers"]
 
 # The callback hooks that run at an epoch or phase boundary of a fit, in which Lightning's callbacks write weights.
 # Not the batch hooks (per step), not on_validation_start/on_train_end/on_exception (the companion waits there
@@ -79,6 +83,27 @@ def writers(trainer: pl.Trainer, pl_module: Optional[pl.LightningModule], hook: 
     if pl_module is not None and is_overridden(hook, pl_module):
         found.append(type(pl_module).__qualname__)
     return found
+
+
+def user_code(trainer: pl.Trainer, pl_module: Optional[pl.LightningModule], hook: str,
+              companion: Callback) -> list[str]:
+    """Whose own code runs in ``hook`` (class names): the module's override, and callbacks whose implementation is
+    not Lightning's. Such code may read the checkpoint files saved before the hook (``os.listdir``, a copy, an
+    upload), as it can in stock Lightning; Lightning's own callbacks never do."""
+    found = [type(callback).__qualname__ for callback in trainer.callbacks
+             if callback is not companion and _users(getattr(callback, hook, None))]
+    if pl_module is not None and is_overridden(hook, pl_module) and _users(getattr(pl_module, hook, None)):
+        found.append(type(pl_module).__qualname__)
+    return found
+
+
+def _users(method: Any) -> bool:
+    implementation = _function(method)
+    # Lightning's callbacks (``Callback``'s no-ops included) and this plugin's own never read checkpoint files.
+    return implementation is not None and not getattr(implementation, "__module__", "").startswith(_OURS)
+
+
+_OURS = ("lightning.", "pytorch_lightning.", "fastckpt_lightning.")
 
 
 def _may_write(callback: Callback, hook: str) -> bool:

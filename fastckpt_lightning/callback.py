@@ -14,13 +14,15 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from torch.optim import Optimizer
 
-from fastckpt_lightning.boundaries import BOUNDARY_HOOKS, writers
+from fastckpt_lightning.boundaries import BOUNDARY_HOOKS, user_code, writers
 
 log = logging.getLogger(__name__)
 
 
 class _Plugin(Protocol):
     """What the callback needs from ``FastCheckpointIO`` (a protocol, so the two modules do not import each other)."""
+
+    async_user_hooks: bool
 
     def attach(self, trainer: pl.Trainer) -> None: ...
 
@@ -54,6 +56,13 @@ class FastCheckpointCallback(Callback):
         """At an epoch or phase boundary: finish lazy copies if a callback or the module that runs ``hook`` next may
         write weights there (``boundaries``: SWA, weight averaging, pruning, fine-tuning, user code), so a checkpoint
         saved before it holds the weights of its step; else keep the overlap."""
+        users = [] if self._plugin.async_user_hooks else user_code(trainer, pl_module, hook, self)
+        if users:
+            # The user's code may look at the files saved before this hook (ModelCheckpoint's at the epoch end just
+            # before): they are there, complete, and the ones it removed are gone, as in stock Lightning.
+            log.debug("fastckpt_lightning: %s of %s is user code: waiting for pending saves", hook, users)
+            self._plugin.flush()
+            return
         found = writers(trainer, pl_module, hook, self)
         if found:
             log.debug("fastckpt_lightning: %s of %s may write weights: finishing lazy copies first", hook, found)

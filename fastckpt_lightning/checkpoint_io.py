@@ -63,6 +63,10 @@ class FastCheckpointIO(CheckpointIO):
         async_user_saves: ``trainer.save_checkpoint(path)`` called by your own code during ``fit`` (a callback)
             returns once the file is complete, as with stock Lightning, unless this is True; the saves
             ``ModelCheckpoint`` makes are asynchronous either way (docs/lightning.md, "When a file is there").
+        async_user_hooks: your own code at an epoch or phase boundary (``on_train_epoch_start`` of your module or of
+            a callback that is not one of Lightning's) sees the checkpoints saved before it as files, as with stock
+            Lightning, unless this is True: then such a boundary only waits for the lazy copies, and the
+            checkpoint saved just before it keeps its overlap with training (docs/lightning.md).
     """
 
     def __init__(
@@ -77,6 +81,7 @@ class FastCheckpointIO(CheckpointIO):
         allowed_classes: Optional[list[str]] = None,
         log_stats: bool = False,
         async_user_saves: bool = False,
+        async_user_hooks: bool = False,
     ) -> None:
         self.config, self.root = build_config(
             config,
@@ -88,6 +93,7 @@ class FastCheckpointIO(CheckpointIO):
             allowed_classes=allowed_classes,
         )
         self.async_user_saves = bool(async_user_saves)
+        self.async_user_hooks = bool(async_user_hooks)
         self.callback = FastCheckpointCallback(self)
         self._log_to_loggers = bool(log_stats)
         hooks.install(_companion_of)  # the callback's hooks run without it being in trainer.callbacks
@@ -109,7 +115,8 @@ class FastCheckpointIO(CheckpointIO):
 
     def __getstate__(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k in ("config", "root", "callback", "_lazy", "_book",
-                                                                 "_log_to_loggers", "async_user_saves")}
+                                                                 "_log_to_loggers", "async_user_saves",
+                                                                 "async_user_hooks")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)

@@ -51,7 +51,7 @@ class LandLater:
 class LateIO(FastCheckpointIO):
     """The plugin over ``LandLater`` storage: a ModelCheckpoint save's file lands once training reached the next
     batch start, validation or the end of training (``advance``); the training thread blocking on a save of its
-    own (a user's save) lets every earlier one land, as time passing would."""
+    own (a user's save), or on every pending save (``flush``), lets every earlier one land, as time passing would."""
 
     def __init__(self, **kwargs: Any) -> None:
         kwargs.setdefault("persist", {"fsync": False})
@@ -83,6 +83,10 @@ class LateIO(FastCheckpointIO):
             with self.moved:
                 self.release_at.setdefault(os.fspath(path), []).append(0)
         super().save_checkpoint(checkpoint, path, storage_options)
+
+    def flush(self) -> None:
+        self.advance()  # the training thread waits for every pending save (user code at a boundary): time passes
+        super().flush()
 
     def _create_checkpointer(self, config: CheckpointConfig) -> Checkpointer:
         return Checkpointer(config, storage=LandLater(config.root, self))
