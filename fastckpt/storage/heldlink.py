@@ -1,0 +1,40 @@
+"""Naming unnamed files, and checking a name, without letting other Python threads run in between.
+
+A user's ``shutil.rmtree`` (a ``TemporaryDirectory`` cleanup) runs in this process too: it lists a folder, unlinks
+what it listed, then removes the folder, and fails ("Directory not empty") if a name appears after the listing.
+Its steps interleave with a background writer wherever either releases the GIL (every ``os`` call). These libc
+calls go through ``ctypes.PyDLL``, which keeps the GIL: a writer's checks of a folder and the links they guard run
+as one step for every other Python thread, so a removal under way is either seen by the checks or has not listed
+the folder yet. Each call is a single metadata operation (no data I/O), so holding the GIL costs microseconds.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+
+__all__ = ["UNNAMED_OK", "link_fd", "present"]
+
+# linkat(/proc/self/fd/N, AT_SYMLINK_FOLLOW) names an O_TMPFILE file (AT_EMPTY_PATH needs privileges, and os.link
+# calls link(2), which would link the /proc symlink itself).
+_AT_FDCWD, _AT_SYMLINK_NOFOLLOW, _AT_SYMLINK_FOLLOW, _F_OK = -100, 0x100, 0x400, 0
+try:
+    _libc = ctypes.PyDLL(None, use_errno=True)
+    _linkat, _faccessat = _libc.linkat, _libc.faccessat
+except (OSError, AttributeError):
+    _linkat = _faccessat = None
+UNNAMED_OK = _linkat is not None and hasattr(os, "O_TMPFILE") and os.path.isdir("/proc/self/fd")
+
+
+def link_fd(fd: int, path: str) -> None:
+    """Give the unnamed file open as ``fd`` the name ``path`` (raises ``FileExistsError`` if taken, and
+    ``FileNotFoundError`` in a removed folder, which is never recreated)."""
+    if _linkat(_AT_FDCWD, f"/proc/self/fd/{fd}".encode(), _AT_FDCWD, os.fsencode(path), _AT_SYMLINK_FOLLOW) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code), path)
+
+
+def present(path: str) -> bool:
+    """Whether ``path`` names anything (a link is not followed), the GIL held throughout."""
+    if _faccessat is None:
+        return os.path.lexists(path)
+    return _faccessat(_AT_FDCWD, os.fsencode(path), _F_OK, _AT_SYMLINK_NOFOLLOW) == 0
