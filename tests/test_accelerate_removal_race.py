@@ -9,9 +9,12 @@ before each name. These tests pin that down, then run the pattern of Accelerate'
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
+import shutil
 import tempfile
+import threading
 from collections import Counter
 from typing import Any
 
@@ -20,6 +23,7 @@ import pytest
 import fastckpt.format.bundle as bundle
 import fastckpt_accelerate
 from accelerate_testing import Setup, assert_same, closing, make_accelerator  # noqa: F401 (closing: a fixture)
+from fastckpt.errors import FolderRemovedError
 from fastckpt.format.bundle import PENDING
 from fastckpt.format.layout import MANIFEST
 
@@ -78,3 +82,57 @@ def test_a_temporary_project_removed_right_after_the_last_save_wins(tmp_path, cl
     warned = Counter(r.getMessage() for r in caplog.records
                      if r.levelno == logging.WARNING and "removed" in r.getMessage())
     assert all(n == 1 for n in warned.values()), warned
+
+
+def test_a_removal_that_listed_the_folder_wins_over_the_links(tmp_path, closing, monkeypatch, caplog):
+    """A walker (what shutil.rmtree does) opens and lists the folder while only the marker is there, then the
+    save's names would be linked: they wait until the walker closed the folder, so its unlinks and its rmdir of
+    what it listed succeed, and the save gives up quietly (one warning, no error, nothing recreated)."""
+    caplog.set_level(logging.INFO, logger="fastckpt")
+    acc = make_accelerator(tmp_path / "project")
+    checkpointing = fastckpt_accelerate.enable(acc)
+    closing.append(checkpointing)
+    setup = Setup(acc)
+    setup.step()
+    folder = str(tmp_path / "project" / "checkpoints" / "checkpoint_0")
+    crc32c, calls, outcome, walkers = bundle.crc32c, [], {}, []
+
+    def walk(fd: int, listed: list[str]) -> None:
+        # As rmtree: the folder stays open from its listing until right before its rmdir. Given the time to link
+        # (a writer that does not wait links and commits at once), then removes what it listed.
+        concurrent.futures.wait([checkpointing.last_handle.durable], timeout=0.5)
+        for name in listed:
+            os.unlink(name, dir_fd=fd)
+        os.close(fd)
+        try:
+            os.rmdir(folder)
+        except OSError as e:
+            outcome["error"] = e
+
+    def listing_once_staged(data: Any, crc: int = 0) -> int:
+        calls.append(None)
+        if len(calls) == total[0]:  # the last member's bytes: every member is written unnamed right after
+            fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+            listed = os.listdir(fd)
+            assert listed == [PENDING]
+            walkers.append(threading.Thread(target=walk, args=(fd, listed), name="test-walker"))
+            walkers[0].start()
+        return crc32c(data, crc)
+
+    total = [0]
+    monkeypatch.setattr(bundle, "crc32c", lambda data, crc=0: (calls.append(None), crc32c(data, crc))[1])
+    acc.save_state()  # a first save only counts the checksummed parts of this state
+    acc.wait_for_everyone()
+    total[0], calls[:] = len(calls), []
+    shutil.rmtree(tmp_path / "project" / "checkpoints")
+    acc.project_configuration.iteration = 0
+    monkeypatch.setattr(bundle, "crc32c", listing_once_staged)
+    assert acc.save_state() == folder
+    with pytest.raises(FolderRemovedError):
+        checkpointing.last_handle.wait()
+    walkers[0].join(30)
+    assert "error" not in outcome, outcome
+    assert not os.path.exists(folder)
+    acc.wait_for_everyone()  # quiet: the removal was the user's
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert sum("removed" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING) == 1

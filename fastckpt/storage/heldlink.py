@@ -12,16 +12,20 @@ from __future__ import annotations
 import ctypes
 import os
 
-__all__ = ["UNNAMED_OK", "link_fd", "present"]
+__all__ = ["UNNAMED_OK", "link_fd", "present", "walked"]
 
 # linkat(/proc/self/fd/N, AT_SYMLINK_FOLLOW) names an O_TMPFILE file (AT_EMPTY_PATH needs privileges, and os.link
 # calls link(2), which would link the /proc symlink itself).
 _AT_FDCWD, _AT_SYMLINK_NOFOLLOW, _AT_SYMLINK_FOLLOW, _F_OK = -100, 0x100, 0x400, 0
 try:
     _libc = ctypes.PyDLL(None, use_errno=True)
-    _linkat, _faccessat = _libc.linkat, _libc.faccessat
+    _linkat, _faccessat, _readlink = _libc.linkat, _libc.faccessat, _libc.readlink
+    _opendir, _readdir, _closedir = _libc.opendir, _libc.readdir, _libc.closedir
+    _opendir.restype = _readdir.restype = ctypes.c_void_p
+    _readdir.argtypes = _closedir.argtypes = [ctypes.c_void_p]
 except (OSError, AttributeError):
-    _linkat = _faccessat = None
+    _linkat = _faccessat = _readlink = _opendir = None
+_D_NAME = 19  # offsetof(struct dirent, d_name) in glibc on 64-bit Linux (d_ino, d_off, d_reclen, d_type)
 UNNAMED_OK = _linkat is not None and hasattr(os, "O_TMPFILE") and os.path.isdir("/proc/self/fd")
 
 
@@ -38,3 +42,28 @@ def present(path: str) -> bool:
     if _faccessat is None:
         return os.path.lexists(path)
     return _faccessat(_AT_FDCWD, os.fsencode(path), _F_OK, _AT_SYMLINK_NOFOLLOW) == 0
+
+
+def walked(folder: str) -> bool:
+    """Whether a descriptor of this process has ``folder`` (a real path: no link in it) open, the GIL held
+    throughout: a ``shutil.rmtree`` keeps each folder open from before it lists it until right before it removes it,
+    so True means a walk may have listed it and no name may appear there now. False where ``/proc/self/fd`` cannot
+    be read (nothing to go by)."""
+    if _opendir is None:
+        return False
+    want = os.fsencode(folder)
+    handle = _opendir(b"/proc/self/fd")
+    if not handle:
+        return False
+    buf = ctypes.create_string_buffer(4096)
+    try:
+        while True:
+            entry = _readdir(handle)
+            if not entry:
+                return False
+            name = ctypes.string_at(entry + _D_NAME)
+            n = _readlink(b"/proc/self/fd/" + name, buf, len(buf))
+            if n == len(want) and buf.raw[:n] == want:
+                return True
+    finally:
+        _closedir(handle)
