@@ -43,7 +43,7 @@ from .layout import FORMAT, LAYOUT_FILES, MANIFEST, CheckpointInfo, FileRecord
 from .paths import plain_name
 from .picklecheck import PickleLoader, check_loads, culprits, pickle_of
 from .safetensorsfile import SafetensorsFileFormat
-from ..storage.heldlink import present, walked
+from ..storage.heldlink import present, wait_unwalked
 from ..storage.local import LocalStorage
 from ..storage.protocol import Storage
 from .torchfile import TorchFileFormat, plan_torch_file
@@ -222,15 +222,16 @@ class FileBundle:
         try:
             staged = _every(pool, stage, range(len(self.members)))
             manifest = self.manifest([record for _, record, _ in staged])
-            fd = storage.write_unnamed(self.dirpath, [memoryview(manifest)])
-            if fd is not None:
-                opened.append(fd)
+            last = storage.write_unnamed(self.dirpath, [memoryview(manifest)])
+            if last is not None:
+                opened.append(last)
             # From here on only checks and links: the names appear together, each checked right before it.
             names = self.names + [MANIFEST]
             real = os.path.realpath(self.dirpath)
-            for k, (fd, _, parts) in enumerate(staged + [(fd, None, [memoryview(manifest)])]):
+            files = [(fd, parts) for fd, _, parts in staged] + [(last, [memoryview(manifest)])]
+            for k, (fd, parts) in enumerate(files):
                 if k in (0, len(staged)):  # each run of links that keeps the GIL: the members, then the manifest
-                    _wait_unwalked(real)
+                    wait_unwalked(real)
                 if fd is None:  # no O_TMPFILE: a named temporary file (the marker checked before the rename)
                     self._publish(storage, names[k], parts)
                     continue
@@ -240,8 +241,8 @@ class FileBundle:
                                      functools.partial(self._still_whole, storage, names[:k]),
                                      sync_folder=k >= len(staged) - 1)
         finally:
-            for fd in opened:
-                os.close(fd)
+            for held in opened:
+                os.close(held)
         return [record for _, record, _ in staged]
 
     def _write_member(self, storage: Storage, views: dict[int, memoryview], crcs: dict[int, int],
@@ -365,17 +366,6 @@ def _every(pool: Executor | None, fn: Any, indices: range) -> list[FileRecord]:
     futures = [pool.submit(fn, i) for i in indices]
     concurrent.futures.wait(futures)
     return [f.result() for f in futures]
-
-
-def _wait_unwalked(folder: str, patience_s: float = 1.0) -> None:
-    """Until no descriptor of this process has ``folder`` open (``heldlink.walked``): a user's ``rmtree`` in this
-    process may have listed it, and names linked now would fail its removal. Once it is done the folder is gone and
-    the first check before a link says so. Returns with the GIL held since the last look, so the links that follow
-    run before any other Python thread can open the folder; after ``patience_s`` (a reader that keeps it open) the
-    links go ahead."""
-    deadline = time.monotonic() + patience_s
-    while walked(folder) and time.monotonic() < deadline:
-        time.sleep(0.001)  # lets the walker's thread run (it needs the GIL) and finish
 
 
 def _identities(dirpath: str) -> tuple[tuple[str, int, int], ...]:

@@ -6,13 +6,16 @@ Its steps interleave with a background writer wherever either releases the GIL (
 calls go through ``ctypes.PyDLL``, which keeps the GIL: a writer's checks of a folder and the links they guard run
 as one step for every other Python thread, so a removal under way is either seen by the checks or has not listed
 the folder yet. Each call is a single metadata operation (no data I/O), so holding the GIL costs microseconds.
+The one step no check can see, a listing in flight, is covered by ``walked``: ``rmtree`` keeps a folder open from
+before it lists it until right before it removes it, so the links wait while the folder is open (``wait_unwalked``).
 """
 from __future__ import annotations
 
 import ctypes
 import os
+import time
 
-__all__ = ["UNNAMED_OK", "link_fd", "present", "walked"]
+__all__ = ["UNNAMED_OK", "link_fd", "present", "wait_unwalked", "walked"]
 
 # linkat(/proc/self/fd/N, AT_SYMLINK_FOLLOW) names an O_TMPFILE file (AT_EMPTY_PATH needs privileges, and os.link
 # calls link(2), which would link the /proc symlink itself).
@@ -67,3 +70,14 @@ def walked(folder: str) -> bool:
                 return True
     finally:
         _closedir(handle)
+
+
+def wait_unwalked(folder: str, patience_s: float = 1.0) -> None:
+    """Until no descriptor of this process has ``folder`` open (``walked``): a user's ``rmtree`` in this
+    process may have listed it, and names linked now would fail its removal. Once it is done the folder is gone and
+    the first check before a link says so. Returns with the GIL held since the last look, so the links that follow
+    run before any other Python thread can open the folder; after ``patience_s`` (a reader that keeps it open) the
+    links go ahead."""
+    deadline = time.monotonic() + patience_s
+    while walked(folder) and time.monotonic() < deadline:
+        time.sleep(0.001)  # lets the walker's thread run (it needs the GIL) and finish
