@@ -15,7 +15,9 @@ its tensors go; the engine stages every member's tensors into one host slot and 
 A crash anywhere before 3 leaves the marker and no manifest: fastckpt never takes the folder as committed.
 
 A folder the caller created (``made``: Accelerate's ``save_state`` folders) gets its marker, and loses an older
-manifest, inside the save call (``mark``), so a copy taken right after the call is visibly incomplete. If the user
+manifest, inside the save call (``mark``), so a copy taken right after the call is visibly incomplete. In a local
+one, step 2 writes every member unnamed (``O_TMPFILE``) and step 3 names them all at once, then the manifest, each
+name after a check that the marker and the names before it are still there (``_write_then_link``). If the user
 removes that folder before the commit (a ``TemporaryDirectory`` cleanup), their removal wins: the save stops with
 ``FolderRemovedError`` (quiet: the saver warns once and does not raise it later), and whatever a storage's
 ``makedirs`` recreated meanwhile is removed again (``_undo_recreation``).
@@ -41,6 +43,7 @@ from .layout import FORMAT, LAYOUT_FILES, MANIFEST, CheckpointInfo, FileRecord
 from .paths import plain_name
 from .picklecheck import PickleLoader, check_loads, culprits, pickle_of
 from .safetensorsfile import SafetensorsFileFormat
+from ..storage.heldlink import present, wait_unwalked
 from ..storage.local import LocalStorage
 from ..storage.protocol import Storage
 from .torchfile import TorchFileFormat, plan_torch_file
@@ -184,11 +187,13 @@ class FileBundle:
         try:
             if not self.marked:  # a made folder was marked inside the save call: writing again would race a removal
                 self.mark(storage)
-            write = functools.partial(self._write_member, storage, views, crcs)
-            indices = range(len(self.members))
-            records = _every(pool, write, indices)
-            self._check_folder(storage)
-            self._publish(storage, MANIFEST, self.manifest(records))  # <- the commit point
+            if self.made and self.identities and isinstance(storage, LocalStorage):
+                records = self._write_then_link(storage, views, crcs, pool)
+            else:
+                records = _every(pool, functools.partial(self._write_member, storage, views, crcs),
+                                 range(len(self.members)))
+                self._check_folder(storage)
+                self._publish(storage, MANIFEST, self.manifest(records))  # <- the commit point
             storage.delete(storage.join(self.dirpath, PENDING))
         except FolderRemovedError:
             self._undo_recreation(storage)
@@ -198,8 +203,58 @@ class FileBundle:
             raise
         return sum(r.size for r in records)
 
+    def _write_then_link(self, storage: LocalStorage, views: dict[int, memoryview], crcs: dict[int, int],
+                         pool: Executor | None) -> list[FileRecord]:
+        """A made local folder: every member written complete but unnamed first (``O_TMPFILE``), then all named at
+        once, the manifest last. Until then the folder holds only the marker: a user's ``rmtree`` that lists it
+        removes all there is, and sees the marker gone before any name appears; the window in which a name could
+        appear under a removal already listed shrinks from the whole write to a few links."""
+        opened: list[int] = []
+
+        def stage(k: int) -> tuple[int | None, FileRecord, list[memoryview]]:
+            parts, record = self._member_parts(views, crcs, k)
+            self._check_folder(storage)
+            fd = storage.write_unnamed(self.dirpath, parts)  # None: no O_TMPFILE here, named at the link
+            if fd is not None:
+                opened.append(fd)
+            return fd, record, parts
+
+        try:
+            staged = _every(pool, stage, range(len(self.members)))
+            manifest = self.manifest([record for _, record, _ in staged])
+            last = storage.write_unnamed(self.dirpath, [memoryview(manifest)])
+            if last is not None:
+                opened.append(last)
+            # From here on only checks and links: the names appear together, each checked right before it.
+            names = self.names + [MANIFEST]
+            real = os.path.realpath(self.dirpath)
+            files = [(fd, parts) for fd, _, parts in staged] + [(last, [memoryview(manifest)])]
+            for k, (fd, parts) in enumerate(files):
+                if k in (0, len(staged)):  # each run of links that keeps the GIL: the members, then the manifest
+                    wait_unwalked(real)
+                if fd is None:  # no O_TMPFILE: a named temporary file (the marker checked before the rename)
+                    self._publish(storage, names[k], parts)
+                    continue
+                # The folder is synced once after the last member (every member named durably before the manifest
+                # is), then after the manifest's name: the commit point.
+                storage.link_unnamed(fd, storage.join(self.dirpath, names[k]),
+                                     functools.partial(self._still_whole, storage, names[:k]),
+                                     sync_folder=k >= len(staged) - 1)
+        finally:
+            for held in opened:
+                os.close(held)
+        return [record for _, record, _ in staged]
+
     def _write_member(self, storage: Storage, views: dict[int, memoryview], crcs: dict[int, int],
                       k: int) -> FileRecord:
+        parts, record = self._member_parts(views, crcs, k)
+        self._check_folder(storage)
+        self._publish(storage, self.names[k], parts)
+        return record
+
+    def _member_parts(self, views: dict[int, memoryview], crcs: dict[int, int],
+                      k: int) -> tuple[list[memoryview], FileRecord]:
+        """Member ``k``'s bytes (views of the slot) and its record (size, CRC32C)."""
         start, end = self.starts[k], self.starts[k + 1] if k + 1 < len(self.starts) else None
         mine = [i for i in views if i >= start and (end is None or i < end)]
         local_crcs = {i - start: crcs[i] for i in mine if i in crcs}
@@ -207,9 +262,7 @@ class FileBundle:
         crc = 0
         for p in parts:
             crc = crc32c(p, crc)
-        self._check_folder(storage)
-        self._publish(storage, self.names[k], parts)
-        return FileRecord(self.names[k], sum(len(p) for p in parts), crc)
+        return parts, FileRecord(self.names[k], sum(len(p) for p in parts), crc)
 
     def _publish(self, storage: Storage, name: str, data: Any) -> None:
         """Write ``name`` atomically. In a made local folder, right before the file takes its name, check that the
@@ -224,9 +277,19 @@ class FileBundle:
             storage.write_file_atomic(path, parts)
 
     def _still_marked(self, storage: Storage) -> None:
-        if not storage.exists(storage.join(self.dirpath, PENDING)):
+        # present(): the GIL held, so a user's rmtree in this process cannot run between this check and the link
+        if not present(storage.join(self.dirpath, PENDING)):
             raise FolderRemovedError(f"{self.dirpath} is being removed (its {PENDING} marker is gone) while its "
                                      f"checkpoint {self.name!r} was being written; the save is abandoned")
+
+    def _still_whole(self, storage: Storage, linked: list[str]) -> None:
+        """Before the next name: the marker and every name linked so far still there. A user's rmtree unlinks what
+        it listed one by one, and whichever of ours goes first says it is under way: no name after it."""
+        self._still_marked(storage)
+        for name in linked:
+            if not present(storage.join(self.dirpath, name)):
+                raise FolderRemovedError(f"{self.dirpath} is being removed ({name} is gone) while its checkpoint "
+                                         f"{self.name!r} was being written; the save is abandoned")
 
     def _check_folder(self, storage: Storage) -> None:
         # Writing would recreate a folder the user deleted (a test's temporary directory, a cleanup script).

@@ -1,2 +1,3 @@
 """Where bytes go: the ``Storage`` protocol and ``open_storage`` (``protocol.py``), the local fast path
-(``local.py``), every fsspec backend (``fsspec.py``) and the deadlines of its requests (``deadline.py``)."""
+(``local.py``; its links that keep the GIL: ``heldlink.py``), every fsspec backend (``fsspec.py``) and the
+deadlines of its requests (``deadline.py``)."""

@@ -4,7 +4,6 @@ Errors are raised as ``StorageError`` naming the path, chained to the OS error.
 """
 from __future__ import annotations
 
-import ctypes
 import errno
 import logging
 import mmap
@@ -14,6 +13,7 @@ import stat
 from typing import Callable, Sequence
 
 from .deadline import storage_error
+from .heldlink import UNNAMED_OK as _UNNAMED_OK, link_fd  # a test turns _UNNAMED_OK off here
 from .tempmark import mark_bytes, mark_name, temp_basename
 from ..errors import IntegrityError, StorageError
 
@@ -25,21 +25,6 @@ _DIRECT_ALIGN = 4096
 # Every file fastckpt creates is new (O_EXCL) and never reached through a symlink (O_NOFOLLOW): a name planted in
 # the root (a link to a user's file, a hard link, a FIFO) is refused, never written through or truncated.
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-# Linking an O_TMPFILE file into place: linkat(/proc/self/fd/N, AT_SYMLINK_FOLLOW) (AT_EMPTY_PATH needs privileges,
-# and os.link calls link(2), which links the /proc symlink itself).
-_AT_FDCWD, _AT_SYMLINK_FOLLOW = -100, 0x400
-try:
-    _linkat = ctypes.CDLL(None, use_errno=True).linkat
-except (OSError, AttributeError):
-    _linkat = None
-_UNNAMED_OK = _linkat is not None and hasattr(os, "O_TMPFILE") and os.path.isdir("/proc/self/fd")
-
-
-def _link_fd(fd: int, path: str) -> None:
-    """Give the unnamed file open as ``fd`` the name ``path`` (raises ``FileExistsError`` if taken)."""
-    if _linkat(_AT_FDCWD, f"/proc/self/fd/{fd}".encode(), _AT_FDCWD, os.fsencode(path), _AT_SYMLINK_FOLLOW) != 0:
-        code = ctypes.get_errno()
-        raise OSError(code, os.strerror(code), path)
 
 
 class LocalStorage:
@@ -194,38 +179,58 @@ class LocalStorage:
         half-written file is ever listed in the folder, so a user's ``rmtree`` of the folder never races a temporary
         name, and a kill leaves no temporary file behind. False where the filesystem has no ``O_TMPFILE`` (the
         caller then writes a named temporary file)."""
-        if not _UNNAMED_OK:
+        fd = self.write_unnamed(os.path.dirname(path), parts)
+        if fd is None:
             return False
-        folder = os.path.dirname(path)
         try:
-            fd = os.open(folder, os.O_TMPFILE | os.O_WRONLY, 0o644)
+            self.link_unnamed(fd, path, before_publish, tmp, mark)
+        finally:
+            os.close(fd)
+        return True
+
+    def write_unnamed(self, folder: str, parts: Sequence[memoryview]) -> int | None:
+        """A complete, unnamed file in ``folder`` (``O_TMPFILE``), open as the returned fd (the caller closes it),
+        never listed until ``link_unnamed``; None where the filesystem has none. Raises ``OSError`` (a removed
+        ``folder``: ``FileNotFoundError``, never recreated)."""
+        if not _UNNAMED_OK:
+            return None
+        try:
+            fd = os.open(folder, os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, 0o644)
         except OSError as e:
             if e.errno in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
-                return False
+                return None
             raise
         try:
             for part in parts:
                 _write_all(fd, part)
             if self._fsync:
                 os.fsync(fd)
-            if before_publish is not None:
-                before_publish()
-            try:
-                _link_fd(fd, path)  # fails on a removed folder: it is never recreated
-            except FileExistsError:  # replacing a file: link under the hidden name, then rename over it
-                if mark:  # a kill between the link and the rename leaves a temporary file gc can prove ours
-                    self.mark_temp(tmp, make_folder=False)
-                try:
-                    _link_fd(fd, tmp)
-                    os.replace(tmp, path)
-                finally:
-                    if mark:
-                        self.unmark_temp(tmp)
-        finally:
+        except BaseException:
             os.close(fd)
-        if self._fsync:
-            _fsync_dir(folder)
-        return True
+            raise
+        return fd
+
+    def link_unnamed(self, fd: int, path: str, before_publish: Callable[[], None] | None = None,
+                     tmp: str | None = None, mark: bool = True, sync_folder: bool = True) -> None:
+        """Name the unnamed file ``fd`` (``write_unnamed``) ``path``, replacing a file there atomically through the
+        hidden name ``tmp``; ``before_publish`` runs right before (raising stops it). Fails on a removed folder: it
+        is never recreated. ``sync_folder=False``: the caller's next synced link makes the name durable."""
+        if before_publish is not None:
+            before_publish()
+        try:
+            link_fd(fd, path)
+        except FileExistsError:  # replacing a file: link under the hidden name, then rename over it
+            tmp = tmp or os.path.join(os.path.dirname(path), temp_basename(os.path.basename(path)))
+            if mark:  # a kill between the link and the rename leaves a temporary file gc can prove ours
+                self.mark_temp(tmp, make_folder=False)
+            try:
+                link_fd(fd, tmp)
+                os.replace(tmp, path)
+            finally:
+                if mark:
+                    self.unmark_temp(tmp)
+        if self._fsync and sync_folder:
+            _fsync_dir(os.path.dirname(path))
 
     # ---- one file written by several processes (fastckpt.engine.sharedfile) -----------------------------------------
 
