@@ -24,7 +24,8 @@ from fastckpt import CheckpointConfig, Checkpointer
 from fastckpt.storage.protocol import open_storage
 from tests.helpers import GatedStorage, assert_bit_equal, clone_state
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none on this machine)")
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none on this machine)")]
 
 # GPU clock cycles: some hundreds of milliseconds on current GPUs, far longer than any copy below.
 SLEEP = 1_000_000_000
