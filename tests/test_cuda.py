@@ -317,6 +317,8 @@ def test_lightning_on_gpu(tmp_path) -> None:
     trainer.fit(TinyModule(batchnorm=True), ResumableBatches())  # Lightning moves each batch to the GPU
     for step in range(1, 5):
         saved = plugin.load_checkpoint(str(tmp_path / f"epoch=0-step={step}.ckpt"))
+        # assert_bit_equal compares through .cpu(): check the placement itself (Lightning's default, the CPU)
+        assert {str(t.device) for t in saved["state_dict"].values()} == {"cpu"}, f"step {step}"
         assert_bit_equal({k: saved[k] for k in ("state_dict", "optimizer_states")}, recorder.by_step[step], f"step {step}")
 
 
