@@ -77,7 +77,9 @@ def _read_fast(file: str, weights_only: Optional[bool], verify: bool) -> dict[st
     instead of a check pass and torch.load's pass). ``weights_only=None`` means torch's default: if the
     weights-only unpickler refuses the file, torch.load decides, as it would have."""
     try:
-        return load_torch_file(file, verify=verify)
+        # Storages tagged with a CUDA device stay on the CPU, as Lightning's own default: torch's default would put
+        # them back on the saved device (raising on a CPU-only machine, and loading every DDP rank's copy onto cuda:0).
+        return load_torch_file(file, map_location=_keep_on_cpu, verify=verify)
     except pickle.UnpicklingError:
         if weights_only:
             raise

@@ -24,7 +24,8 @@ from fastckpt import CheckpointConfig, Checkpointer
 from fastckpt.storage.protocol import open_storage
 from tests.helpers import GatedStorage, assert_bit_equal, clone_state
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none on this machine)")
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none on this machine)")]
 
 # GPU clock cycles: some hundreds of milliseconds on current GPUs, far longer than any copy below.
 SLEEP = 1_000_000_000
@@ -316,6 +317,8 @@ def test_lightning_on_gpu(tmp_path) -> None:
     trainer.fit(TinyModule(batchnorm=True), ResumableBatches())  # Lightning moves each batch to the GPU
     for step in range(1, 5):
         saved = plugin.load_checkpoint(str(tmp_path / f"epoch=0-step={step}.ckpt"))
+        # assert_bit_equal compares through .cpu(): check the placement itself (Lightning's default, the CPU)
+        assert {str(t.device) for t in saved["state_dict"].values()} == {"cpu"}, f"step {step}"
         assert_bit_equal({k: saved[k] for k in ("state_dict", "optimizer_states")}, recorder.by_step[step], f"step {step}")
 
 

@@ -252,6 +252,7 @@ def test_the_nearest_tier_holding_the_step_serves_the_load(tmp_path) -> None:
         assert torch.equal(target["w"], state["w"]) and ckpt.last_load_stats.tier == "remote"
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the pinned buffer + copy stream path)")
 def test_load_into_a_cuda_target_goes_through_pinned_buffers(tmp_path) -> None:
     state = {"w": torch.randn(PIECE_BYTES // 4 + 3), "h": torch.randn(64, 64).to(torch.bfloat16)}

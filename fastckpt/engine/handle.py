@@ -22,7 +22,10 @@ class SaveStats:
     """Figures of one save. Times are measured from the start of ``save()``.
 
     ``waited_ms`` is the time callers spent blocked in ``wait_staged`` for this save (the
-    optimizer pre-hook included): the stall the lazy copy cost the training thread.
+    optimizer pre-hook included): the stall the lazy copy cost the training thread, host waits on
+    CUDA copies (``host=True``) included. ``gpu_waits`` counts the ``wait_staged`` calls that
+    ordered the device's next kernels after CUDA copies still running: a GPU-side stall no host
+    clock sees (0 when every copy was done before the next step).
     ``staging_ms`` is when the host copy was complete. On CUDA the copies are asynchronous and it
     is when an I/O worker saw the last one done: an upper bound, later if the workers were busy.
     ``nbytes`` is the size of the whole checkpoint (known on the committing rank); ``written_bytes``
@@ -34,6 +37,7 @@ class SaveStats:
     blocking_ms: float = 0.0
     staging_ms: float = 0.0
     waited_ms: float = 0.0
+    gpu_waits: int = 0
     persist_s: float = 0.0
     nbytes: int = 0
     written_bytes: int = 0
@@ -48,6 +52,7 @@ class SaveStats:
             "blocking_ms": self.blocking_ms,
             "staging_ms": self.staging_ms,
             "waited_ms": self.waited_ms,
+            "gpu_waits": float(self.gpu_waits),
             "persist_s": self.persist_s,
             "nbytes": float(self.nbytes),
             "written_bytes": float(self.written_bytes),
@@ -89,11 +94,15 @@ class SaveHandle:
             raise TimeoutError(f"checkpoint {self.name!r} was not staged within {timeout}s")
         if self._cuda_events:
             if host:
+                t0 = time.perf_counter()
                 host_wait(self._cuda_events)
+                self.stats.waited_ms += (time.perf_counter() - t0) * 1e3
             else:  # GPU-side ordering: kernels queued next on each device wait, the host does not
                 gpu_wait(self._cuda_events)
             # every optimizer step calls this for every pending save: finished copies need no wait again
             self._cuda_events = pending(self._cuda_events)
+            if self._cuda_events and not host:
+                self.stats.gpu_waits += 1  # the next kernels really wait: copies were still running
 
     def staged(self) -> bool:
         """Whether staging finished (non-blocking)."""

@@ -273,7 +273,13 @@ class Pipeline:
                 except BaseException as agreed:  # noqa: BLE001 - the local error ``e`` is the one to raise
                     if job.shared is not None:
                         e = agreed  # the same verdict on every rank, naming the failing rank (``e`` chained)
-            host_wait((d, ev) for (_, d), ev in job.shard_events.items())  # never recycle a buffer a DMA may still be writing
+            try:
+                host_wait((d, ev) for (_, d), ev in job.shard_events.items())  # never recycle a buffer a DMA may still be writing
+            except BaseException as cuda_err:  # noqa: BLE001 - the handle must still fail and the slot free
+                # A failed event wait is a sticky CUDA error: the context runs no more copies, so no DMA can still
+                # write the slot. Raising here left the handle pending and the slot busy, and close() hung.
+                log.warning("fastckpt: waiting for the CUDA copies of failed checkpoint %r failed too: %s",
+                            job.handle.name, cuda_err)
             for f in job.writes:
                 if not f.done():
                     f.exception()

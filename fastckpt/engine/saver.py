@@ -285,15 +285,17 @@ class Saver:
             self._pending.append(handle)
         try:
             self.pipeline.stage_now(job, plan.mine([s for s in plan.shards if not s.lazy]))
+            events = [(d, ev) for (_, d), ev in job.shard_events.items()]
+            if events:  # the next forward (BatchNorm stats) on each device must not overwrite what the copy reads
+                # Inside the try: a CUDA error here must still hand the job to the committer, which fails the
+                # handle and frees the slot (outside, the handle stayed pending and close() hung).
+                gpu_wait(events)
         except BaseException as e:
             job.error, job.reported = e, True  # the committer cleans up and frees the slot
             self.pipeline.submit(job, [])
             if isinstance(e, StorageError):  # ring mode: a write failed while save() still staged; raised here, once
                 raise
             raise FastCkptError(f"staging checkpoint {name!r} failed: {e}") from e
-        events = [(d, ev) for (_, d), ev in job.shard_events.items()]
-        if events:  # the next forward (BatchNorm stats) on each device must not overwrite what the copy reads
-            gpu_wait(events)
         lazy = plan.mine([s for s in plan.shards if s.lazy])
         if not lazy:
             stats.staging_ms = (time.perf_counter() - t0) * 1e3  # CUDA: replaced when the copies are seen done

@@ -13,6 +13,7 @@ the caching host allocator rounds every buffer up to a power of two and keeps it
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import threading
@@ -70,9 +71,15 @@ class Pinned:
     def __init__(self, mm: mmap.mmap, buf: torch.Tensor, what: str) -> None:
         self.mm = mm
         self._ptr = buf.data_ptr()
+        # The device current at registration (save() selects the state's first device): the unregistration runs
+        # under it too, so a close() or a collection on another thread opens no context on GPU 0.
+        self._device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
         err = int(torch.cuda.cudart().cudaHostRegister(self._ptr, len(mm), _HOST_REGISTER_PORTABLE))
         if err != 0:
             self._ptr = 0
+            # The failed call left CUDA's last error set: the next kernel launch check would raise it, naming the
+            # kernel instead of the registration. This error is reported here, so clear it.
+            clear_last_cuda_error()
             raise FastCkptError(f"cannot page-lock {len(mm)} bytes of {what} for CUDA copies (cudaHostRegister "
                                 f"error {err}); lower staging.max_host_bytes, or set staging.shm=false if it is on")
 
@@ -80,13 +87,37 @@ class Pinned:
         """Called when the arena drops the buffer: unlock it before it is unmapped."""
         ptr, self._ptr = self._ptr, 0
         if ptr:
-            torch.cuda.cudart().cudaHostUnregister(ptr)
+            with torch.cuda.device(self._device) if self._device is not None else contextlib.nullcontext():
+                torch.cuda.cudart().cudaHostUnregister(ptr)
 
     def __del__(self) -> None:
         try:
             self.release()
         except Exception:  # noqa: BLE001 - interpreter shutdown: the process frees it anyway
             pass
+
+
+def clear_last_cuda_error() -> None:
+    """Reset the CUDA runtime's last error of this thread (``cudaGetLastError``), which torch's bindings do not
+    expose: through the libcudart this process has loaded (found in ``/proc/self/maps``). Nothing to do where none
+    is loaded separately (a statically linked runtime)."""
+    lib = _loaded_cudart()
+    if lib is not None:
+        lib.cudaGetLastError()
+
+
+def _loaded_cudart() -> Any:
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "libcudart" in line}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        try:
+            return ctypes.CDLL(path)  # already loaded: the same library instance (and error state) torch uses
+        except OSError:
+            continue
+    return None
 
 
 def _alloc(nbytes: int, pin: bool) -> tuple[object, torch.Tensor]:

@@ -7,7 +7,8 @@ a few descriptors and threads. Its CRC32C is checked on the target's memory as t
 
 Where the target cannot take the bytes directly the range goes through a buffer of its own and is
 copied: a non-contiguous CPU target (a copy), and a CUDA target (a pinned buffer and a copy on a
-side stream), in batches of at most 256 MiB so that the buffers stay bounded. A dtype or shape
+side stream of its device, ordered after the caller's current stream there), in batches of at most
+256 MiB so that the buffers stay bounded. A dtype or shape
 mismatch is a ``StateMismatchError`` naming the tensor, never a silent cast. Checkpoint tensors the
 target lacks (optimizer state before the first step) are read into new tensors, as ``load()`` would.
 On a remote root the reader's whole-file path serves instead (one request per tensor would be slow).
@@ -51,7 +52,8 @@ class _Targets:
         self.ranges: list[Range] = []  # straight into the targets
         self.buffered: list[tuple[str, TableEntry, torch.Tensor, int | None]] = []
         self.copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(range) -> (buffer, target)
-        self.stream: Any = None
+        self.streams: dict[int, Any] = {}  # CUDA device -> this load's side stream there
+        self.held: list[torch.Tensor] = []  # pinned buffers whose copies may still run: kept until the batch ends
         self.lock = threading.Lock()
 
     def add(self, path: str, e: TableEntry, dst: torch.Tensor, crc: int | None) -> None:
@@ -59,6 +61,17 @@ class _Targets:
             self.ranges.append(Range(path, e.offset, tensor_bytes(dst), crc, f" in tensor {e.key!r}"))
         else:
             self.buffered.append((path, e, dst, crc))
+
+    def prepare_cuda(self) -> None:
+        """Called on the caller's thread before any copy: one side stream per device of a CUDA target, ordered
+        after everything already queued on the caller's current stream of that device (the pending lazy copies
+        that ``Checkpointer.load_into`` ordered there, the kernels still reading the parameters). A fresh stream
+        that waits for nothing would overwrite the targets under them; one stream for every device would order
+        nothing on the others."""
+        for d in sorted({dst.device.index for _, _, dst, _ in self.buffered if dst.is_cuda}):
+            stream = torch.cuda.Stream(device=d)
+            stream.wait_stream(torch.cuda.current_stream(d))  # current_stream is per thread: taken here, not in done()
+            self.streams[d] = stream
 
     def batches(self) -> Iterator[list[Range]]:
         """The buffered tensors, a batch of at most ``_BATCH_BYTES`` (or one bigger tensor) at a time; a batch's
@@ -74,6 +87,7 @@ class _Targets:
                 batch.append(r)
                 size += e.nbytes
             yield batch
+            self.drain()
 
     def done(self, r: Range) -> None:
         """Called by the reading thread once ``r`` is verified: a buffered range is copied into its target."""
@@ -85,12 +99,27 @@ class _Targets:
             if not dst.is_cuda:
                 dst.copy_(buf)
                 return
-            with self.lock:  # one side stream per load: copies overlap with the reads, not with training
-                if self.stream is None:
-                    self.stream = torch.cuda.Stream(device=dst.device)
-            with torch.cuda.stream(self.stream):
+            stream = self.streams[dst.device.index]
+            with torch.cuda.device(dst.device.index), torch.cuda.stream(stream):
                 dst.copy_(buf, non_blocking=True)
-            self.stream.synchronize()  # the pinned buffer is freed when this returns
+            with self.lock:
+                self.held.append(buf)  # no per-tensor synchronize: drain() waits once per batch
+
+    def drain(self) -> None:
+        """Block until every copy queued so far is done (a blocking event: the thread sleeps, no core spins),
+        then drop their pinned buffers."""
+        for d, stream in self.streams.items():
+            with torch.cuda.device(d):
+                done = torch.cuda.Event(blocking=True)
+                done.record(stream)
+                done.synchronize()
+        with self.lock:
+            self.held.clear()
+
+    def finish(self) -> None:
+        """Called on the caller's thread: its next kernels on each device run after the loaded values landed."""
+        for d, stream in self.streams.items():
+            torch.cuda.current_stream(d).wait_stream(stream)
 
 
 def read_into(reader: "CheckpointReader", target: Any) -> tuple[Any, int] | None:
@@ -123,6 +152,7 @@ def read_into(reader: "CheckpointReader", target: Any) -> tuple[Any, int] | None
             t = torch.empty(e.shape, dtype=e.dtype)
             out[e.index] = t.numpy() if e.numpy else t
     prefetch(reader.storage, sorted({r.path for r in targets.ranges} | {b[0] for b in targets.buffered}))
+    targets.prepare_cuda()
     try:
         nbytes = read_ranges(reader.storage, targets.ranges, reader.workers, targets.done)
         for batch in targets.batches():
@@ -130,6 +160,9 @@ def read_into(reader: "CheckpointReader", target: Any) -> tuple[Any, int] | None
     except IntegrityError as e:
         raise IntegrityError(f"{e}. load_into() had already written part of the target, which now mixes old "
                              "and checkpoint values: load again before training on") from e
+    finally:
+        targets.drain()  # a failed load too: no pinned buffer is freed while a copy may still read it
+        targets.finish()
     return reader.decode(out, objects), nbytes
 
 

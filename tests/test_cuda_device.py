@@ -1,0 +1,175 @@
+"""Issue 24's CUDA findings on a real device: load_into right after save(), Lightning's resume placement,
+record_stream on a dropped temporary, awkward tensors, fork after CUDA init with pinned buffers, a failed
+cudaHostRegister. Every restore is compared bit for bit. The CPU-side checks are in test_cuda_paths.py.
+
+Races are widened with ``torch.cuda._sleep`` (as in test_cuda.py) on the stream whose work must come second,
+so a missing wait fails the comparison instead of being hidden by timing.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from fastckpt import CheckpointConfig, Checkpointer
+from fastckpt.errors import FastCkptError
+from tests.helpers import assert_bit_equal, clone_state
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none on this machine)")]
+
+SLEEP = 1_000_000_000  # GPU clock cycles: some hundreds of milliseconds, far longer than any copy below
+
+
+def _host(state: dict) -> dict:
+    return {k: v.detach().resolve_conj().resolve_neg().cpu().clone() for k, v in state.items()}
+
+
+def test_load_into_right_after_save_leaves_the_pending_lazy_copy_its_values(tmp_path) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(256, 256).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Checkpointer(CheckpointConfig(root=str(tmp_path))) as ckpt:
+        ckpt.watch(opt)  # the parameters are copied lazily
+        state = {"m": model.state_dict()}
+        old = clone_state(state)
+        ckpt.save(state, step=0).wait(timeout=60)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(3)
+        new = clone_state(state)
+        torch.cuda._sleep(SLEEP)  # the lazy copy of step 1 queues behind this
+        h = ckpt.save(state, step=1)
+        ckpt.load_into(state, step=0)  # must not overwrite the parameters before that copy read them
+        h.wait(timeout=60)
+        assert_bit_equal(new, ckpt.load(step=1))
+        torch.cuda.synchronize()
+        assert_bit_equal(old, {"m": model.state_dict()})
+        assert all(v.is_cuda for v in model.state_dict().values())
+
+
+def test_lightning_resume_of_a_gpu_checkpoint_lands_on_the_cpu(tmp_path) -> None:
+    """Fails on one GPU too: without map_location the storages went back to cuda:0 (every DDP rank's, there)."""
+    from fastckpt_lightning import FastCheckpointIO
+
+    torch.manual_seed(0)
+    state = {"state_dict": {"w": torch.randn(128, 64, device="cuda"), "n": torch.arange(7, device="cuda")}}
+    path = str(tmp_path / "epoch=0-step=1.ckpt")
+    plugin = FastCheckpointIO()
+    try:
+        plugin.save_checkpoint(state, path)
+        plugin.wait_staged()
+        loaded = plugin.load_checkpoint(path)  # the Trainer's resume call: map_location=None
+    finally:
+        plugin.teardown()
+    assert {str(t.device) for t in loaded["state_dict"].values()} == {"cpu"}
+    assert_bit_equal(_host(state["state_dict"]), loaded["state_dict"])
+
+
+def test_a_dropped_temporary_is_not_reused_before_its_copy(tmp_path) -> None:
+    """record_stream: the caching allocator must not hand the temporary's block to a new tensor while the copy
+    stream still has to read it."""
+    n = 1 << 20
+    with Checkpointer(CheckpointConfig(root=str(tmp_path))) as ckpt:
+        tmp = torch.full((n,), 1.5, device="cuda")
+        ref = tmp.cpu()
+        ckpt.save({"warm": torch.zeros(1, device="cuda")}, step=0).wait(timeout=60)  # makes the copy streams
+        busy = ckpt._saver._streams.eager(torch.cuda.current_device())  # the stream save() copies on
+        with torch.cuda.stream(busy):
+            torch.cuda._sleep(SLEEP)  # the eager copy queues behind this; the fill below does not
+        h = ckpt.save({"t": tmp}, step=1)
+        del tmp
+        junk = torch.full((n,), -7.0, device="cuda")  # the allocator's first pick: the block just freed
+        h.wait(timeout=60)
+        assert_bit_equal({"t": ref}, ckpt.load(step=1))
+        assert junk[0].item() == -7.0
+
+
+def test_zero_size_complex_bool_and_expanded_tensors(tmp_path) -> None:
+    torch.manual_seed(0)
+    state = {
+        "zero": torch.empty(0, 3, device="cuda"),
+        "complex": torch.randn(33, dtype=torch.complex128, device="cuda"),
+        "bool": torch.randn(1001, device="cuda") > 0,
+        "expanded": torch.randn(3, 1, device="cuda").expand(3, 5),
+    }
+    ref = _host(state)
+    with Checkpointer(CheckpointConfig(root=str(tmp_path))) as ckpt:
+        ckpt.save(state, step=1).wait(timeout=60)
+        assert_bit_equal(ref, _host(ckpt.load(step=1)))
+        on_gpu = ckpt.load(step=1, map_location="cuda")
+        assert all(v.is_cuda for v in on_gpu.values())
+        assert_bit_equal(ref, _host(on_gpu))
+        target = {k: torch.zeros(v.shape, dtype=v.dtype, device="cuda") for k, v in ref.items()}
+        ckpt.load_into(target, step=1)
+        torch.cuda.synchronize()
+        assert_bit_equal(ref, _host(target))
+
+
+_FORK_CHILD = textwrap.dedent("""
+    import os, sys
+    import torch
+    from fastckpt import CheckpointConfig, Checkpointer
+
+    torch.manual_seed(0)
+    state = {"w": torch.randn(4096, device="cuda")}
+    ref = state["w"].cpu()
+    ckpt = Checkpointer(CheckpointConfig(root=sys.argv[1]))  # staging buffers are page-locked for CUDA
+    ckpt.save(state, step=1).wait(timeout=60)
+    pid = os.fork()
+    if pid == 0:  # the child inherits the pinned buffers and the Checkpointer, not the CUDA context
+        import gc
+        del ckpt
+        gc.collect()  # unregistering them here must neither raise nor hang
+        sys.exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, status
+    ckpt.save(state, step=2).wait(timeout=60)
+    got = ckpt.load(step=2)["w"]
+    assert torch.equal(got.view(torch.int32), ref.view(torch.int32)), "step 2 restored different bits"
+    ckpt.close()
+    print("OK")
+""")
+
+
+def test_fork_after_cuda_init_with_pinned_buffers(tmp_path) -> None:
+    # Not helpers.run_child: its RLIMIT_AS is far below the address space a CUDA context reserves.
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    try:
+        out = subprocess.run([sys.executable, "-c", _FORK_CHILD, str(tmp_path)], env=env, capture_output=True,
+                             text=True, timeout=180)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"fork after CUDA init hung (stdout {e.stdout!r}, stderr {e.stderr!r})")
+    assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stderr
+
+
+def test_a_failed_host_registration_raises_and_leaves_no_stale_cuda_error(tmp_path, monkeypatch) -> None:
+    real = torch.cuda.cudart()
+
+    def register_twice(ptr: int, size: int, flags: int) -> int:
+        assert int(real.cudaHostRegister(ptr, size, flags)) == 0
+        err = int(real.cudaHostRegister(ptr, size, flags))  # fails for real (already registered): sets the last error
+        real.cudaHostUnregister(ptr)
+        return err
+
+    failing = types.SimpleNamespace(cudaHostRegister=register_twice, cudaHostUnregister=real.cudaHostUnregister)
+    torch.manual_seed(0)
+    state = {"w": torch.randn(10_000, device="cuda")}
+    with Checkpointer(CheckpointConfig(root=str(tmp_path))) as ckpt:
+        with monkeypatch.context() as m:
+            m.setattr(torch.cuda, "cudart", lambda: failing)
+            with pytest.raises(FastCkptError, match="cannot page-lock"):
+                ckpt.save(state, step=1)
+        x = torch.ones(1000, device="cuda")
+        x.add_(1)  # a kernel launch check: it raised the registration's stale error before
+        torch.cuda.synchronize()
+        assert torch.equal(x.cpu(), torch.full((1000,), 2.0))
+        ckpt.save(state, step=2).wait(timeout=60)
+        assert_bit_equal(_host(state), ckpt.load(step=2))
