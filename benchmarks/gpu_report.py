@@ -41,6 +41,24 @@ def merge(report: str, sect: str) -> str:
     return "".join(lines[:at]) + body + "".join(lines[at:])
 
 
+def existing(report: str) -> str | None:
+    """The ``## GPU`` section of a report (up to the next ``## `` heading), or None."""
+    lines = report.splitlines(keepends=True)
+    heads = [i for i, ln in enumerate(lines) if ln.startswith("## ")]
+    gpu = [i for i in heads if lines[i].strip() == "## GPU"]
+    if not gpu:
+        return None
+    end = next((i for i in heads if i > gpu[0]), len(lines))
+    return "".join(lines[gpu[0]:end])
+
+
+def carried(new_report: str, old_path: Path) -> str:
+    """``new_report`` (benchmarks.run's CPU report, which has no GPU figures) with the GPU section of the file it
+    replaces, so that a CPU rerun keeps the last GPU run's figures; "pending" when that file has none."""
+    old = existing(old_path.read_text()) if old_path.exists() else None
+    return merge(new_report, old if old is not None else PENDING)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--from", dest="src", type=Path, default=None, help="gpu_bench.json of a GPU run")

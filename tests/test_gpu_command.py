@@ -153,3 +153,12 @@ def test_gpu_section_names_the_device_and_replaces_the_old_one() -> None:
     assert merged.index("## GPU") < merged.index("## Methodology") and "failed: ImportError: x" in merged
     fresh = gpu_report.merge("# B\n\n## Methodology\n\nm\n", gpu_report.PENDING)
     assert fresh.index("GPU run pending") < fresh.index("## Methodology")
+
+
+def test_a_cpu_rerun_of_the_report_keeps_the_gpu_section(tmp_path: Path) -> None:
+    old = tmp_path / "BENCHMARKS.md"
+    old.write_text("# B\n\n## GPU\n\nDevice: **NVIDIA H200**.\n\n## Methodology\n\nold\n")
+    new = gpu_report.carried("# B\n\n## Restore\n\nnew\n\n## Methodology\n\nnew\n", old)
+    assert "Device: **NVIDIA H200**." in new and "## Restore" in new and new.count("## GPU") == 1
+    assert new.index("## GPU") < new.index("## Methodology")
+    assert "GPU run pending" in gpu_report.carried("# B\n\n## Methodology\n", tmp_path / "absent.md")
