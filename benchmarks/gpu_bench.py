@@ -15,7 +15,7 @@ import time
 import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -132,7 +132,9 @@ class Fast(Peer):
         self.ckpt.close()
 
     def load(self, step: int) -> dict[str, torch.Tensor]:
-        with __import__("fastckpt").Checkpointer(__import__("fastckpt").CheckpointConfig(root=str(self.root))) as c:
+        from fastckpt import CheckpointConfig, Checkpointer  # here: a broken import fails this peer only
+
+        with Checkpointer(CheckpointConfig(root=str(self.root))) as c:  # a fresh reader, as after a restart
             return c.load(step=step)
 
 

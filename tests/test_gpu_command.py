@@ -17,8 +17,6 @@ import sys
 import tomllib
 from pathlib import Path
 
-import pytest
-
 from benchmarks import gpu_report
 
 REPO = Path(__file__).resolve().parent.parent
