@@ -73,11 +73,11 @@ step "CUDA tests (pytest -m cuda)" 230 "$OUTD/cuda_tests.txt" "$PY" -m pytest -q
 tail -n 3 "$OUTD/cuda_tests.txt" | sed 's/^/    /' | tee -a "$OUTD/summary.md"
 
 # 4. the GPU benchmark (CPU fallback, tiny and labelled, in the dry run).
-BENCH_ARGS=(--out "$OUTD/bench")
+# checkpoints on the repo's disk (not /tmp, maybe tmpfs) and outside OUT_DIR: only results travel back
+BENCH_ARGS=(--out "$OUTD" --work "$REPO/bench_out/gpu")
 [[ $DRY == 1 ]] && BENCH_ARGS+=(--dry-run --every 3 --checkpoints 2)
 step "GPU benchmark" 190 "$LOG" "$PY" -m benchmarks.gpu_bench "${BENCH_ARGS[@]}"
-cp "$OUTD/bench/gpu_bench.json" "$OUTD/bench/gpu_bench.md" "$OUTD/" 2>/dev/null
-rm -rf "$OUTD/bench"
+rm -rf "$REPO/bench_out/gpu"
 
 # 5. FSDP through fastckpt, resharded on load, against the stock save (world size 1, one GPU).
 FSDP_ARGS=(--out "$OUTD")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import time
 import traceback
@@ -295,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--dry-run", action="store_true", help="tiny sizes; on the CPU when there is no GPU")
+    ap.add_argument("--work", type=Path, default=None, help="where the checkpoints go (default OUT/ckpts)")
     ap.add_argument("--every", type=int, default=10)
     ap.add_argument("--checkpoints", type=int, default=3)
     a = ap.parse_args(argv)
@@ -306,12 +308,13 @@ def main(argv: list[str] | None = None) -> int:
         "device": device_label(dev), "gpu": dev.type == "cuda", "shape": asdict(s), "every": a.every,
         "params": sum(p.numel() for p in GPT(s).parameters()), "pinned_peak_gbps": peak, "peers": [],
     }
-    work = a.out / "ckpts"
+    work = a.work if a.work is not None else a.out / "ckpts"
     for cls in PEERS:
         try:  # one peer failing (an API absent from this torch) leaves the others measured
             res["peers"].append(run_peer(cls, s, dev, work / cls.__name__, a.every, a.checkpoints))
         except Exception:
             res["peers"].append({"peer": cls.name or cls.__name__, "error": traceback.format_exc()})
+        shutil.rmtree(work / cls.__name__, ignore_errors=True)  # ~2 GB a checkpoint on the GPU: free the disk
         print(json.dumps(res["peers"][-1], default=str)[:400], flush=True)
         # after each peer: a run cut short by the command's time box still leaves the peers it measured
         (a.out / "gpu_bench.json").write_text(json.dumps(res, indent=1, default=str))
