@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from . import frameworks, peers
+from . import frameworks, gpu_report, peers
 from . import workload as wl
 
 REPO = Path(__file__).resolve().parent.parent
@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         chart = Path(args.chart) if args.chart else chart_default
         summary = report.summarize(results)
         report.chart(summary, chart)
-        out.write_text(report.markdown(results, summary, chart_rel=os.path.relpath(chart, out.parent)))
+        out.write_text(gpu_report.carried(report.markdown(results, summary, chart_rel=os.path.relpath(chart, out.parent)), out))
         print(report.console_table(summary))
         return 0
 
@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = report.summarize(results)
     report.chart(summary, chart)
     md = report.markdown(results, summary, chart_rel=os.path.relpath(chart, out.parent))
-    out.write_text(md)
+    out.write_text(gpu_report.carried(md, out))  # the GPU section comes from benchmarks/gpu.sh runs only
     log(f"wrote {out}, {chart}, {json_path} in {meta['wall_s']:.0f}s")
     print(report.console_table(summary))
     return 0

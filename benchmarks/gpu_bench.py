@@ -1,0 +1,326 @@
+"""GPU benchmark: fastckpt vs DCP async_save (pinned DefaultStager) vs Lightning AsyncCheckpointIO, GPT-2 small.
+
+``python -m benchmarks.gpu_bench --out DIR [--dry-run]``: a GPT-2-small-shaped model (untied head) + AdamW,
+bf16 autocast over fp32 master weights, a checkpoint every 10 steps. For each peer: the stall per checkpoint
+as a fraction of the step time, the device-to-host bandwidth achieved beside the pinned-memory peak measured
+in the same run, and every restored checkpoint compared bit for bit with the state at save time. Without a
+GPU (``--dry-run``) it runs tiny sizes on the CPU and labels every figure as a CPU fallback.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Shape:
+    vocab: int
+    ctx: int
+    layers: int
+    dim: int
+    heads: int
+    batch: int
+
+
+GPT2_SMALL = Shape(vocab=50257, ctx=1024, layers=12, dim=768, heads=12, batch=8)  # ~163M untied (124M tied)
+TINY = Shape(vocab=512, ctx=32, layers=2, dim=64, heads=4, batch=2)
+
+
+class Block(nn.Module):
+    def __init__(self, s: Shape) -> None:
+        super().__init__()
+        self.heads = s.heads
+        self.ln1, self.ln2 = nn.LayerNorm(s.dim), nn.LayerNorm(s.dim)
+        self.qkv, self.proj = nn.Linear(s.dim, 3 * s.dim), nn.Linear(s.dim, s.dim)
+        self.fc, self.out = nn.Linear(s.dim, 4 * s.dim), nn.Linear(4 * s.dim, s.dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        x = x + self.proj(a)
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, s: Shape) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(s.vocab, s.dim), nn.Embedding(s.ctx, s.dim)
+        self.blocks = nn.ModuleList(Block(s) for _ in range(s.layers))
+        self.ln, self.head = nn.LayerNorm(s.dim), nn.Linear(s.dim, s.vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.ln(x))
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def flat_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """The live tensors (no copies) under flat string keys, the one layout every peer saves."""
+    out = {f"model.{k}": v for k, v in model.state_dict().items()}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p, st in opt.state.items():
+        for k, v in st.items():
+            out[f"optim.{names[id(p)]}.{k}"] = v
+    return out
+
+
+def pinned_peak(dev: torch.device, nbytes: int) -> float:
+    """Device-to-host GB/s into page-locked memory (plain memcpy on the CPU fallback)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=dev.type == "cuda")
+    dst.copy_(src, non_blocking=True)
+    sync(dev)
+    reps, t0 = 5, time.perf_counter()
+    for _ in range(reps):
+        dst.copy_(src, non_blocking=True)
+    sync(dev)
+    return reps * nbytes / (time.perf_counter() - t0) / 1e9
+
+
+class Peer:
+    """One checkpointing method: save() inside the loop, before_step() before each optimizer step."""
+
+    name = ""
+
+    def __init__(self, root: Path, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        self.root, self.model, self.opt = root, model, opt
+        self.d2h_gbps: list[float] = []
+
+    def save(self, step: int) -> None: ...
+    def before_step(self) -> None: ...
+    def finish(self) -> None: ...
+    def load(self, step: int) -> dict[str, torch.Tensor]: ...
+
+
+class Fast(Peer):
+    name = "fastckpt"
+
+    def __init__(self, root: Path, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        super().__init__(root, model, opt)
+        from fastckpt import CheckpointConfig, Checkpointer
+
+        self.ckpt = Checkpointer(CheckpointConfig(root=str(root)))
+        self.ckpt.watch(opt)  # its step pre-hook is the stall before the next step
+        self.handles: list[Any] = []
+
+    def save(self, step: int) -> None:
+        self.handles.append(self.ckpt.save(flat_state(self.model, self.opt), step=step))
+
+    def finish(self) -> None:
+        for h in self.handles:
+            h.wait()
+            s = h.stats
+            if s.staging_ms:  # an upper bound on the copy time, so a lower bound on the bandwidth
+                self.d2h_gbps.append(s.nbytes / (s.staging_ms / 1e3) / 1e9)
+        self.ckpt.close()
+
+    def load(self, step: int) -> dict[str, torch.Tensor]:
+        from fastckpt import CheckpointConfig, Checkpointer  # here: a broken import fails this peer only
+
+        with Checkpointer(CheckpointConfig(root=str(self.root))) as c:  # a fresh reader, as after a restart
+            return c.load(step=step)
+
+
+class DCP(Peer):
+    name = "dcp_async_save"
+
+    def __init__(self, root: Path, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        super().__init__(root, model, opt)
+        import torch.distributed.checkpoint as dcp
+
+        self.dcp, self.pending, self.futures = dcp, None, []
+        try:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            gpu = torch.cuda.is_available()  # pinning and non-blocking copies need CUDA (refused otherwise)
+            self.stager: Any = DefaultStager(StagingOptions(gpu, True, False, gpu))  # pinned, async, no shm
+            self.name = "dcp_async_save (pinned DefaultStager)" if gpu else "dcp_async_save (DefaultStager, CPU)"
+        except ImportError:  # older torch: DCP's own default staging, said in the label
+            self.stager = None
+            self.name = "dcp_async_save (no DefaultStager in this torch)"
+
+    def save(self, step: int) -> None:
+        kw = {"async_stager": self.stager} if self.stager is not None else {}
+        t0 = time.perf_counter()
+        r = self.dcp.async_save(flat_state(self.model, self.opt), checkpoint_id=str(self.root / str(step)), **kw)
+        staged = getattr(r, "staging_completion", None)
+        nbytes = sum(v.nbytes for v in flat_state(self.model, self.opt).values())
+        if staged is not None:  # timed when the copy completes, not when the loop next looks
+            staged.add_done_callback(lambda _f: self.d2h_gbps.append(nbytes / (time.perf_counter() - t0) / 1e9))
+        self.pending = (staged, t0, nbytes)
+        self.futures.append(getattr(r, "upload_completion", r))
+
+    def before_step(self) -> None:
+        if self.pending is not None:  # the tensors may be written only once staged
+            staged, t0, nbytes = self.pending
+            if staged is not None:
+                staged.result()
+            else:  # staged inside async_save: the call's own time
+                self.d2h_gbps.append(nbytes / (time.perf_counter() - t0) / 1e9)
+            self.pending = None
+
+    def finish(self) -> None:
+        self.before_step()
+        for f in self.futures:
+            f.result()
+        if self.stager is not None:
+            self.stager.close()
+
+    def load(self, step: int) -> dict[str, torch.Tensor]:
+        tmpl = {k: torch.empty_like(v, device="cpu") for k, v in flat_state(self.model, self.opt).items()}
+        self.dcp.load(tmpl, checkpoint_id=str(self.root / str(step)))
+        return tmpl
+
+
+class LightningAsync(Peer):
+    name = "lightning AsyncCheckpointIO"
+
+    def __init__(self, root: Path, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        super().__init__(root, model, opt)
+        from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
+
+        self.io = AsyncCheckpointIO(TorchCheckpointIO())
+
+    def save(self, step: int) -> None:  # clones on the device inside the call, writes on its thread
+        self.io.save_checkpoint(flat_state(self.model, self.opt), str(self.root / f"{step}.ckpt"))
+
+    def finish(self) -> None:
+        self.io.teardown()
+
+    def load(self, step: int) -> dict[str, torch.Tensor]:
+        return torch.load(self.root / f"{step}.ckpt", map_location="cpu", weights_only=True)
+
+
+PEERS: tuple[type[Peer], ...] = (Fast, DCP, LightningAsync)
+
+
+def run_peer(cls: type[Peer], s: Shape, dev: torch.device, root: Path, every: int, n_ckpt: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = GPT(s).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    data = torch.randint(0, s.vocab, (s.batch, s.ctx + 1), device=dev)
+    x, y = data[:, :-1], data[:, 1:]
+
+    def step(peer: Peer | None) -> None:
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
+        loss.backward()
+        if peer is not None:
+            peer.before_step()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync(dev)
+
+    for _ in range(3):  # warm-up: the optimizer state exists before the first save
+        step(None)
+    times = []
+    for _ in range(every):
+        t0 = time.perf_counter()
+        step(None)
+        times.append(time.perf_counter() - t0)
+    step_s = statistics.median(times)
+    peer = cls(root, model, opt)
+    refs: dict[int, dict[str, torch.Tensor]] = {}
+    stalls, blocking = [], []
+    for c in range(n_ckpt):
+        # the state at save time, copied before the timed window so the copy costs the peer nothing
+        refs[c] = {k: v.detach().to("cpu", copy=True) for k, v in flat_state(model, opt).items()}
+        sync(dev)
+        t0 = time.perf_counter()
+        peer.save(c)
+        blocking.append(time.perf_counter() - t0)
+        for _ in range(every):
+            step(peer)
+        stalls.append(max(0.0, time.perf_counter() - t0 - every * step_s))
+    t0 = time.perf_counter()
+    peer.finish()
+    drain_s = time.perf_counter() - t0
+    mismatched = []
+    for c, ref in refs.items():
+        got = peer.load(c)
+        bad = [k for k, v in ref.items() if k not in got or not torch.equal(got[k].cpu(), v)]
+        mismatched += [f"ckpt {c}: {k}" for k in bad[:5]]
+    nbytes = sum(v.nbytes for v in refs[0].values())
+    return {
+        "peer": peer.name, "step_s": step_s, "stall_s": statistics.median(stalls),
+        "stall_fraction_of_step": statistics.median(stalls) / step_s, "save_call_s": statistics.median(blocking),
+        "drain_s": drain_s, "d2h_gbps": statistics.median(peer.d2h_gbps) if peer.d2h_gbps else None,
+        "state_bytes": nbytes, "checkpoints": n_ckpt, "bit_exact": not mismatched, "mismatched": mismatched,
+    }
+
+
+def device_label(dev: torch.device) -> str:
+    if dev.type == "cuda":
+        return f"{torch.cuda.get_device_name(dev)} (torch {torch.__version__}, CUDA {torch.version.cuda})"
+    return f"CPU fallback, not a GPU measurement (torch {torch.__version__})"
+
+
+def markdown(res: dict[str, Any]) -> str:
+    lines = [
+        "## GPU", "",
+        f"Device: **{res['device']}**. Model: {res['params'] / 1e6:.2f}M parameters ({res['shape']}), AdamW, "
+        f"bf16 autocast over fp32 master weights, a checkpoint every {res['every']} steps. Pinned-memory "
+        f"device-to-host peak measured in the same run: {res['pinned_peak_gbps']:.1f} GB/s.", "",
+        "| method | step (ms) | stall / checkpoint (ms) | stall as fraction of a step | D2H achieved (GB/s) | restores bit-exact |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in res["peers"]:
+        if "error" in r:
+            lines.append(f"| {r['peer']} | failed: {r['error'].splitlines()[-1]} | | | | |")
+            continue
+        bw = "n/a" if r["d2h_gbps"] is None else f"{r['d2h_gbps']:.1f}"
+        lines.append(f"| {r['peer']} | {r['step_s'] * 1e3:.1f} | {r['stall_s'] * 1e3:.1f} | "
+                     f"{r['stall_fraction_of_step']:.2f} | {bw} | {'yes' if r['bit_exact'] else 'NO'} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--dry-run", action="store_true", help="tiny sizes; on the CPU when there is no GPU")
+    ap.add_argument("--work", type=Path, default=None, help="where the checkpoints go (default OUT/ckpts)")
+    ap.add_argument("--every", type=int, default=10)
+    ap.add_argument("--checkpoints", type=int, default=3)
+    a = ap.parse_args(argv)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    s = TINY if a.dry_run or dev.type == "cpu" else GPT2_SMALL
+    a.out.mkdir(parents=True, exist_ok=True)
+    peak = pinned_peak(dev, (1 << 30) if dev.type == "cuda" else (16 << 20))
+    res: dict[str, Any] = {
+        "device": device_label(dev), "gpu": dev.type == "cuda", "shape": asdict(s), "every": a.every,
+        "params": sum(p.numel() for p in GPT(s).parameters()), "pinned_peak_gbps": peak, "peers": [],
+    }
+    work = a.work if a.work is not None else a.out / "ckpts"
+    for cls in PEERS:
+        try:  # one peer failing (an API absent from this torch) leaves the others measured
+            res["peers"].append(run_peer(cls, s, dev, work / cls.__name__, a.every, a.checkpoints))
+        except Exception:
+            res["peers"].append({"peer": cls.name or cls.__name__, "error": traceback.format_exc()})
+        shutil.rmtree(work / cls.__name__, ignore_errors=True)  # ~2 GB a checkpoint on the GPU: free the disk
+        print(json.dumps(res["peers"][-1], default=str)[:400], flush=True)
+        # after each peer: a run cut short by the command's time box still leaves the peers it measured
+        (a.out / "gpu_bench.json").write_text(json.dumps(res, indent=1, default=str))
+        (a.out / "gpu_bench.md").write_text(markdown(res))
+    return 0 if all("error" not in r and r["bit_exact"] for r in res["peers"]) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
