@@ -124,6 +124,7 @@ def plain_child(root: str, grace_s: float, shm_dir: str | None, conn: Any) -> No
 
 
 CHILDREN = {"plain": plain_child}
+JUDGES: dict[str, Any] = {}  # kind -> judge(root, seen, exitcode, recorded, killed) for the other front-ends
 PRELOAD: list[str] = []  # what the other front-ends' children import (tests/preempt_frontends.py adds them)
 
 
@@ -171,6 +172,8 @@ def run_trial(kind: str, root: Path, *, grace_s: float = 20.0, shm_dir: str | No
         if proc.is_alive():
             proc.kill()
         parent.close()
+    if kind in JUDGES:
+        return JUDGES[kind](root, seen, proc.exitcode, recorded, killed)
     return _judge(kind, root, shm_dir, seen, proc.exitcode, recorded, killed)
 
 
@@ -209,6 +212,7 @@ def main(argv: list[str]) -> int:
     import tempfile
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from tests import preempt_frontends  # noqa: F401 - registers the other front-ends' children
     from tests import preempt_trials as trials  # children pickle their target by this module's name
 
     kind, n = argv[0], int(argv[1])

@@ -47,9 +47,13 @@ class _Saves(Protocol):
 class Preemption:
     """One Checkpointer's preemption handling; ``enabled`` installs it (``close()`` removes it)."""
 
-    def __init__(self, options: PreemptionOptions, saves: _Saves) -> None:
+    def __init__(self, options: PreemptionOptions, saves: _Saves | None = None) -> None:
+        """``saves``: the Checkpointer that saves ``on_preempt``'s state; an integration passes None and registers
+        its own final checkpoint with ``on_preempt_run``."""
         self.options = options
-        self._saves = weakref.ref(saves)  # the handler and the watcher must not keep a Checkpointer alive
+        # the handler and the watcher must not keep a Checkpointer alive
+        self._saves: Callable[[], _Saves | None] = weakref.ref(saves) if saves is not None else lambda: None
+        self._run: Callable[[float], None] | None = None
         self._owner = os.getpid()  # a fork()ed child (a DataLoader worker) inherits the handler, not the threads
         self._source: StateSource | None = None
         self._previous: dict[int, Any] = {}  # signal -> the handler we replaced, to chain to
@@ -76,6 +80,11 @@ class Preemption:
         if source is not None and not callable(source):
             raise ConfigError(f"on_preempt() takes a callable returning (state, step), got {type(source).__name__}")
         self._source = source
+
+    def on_preempt_run(self, run: Callable[[float], None] | None) -> None:
+        """Register an integration's own final checkpoint: ``run(timeout)`` saves, then waits at most ``timeout``
+        seconds for it and every pending save to be durable (Lightning: ``trainer.save_checkpoint``, then the flush)."""
+        self._run = run
 
     @property
     def preempted(self) -> bool:
@@ -180,10 +189,12 @@ class Preemption:
         for it and every pending save until the deadline. Errors are logged: the signal goes on regardless."""
         t0 = time.monotonic()
         saves = self._saves()
-        if saves is None:
-            return
         try:
-            if self._source is not None:
+            if self._run is not None:
+                self._run(max(0.0, self._deadline - time.monotonic()))
+            elif saves is None:
+                log.warning("fastckpt: preemption: nothing registered to save (on_preempt_run)")
+            elif self._source is not None:
                 state, step = self._source()
                 # Its own name even where step-N was saved: buffers (BatchNorm's) and the user's own values may
                 # have changed since. It sorts after step-N, so load() and latest() pick it at that step.
@@ -191,7 +202,8 @@ class Preemption:
                 self.final_step = step
             else:
                 log.warning("fastckpt: preemption: no on_preempt() source registered; flushing pending saves only")
-            saves.wait(timeout=max(0.0, self._deadline - time.monotonic()))
+            if saves is not None:
+                saves.wait(timeout=max(0.0, self._deadline - time.monotonic()))
         except FastCkptError as e:
             log.error("fastckpt: preemption (%s): final checkpoint not durable within grace_s: %s", self._reason, e)
         except Exception as e:  # noqa: BLE001 - the user's source failed: still hand the signal on
