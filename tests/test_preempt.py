@@ -128,3 +128,23 @@ def test_shm_snapshot_staged_before_sigkill_is_committed_by_the_next_process(tmp
     t = preempt_trials.run_trial("plain", tmp_path / "t" / "root", shm_dir=str(shm), rng=random.Random(3))
     assert t.killed and t.exitcode == -signal.SIGKILL, t  # the storage stalled: SIGKILL came before the commit
     assert t.latest == t.recorded_step and t.exact, t  # recovered from shared memory and committed
+
+
+def test_a_forked_child_inherits_the_handler_but_the_signal_goes_straight_on(tmp_path) -> None:
+    from tests.helpers import run_child
+
+    code = """
+import multiprocessing as mp, os, signal, sys
+import fastckpt
+ckpt = fastckpt.Checkpointer(fastckpt.CheckpointConfig.from_dict({"root": sys.argv[1], "preemption": {"enabled": True}}))
+def worker():  # a DataLoader worker: fork()ed, with the parent's handler but none of its threads
+    os.kill(os.getpid(), signal.SIGTERM)
+    os._exit(3)  # reached only if the signal was swallowed
+p = mp.get_context("fork").Process(target=worker)
+p.start(); p.join(60)
+print(p.exitcode, ckpt.preemption.preempted)
+ckpt.close()
+"""
+    out = run_child(code, str(tmp_path / "r"))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(-signal.SIGTERM), "False"], out.stdout  # died of it; the parent saw nothing
