@@ -20,6 +20,8 @@ _EXPORTS = {
     "RetentionOptions": ".config",
     "RemoteOptions": ".config",
     "NetworkOptions": ".config",
+    "PreemptionOptions": ".config",
+    "Preemption": ".engine.preempt",
     "SaveHandle": ".engine.handle",
     "SaveStats": ".engine.handle",
     "CheckpointInfo": ".format.layout",
@@ -67,8 +69,9 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # type checkers and IDEs see the eager imports
     from .checkpointer import Checkpointer
     from .engine.saver import WatchHandle
-    from .config import (CheckpointConfig, NetworkOptions, PersistOptions, RemoteOptions, RetentionOptions,
-                         StagingOptions)
+    from .config import (CheckpointConfig, NetworkOptions, PersistOptions, PreemptionOptions, RemoteOptions,
+                         RetentionOptions, StagingOptions)
+    from .engine.preempt import Preemption
     from .errors import (CheckpointNotFoundError, CheckpointTimeoutError, ConfigError, FastCkptError,
                          IntegrityError, SnapshotMutatedError, StateMismatchError, StorageError,
                          UnsafeCheckpointError)

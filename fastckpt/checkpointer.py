@@ -17,6 +17,7 @@ from .engine.exithook import register_exit_hook
 from .engine.futures import remaining, resolved
 from .engine.handle import SaveHandle, SaveStats
 from .engine.pipeline import Job
+from .engine.preempt import Preemption
 from .engine.priority import ThreadPriorities
 from .engine.saver import Saver, WatchHandle
 from .engine.staging import HostArena
@@ -96,12 +97,13 @@ class Checkpointer:
         # what a previous process committed but never uploaded (the recovered ones' uploads were queued already)
         self.resumed_uploads: list[SaveHandle] = [] if self._uploader is None else self._tiers.resume_uploads(
             {h.name for h in self.recovered}, lambda i: self._saver.new_handle(i.name, i.step, i.path, i.nbytes))
+        self.preemption = Preemption(config.preemption, self)  # on_preempt(), point(): see engine/preempt.py
 
     # ---- saving (engine/saver.py) ----------------------------------------------------
 
     def watch(self, optimizer: torch.optim.Optimizer, *, hook: bool = True) -> WatchHandle:
         """Mark ``optimizer``'s params and state as lazily copyable; with ``hook``, its step() waits for staging."""
-        return self._saver.watch(optimizer, self.wait_staged if hook else None)
+        return self._saver.watch(optimizer, (lambda: self.preemption.before_step(self.wait_staged)) if hook else None)
 
     def save(self, state: Any, step: int, *, name: str | None = None, eager: Any = (), lazy: Any = ()) -> SaveHandle:
         """Snapshot ``state``; returns once eager tensors are copied (milliseconds).
@@ -313,6 +315,8 @@ class Checkpointer:
         pipeline, self._pipeline = getattr(self, "_pipeline", None), None
         if pipeline is None:
             return
+        if hasattr(self, "preemption"):  # not on a half-built object
+            self.preemption.close()
         if not self._in_owner():
             return  # a fork()ed child only forgets the parent's saves: flushing them would wait forever
         deadline = None if timeout is None else time.monotonic() + timeout

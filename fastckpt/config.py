@@ -10,6 +10,7 @@ import copy
 import dataclasses
 import math
 import os
+import signal
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
@@ -26,6 +27,7 @@ __all__ = [
     "RetentionOptions",
     "RemoteOptions",
     "NetworkOptions",
+    "PreemptionOptions",
     "SECTIONS",
 ]
 
@@ -273,6 +275,52 @@ class NetworkOptions(_Freezable):
         _check_seconds("network.", "backoff_s", self.backoff_s, 0.0)
 
 
+# Signals a preemption handler may not take: SIGKILL and SIGSTOP cannot be caught, the others are faults or
+# job control, whose default action must stay.
+_UNCATCHABLE = ("SIGKILL", "SIGSTOP", "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT", "SIGCHLD", "SIGTSTP")
+
+
+@dataclass(kw_only=True, slots=True)
+class PreemptionOptions(_Freezable):
+    """Flush on preemption (fastckpt/engine/preempt.py): on a signal or notice, a final checkpoint at the next safe
+    point (a watched optimizer's step, or ``point()`` between steps), flushed with everything pending within
+    ``grace_s``; then the signal goes on to the handler installed before (or its default action).
+
+    Off by default: it replaces process-wide signal handlers (only possible on the main thread) and delays the
+    signal's effect by up to ``grace_s``, a change of behaviour a library must not make unasked."""
+
+    _prefix = "preemption."
+    enabled: bool = False
+    """Install the handlers when a Checkpointer (or an integration's) is built."""
+    signals: list[str] = field(default_factory=lambda: ["SIGTERM"])
+    """Signal names that mean preemption (``SIGTERM``; SLURM: add ``SIGUSR1``, or its ``--signal``)."""
+    grace_s: float = 30.0
+    """Seconds from the signal within which the final checkpoint and every pending save should be committed;
+    after it the signal goes on regardless (set it below the SIGKILL delay of your scheduler)."""
+    notice_file: str | None = None
+    """A path whose appearance means preemption (a spot or maintenance notice an agent writes); checked twice a
+    second by a background thread. Null: none."""
+
+    def validate(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise ConfigError(f"preemption.enabled must be true or false, got {self.enabled!r}")
+        if isinstance(self.signals, str) or not isinstance(self.signals, (list, tuple)):
+            raise ConfigError(f"preemption.signals must be a list of signal names such as [SIGTERM], got {self.signals!r}")
+        names = []
+        for s in self.signals:
+            name = s.upper() if isinstance(s, str) else s
+            name = name if not isinstance(name, str) or name.startswith("SIG") else "SIG" + name
+            if not isinstance(name, str) or not isinstance(getattr(signal, name, None), signal.Signals) \
+                    or name in _UNCATCHABLE:
+                raise ConfigError(f"preemption.signals: {s!r} is not a signal that can mean preemption; use names "
+                                  "such as SIGTERM, SIGUSR1, SIGUSR2, SIGINT")
+            names.append(name)
+        self.signals = list(dict.fromkeys(names))
+        _check_seconds("preemption.", "grace_s", self.grace_s, 0.0)
+        if self.notice_file is not None and (not isinstance(self.notice_file, str) or not self.notice_file):
+            raise ConfigError(f"preemption.notice_file must be a path or null, got {self.notice_file!r}")
+
+
 # The nested sections of ``CheckpointConfig``: field name -> its dataclass (built from a mapping by name;
 # ``tools/configref`` documents each).
 SECTIONS: dict[str, type] = {
@@ -281,6 +329,7 @@ SECTIONS: dict[str, type] = {
     "retention": RetentionOptions,
     "remote": RemoteOptions,
     "network": NetworkOptions,
+    "preemption": PreemptionOptions,
 }
 
 
@@ -297,6 +346,7 @@ class CheckpointConfig(_Freezable):
     retention: RetentionOptions = field(default_factory=RetentionOptions)
     remote: RemoteOptions = field(default_factory=RemoteOptions)
     network: NetworkOptions = field(default_factory=NetworkOptions)
+    preemption: PreemptionOptions = field(default_factory=PreemptionOptions)
     allowed_classes: list[str] = field(default_factory=list)
     """Extra ``module.QualName`` classes the safe loader may rebuild (non-plain leaves)."""
     orphan_grace_s: float | None = 3600.0

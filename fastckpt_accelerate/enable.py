@@ -10,6 +10,7 @@ stay with the original).
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 from typing import Any, Callable
 
@@ -20,6 +21,7 @@ from fastckpt.errors import ConfigError
 from .checkpointing import FastAccelerateCheckpointing
 from .config import ConfigSource, resolve_config
 from .fsdp import check_engine
+from .preempt import AcceleratePreemption
 
 # The Accelerator methods enable() replaces on the instance.
 _ROUTED = ("save_state", "load_state", "end_training", "wait_for_everyone")
@@ -50,9 +52,11 @@ def enable(
     previous = get_checkpointing(accelerator)
     if previous is not None and not previous.closed:
         raise ConfigError("fastckpt is already enabled on this Accelerator; close() the returned object first")
+    resolved = resolve_config(config, accelerator)
     checkpointing = FastAccelerateCheckpointing(
         accelerator,
-        resolve_config(config, accelerator),
+        # preemption is handled once per Accelerator (below), not by each folder's Checkpointer
+        replace(resolved, preemption=replace(resolved.preemption, enabled=False)),
         storage=storage,
         log_stats=log_stats,
         shared_writes=shared_writes,
@@ -61,6 +65,7 @@ def enable(
         original_wait_for_everyone=type(accelerator).wait_for_everyone.__get__(accelerator),
     )
     _install(accelerator, checkpointing)
+    checkpointing.preemption = AcceleratePreemption(resolved.preemption, accelerator, checkpointing)
     return checkpointing
 
 
@@ -101,6 +106,9 @@ def _stock_method(accelerator: Accelerator, name: str) -> Callable[..., Any]:
 
 def _end_training(checkpointing: FastAccelerateCheckpointing, original: Callable[[], None]) -> None:
     # Flush before the process group is destroyed and the trackers finish.
+    preemption = getattr(checkpointing, "preemption", None)
+    if preemption is not None:
+        preemption.stop()
     try:
         checkpointing.close()
     finally:

@@ -15,6 +15,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.optim import Optimizer
 
 from fastckpt_lightning.boundaries import BOUNDARY_HOOKS, user_code, writers
+from fastckpt_lightning.preempt import LightningPreemption
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +24,7 @@ class _Plugin(Protocol):
     """What the callback needs from ``FastCheckpointIO`` (a protocol, so the two modules do not import each other)."""
 
     async_user_hooks: bool
+    config: Any
 
     def attach(self, trainer: pl.Trainer) -> None: ...
 
@@ -51,6 +53,7 @@ class FastCheckpointCallback(Callback):
 
     def __init__(self, plugin: _Plugin) -> None:
         self._plugin = plugin
+        self.preemption = LightningPreemption(plugin.config, plugin.flush)  # preemption.enabled: flush on a signal
 
     def wait_for_writers(self, trainer: pl.Trainer, pl_module: Optional[pl.LightningModule], hook: str) -> None:
         """At an epoch or phase boundary: finish lazy copies if a callback or the module that runs ``hook`` next may
@@ -77,12 +80,14 @@ class FastCheckpointCallback(Callback):
         """A new fit may have new optimizers: watch them."""
         self._plugin.attach(trainer)
         self.wait_for_writers(trainer, pl_module, "on_train_start")
+        self.preemption.start(trainer)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         """With ``log_stats=True``: the newest finished checkpoint's figures join the user's logged rows."""
         self._plugin.log_stats(trainer, pl_module)
+        self.preemption.point()  # between batches: the safe point of a final checkpoint
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -136,4 +141,5 @@ class FastCheckpointCallback(Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Make every checkpoint durable (their figures stay in ``plugin.stats``: no logger row outside the user's
         cadence)."""
+        self.preemption.stop()
         self._plugin.flush()

@@ -53,7 +53,8 @@ def build_config(source: ConfigSource, **overrides: Any) -> tuple[CheckpointConf
 
 def for_directory(config: CheckpointConfig, dirpath: str) -> CheckpointConfig:
     """The config of the core ``Checkpointer`` that owns one Lightning checkpoint folder."""
-    return dataclasses.replace(config, root=dirpath)
+    # The plugin handles preemption itself (fastckpt_lightning/preempt.py): per-folder Checkpointers must not.
+    return dataclasses.replace(config, root=dirpath, preemption=dataclasses.replace(config.preemption, enabled=False))
 
 
 def staging_mode(config: CheckpointConfig) -> str:
