@@ -20,6 +20,11 @@ _EXPORTS = {
     "RetentionOptions": ".config",
     "RemoteOptions": ".config",
     "NetworkOptions": ".config",
+    "CadenceOptions": ".config",
+    "Cadence": ".engine.cadence",
+    "CadenceStats": ".engine.cadence",
+    "young_daly": ".engine.cadence",
+    "open_cadence": ".tiers.runs",
     "SaveHandle": ".engine.handle",
     "SaveStats": ".engine.handle",
     "CheckpointInfo": ".format.layout",
@@ -67,7 +72,9 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # type checkers and IDEs see the eager imports
     from .checkpointer import Checkpointer
     from .engine.saver import WatchHandle
-    from .config import (CheckpointConfig, NetworkOptions, PersistOptions, RemoteOptions, RetentionOptions,
+    from .engine.cadence import Cadence, CadenceStats, young_daly
+    from .tiers.runs import open_cadence
+    from .config import (CadenceOptions, CheckpointConfig, NetworkOptions, PersistOptions, RemoteOptions, RetentionOptions,
                          StagingOptions)
     from .errors import (CheckpointNotFoundError, CheckpointTimeoutError, ConfigError, FastCkptError,
                          IntegrityError, SnapshotMutatedError, StateMismatchError, StorageError,

@@ -33,6 +33,7 @@ from .tiers.catalog import Catalog
 from .tiers.claim import RootClaim
 from .tiers.recovery import recover
 from .tiers.remote import RemoteTier
+from .tiers.runs import Cadenced, RootCadence
 from .tiers.shm import ShmTier
 from .tiers.shm_load import load_from_shm
 from .tiers.union import CatalogUnion
@@ -44,7 +45,7 @@ log = logging.getLogger("fastckpt")
 _EXIT_FLUSH_S = 300.0  # bounded wait for pending saves at interpreter exit
 
 
-class Checkpointer:
+class Checkpointer(Cadenced):
     """Saves nested training state asynchronously; see docs/API.md."""
 
     def __init__(self, config: CheckpointConfig, *, storage: Storage | None = None,
@@ -89,6 +90,7 @@ class Checkpointer:
             self._uploader = self._tiers.start_uploads(
                 workers=rem.workers, keep_last=rem.keep_last, priorities=self._priorities,
                 run_in_order=self._after_saves, pending=self.pending_names, on_failed=self._saver.record_error)
+        self.cadence = RootCadence(config.cadence, self.storage, self._coord, self._root.claim, self._after_saves)
         self._atexit = _exit_flusher(self)
         register_exit_hook(self._atexit)
         self.recovered: list[SaveHandle] = [] if not st.shm else recover(
@@ -331,6 +333,7 @@ class Checkpointer:
             if self._coord is not None:
                 self._coord.close()  # every commit is done: its private group's threads can be joined
             self._arena.close()  # else a stalled writer still reads its slot: the buffers go with the process
+            self.cadence.end()  # a clean end in the root's record of runs: this run did not fail
             self._root.release()  # after the last commit and retention: the next writer may start
             self._saver.raise_pending()
             return

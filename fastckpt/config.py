@@ -26,6 +26,7 @@ __all__ = [
     "RetentionOptions",
     "RemoteOptions",
     "NetworkOptions",
+    "CadenceOptions",
     "SECTIONS",
 ]
 
@@ -273,6 +274,60 @@ class NetworkOptions(_Freezable):
         _check_seconds("network.", "backoff_s", self.backoff_s, 0.0)
 
 
+@dataclass(kw_only=True, slots=True)
+class CadenceOptions(_Freezable):
+    """When to checkpoint: what ``Checkpointer.should_save(step)`` (and the integrations' triggers) answer.
+
+    ``interval: auto`` picks the Young-Daly interval sqrt(2 * cost * MTBF), which minimises the time a failure
+    loses plus the time checkpoints stall training (docs/CADENCE.md); ``cost`` is measured from each save's stall
+    (``SaveStats.blocking_ms + waited_ms``), the MTBF configured or estimated from this root's record of runs.
+    """
+
+    _prefix = "cadence."
+    interval: int | str | None = None
+    """Save every N steps (an integer), ``auto`` (Young-Daly, re-estimated as costs change), or null (no
+    cadence: ``should_save`` raises unless ``every_s`` is set)."""
+    every_s: float | None = None
+    """Save when this many seconds passed since the last save (a time-based cadence); excludes ``interval``."""
+    mtbf_s: float | None = None
+    """Mean time between failures, in seconds; null estimates it from the root's record of runs
+    (``.fastckpt-runs.json``: runs that ended without ``close()`` count as failures), starting from
+    ``prior_mtbf_s``."""
+    prior_mtbf_s: float = 86400.0
+    """The MTBF assumed before any failure was seen (worth one failure in the estimate)."""
+    min_interval_s: float = 10.0
+    """``auto`` never saves more often than this (also the interval until a save's cost was measured)."""
+    max_interval_s: float = 3600.0
+    """``auto`` never waits longer than this between saves."""
+    baseline_interval: int | None = None
+    """Your fixed interval (steps) before ``auto``: the cadence stats report what a failure would lose at it."""
+    smoothing: float = 0.3
+    """Weight of the newest measurement in the running averages of cost and step time (0 < x <= 1)."""
+
+    def validate(self) -> None:
+        iv, every = self.interval, self.every_s
+        if iv is not None and iv != "auto" and (isinstance(iv, bool) or not isinstance(iv, int) or iv < 1):
+            raise ConfigError(f"cadence.interval must be an integer >= 1, `auto` or null, got {iv!r}")
+        if every is not None:
+            if isinstance(every, bool) or not isinstance(every, (int, float)) or not 0 < every < math.inf:
+                raise ConfigError(f"cadence.every_s must be a finite number of seconds > 0, or null, got {every!r}")
+            if iv is not None:
+                raise ConfigError(f"cadence.interval ({iv!r}) and cadence.every_s ({self.every_s!r}) exclude each "
+                                  "other: set one of them to null")
+        if self.mtbf_s is not None:
+            _check_seconds("cadence.", "mtbf_s", self.mtbf_s, 0.001)
+        _check_seconds("cadence.", "prior_mtbf_s", self.prior_mtbf_s, 0.001)
+        _check_seconds("cadence.", "min_interval_s", self.min_interval_s, 0.0)
+        _check_seconds("cadence.", "max_interval_s", self.max_interval_s, 0.0)
+        if self.max_interval_s < self.min_interval_s:
+            raise ConfigError(f"cadence.max_interval_s ({self.max_interval_s}) must be >= cadence.min_interval_s "
+                              f"({self.min_interval_s})")
+        _check_int("cadence.", "baseline_interval", self.baseline_interval, 1, allow_none=True)
+        sm = self.smoothing
+        if isinstance(sm, bool) or not isinstance(sm, (int, float)) or not 0 < sm <= 1:
+            raise ConfigError(f"cadence.smoothing must be a number in (0, 1], got {sm!r}")
+
+
 # The nested sections of ``CheckpointConfig``: field name -> its dataclass (built from a mapping by name;
 # ``tools/configref`` documents each).
 SECTIONS: dict[str, type] = {
@@ -281,6 +336,7 @@ SECTIONS: dict[str, type] = {
     "retention": RetentionOptions,
     "remote": RemoteOptions,
     "network": NetworkOptions,
+    "cadence": CadenceOptions,
 }
 
 
@@ -297,6 +353,7 @@ class CheckpointConfig(_Freezable):
     retention: RetentionOptions = field(default_factory=RetentionOptions)
     remote: RemoteOptions = field(default_factory=RemoteOptions)
     network: NetworkOptions = field(default_factory=NetworkOptions)
+    cadence: CadenceOptions = field(default_factory=CadenceOptions)
     allowed_classes: list[str] = field(default_factory=list)
     """Extra ``module.QualName`` classes the safe loader may rebuild (non-plain leaves)."""
     orphan_grace_s: float | None = 3600.0
