@@ -112,7 +112,7 @@ def open_cadence(options: CadenceOptions, storage: Storage | None, *, agree: Cal
     """A ``Cadence`` for ``options``; without a configured ``mtbf_s`` its MTBF comes from the root's record of
     runs, where this process's start is recorded (``record``: this process writes it, rank 0 only)."""
     runs = None
-    if options.mtbf_s is None and storage is not None:
+    if options.interval == "auto" and options.mtbf_s is None and storage is not None:  # only auto needs the MTBF
         runs = RunRecord(storage)
         if record:
             runs.start()
@@ -148,7 +148,7 @@ class RootCadence:
                 raise ConfigError("cadence.interval=auto and cadence.every_s need every rank to agree, which a "
                                   "distributed=True Checkpointer cannot do from a clock: use a fixed cadence.interval, "
                                   "or the Lightning / Accelerate triggers, which agree through the framework")
-            if self.leader and o.mtbf_s is None:
+            if self.leader and o.interval == "auto" and o.mtbf_s is None:
                 self._claim()  # the record of runs is a write into the root: take it first
             self.cadence, self.runs = open_cadence(o, self.storage, record=self.leader)
         if len(stats) > self._costs_seen:
