@@ -20,6 +20,7 @@ from fastckpt.errors import ConfigError
 from .checkpointing import FastAccelerateCheckpointing
 from .config import ConfigSource, resolve_config
 from .fsdp import check_engine
+from .runend import ended
 
 # The Accelerator methods enable() replaces on the instance.
 _ROUTED = ("save_state", "load_state", "end_training", "wait_for_everyone")
@@ -103,6 +104,7 @@ def _end_training(checkpointing: FastAccelerateCheckpointing, original: Callable
     # Flush before the process group is destroyed and the trackers finish.
     try:
         checkpointing.close()
+        ended(checkpointing)  # a clean end (the record of runs of the cadence)
     finally:
         original()
 
