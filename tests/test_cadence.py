@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from fastckpt import (Cadence, CadenceOptions, CheckpointConfig, Checkpointer, ConfigError, LocalStorage,
+from fastckpt import (Cadence, CadenceOptions, CheckpointConfig, Checkpointer, ConfigError, LocalStorage, StorageError,
                       open_cadence, young_daly)
 from fastckpt.tiers.runs import RUNS_NAME, RunRecord
 from tests.helpers import assert_bit_equal, clone_state, run_child
@@ -259,3 +259,32 @@ def test_record_is_bounded(tmp_path) -> None:
         RunRecord(storage, clock=lambda: float(next(clock))).start()
     runs = json.loads((tmp_path / RUNS_NAME).read_text())["runs"]
     assert len(runs) == 256 and math.isclose(runs[-1]["start"], 2990.0)
+
+
+class FailingRecord(LocalStorage):
+    """Refuses writes of the record of runs once ``fail`` is set (a full or read-only disk, for that one file)."""
+
+    fail = False
+
+    def write_atomic(self, path: str, data: bytes) -> None:
+        if self.fail and path.endswith(RUNS_NAME):
+            raise StorageError(f"injected: cannot write {path}")
+        super().write_atomic(path, data)
+
+
+def test_a_failing_record_of_runs_warns_and_training_goes_on(tmp_path, caplog) -> None:
+    storage = FailingRecord(str(tmp_path))
+    cfg = CheckpointConfig(root=str(tmp_path), staging={"mode": "eager"},
+                           cadence={"interval": "auto", "min_interval_s": 0.0})
+    with caplog.at_level(logging.WARNING, logger="fastckpt"):
+        with Checkpointer(cfg, storage=storage) as ckpt:
+            ckpt.should_save(0)  # records this run's start
+            storage.fail = True
+            for step in range(1, 4):
+                if ckpt.should_save(step):
+                    ckpt.save({"w": torch.full((4,), float(step))}, step).wait()
+            ckpt.wait()
+    assert "could not update the record of runs" in caplog.text
+    assert "could not record the clean end" in caplog.text
+    with Checkpointer(CheckpointConfig(root=str(tmp_path))) as ckpt:
+        assert_bit_equal(ckpt.load(), {"w": torch.full((4,), float(ckpt.latest()))})

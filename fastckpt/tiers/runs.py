@@ -156,8 +156,16 @@ class RootCadence:
                 self.cadence.observe_stats(st)
             self._costs_seen = len(stats)
             if self.runs is not None and self.leader:
-                self._after_saves(self.runs.seen)  # on the committer thread: no write on the training thread
+                done = self._after_saves(self.runs.seen)  # on the committer thread: no write on the training thread
+                if done is not None:
+                    done.add_done_callback(self._warn_unseen)
         return self.cadence.should_save(step)
+
+    def _warn_unseen(self, done: Any) -> None:
+        err = None if done.cancelled() else done.exception()
+        if err is not None:  # the record only informs the MTBF estimate: training goes on
+            log.warning("fastckpt: could not update the record of runs %s: %s (the MTBF estimate may count less "
+                        "uptime for this run)", self.runs.path if self.runs else RUNS_NAME, err)
 
     @property
     def stats(self) -> CadenceStats | None:
