@@ -83,7 +83,8 @@ class Cadence:
         self._step_time = _Ema(options.smoothing)
         self._last: tuple[int, float] | None = None  # (step, time) of the previous call
         self._saved: tuple[int, float] | None = None  # (step, time) of the last save decided, or of the first call
-        self._interval_steps: int | None = options.interval if self.mode == "steps" else None  # type: ignore[assignment]
+        fixed = options.interval if isinstance(options.interval, int) else None
+        self._interval_steps: int | None = fixed
         self._interval_s = options.every_s if self.mode == "seconds" else options.min_interval_s
 
     # ---- inputs -------------------------------------------------------------------------------------------
@@ -155,7 +156,8 @@ class Cadence:
     def interval_s(self) -> float:
         """The current interval in seconds (for ``steps``, the interval times the measured step time)."""
         if self.mode == "steps":
-            return self._interval_steps * self._step_time.value if self._step_time.count else math.nan  # type: ignore[operator]
+            steps = self._interval_steps or 0
+            return steps * self._step_time.value if self._step_time.count else math.nan
         return self._interval_s
 
     @property

@@ -90,7 +90,8 @@ class RunRecord:
     def uptime_s(self) -> float:
         """Seconds the runs of this root were alive, this one up to now."""
         now = self._clock()
-        return sum(max(0.0, (now if r is self._mine else r["seen"]) - r["start"]) for r in self._runs)  # type: ignore[operator]
+        alive = [((now if r is self._mine else r["seen"]) or 0.0, r["start"] or 0.0) for r in self._runs]
+        return sum(max(0.0, until - start) for until, start in alive)
 
     def mtbf_s(self, prior_s: float) -> float:
         """The posterior mean MTBF: (prior + uptime) / (1 + failures)."""
