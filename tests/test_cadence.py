@@ -288,3 +288,26 @@ def test_a_failing_record_of_runs_warns_and_training_goes_on(tmp_path, caplog) -
     assert "could not record the clean end" in caplog.text
     with Checkpointer(CheckpointConfig(root=str(tmp_path))) as ckpt:
         assert_bit_equal(ckpt.load(), {"w": torch.full((4,), float(ckpt.latest()))})
+
+
+@pytest.mark.parametrize("fields", [{"interval": "auto", "mtbf_s": 50.0, "min_interval_s": 3.0},
+                                    {"every_s": 7.0}])
+def test_ranks_with_different_clocks_save_at_the_same_steps(fields) -> None:
+    """Two ranks in lockstep: rank 1's clock and costs differ, its ``agree`` hands it what rank 0 said."""
+    said: list = []
+    rank0 = Cadence(CadenceOptions(**fields), agree=lambda v: said.append(v) or v)
+    rank1 = Cadence(CadenceOptions(**fields), agree=lambda v: said.pop(0))
+    rng = random.Random(3)
+    t0 = t1 = 0.0
+    decisions0, decisions1 = [], []
+    for step in range(1, 400):
+        t0 += 1.0
+        t1 += rng.uniform(0.5, 1.6)  # another node: slower, jittery
+        d0, d1 = rank0.should_save(step, t0), rank1.should_save(step, t1)
+        decisions0.append(d0)
+        decisions1.append(d1)
+        if d0:
+            rank0.observe(2.0)
+            rank1.observe(rng.uniform(1.0, 4.0))
+    assert decisions0 == decisions1 and sum(decisions0) >= 5 and not said
+    assert rank0.interval_steps == rank1.interval_steps
