@@ -22,6 +22,11 @@ _EXPORTS = {
     "NetworkOptions": ".config",
     "PreemptionOptions": ".config",
     "Preemption": ".engine.preempt",
+    "CadenceOptions": ".config",
+    "Cadence": ".engine.cadence",
+    "CadenceStats": ".engine.cadence",
+    "young_daly": ".engine.cadence",
+    "open_cadence": ".tiers.runs",
     "SaveHandle": ".engine.handle",
     "SaveStats": ".engine.handle",
     "CheckpointInfo": ".format.layout",
@@ -69,9 +74,11 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # type checkers and IDEs see the eager imports
     from .checkpointer import Checkpointer
     from .engine.saver import WatchHandle
-    from .config import (CheckpointConfig, NetworkOptions, PersistOptions, PreemptionOptions, RemoteOptions,
-                         RetentionOptions, StagingOptions)
+    from .config import (CadenceOptions, CheckpointConfig, NetworkOptions, PersistOptions, PreemptionOptions,
+                         RemoteOptions, RetentionOptions, StagingOptions)
+    from .engine.cadence import Cadence, CadenceStats, young_daly
     from .engine.preempt import Preemption
+    from .tiers.runs import open_cadence
     from .errors import (CheckpointNotFoundError, CheckpointTimeoutError, ConfigError, FastCkptError,
                          IntegrityError, SnapshotMutatedError, StateMismatchError, StorageError,
                          UnsafeCheckpointError)

@@ -34,6 +34,7 @@ from .tiers.catalog import Catalog
 from .tiers.claim import RootClaim
 from .tiers.recovery import recover
 from .tiers.remote import RemoteTier
+from .tiers.runs import Cadenced, RootCadence
 from .tiers.shm import ShmTier
 from .tiers.shm_load import load_from_shm
 from .tiers.union import CatalogUnion
@@ -45,7 +46,7 @@ log = logging.getLogger("fastckpt")
 _EXIT_FLUSH_S = 300.0  # bounded wait for pending saves at interpreter exit
 
 
-class Checkpointer:
+class Checkpointer(Cadenced):
     """Saves nested training state asynchronously; see docs/API.md."""
 
     def __init__(self, config: CheckpointConfig, *, storage: Storage | None = None,
@@ -90,6 +91,7 @@ class Checkpointer:
             self._uploader = self._tiers.start_uploads(
                 workers=rem.workers, keep_last=rem.keep_last, priorities=self._priorities,
                 run_in_order=self._after_saves, pending=self.pending_names, on_failed=self._saver.record_error)
+        self.cadence = RootCadence(config.cadence, self.storage, self._coord, self._root.claim, self._after_saves)
         self._atexit = _exit_flusher(self)
         register_exit_hook(self._atexit)
         self.recovered: list[SaveHandle] = [] if not st.shm else recover(
@@ -214,8 +216,7 @@ class Checkpointer:
         self._check_open()
         return self._open_reader(*self._locate(step, name))
 
-    def _locate(self, step: int | None, name: str | None) -> tuple[Storage, str]:
-        """The storage holding the checkpoint to read, and its folder there."""
+    def _locate(self, step: int | None, name: str | None) -> tuple[Storage, str]:  # its storage, and folder there
         storage, target = self._tiers.locate(step, None if name is None else checkpoint_name(name))
         return storage, storage.join(storage.url, target)
 
@@ -335,6 +336,7 @@ class Checkpointer:
             if self._coord is not None:
                 self._coord.close()  # every commit is done: its private group's threads can be joined
             self._arena.close()  # else a stalled writer still reads its slot: the buffers go with the process
+            self.cadence.end()  # a clean end in the root's record of runs: this run did not fail
             self._root.release()  # after the last commit and retention: the next writer may start
             self._saver.raise_pending()
             return

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 import os
-import signal
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
+from .configbase import Freezable as _Freezable
+from .configbase import check_choice as _check_choice
+from .configbase import check_int as _check_int
+from .configbase import check_seconds as _check_seconds
+from .configtime import CadenceOptions, PreemptionOptions
 from .errors import ConfigError
 from .yamlfile import load_yaml, read_yaml
 
@@ -28,6 +31,7 @@ __all__ = [
     "RemoteOptions",
     "NetworkOptions",
     "PreemptionOptions",
+    "CadenceOptions",
     "SECTIONS",
 ]
 
@@ -37,94 +41,6 @@ _DIRECT_IO = ("auto", "on", "off")
 
 # The CPU priorities ``persist.priority`` accepts (engine/priority.py applies them).
 PRIORITIES = ("idle", "low", "normal")
-
-
-class _Freezable:
-    """A config section that checks every assignment and refuses changes once a ``Checkpointer`` holds it.
-
-    Every field is checked when the object is built and again on every later assignment (``cfg.staging.slots = 0``
-    raises ``ConfigError`` naming ``staging.slots`` and keeps the old value): a bad value never waits in a config
-    until it hangs ``save()``. Once a Checkpointer holds the config it is frozen: the Checkpointer sized its threads,
-    buffers and rules from it and reads some fields later again, so a change in between would leave it half on the
-    old value and half on the new one. ``dataclasses.replace`` builds a new, unfrozen config for a new Checkpointer.
-    """
-
-    __slots__ = ("_frozen", "_ready", "_checking")
-    _prefix = ""  # the field path of this section, for error messages
-
-    def __post_init__(self) -> None:
-        self._checked()
-        object.__setattr__(self, "_ready", True)  # built: from now on every assignment is checked
-
-    def validate(self) -> None:
-        """Check (and normalize) every field, raising ``ConfigError`` naming the first bad one."""
-
-    def _checked(self) -> None:
-        # validate()'s own normalizing assignments (``root = str(root)``) go straight through while it runs
-        object.__setattr__(self, "_checking", True)
-        try:
-            self.validate()
-        finally:
-            object.__setattr__(self, "_checking", False)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        known = self.__dataclass_fields__  # type: ignore[attr-defined]
-        if name not in known:  # a typo (``staging.slot``) must not pass for a setting
-            raise ConfigError(f"{self._prefix}{name} is not a config field; the fields of "
-                              f"{self._prefix.rstrip('.') or 'the top level'} are {sorted(known)}")
-        if getattr(self, "_frozen", False):
-            raise ConfigError(f"{self._prefix}{name} cannot change: a Checkpointer uses this config (it is frozen "
-                              "once a Checkpointer holds it). Build a new one with dataclasses.replace(config, ...) "
-                              "and create a new Checkpointer")
-        if not getattr(self, "_ready", False) or getattr(self, "_checking", False):
-            object.__setattr__(self, name, value)  # being built or validated: checked as a whole right after
-            return
-        old = getattr(self, name)
-        object.__setattr__(self, name, value)
-        try:
-            self._checked()
-        except BaseException:
-            object.__setattr__(self, name, old)  # refused: the config stays as it was
-            raise
-
-    def freeze(self) -> None:
-        """Called by ``Checkpointer.__init__``: check the whole config once more (a list or dict field may have
-        changed in place), then refuse every later assignment, in the sections too."""
-        if self.frozen:
-            return
-        self._checked()
-        for f in fields(self):  # type: ignore[arg-type]
-            value = getattr(self, f.name)
-            if isinstance(value, _Freezable):
-                value.freeze()
-        object.__setattr__(self, "_frozen", True)
-
-    @property
-    def frozen(self) -> bool:
-        """Whether a ``Checkpointer`` holds this config (assignments then raise ``ConfigError``)."""
-        return getattr(self, "_frozen", False)
-
-    # A copy (copy, deepcopy, pickle: ddp_spawn sends the plugin's config) is a new config, not frozen.
-    def __getstate__(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}  # type: ignore[arg-type]
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        for name, value in state.items():
-            object.__setattr__(self, name, value)
-        self.__post_init__()  # checked like any new config
-
-
-def _check_int(section: str, name: str, value: Any, minimum: int, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        none = " or null" if allow_none else ""
-        raise ConfigError(f"{section}{name} must be an integer >= {minimum}{none}, got {value!r}")
-
-
-def _check_choice(section: str, name: str, value: Any, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{section}{name} must be one of {', '.join(allowed)}; got {value!r}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -243,11 +159,6 @@ class RemoteOptions(_Freezable):
         _check_int("remote.", "keep_last", self.keep_last, 1, allow_none=True)
 
 
-def _check_seconds(section: str, name: str, value: Any, minimum: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < minimum:
-        raise ConfigError(f"{section}{name} must be a finite number of seconds >= {minimum}, got {value!r}")
-
-
 @dataclass(kw_only=True, slots=True)
 class NetworkOptions(_Freezable):
     """Deadlines and retries of every request to an fsspec storage (an ``s3://`` root and ``remote.url``).
@@ -275,52 +186,6 @@ class NetworkOptions(_Freezable):
         _check_seconds("network.", "backoff_s", self.backoff_s, 0.0)
 
 
-# Signals a preemption handler may not take: SIGKILL and SIGSTOP cannot be caught, the others are faults or
-# job control, whose default action must stay.
-_UNCATCHABLE = ("SIGKILL", "SIGSTOP", "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT", "SIGCHLD", "SIGTSTP")
-
-
-@dataclass(kw_only=True, slots=True)
-class PreemptionOptions(_Freezable):
-    """Flush on preemption (fastckpt/engine/preempt.py): on a signal or notice, a final checkpoint at the next safe
-    point (a watched optimizer's step, or ``point()`` between steps), flushed with everything pending within
-    ``grace_s``; then the signal goes on to the handler installed before (or its default action).
-
-    Off by default: it replaces process-wide signal handlers (only possible on the main thread) and delays the
-    signal's effect by up to ``grace_s``, a change of behaviour a library must not make unasked."""
-
-    _prefix = "preemption."
-    enabled: bool = False
-    """Install the handlers when a Checkpointer (or an integration's) is built."""
-    signals: list[str] = field(default_factory=lambda: ["SIGTERM"])
-    """Signal names that mean preemption (``SIGTERM``; SLURM: add ``SIGUSR1``, or its ``--signal``)."""
-    grace_s: float = 30.0
-    """Seconds from the signal within which the final checkpoint and every pending save should be committed;
-    after it the signal goes on regardless (set it below the SIGKILL delay of your scheduler)."""
-    notice_file: str | None = None
-    """A path whose appearance means preemption (a spot or maintenance notice an agent writes); checked twice a
-    second by a background thread. Null: none."""
-
-    def validate(self) -> None:
-        if not isinstance(self.enabled, bool):
-            raise ConfigError(f"preemption.enabled must be true or false, got {self.enabled!r}")
-        if isinstance(self.signals, str) or not isinstance(self.signals, (list, tuple)):
-            raise ConfigError(f"preemption.signals must be a list of signal names such as [SIGTERM], got {self.signals!r}")
-        names = []
-        for s in self.signals:
-            name = s.upper() if isinstance(s, str) else s
-            name = name if not isinstance(name, str) or name.startswith("SIG") else "SIG" + name
-            if not isinstance(name, str) or not isinstance(getattr(signal, name, None), signal.Signals) \
-                    or name in _UNCATCHABLE:
-                raise ConfigError(f"preemption.signals: {s!r} is not a signal that can mean preemption; use names "
-                                  "such as SIGTERM, SIGUSR1, SIGUSR2, SIGINT")
-            names.append(name)
-        self.signals = list(dict.fromkeys(names))
-        _check_seconds("preemption.", "grace_s", self.grace_s, 0.0)
-        if self.notice_file is not None and (not isinstance(self.notice_file, str) or not self.notice_file):
-            raise ConfigError(f"preemption.notice_file must be a path or null, got {self.notice_file!r}")
-
-
 # The nested sections of ``CheckpointConfig``: field name -> its dataclass (built from a mapping by name;
 # ``tools/configref`` documents each).
 SECTIONS: dict[str, type] = {
@@ -330,6 +195,7 @@ SECTIONS: dict[str, type] = {
     "remote": RemoteOptions,
     "network": NetworkOptions,
     "preemption": PreemptionOptions,
+    "cadence": CadenceOptions,
 }
 
 
@@ -347,6 +213,7 @@ class CheckpointConfig(_Freezable):
     remote: RemoteOptions = field(default_factory=RemoteOptions)
     network: NetworkOptions = field(default_factory=NetworkOptions)
     preemption: PreemptionOptions = field(default_factory=PreemptionOptions)
+    cadence: CadenceOptions = field(default_factory=CadenceOptions)
     allowed_classes: list[str] = field(default_factory=list)
     """Extra ``module.QualName`` classes the safe loader may rebuild (non-plain leaves)."""
     orphan_grace_s: float | None = 3600.0

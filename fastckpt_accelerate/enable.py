@@ -22,6 +22,7 @@ from .checkpointing import FastAccelerateCheckpointing
 from .config import ConfigSource, resolve_config
 from .fsdp import check_engine
 from .preempt import AcceleratePreemption
+from .runend import ended
 
 # The Accelerator methods enable() replaces on the instance.
 _ROUTED = ("save_state", "load_state", "end_training", "wait_for_everyone")
@@ -111,6 +112,7 @@ def _end_training(checkpointing: FastAccelerateCheckpointing, original: Callable
         preemption.stop()
     try:
         checkpointing.close()
+        ended(checkpointing)  # a clean end (the record of runs of the cadence)
     finally:
         original()
 

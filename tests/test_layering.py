@@ -10,7 +10,7 @@ module that defines ``Name`` (``fastckpt._EXPORTS``).
 The layers of ``fastckpt/``, lowest first. A module may import its own folder and any lower rank, never a
 higher one:
 
-    0  errors.py, yamlfile.py, config.py
+    0  errors.py, yamlfile.py, config.py (+ configbase.py, configtime.py)
                                anyone may import them; config imports only errors and yamlfile, yamlfile only
                                errors, errors nothing
     1  storage/                where bytes go
@@ -85,10 +85,11 @@ SURFACE: dict[str, frozenset[str] | str] = {
 }
 SURFACE_USERS = ("fastckpt_lightning", "fastckpt_accelerate", "fastckpt.cli", "benchmarks", "tools")
 
-RANKS = {"errors": 0, "yamlfile": 0, "config": 0, "storage": 1, "format": 2, "engine": 3, "read": 3, "tiers": 4,
+RANKS = {"errors": 0, "yamlfile": 0, "config": 0, "configbase": 0, "configtime": 0, "storage": 1, "format": 2, "engine": 3, "read": 3, "tiers": 4,
          "checkpointer": 5, "timeline": 5, "cli": 6}
 SIBLINGS = {("engine", "read"), ("read", "engine")}
-ONLY = {"errors": set(), "yamlfile": {"errors"}, "config": {"errors", "yamlfile"}}  # the units these may import (besides themselves)
+ONLY = {"errors": set(), "yamlfile": {"errors"}, "config": {"errors", "yamlfile", "configbase", "configtime"},
+        "configbase": {"errors"}, "configtime": {"errors", "configbase"}}  # the units these may import (besides themselves)
 FACADE = ("fastckpt", "fastckpt.__main__")
 
 # Private attributes of third-party objects that an integration reads on purpose, and that merely share

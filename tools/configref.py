@@ -128,6 +128,7 @@ def _seconds(args: list[ast.expr], _: list[ast.keyword], __: dict[str, Any]) -> 
 
 _RULES: dict[str, Callable[[list[ast.expr], list[ast.keyword], dict[str, Any]], tuple[str, str]]] = {
     "_check_choice": _choice, "_check_int": _integer, "_check_seconds": _seconds,
+    "check_choice": _choice, "check_int": _integer, "check_seconds": _seconds,  # configtime.py's (configbase.py)
 }
 
 
