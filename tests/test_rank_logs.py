@@ -32,3 +32,23 @@ def test_every_ranks_output_is_kept_apart_and_reported(tmp_path) -> None:
     assert (tmp_path / "logs" / "rank1.log").read_text() == "out of rank 1\nerr of rank 1\n"
     for r in (0, 1, 2):
         assert f"err of rank {r}" in err and f"out of rank {r}" in report and f"err of rank {r}" in report
+
+
+def _rank_one_fails(rank: int, world: int) -> None:
+    print(f"rank {rank} was here", flush=True)
+    if rank == 1:
+        raise ValueError("rank 1 fails on purpose")
+
+
+def test_a_failing_spawned_rank_reports_every_ranks_output() -> None:
+    """run_ranks (torch.multiprocessing) reported only the failing rank's traceback: the others' lines went, mixed,
+    to the shared stdout and a rank killed after the failure left none. The failure must carry every rank's output."""
+    import pytest
+
+    from tests.dist_launcher import RanksFailed, run_ranks
+
+    with pytest.raises(RanksFailed) as info:
+        run_ranks(_rank_one_fails, 2)
+    message = str(info.value)
+    assert "----- rank0 -----\nrank 0 was here" in message
+    assert "----- rank1 -----\nrank 1 was here" in message and "ValueError: rank 1 fails on purpose" in message
