@@ -9,6 +9,7 @@ failure.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 from pathlib import Path
 
@@ -31,17 +32,32 @@ def run_phase(args: list[str], env: dict[str, str], logs: Path, timeout: float) 
     """Run the script; return its exit code, rank 0's stderr followed by every other rank's log (what a test greps),
     and a report of everything every rank printed (for a failure message)."""
     logs.mkdir(parents=True, exist_ok=True)
+    # Its own session: a phase cut short (this timeout, or pytest-timeout's exception raised in here) must take the
+    # other ranks with it. Lightning's launcher starts them as children of rank 0; killing rank 0 alone orphaned them
+    # running until their next collective failed, burning CPU that the next test's ranks needed.
+    proc = subprocess.Popen(args, env=dict(env, **{LOGS: str(logs)}), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
     try:
-        done = subprocess.run(args, env=dict(env, **{LOGS: str(logs)}), capture_output=True, text=True,
-                              timeout=timeout)
-        code, out, err = done.returncode, done.stdout, done.stderr
-    except subprocess.TimeoutExpired as e:
-        code = -1
-        out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-        err = (e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")) + \
-            f"\n(timed out after {timeout} s)"
+        out, err = proc.communicate(timeout=timeout)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        out, err = proc.communicate()
+        code, err = -1, (err or "") + f"\n(timed out after {timeout} s)"
+    except BaseException:
+        _kill_group(proc)
+        proc.communicate()
+        raise
     ranks = sorted(logs.glob("rank*.log"))
     others = "".join(f"\n----- {p.stem} -----\n{p.read_text(errors='replace')}" for p in ranks)
     report = (f"exit code {code}\n----- rank0 stdout -----\n{out[-4000:]}\n----- rank0 stderr -----\n{err[-8000:]}"
               + "".join(f"\n----- {p.stem} -----\n{p.read_text(errors='replace')[-8000:]}" for p in ranks))
     return code, err + others, report
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Kill rank 0's session (every rank), while rank 0 is not yet reaped: its pid is still the group's id."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # every rank already gone
+        pass

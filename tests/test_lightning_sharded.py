@@ -219,8 +219,15 @@ def _main(root: Path, phase: str, devices: int, max_steps: int, ckpt_path: str) 
     data = DataLoader(TensorDataset(torch.randn(64, WIDTH, generator=gen)), batch_size=4)
     if phase.startswith("validate"):
         trainer.validate(Net(), data, ckpt_path=ckpt_path)
-        return
-    trainer.fit(Net(), data, ckpt_path=None if ckpt_path == "none" else ckpt_path)
+    else:
+        trainer.fit(Net(), data, ckpt_path=None if ckpt_path == "none" else ckpt_path)
+    # Lightning has no barrier after on_train_end: the ranks done with the last full-state gather exited while a
+    # slower rank 0 (a loaded machine) was still in it, and an exiting gloo peer closes its sockets (a reset when
+    # bytes are unread). Leave together, as tests/dist_launcher.py does.
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
 
 
 if __name__ == "__main__":

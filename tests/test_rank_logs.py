@@ -32,3 +32,53 @@ def test_every_ranks_output_is_kept_apart_and_reported(tmp_path) -> None:
     assert (tmp_path / "logs" / "rank1.log").read_text() == "out of rank 1\nerr of rank 1\n"
     for r in (0, 1, 2):
         assert f"err of rank {r}" in err and f"out of rank {r}" in report and f"err of rank {r}" in report
+
+
+def _rank_one_fails(rank: int, world: int) -> None:
+    print(f"rank {rank} was here", flush=True)
+    if rank == 1:
+        raise ValueError("rank 1 fails on purpose")
+
+
+def test_a_failing_spawned_rank_reports_every_ranks_output() -> None:
+    """run_ranks (torch.multiprocessing) reported only the failing rank's traceback: the others' lines went, mixed,
+    to the shared stdout and a rank killed after the failure left none. The failure must carry every rank's output."""
+    import pytest
+
+    from tests.dist_launcher import RanksFailed, run_ranks
+
+    with pytest.raises(RanksFailed) as info:
+        run_ranks(_rank_one_fails, 2)
+    message = str(info.value)
+    assert "----- rank0 -----\nrank 0 was here" in message
+    assert "----- rank1 -----\nrank 1 was here" in message and "ValueError: rank 1 fails on purpose" in message
+
+
+HANGING = """
+import os, signal, subprocess, sys
+folder = sys.argv[1]
+if len(sys.argv) > 2:  # the other rank: started by rank 0, as Lightning's launcher does, then stuck
+    open(os.path.join(folder, "child.pid"), "w").write(str(os.getpid()))
+    signal.pause()
+child = subprocess.Popen([sys.executable, __file__, folder, "child"])
+while not os.path.exists(os.path.join(folder, "child.pid")):
+    pass
+print("both ranks up", file=sys.stderr, flush=True)
+signal.pause()  # rank 0 stuck as well: the phase times out
+"""
+
+
+def test_a_timed_out_phase_takes_every_rank_with_it(tmp_path) -> None:
+    """A phase cut short killed rank 0 only; the rank it started (Lightning's launcher's way) ran on as an orphan."""
+    script = tmp_path / "hang.py"
+    script.write_text(HANGING)
+    code, err, _ = run_phase([sys.executable, str(script), str(tmp_path)], dict(os.environ), tmp_path / "logs", 20)
+    assert code == -1 and "both ranks up" in err, err
+    pid = int((tmp_path / "child.pid").read_text())
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except FileNotFoundError:
+        state = "gone"
+    if state != "gone" and state != "Z":  # still running: end it here, then fail
+        os.kill(pid, 9)
+    assert state in ("gone", "Z"), f"rank 1 (pid {pid}) outlived the timed-out phase (state {state})"
