@@ -215,7 +215,7 @@ class Pipeline:
         lazy source moved since ``save()``; returns the retake to run once the committer may go on, if any."""
         if job.seal is None or (job.error is not None and not isinstance(job.error, SnapshotMutatedError)):
             return None
-        moved = [] if job.error is not None else job.seal.moved()
+        moved = job.seal.moved()  # all of them, also when the copy thread already refused the first it saw
         if job.error is None and not moved:
             return None
         if job.error is None:
