@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 from torch import nn
 
-__all__ = ["guard_loads"]
+__all__ = ["LoadGuard", "guard_loads"]
 
 
 def guard_loads(module: nn.Module, wait: Callable[[], None]) -> list[Any]:
@@ -28,3 +28,23 @@ def guard_loads(module: nn.Module, wait: Callable[[], None]) -> list[Any]:
             fn()
 
     return [m.register_load_state_dict_pre_hook(before_load) for m in module.modules()]
+
+
+class LoadGuard:
+    """The pre-hooks on one module at a time (the Trainer's LightningModule); ``guard`` again moves them."""
+
+    def __init__(self, wait: Callable[[], None]) -> None:
+        self._wait = wait
+        self._handles: list[Any] = []
+        self._module: weakref.ref | None = None
+
+    def guard(self, module: nn.Module) -> None:
+        if self._module is not None and self._module() is module:
+            return
+        self.remove()
+        self._handles, self._module = guard_loads(module, self._wait), weakref.ref(module)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles, self._module = [], None
