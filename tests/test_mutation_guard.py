@@ -99,7 +99,7 @@ def test_error_is_raised_once_at_the_next_save(tmp_path) -> None:
         ckpt.save(_state(model, opt), step=1)
         _clamp(model, opt)
         gated.gate.set()
-        # not committed before its seal: the next save() seals it, finds the change and raises it right there
+        ckpt.wait_staged()  # the seal (as the step's pre-hook would): finds the change, records the error
         with pytest.raises(SnapshotMutatedError, match="model/p3"):
             ckpt.save(_state(model, opt), step=2)
         ckpt.save(_state(model, opt), step=3).wait()  # raised once: saving goes on

@@ -116,7 +116,7 @@ class Saver:
             raise ConfigError(f"save(step=...) must be a non-negative int, got {step!r}")
         name = checkpoint_name(name if name is not None else f"step-{step:09d}")
         if self._retaking is None:  # a retake runs inside a seal: the other errors wait for the caller
-            self.seal_all()
+            self.seal_all(block=False)  # the staged ones: waiting here for a copy would cost the overlap
             self.raise_pending()
         try:
             flat = flatten(state)
@@ -160,7 +160,7 @@ class Saver:
             raise ConfigError("staging.shm does not apply to single-file torch checkpoints (save_file); "
                               "set staging.shm: false, or use save() for the shared-memory tier")
         if self._retaking is None:  # a retake runs inside a seal: the other errors wait for the caller
-            self.seal_all()
+            self.seal_all(block=False)  # the staged ones: waiting here for a copy would cost the overlap
             self.raise_pending()
         path = self.storage.join(self.storage.url, name)
         try:
@@ -199,7 +199,7 @@ class Saver:
             raise ConfigError("save_files() writes from one process and without staging.shm: build this "
                               "Checkpointer without distributed=True and with staging.shm: false")
         if self._retaking is None:  # a retake runs inside a seal: the other errors wait for the caller
-            self.seal_all()
+            self.seal_all(block=False)  # the staged ones: waiting here for a copy would cost the overlap
             self.raise_pending()
         dirpath = self.storage.join(self.storage.url, name)
         try:
@@ -266,6 +266,7 @@ class Saver:
             # collectives in one order; on the training thread it could pair with another rank's commit. It waits
             # for the pending commits only when a new plan appears (the first save, a changed structure).
             coord, keys = self._coord, flat.keys
+            self.seal_all()  # the committer reaches this only past the pending commits, which wait for their seals
             self.pipeline.run_in_order(lambda: coord.assign(plan, keys)).result()
         devices = cuda_devices(flat.tensors)
         pin = bool(devices)
@@ -278,6 +279,7 @@ class Saver:
         with torch.cuda.device(devices[0]) if pin else contextlib.nullcontext():
             slot = self._arena.acquire(plan, pin, block=False)
             if slot is None and self.config.staging.when_busy == "wait":
+                self.seal_all()  # a slot frees at a commit, which waits for its seal: seal before blocking
                 # training stalls until a slot frees: persistence really is behind
                 why = slot_wait_reason(self.pending(), self.config.staging.slots, name)
                 self._priorities.raise_(why, behind=True)
@@ -377,9 +379,13 @@ class Saver:
         self.seal_all()  # a lazy save commits only once sealed
         self.pipeline.run_in_order(lambda: None).result()
 
-    def seal_all(self) -> None:
-        """Seal every pending save, oldest first, on the calling (training) thread (fastckpt/engine/seal.py)."""
+    def seal_all(self, *, block: bool = True) -> None:
+        """Seal every pending save, oldest first, on the calling (training) thread (fastckpt/engine/seal.py).
+        ``block=False``: stop at the first one still staging (sealed later; in order, since a retake waits for the
+        commits before it)."""
         for h in self.pending():
+            if not block and not h.staged():
+                return
             h.seal()
 
     def _on_refused(self, job: Job, err: BaseException) -> None:
