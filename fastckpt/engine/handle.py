@@ -121,10 +121,11 @@ class SaveHandle:
 
     def wait(self, timeout: float | None = None) -> CheckpointInfo | None:
         """Block until committed; raises the background error (and marks it reported)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         if self._staged.wait(timeout):  # a lazy save commits once sealed, here on the caller's thread
             self.seal()
         try:
-            return self._durable.result(timeout)
+            return self._durable.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
         except FastCkptError:
             if self._on_error_seen is not None:
                 self._on_error_seen(self)
