@@ -30,6 +30,7 @@ __all__ = ["Seal", "PAGE", "WHOLE"]
 PAGE = 4096  # one sample run per page
 RUN = 8  # bytes per sample run
 WHOLE = 64 * 1024  # tensors up to this size are compared whole
+_RNG = random.Random()  # its own: drawing from the global one would change the user's random stream (and resumes)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor | None:
@@ -51,7 +52,7 @@ class Seal:
         """Called inside ``save()``, on the training thread: the sampled bytes of the moment of the snapshot."""
         self.guard = guard
         self._keys = keys
-        self._shift = random.randrange(PAGE - RUN)  # per save: a writer cannot learn which bytes are compared
+        self._shift = _RNG.randrange(PAGE - RUN)  # per save: a writer cannot learn which bytes are compared
         self._index: dict[int, torch.Tensor] = {}
         self._sources: dict[int, torch.Tensor] = {}
         self._at_save: dict[int, torch.Tensor] = {}
