@@ -169,6 +169,7 @@ class Checkpointer(Cadenced):
     def _flush(self, why: str, timeout: float | None) -> list[SaveHandle]:
         """Wait (at most ``timeout``) for the saves pending now, which are returned; the caller blocks on
         persistence, so its threads run at the training thread's priority meanwhile."""
+        self._saver.seal_all()  # a lazy save commits only once sealed (fastckpt/engine/seal.py)
         pending = self._saver.pending()
         if pending:
             self._priorities.raise_(why, behind=False)

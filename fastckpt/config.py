@@ -36,6 +36,7 @@ __all__ = [
 ]
 
 _MODES = ("lazy", "eager")
+_ON_MUTATION = ("raise", "retake")
 _WHEN_BUSY = ("wait", "skip")
 _DIRECT_IO = ("auto", "on", "off")
 
@@ -61,11 +62,19 @@ class StagingOptions(_Freezable):
     """Stage in shared memory: a snapshot staged before a crash is persisted by the next process."""
     shm_dir: str = "/dev/shm"
     """Where shared-memory staging files live (a tmpfs)."""
+    on_mutation: str = "raise"
+    """What happens to a lazy snapshot whose sources changed between ``save()`` and its seal (the next
+    ``optimizer.step()``, ``wait()``, ``close()`` or ``save()``): ``raise`` discards it and raises
+    ``SnapshotMutatedError`` once (at that ``save()``, else the next ``save``/``wait``/``close``); ``retake``
+    takes it again eagerly at the seal, same name and metadata, holding the values at the seal, copies the keys
+    that moved eagerly in every later save, and warns once. With ``distributed=True``, ``retake`` acts as
+    ``raise``."""
 
     def validate(self) -> None:
         _check_choice("staging.", "mode", self.mode, _MODES)
         _check_int("staging.", "slots", self.slots, 1)
         _check_choice("staging.", "when_busy", self.when_busy, _WHEN_BUSY)
+        _check_choice("staging.", "on_mutation", self.on_mutation, _ON_MUTATION)
         _check_int("staging.", "max_host_bytes", self.max_host_bytes, 1, allow_none=True)
         if not isinstance(self.shm, bool):
             raise ConfigError(f"staging.shm must be true or false, got {self.shm!r}")

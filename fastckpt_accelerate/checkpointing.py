@@ -154,7 +154,7 @@ class FastAccelerateCheckpointing:
             # its manifest (and drop the marker) after this call returned. Rare (one folder saved twice in a row).
             _wait_for_saves_of(naming.normalize(target.url))
             checkpointer = self._checkpointer_for(target.root)
-            self._watchers[target.root].sync(self._accelerator._optimizers)
+            self._watchers[target.root].sync(self._accelerator._optimizers, self._accelerator._models)
             files = stock_files(self._accelerator, target.url, safe_serialization, [g["rng"] for g in gathered])
             meta = {"format": NATIVE_FORMAT, "iteration": iteration, "step": self._accelerator.step,
                     "num_processes": self._accelerator.num_processes}

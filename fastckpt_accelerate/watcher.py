@@ -5,6 +5,10 @@ the hook goes on the inner optimizer (``acc_opt.optimizer``). ``accelerator.prep
 after ``enable()`` may have run, so the set is resolved again at every save: the hook only has to be in
 place before the first ``step()`` that follows a save. The inner step is skipped during gradient
 accumulation and when the GradScaler finds inf/nan; parameters do not change then, so no wait is needed.
+
+The prepared models get a ``load_state_dict`` pre-hook on every submodule too: a load right after ``save_state()``
+(Accelerate's own tests load random weights, then ``load_state()``) first lets the pending lazy copies finish and
+seals them, so the checkpoint holds the values of ``save_state()``, not the loaded ones.
 """
 
 from __future__ import annotations
@@ -32,9 +36,24 @@ class OptimizerWatcher:
         self._checkpointer = checkpointer
         # id(optimizer) -> (weak reference, watch handle); the weak reference detects id reuse.
         self._watched: dict[int, tuple[weakref.ref, Any]] = {}
+        self._guarded: dict[int, tuple[weakref.ref, list[Any]]] = {}  # id(model) -> its load pre-hooks
 
-    def sync(self, optimizers: Iterable[Any]) -> None:
-        """Called by the save path before every ``Checkpointer.save``: watch any optimizer not yet watched."""
+    def sync(self, optimizers: Iterable[Any], models: Iterable[torch.nn.Module] = ()) -> None:
+        """Called by the save path before every ``Checkpointer.save``: watch any optimizer not yet watched, and
+        make every model's ``load_state_dict`` wait for pending copies first."""
+        for model in models:
+            entry = self._guarded.get(id(model))
+            if entry is not None and entry[0]() is model:
+                continue
+            wait = weakref.WeakMethod(self._wait_before_load)  # the hooks must not keep this watcher alive
+
+            def before_load(*_: Any) -> None:
+                fn = wait()
+                if fn is not None:
+                    fn()
+
+            self._guarded[id(model)] = (weakref.ref(model),
+                                        [m.register_load_state_dict_pre_hook(before_load) for m in model.modules()])
         for optimizer in optimizers:
             inner = inner_optimizer(optimizer)
             entry = self._watched.get(id(inner))
@@ -42,9 +61,16 @@ class OptimizerWatcher:
                 continue
             self._watched[id(inner)] = (weakref.ref(inner), self._checkpointer.watch(inner))
 
+    def _wait_before_load(self) -> None:
+        self._checkpointer.wait_staged()
+
     def remove(self) -> None:
-        """Called at close: remove every step pre-hook this watcher installed."""
+        """Called at close: remove every step and load pre-hook this watcher installed."""
         for ref, handle in self._watched.values():
             if ref() is not None:
                 handle.remove()
         self._watched.clear()
+        for _, handles in self._guarded.values():
+            for h in handles:
+                h.remove()
+        self._guarded.clear()

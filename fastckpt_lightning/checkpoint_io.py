@@ -37,6 +37,7 @@ from fastckpt_lightning.loggers import LoggerRelay, wrap_loggers
 from fastckpt_lightning.pointer import split_path
 from fastckpt_lightning.reader import read_checkpoint
 from fastckpt_lightning import hooks
+from fastckpt_lightning.loadhooks import LoadGuard
 from fastckpt_lightning.stats import CheckpointStats, StatsBook, log_newest
 from fastckpt_lightning.steps import step_of
 from fastckpt_lightning.versioning import see_pending_saves
@@ -108,6 +109,7 @@ class FastCheckpointIO(CheckpointIO):
         self._removals: list[tuple[str, Future]] = []
         self._optimizers: list[tuple[Optimizer, bool]] = []
         self._trainer: Optional[weakref.ref] = None
+        self._loads = LoadGuard(self._wait_before_load)  # load_state_dict pre-hooks on the trained module
         self._relay = LoggerRelay()  # loggers' after_save_checkpoint, deferred until the saves are durable
         self._warned_eager = False
         self._warned_root = False
@@ -143,6 +145,11 @@ class FastCheckpointIO(CheckpointIO):
         # Without a closure (manual optimization), torch's step pre-hook fires right before the update: use it too.
         hook = module is not None and not module.automatic_optimization
         self._set_optimizers([(optimizer, hook) for optimizer in trainer.optimizers])
+        if module is not None:  # a load_state_dict (ModelCheckpoint's manual-optimization recipe) is a safe point
+            self._loads.guard(module)
+
+    def _wait_before_load(self) -> None:
+        self.wait_staged(raise_errors=False)
 
     def watch(self, optimizer: Optimizer) -> None:
         """Lazy copies under Fabric: the optimizer's ``step()`` will wait for pending copies first."""
@@ -469,6 +476,7 @@ class FastCheckpointIO(CheckpointIO):
     def _close(self, quiet: bool) -> None:
         folders, self._folders = self._folders, {}
         self._watches = {}
+        self._loads.remove()
         self._trainer = None
         self._optimizers = []
         self._relay.clear()

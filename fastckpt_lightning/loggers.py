@@ -87,6 +87,8 @@ class LoggerRelay:
             if isinstance(item, _Call) and not all(h.done() for h in item.handles):
                 if not block:
                     return
+                for h in item.handles:
+                    h.wait_staged()  # seals a lazy save on this (the training) thread: it commits only once sealed
                 concurrent.futures.wait([h.durable for h in item.handles])
             self._queue.popleft()
             if isinstance(item, _Held):

@@ -61,6 +61,7 @@ def wait_for(path: str) -> None:
     if handle is None:
         return
     try:
+        handle.wait_staged()  # seals a lazy save on this thread: it commits only once sealed
         handle.durable.result()
     except FastCkptError as e:
         raise StorageError(f"cannot load {path!r}: its save in this process failed: {e}") from e

@@ -62,6 +62,8 @@ def test_save_state_returns_before_persisting_and_load_state_restores_everything
 
     storage.gate.clear()
     path = acc.save_state()
+    # The seal (the next step's pre-hook, here by hand): Accelerate's files are written whole from then on.
+    checkpointing.checkpointer.wait_staged()
     # save_state came back while the storage still holds every write: it is asynchronous.
     assert storage.write_started.wait(30)
     assert path == os.path.join(str(tmp_path), "checkpoints", "checkpoint_0")
@@ -194,6 +196,7 @@ def test_retention_under_slow_storage_never_deletes_before_the_new_checkpoint_co
     storage.write_started.clear()
     setup.step()
     acc.save_state()
+    checkpointing.checkpointer.wait_staged()  # the seal: the files are written from then on
     assert storage.write_started.wait(30)
     # Accelerate deletes checkpoint_0 here, before writing checkpoint_2; fastckpt keeps it until
     # checkpoint_2 is committed, so a crash now still leaves two complete checkpoints.

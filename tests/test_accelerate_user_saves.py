@@ -146,6 +146,7 @@ def test_a_removed_folder_is_not_recreated_by_a_writer_already_past_its_check(tm
     setup.step()
     storage.gate.clear()
     folder = acc.save_state()
+    checkpointing.checkpointer.wait_staged()  # the seal: Accelerate's files are written from then on
     assert storage.write_started.wait(30)
     shutil.rmtree(folder)
     caplog.set_level(logging.INFO, logger="fastckpt")

@@ -211,6 +211,7 @@ def _collectives_in_one_order(rank: int, world: int, root: str, out: str) -> Non
         second = clone_state({"model": model.state_dict()})
         handle = ckpt.save({"model": model.state_dict()}, step=2)
         if rank == 0:
+            ckpt.wait_staged()  # the seal (the next step's pre-hook): a lazy save commits only once sealed
             assert gathering.wait(60), "rank 0's commit of step 2 never reached its gather"
         else:  # rank 1 lets its commit go only once its load is under way: the worst order for the group
             threading.Thread(target=lambda: load_started.wait(60) and storage.gate.set(), daemon=True).start()

@@ -169,6 +169,7 @@ def test_accelerate_exit_hook_does_not_run_in_a_forked_child(tmp_path) -> None:
         setup.step()
         storage.gate.clear()
         acc.save_state()
+        checkpointing.checkpointer.wait_staged()  # the seal: Accelerate's files are written from then on
         assert storage.write_started.wait(30)
         _assert_child_exits("fork-child-accelerate", "the fork()ed child hung in Accelerate's exit hook")
         storage.gate.set()

@@ -104,9 +104,10 @@ class SaveOnceAtStep(Callback):
 
 def test_without_the_wait_the_snapshot_is_refused(tmp_path, monkeypatch):
     """Guards the race test: with the callback's wait removed, the held-back copy would read the next step's values;
-    the mutation guard sees the version counters move and fails that checkpoint instead of committing it torn."""
+    the mutation guard sees the version counters move and fails that checkpoint instead of committing it torn
+    (``on_mutation: raise``; the plugin's default, ``retake``, would take it again: tests/test_lightning_seal.py)."""
     monkeypatch.setattr(FastCheckpointCallback, "on_before_optimizer_step", lambda *args: None)
-    plugin = GatedIO()
+    plugin = GatedIO(staging={"on_mutation": "raise"})
     recorder = RecordAfterStep()
     path = str(tmp_path / "step1.ckpt")
     trainer = make_trainer([recorder, SaveOnceAtStep(path, 1)], plugin, max_steps=2, enable_checkpointing=False)

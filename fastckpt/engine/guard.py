@@ -15,7 +15,9 @@ The counter moves only once an in-place kernel has written, so a copy that reads
 writing it passes both of that tensor's checks when the kernel ends after the second. Every lazy tensor is
 therefore checked once more when the whole snapshot is staged (``check_all``), just before ``wait_staged()``
 lets the optimizer step: by then a write that raced a copy has bumped its counter, unless it is still running
-at that very moment (a window of one kernel, against the whole staging time before).
+at that very moment (a window of one kernel, against the whole staging time before). That window is closed by
+the seal (fastckpt/engine/seal.py): on the training thread, before the commit, every counter is read once more
+(``moved``), and sampled bytes catch the writes that skip the counter.
 """
 from __future__ import annotations
 
@@ -61,6 +63,11 @@ class VersionGuard:
         ``SnapshotMutatedError`` if any lazy tensor changed since ``save()``, however late its counter moved."""
         for index in self._seen:
             self.check(index)
+
+    def moved(self) -> list[int]:
+        """The indices of the lazy tensors whose counter moved since ``save()`` (the seal's check, on the
+        training thread: no in-place kernel of its own is still running there, so none is missed)."""
+        return [i for i, then in self._seen.items() if then is not None and self._tensors[i]._version != then]
 
     def check(self, index: int) -> None:
         """Raise ``SnapshotMutatedError`` if tensor ``index`` changed in place since ``save()``."""

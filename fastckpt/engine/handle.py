@@ -74,6 +74,8 @@ class SaveHandle:
     _durable: Future = field(default_factory=Future)
     _on_error_seen: Callable[["SaveHandle"], None] | None = None
     _upload: Future | None = None  # set when this save is also uploaded to the remote tier
+    _sealed: threading.Event = field(default_factory=threading.Event)
+    _sealer: Callable[[], Callable[[], None] | None] | None = None  # a lazy save's seal (engine/pipeline.py)
     submitted: float = field(default_factory=time.monotonic)
     """When ``save()`` built this handle (``time.monotonic()``): how long persistence lags is measured from it."""
 
@@ -92,6 +94,7 @@ class SaveHandle:
             done = True
         if not done:
             raise TimeoutError(f"checkpoint {self.name!r} was not staged within {timeout}s")
+        self.seal()
         if self._cuda_events:
             if host:
                 t0 = time.perf_counter()
@@ -104,14 +107,34 @@ class SaveHandle:
             if self._cuda_events and not host:
                 self.stats.gpu_waits += 1  # the next kernels really wait: copies were still running
 
+    def seal(self) -> None:
+        """Once staged, prove on this (the training) thread that no lazy source moved since ``save()``; the
+        commit waits for it (fastckpt/engine/seal.py). Called by ``wait_staged``, ``wait``, ``close`` and the
+        next ``save``; a no-op for an eager save or once sealed."""
+        if self._sealed.is_set():
+            return
+        self._staged.wait()
+        sealer, self._sealer = self._sealer, None
+        after = None
+        try:
+            if sealer is not None:
+                after = sealer()
+        finally:
+            self._sealed.set()  # the committer goes on: commits, or fails the refused snapshot
+        if after is not None:
+            after()  # the retake (staging.on_mutation: retake), once the refused snapshot is cleared away
+
     def staged(self) -> bool:
         """Whether staging finished (non-blocking)."""
         return self._staged.is_set()
 
     def wait(self, timeout: float | None = None) -> CheckpointInfo | None:
         """Block until committed; raises the background error (and marks it reported)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self._staged.wait(timeout):  # a lazy save commits once sealed, here on the caller's thread
+            self.seal()
         try:
-            return self._durable.result(timeout)
+            return self._durable.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
         except FastCkptError:
             if self._on_error_seen is not None:
                 self._on_error_seen(self)
@@ -177,8 +200,18 @@ class SaveHandle:
         self._staged.set()
 
     def await_staging(self) -> None:
-        """Called by the committer: block until ``mark_staged``, counting no wait in the figures."""
+        """Called by the committer: block until ``mark_staged`` and the seal, counting no wait in the figures."""
         self._staged.wait()
+        self._sealed.wait()
+
+    def needs_seal(self, sealer: Callable[[], Callable[[], None] | None]) -> None:
+        """Called by the engine when a lazy snapshot is queued: ``sealer`` runs at the seal, on the training
+        thread, and returns what to run once the seal is released (a retake), if anything."""
+        self._sealer = sealer
+
+    def sealed_now(self) -> None:
+        """Called by the engine for a snapshot with nothing lazy: no seal to wait for."""
+        self._sealed.set()
 
     def set_committed(self, info: CheckpointInfo | None) -> None:
         """Called by the committer (or for a skipped save) once, last: ``wait()`` returns ``info``."""

@@ -98,3 +98,16 @@ def warn_all_eager(name: str, tensors: list[torch.Tensor]) -> None:
                 "while training goes on, until its next step()), or pass save(..., lazy=[tensors or key patterns]) "
                 "for tensors that do not change before you say so; set staging.mode: eager to copy everything "
                 "inside save() without this warning. Warned once.", name, len(tensors), nbytes / 1e6)
+
+
+def warn_retake(name: str, keys: list[str]) -> None:
+    """Once per process: a lazy snapshot was refused at its seal and taken again (staging.on_mutation: retake)."""
+    if not WARNED.first("retake"):
+        return
+    shown = ", ".join(repr(k) for k in keys[:8]) + (f" and {len(keys) - 8} more" if len(keys) > 8 else "")
+    log.warning("fastckpt: checkpoint %r: %s changed after save() returned and before the next optimizer step "
+                "(outside step(): an EMA swap, weight clipping, a write through .data), so the lazy snapshot was "
+                "refused and taken again, whole, at that point (its values are those of that moment); these tensors "
+                "are copied inside save() from now on. To keep the values of save() itself, call "
+                "Checkpointer.wait_staged() before such writes or set staging.mode: eager; set "
+                "staging.on_mutation: raise to refuse such a checkpoint instead. Warned once.", name, shown)

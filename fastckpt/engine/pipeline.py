@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import FastCkptError, StorageError
+from ..errors import FastCkptError, SnapshotMutatedError, StorageError
 from ..format.layout import CheckpointInfo
 from ..format.openlayout import OPEN_LAYOUT
 from ..format.plan import Plan, Shard
@@ -33,6 +33,7 @@ from ..storage.protocol import Storage
 from .distributed import Coordinator
 from .guard import VersionGuard
 from .handle import SaveHandle
+from .seal import Seal
 from .priority import ThreadPriorities
 from .sharedfile import SharedFileWrite
 from .staging import HostArena, Slot, copy_entries, staged_crcs
@@ -72,6 +73,11 @@ class Job:
     file_format: FileFormat = OPEN_LAYOUT  # the open layout, or a framework's file(s)
     version_src: list[Any] | None = None  # what the mutation guard watches, per tensor (default: the tensors)
     shared: SharedFileWrite | None = None  # one file written by every rank: its commit protocol on this rank
+    seal: Seal | None = None  # what the seal compares (lazy snapshots only)
+    # staging.on_mutation "retake": called at the seal with the keys that moved (the refused snapshot is cleared)
+    retake: Callable[[list[str]], None] | None = None
+    retaken: bool = False  # refused and taken again under the same handle: fail quietly, leave the handle alone
+    cleared: threading.Event = field(default_factory=threading.Event)  # set once the committer is done with it
 
     # what a FileFormat reads of a save (format/protocol.py's Snapshot)
     @property
@@ -109,6 +115,8 @@ class Pipeline:
         self._copier.start()
         self._committer.start()
         self._closed = False
+        # Called at the seal with a refused snapshot's error (staging.on_mutation "raise"): the owner records it.
+        self.on_refused: Callable[[Job, BaseException], None] | None = None
 
     # ---- called by the Checkpointer on the training thread -------------------------
 
@@ -121,8 +129,12 @@ class Pipeline:
         """Queue ``job``: the copy thread stages ``lazy`` shards, then the committer commits."""
         if lazy:
             # Still on the training thread inside save(): the counters are those of the snapshot's moment.
-            job.guard = VersionGuard(job.handle.name, job.version_src or job.tensors, job.keys,
-                                     (e for s in lazy for e in s.entries))
+            entries = [e for s in lazy for e in s.entries]
+            job.guard = VersionGuard(job.handle.name, job.version_src or job.tensors, job.keys, entries)
+            job.seal = Seal(job.guard, job.tensors, job.keys, entries)
+            job.handle.needs_seal(lambda: self._seal(job))
+        else:
+            job.handle.sealed_now()
         self._commit_q.put(job)
         if lazy:
             self._copy_q.put((job, lazy))  # type: ignore[arg-type]
@@ -132,6 +144,7 @@ class Pipeline:
     def submit_recovered(self, job: Job) -> None:
         """Persist a snapshot adopted from shared memory: its bytes are already staged."""
         job.handle.mark_staged()
+        job.handle.sealed_now()
         for shard in job.plan.mine(job.plan.shards):
             job.writes.append(self._writers().submit(self._write_shard, job, shard))
         self._commit_q.put(job)
@@ -197,6 +210,32 @@ class Pipeline:
                 job.error = e
         job.handle.mark_staged()
 
+    def _seal(self, job: Job) -> Callable[[], None] | None:
+        """The seal (``SaveHandle.seal``, on the training thread, staging complete): refuse the snapshot if a
+        lazy source moved since ``save()``; returns the retake to run once the committer may go on, if any."""
+        if job.seal is None or (job.error is not None and not isinstance(job.error, SnapshotMutatedError)):
+            return None
+        moved = job.seal.moved()  # all of them, also when the copy thread already refused the first it saw
+        if job.error is None and not moved:
+            return None
+        if job.error is None:
+            job.error = SnapshotMutatedError(
+                f"checkpoint {job.handle.name!r}: {', '.join(repr(k) for k in moved)} changed after save() "
+                "returned and before the snapshot was sealed (at the optimizer's step, wait(), close() or the next "
+                "save()), so this checkpoint would hold values from after save(); it was discarded and the previous "
+                "checkpoint is intact. A write that left the version counter alone (through `.data`, a numpy or "
+                "DLPack view) is found by comparing sampled bytes. Call Checkpointer.wait_staged() before changing "
+                "watched tensors outside optimizer.step(), set `staging.mode: eager`, or set "
+                "`staging.on_mutation: retake` to take such a checkpoint again at the seal")
+        retake = job.retake
+        if retake is None:
+            if self.on_refused is not None:
+                self.on_refused(job, job.error)  # raised by the save() that sealed it, or the next save/wait/close
+            return None
+        job.retaken = True
+        keys = moved or [k for k in job.keys if repr(k) in str(job.error)]
+        return lambda: (job.cleared.wait(), retake(keys))  # type: ignore[func-returns-value]
+
     def _copy_shard(self, job: Job, shard: Shard, streams: dict[int, Any] | None) -> None:
         buf = job.slot.buffer(shard)
         # The guard knows only the lazy tensors: eager shards (copied inside save()) pass through unchecked.
@@ -205,6 +244,10 @@ class Pipeline:
             job.shard_events[(shard.index, d)] = record_done(streams[d])  # type: ignore[index]
         for e in shard.entries:
             job.tensors[e.index] = None  # queued (record_stream keeps a CUDA source's memory): drop it now
+        if job.seal is not None and shard.lazy:
+            # the staged bytes the seal compares, taken while the buffer is ours (ring mode reuses it)
+            host_wait(shard_events(job.shard_events, shard.index))
+            job.seal.record(buf, shard.entries)
         if job.slot.dir is not None:  # shm: the record carries the checksums of what was staged
             host_wait(shard_events(job.shard_events, shard.index))  # the bytes must have landed first
             job.staged_crcs[shard.index] = staged_crcs(buf, shard)
@@ -289,11 +332,17 @@ class Pipeline:
             if err is not e:
                 err.__cause__ = e
             job.handle.stats.persist_s = time.perf_counter() - job.t0
+            if job.retaken:  # taken again under the same handle: nothing to report, the retake resolves it
+                self._release(job)
+                job.cleared.set()
+                return
             self._on_failure(job, err)
             self._release(job)  # after the error is recorded: a save() waiting for this slot raises it
+            job.cleared.set()
             job.handle.set_failed(err)
             return
         self._release(job, committed=True)
+        job.cleared.set()
         job.handle.stats.persist_s = time.perf_counter() - job.t0
         self._on_commit(job, info)
         job.handle.set_committed(info)

@@ -34,7 +34,7 @@ from .distributed import Coordinator
 from .futures import settle
 from .handle import SaveHandle, SaveStats
 from .pipeline import Job, Pipeline
-from .pace import keep_pace, slot_wait_reason, warn_all_eager
+from .pace import keep_pace, slot_wait_reason, warn_all_eager, warn_retake
 from .priority import ThreadPriorities
 from .sharedfile import SharedFileWrite, can_share
 from .staging import HostArena, Slot
@@ -83,6 +83,9 @@ class Saver:
         self.stats: list[SaveStats] = []
         self.pipeline = Pipeline(storage, arena, config.persist.workers, on_commit, self._on_failure, coord,
                                  priorities=priorities)
+        self.pipeline.on_refused = self._on_refused
+        self._moved: set[str] = set()  # keys a seal found moved (on_mutation retake): staged eagerly from then on
+        self._retaking: SaveHandle | None = None  # set while a refused snapshot is taken again under its handle
 
     # ---- watched optimizers --------------------------------------------------------
 
@@ -112,7 +115,9 @@ class Saver:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ConfigError(f"save(step=...) must be a non-negative int, got {step!r}")
         name = checkpoint_name(name if name is not None else f"step-{step:09d}")
-        self.raise_pending()
+        if self._retaking is None:  # a retake runs inside a seal: the other errors wait for the caller
+            self.seal_all(block=False)  # the staged ones: waiting here for a copy would cost the overlap
+            self.raise_pending()
         try:
             flat = flatten(state)
         except TypeError as e:
@@ -130,11 +135,12 @@ class Saver:
         self._claim_root()
         lazy_ptrs = self._lazy_ptrs(named_addresses(flat, lazy, "lazy"), named_addresses(flat, eager, "eager"))
         dirpath = self.storage.join(self.storage.url, name)
-        if self.config.staging.mode == "lazy" and flat.tensors and not any(
+        if self.config.staging.mode == "lazy" and flat.tensors and self._retaking is None and not any(
                 address(src) in lazy_ptrs for src in flat.lazy_src):
             warn_all_eager(name, flat.tensors)  # the whole copy happens inside this call: say so, with the fix
         return self._submit(flat, step, name, dirpath, t0, lazy_ptrs, objects=objects,
-                            dtensors=[rec.as_json() for rec in flat.dtensors])
+                            dtensors=[rec.as_json() for rec in flat.dtensors],
+                            retake=lambda: self.save(state, step, name=name, eager=eager, lazy=lazy))
 
     def save_file(self, state: Any, name: str, *, step: int = 0) -> SaveHandle:
         """``Checkpointer.save_file``: one torch file ``root/name``.
@@ -153,7 +159,9 @@ class Saver:
         if self.config.staging.shm:
             raise ConfigError("staging.shm does not apply to single-file torch checkpoints (save_file); "
                               "set staging.shm: false, or use save() for the shared-memory tier")
-        self.raise_pending()
+        if self._retaking is None:  # a retake runs inside a seal: the other errors wait for the caller
+            self.seal_all(block=False)  # the staged ones: waiting here for a copy would cost the overlap
+            self.raise_pending()
         path = self.storage.join(self.storage.url, name)
         try:
             fmt, tensors, keys, sources = TorchFileFormat.plan(state, path)
@@ -172,7 +180,8 @@ class Saver:
         # No root lock or garbage collection here: the folder is the framework's (Lightning lists it), and a
         # file appears by rename only once complete, so a killed save leaves no folder to collect.
         return self._submit(flat, step, name, path, t0, self._lazy_ptrs(set(), set()), file_format=fmt,
-                            version_src=sources, chunk_bytes=chunk, shared_file=fmt if self._coord is not None else None)
+                            version_src=sources, chunk_bytes=chunk, shared_file=fmt if self._coord is not None else None,
+                            retake=lambda: self.save_file(state, name, step=step))
 
     def save_files(self, files: dict[str, tuple[str, Any]], name: str, *, step: int = 0,
                    user: dict[str, Any] | None = None, made: bool = False,
@@ -189,7 +198,9 @@ class Saver:
         if self._coord is not None or self.config.staging.shm:
             raise ConfigError("save_files() writes from one process and without staging.shm: build this "
                               "Checkpointer without distributed=True and with staging.shm: false")
-        self.raise_pending()
+        if self._retaking is None:  # a retake runs inside a seal: the other errors wait for the caller
+            self.seal_all(block=False)  # the staged ones: waiting here for a copy would cost the overlap
+            self.raise_pending()
         dirpath = self.storage.join(self.storage.url, name)
         try:
             fmt, tensors, keys, sources = FileBundle.plan(files, dirpath, name, step, self.storage, user, made,
@@ -205,7 +216,9 @@ class Saver:
         flat = FlatState(tree=None, tensors=tensors, keys=keys, numpy=[False] * len(tensors), objects=[],
                          owners=[-1] * len(tensors), lazy_src=list(tensors))
         return self._submit(flat, step, name, dirpath, t0, self._lazy_ptrs(set(), set()), file_format=fmt,
-                            version_src=sources)
+                            version_src=sources,
+                            retake=lambda: self.save_files(files, name, step=step, user=user, made=made,
+                                                           loaders=loaders))
 
     def submit_recovered(self, rec: StagedRecord, slot: Slot) -> SaveHandle:
         """Persist a snapshot a crashed process staged in shared memory (its bytes are in ``slot`` already)."""
@@ -235,8 +248,12 @@ class Saver:
     def _submit(self, flat: FlatState, step: int, name: str, dirpath: str, t0: float, lazy_ptrs: set[Hashable], *,
                 objects: bytes | None = None, dtensors: list[dict[str, Any]] | None = None,
                 file_format: FileFormat = OPEN_LAYOUT, version_src: list[Any] | None = None,
-                chunk_bytes: int | None = None, shared_file: TorchFileFormat | None = None) -> SaveHandle:
-        """Plan, take a staging slot, copy the eager shards now and queue the rest (every save path)."""
+                chunk_bytes: int | None = None, shared_file: TorchFileFormat | None = None,
+                retake: Callable[[], SaveHandle] | None = None) -> SaveHandle:
+        """Plan, take a staging slot, copy the eager shards now and queue the rest (every save path). ``retake``:
+        the same save again (staging.on_mutation retake), run all eager under this save's handle if refused."""
+        if self._moved and lazy_ptrs:  # a seal found these moved outside step(): copied inside save() from now on
+            lazy_ptrs = lazy_ptrs - {address(src) for src, key in zip(flat.lazy_src, flat.keys) if key in self._moved}
         plan = self._planner.plan(flat, lambda t: address(t) in lazy_ptrs, chunk_bytes)
         writers = None
         if self._coord is not None and shared_file is not None:
@@ -249,10 +266,12 @@ class Saver:
             # collectives in one order; on the training thread it could pair with another rank's commit. It waits
             # for the pending commits only when a new plan appears (the first save, a changed structure).
             coord, keys = self._coord, flat.keys
+            self.seal_all()  # the committer reaches this only past the pending commits, which wait for their seals
             self.pipeline.run_in_order(lambda: coord.assign(plan, keys)).result()
         devices = cuda_devices(flat.tensors)
         pin = bool(devices)
-        handle = self.new_handle(name, step, dirpath)
+        retaking, self._retaking = self._retaking, None
+        handle = retaking if retaking is not None else self.new_handle(name, step, dirpath)
         stats = handle.stats
         cuda = self._prepare_cuda(name, devices) if pin else None  # before a slot is taken: a failure holds none
         keep_pace(self.pending(), self._priorities, self.config.persist.max_lag_s, name)
@@ -260,6 +279,7 @@ class Saver:
         with torch.cuda.device(devices[0]) if pin else contextlib.nullcontext():
             slot = self._arena.acquire(plan, pin, block=False)
             if slot is None and self.config.staging.when_busy == "wait":
+                self.seal_all()  # a slot frees at a commit, which waits for its seal: seal before blocking
                 # training stalls until a slot frees: persistence really is behind
                 why = slot_wait_reason(self.pending(), self.config.staging.slots, name)
                 self._priorities.raise_(why, behind=True)
@@ -276,13 +296,16 @@ class Saver:
                   file_format=file_format, version_src=version_src)
         if self._coord is not None:
             job.uid = self._coord.next_uid()
+        elif retake is not None and self.config.staging.on_mutation == "retake":
+            job.retake = lambda keys: self._retake(handle, keys, retake)
         if writers is not None and shared_file is not None and self._coord is not None:
             job.shared = SharedFileWrite(self._coord, self.storage, shared_file, job.uid, writers, name)
         if cuda is not None:
             job.cuda = cuda
             job.devices = [str(t.device) for t in flat.tensors]  # the saved locations map_location's dict keys name
         with self._lock:
-            self._pending.append(handle)
+            if handle not in self._pending:  # a retake keeps its place
+                self._pending.append(handle)
         try:
             self.pipeline.stage_now(job, plan.mine([s for s in plan.shards if not s.lazy]))
             events = [(d, ev) for (_, d), ev in job.shard_events.items()]
@@ -324,8 +347,8 @@ class Saver:
         return handle
 
     def _lazy_ptrs(self, also: set[Hashable], never: set[Hashable]) -> set[Hashable]:
-        if self.config.staging.mode != "lazy":
-            return set()  # eager mode: save(lazy=...) is ignored too
+        if self.config.staging.mode != "lazy" or self._retaking is not None:
+            return set()  # eager mode: save(lazy=...) is ignored too; a retake is taken whole, at the seal
         return (self._optimizer_ptrs() | also) - never
 
     def _optimizer_ptrs(self) -> set[Hashable]:
@@ -355,7 +378,52 @@ class Saver:
     def drain(self) -> None:
         """Block until the committer has run everything submitted so far (the commits of every pending save), and
         raise nothing: a distributed load's collectives then never pair with a commit's on another rank."""
+        self.seal_all()  # a lazy save commits only once sealed
         self.pipeline.run_in_order(lambda: None).result()
+
+    def seal_all(self, *, block: bool = True) -> None:
+        """Seal every pending save, oldest first, on the calling (training) thread (fastckpt/engine/seal.py).
+        ``block=False``: stop at the first one still staging (sealed later; in order, since a retake waits for the
+        commits before it)."""
+        for h in self.pending():
+            if not block and not h.staged():
+                return
+            h.seal()
+
+    def _on_refused(self, job: Job, err: BaseException) -> None:
+        """Called at a seal that refused ``job`` (on_mutation raise): raised by the save() sealing it, else at the
+        next save/wait/close, once."""
+        with self._lock:
+            if not job.reported and isinstance(err, FastCkptError):
+                self._errors.append((job.handle, err))
+                job.reported = True
+
+    def _retake(self, handle: SaveHandle, keys: list[str], again: Callable[[], SaveHandle]) -> None:
+        """At the seal of a refused snapshot (staging.on_mutation retake), once the committer has cleared it: take
+        the same save again, all eager, under ``handle``; ``keys`` are copied eagerly in every later save."""
+        new = [k for k in keys if k not in self._moved]
+        self._moved.update(keys)
+        if new:
+            warn_retake(handle.name, new)
+        self._retaking = handle
+        try:
+            again()
+        except FastCkptError as e:
+            self._fail_retake(handle, e)
+        except Exception as e:  # noqa: BLE001 - reported through the handle, like a background failure
+            err = StorageError(f"taking checkpoint {handle.name!r} again after a refused lazy snapshot failed: {e}")
+            err.__cause__ = e
+            self._fail_retake(handle, err)
+        finally:
+            self._retaking = None
+
+    def _fail_retake(self, handle: SaveHandle, err: FastCkptError) -> None:
+        log.error("fastckpt: checkpoint %r failed: %s", handle.name, err)
+        with self._lock:
+            self._errors.append((handle, err))
+            self._drop_pending(handle)
+        if not handle.done():
+            handle.set_failed(err)
 
     def wait_staged(self, *, host: bool = False) -> None:
         """Block until every pending snapshot's copies are queued; see ``SaveHandle.wait_staged``."""
