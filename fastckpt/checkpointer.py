@@ -167,8 +167,7 @@ class Checkpointer(Cadenced):
                 "network.timeout_s on an fsspec storage)")
 
     def _flush(self, why: str, timeout: float | None) -> list[SaveHandle]:
-        """Wait (at most ``timeout``) for the saves pending now, which are returned; the caller blocks on
-        persistence, so its threads run at the training thread's priority meanwhile."""
+        """Wait (at most ``timeout``) for the saves pending now (returned), their threads at the caller's priority."""
         self._saver.seal_all()  # a lazy save commits only once sealed (fastckpt/engine/seal.py)
         pending = self._saver.pending()
         if pending:
