@@ -72,6 +72,9 @@ class Job:
     file_format: FileFormat = OPEN_LAYOUT  # the open layout, or a framework's file(s)
     version_src: list[Any] | None = None  # what the mutation guard watches, per tensor (default: the tensors)
     shared: SharedFileWrite | None = None  # one file written by every rank: its commit protocol on this rank
+    # shm: eager shards whose CUDA copies were still in flight when save() returned; the copy thread takes their
+    # CRCs once the copies are done, and only then writes the record (which must claim only checked bytes)
+    unchecked: list[Shard] = field(default_factory=list)
 
     # what a FileFormat reads of a save (format/protocol.py's Snapshot)
     @property
@@ -113,9 +116,17 @@ class Pipeline:
     # ---- called by the Checkpointer on the training thread -------------------------
 
     def stage_now(self, job: Job, shards: list[Shard]) -> None:
-        """Copy ``shards`` now (eager tensors; CUDA ones are queued on the eager streams) and queue their writes."""
+        """Copy ``shards`` now (eager tensors; CUDA ones are queued on the eager streams) and queue their writes.
+
+        With shared memory, the CRCs of shards whose CUDA copies are in flight are left to the copy thread
+        (``job.unchecked``): waiting here for the GPU to drain would stall the training thread inside ``save()``."""
         for shard in shards:
             self._copy_shard(job, shard, job.cuda.eager if job.cuda is not None else None)
+            if job.slot.dir is not None:
+                if shard_events(job.shard_events, shard.index):
+                    job.unchecked.append(shard)  # save() must not wait for the GPU: the copy thread checks it
+                else:
+                    self._check_staged(job, shard)
 
     def submit(self, job: Job, lazy: list[Shard]) -> None:
         """Queue ``job``: the copy thread stages ``lazy`` shards, then the committer commits."""
@@ -124,7 +135,7 @@ class Pipeline:
             job.guard = VersionGuard(job.handle.name, job.version_src or job.tensors, job.keys,
                                      (e for s in lazy for e in s.entries))
         self._commit_q.put(job)
-        if lazy:
+        if lazy or (job.unchecked and job.error is None):
             self._copy_q.put((job, lazy))  # type: ignore[arg-type]
         else:
             self._mark_staged(job)
@@ -173,6 +184,11 @@ class Pipeline:
                     job.cuda.begin_lazy()
                 for shard in shards:
                     self._copy_shard(job, shard, job.cuda.lazy if job.cuda is not None else None)
+                    if job.slot.dir is not None:
+                        self._check_staged(job, shard)
+                # Queued first in save(), so mostly landed by now: the lazy copies above were not held behind them.
+                for shard in job.unchecked:
+                    self._check_staged(job, shard)
             except BaseException as e:  # noqa: BLE001 - reported through the job
                 job.error = e
             finally:
@@ -205,10 +221,13 @@ class Pipeline:
             job.shard_events[(shard.index, d)] = record_done(streams[d])  # type: ignore[index]
         for e in shard.entries:
             job.tensors[e.index] = None  # queued (record_stream keeps a CUDA source's memory): drop it now
-        if job.slot.dir is not None:  # shm: the record carries the checksums of what was staged
-            host_wait(shard_events(job.shard_events, shard.index))  # the bytes must have landed first
-            job.staged_crcs[shard.index] = staged_crcs(buf, shard)
         job.writes.append(self._writers().submit(self._write_shard, job, shard))
+
+    @staticmethod
+    def _check_staged(job: Job, shard: Shard) -> None:
+        """shm: the CRC of each of ``shard``'s tensors as staged (the record carries them), once its copies landed."""
+        host_wait(shard_events(job.shard_events, shard.index))  # a CRC of bytes the DMA is still writing is a lie
+        job.staged_crcs[shard.index] = staged_crcs(job.slot.held(shard), shard)
 
     def _writers(self) -> ThreadPoolExecutor:
         return self._boost if self._priorities.boost else self._io
