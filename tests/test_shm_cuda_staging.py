@@ -14,12 +14,13 @@ import torch
 
 import fastckpt.engine.pipeline as pipeline_mod
 import fastckpt.engine.saver as saver_mod
+import fastckpt.engine.streams as streams_mod
 from fastckpt import CheckpointConfig, Checkpointer
 from fastckpt.format.checksum import crc32c
 from fastckpt.format.plan import flatten
 from fastckpt.storage.local import LocalStorage
 from tests.helpers import GatedStorage, assert_bit_equal, bounded, clone_state, run_child
-from tests.test_cuda_logic import FakeCuda, FakeCudart
+from tests.test_cuda_logic import FakeCuda, FakeCudart, FakeStream
 
 WAIT_S = 10.0  # a fake copy that is never let land fails its wait after this, instead of hanging the test
 
@@ -100,6 +101,7 @@ def install(patch: Any, dma: Dma) -> None:
     cudart = FakeCudart()
     patch.setattr(torch.cuda, "cudart", lambda: cudart)
     patch.setattr(saver_mod, "cuda_devices", lambda tensors: [0])
+    patch.setattr(streams_mod, "dedicated_stream", lambda d, p: (FakeStream(d, p), None))
     patch.setattr(pipeline_mod, "copy_entries", dma.copy)
     patch.setattr(pipeline_mod, "record_done", dma.event)
 

@@ -26,7 +26,7 @@ from ..errors import FastCkptError
 from ..format.checksum import crc32c
 from ..format.plan import Plan, Shard, TensorEntry
 
-__all__ = ["HostArena", "Pinned", "SharedStaging", "Slot", "copy_entries", "entry_view", "staged_crcs"]
+__all__ = ["HostArena", "Pinned", "SharedStaging", "Slot", "copy_entries", "entry_view", "loaded_cudart", "staged_crcs"]
 
 
 class SharedStaging(Protocol):
@@ -101,12 +101,14 @@ def clear_last_cuda_error() -> None:
     """Reset the CUDA runtime's last error of this thread (``cudaGetLastError``), which torch's bindings do not
     expose: through the libcudart this process has loaded (found in ``/proc/self/maps``). Nothing to do where none
     is loaded separately (a statically linked runtime)."""
-    lib = _loaded_cudart()
+    lib = loaded_cudart()
     if lib is not None:
         lib.cudaGetLastError()
 
 
-def _loaded_cudart() -> Any:
+def loaded_cudart() -> Any:
+    """The CUDA runtime library this process has loaded (``ctypes.CDLL``), or None where none is loaded separately
+    (a CPU-only build, a statically linked runtime): torch's bindings lack some calls (``fastckpt.engine.streams``)."""
     try:
         with open("/proc/self/maps") as f:
             paths = {line.split()[-1] for line in f if "libcudart" in line}
@@ -378,9 +380,9 @@ def copy_entries(buf: torch.Tensor, entries: Iterable[TensorEntry], tensors: lis
 def _copy_async(dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
     """Queue ``src`` -> ``dst`` (pinned host) on ``stream``, which belongs to ``src``'s device."""
     with torch.cuda.device(src.device.index), torch.cuda.stream(stream):
-        # The allocator may hand src's memory to another stream once the caller frees it; the copy
-        # stream still reads it, so the block is kept until that stream's queued work is done.
-        src.record_stream(stream)
+        # No record_stream: the copy streams are fastckpt's own and destroyed at close, and the allocator would
+        # record an event on a destroyed stream when the source (a parameter) is freed later. The pipeline holds
+        # the source instead until the copy's event completed (Job.inflight).
         # A conj/neg view would be fixed up by copy_ with conj_physical_()/neg_() on the host
         # destination, on the CPU, while the DMA is still writing it. Resolve on the device instead.
         src = src.resolve_conj().resolve_neg()

@@ -7,17 +7,37 @@ each device whose tensors a save copies gets its own copy streams, its own ready
 "copied" event per shard. Waits are queued on the current stream *of the event's
 device*, never on the calling thread's current device.
 
+The copy streams are fastckpt's own (``cudaStreamCreateWithPriority``, wrapped in
+``torch.cuda.ExternalStream``), not torch's pool: ``torch.cuda.Stream()`` hands out the
+same 32 streams per priority to every caller, NCCL's and FSDP2's side streams included,
+so a copy could queue behind (or delay) a collective. Where no CUDA runtime is loaded
+separately (a statically linked one), the copies fall back to a pool stream, logged once.
+
 Nothing here runs without a CUDA tensor in the state: on CPU-only machines the
 ``CudaCopy`` of a job is ``None`` and these functions are never called.
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import logging
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-__all__ = ["CopyStreams", "CudaCopy", "cuda_devices", "gpu_wait", "host_wait", "pending", "record_done", "shard_events"]
+from ..errors import FastCkptError
+from .staging import loaded_cudart
+
+__all__ = ["CopyStreams", "CudaCopy", "StreamFactory", "cuda_devices", "dedicated_stream", "gpu_wait", "host_wait",
+           "pending", "record_done", "shard_events"]
+
+log = logging.getLogger("fastckpt")
+
+# (device, priority) -> the stream and how to destroy it (None: a pool stream, which torch owns)
+StreamFactory = Callable[[int, int], "tuple[Any, Callable[[], None] | None]"]
+_NON_BLOCKING = 1  # cudaStreamNonBlocking: no implicit wait on the legacy default stream (as torch's pool streams)
+_fallback_logged = False
 
 # One copy's "done" event: ``blocking`` makes ``synchronize()`` sleep in the driver instead
 # of spinning a core (an I/O worker may wait on it for the whole copy).
@@ -40,21 +60,39 @@ class CopyStreams:
     save's lazy copies, and a high priority so the training stream does not starve them.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, factory: StreamFactory | None = None) -> None:
+        """``factory``: makes a stream of a device with a priority (default ``dedicated_stream``)."""
+        self._factory = factory or dedicated_stream
         self._lazy: dict[int, Any] = {}
         self._eager: dict[int, Any] = {}
+        self._destroy: list[Callable[[], None]] = []
 
     def lazy(self, device: int) -> Any:
         """Called by ``save()``: the lazy copy stream of ``device``."""
         if device not in self._lazy:
-            self._lazy[device] = torch.cuda.Stream(device=device)
+            self._lazy[device] = self._make(device, 0)
         return self._lazy[device]
 
     def eager(self, device: int) -> Any:
         """Called by ``save()``: the eager copy stream of ``device`` (lower number = higher priority)."""
         if device not in self._eager:
-            self._eager[device] = torch.cuda.Stream(device=device, priority=_HIGHEST_PRIORITY)
+            self._eager[device] = self._make(device, _HIGHEST_PRIORITY)
         return self._eager[device]
+
+    def _make(self, device: int, priority: int) -> Any:
+        stream, destroy = self._factory(device, priority)
+        if destroy is not None:
+            self._destroy.append(destroy)
+        return stream
+
+    def close(self) -> None:
+        """Called by ``Checkpointer.close`` once no copy can be queued any more: destroy the streams made here (the
+        driver frees each once its queued work is done)."""
+        destroy, self._destroy = self._destroy, []
+        self._lazy.clear()
+        self._eager.clear()
+        for fn in destroy:
+            fn()
 
     def prepare(self, devices: list[int]) -> "CudaCopy":
         """Called by ``save()`` on the training thread: a job's streams and ready events.
@@ -72,6 +110,58 @@ class CopyStreams:
         for d in devices:
             job.eager[d].wait_event(ready[d])  # host-side non-blocking
         return job
+
+
+def dedicated_stream(device: int, priority: int) -> tuple[Any, Callable[[], None] | None]:
+    """A new non-blocking stream of ``device`` only fastckpt uses, ``priority`` clamped to the device's range, and
+    the function that destroys it; or a pool stream (and None) where no CUDA runtime is loaded separately."""
+    lib = loaded_cudart()
+    if lib is None:
+        global _fallback_logged
+        if not _fallback_logged:
+            _fallback_logged = True
+            log.debug("fastckpt: no CUDA runtime library is loaded in this process (a statically linked one?): the "
+                      "copies use torch's pool streams, which NCCL and FSDP may share")
+        return torch.cuda.Stream(device=device, priority=priority), None
+    handle = ctypes.c_void_p()
+    with _on_device(lib, device):
+        least, greatest = ctypes.c_int(), ctypes.c_int()
+        _check(lib, lib.cudaDeviceGetStreamPriorityRange(ctypes.byref(least), ctypes.byref(greatest)),
+               "cudaDeviceGetStreamPriorityRange", device)
+        prio = min(max(priority, greatest.value), least.value)  # lower is higher; greatest <= least
+        _check(lib, lib.cudaStreamCreateWithPriority(ctypes.byref(handle), ctypes.c_uint(_NON_BLOCKING),
+                                                      ctypes.c_int(prio)), "cudaStreamCreateWithPriority", device)
+    ptr = handle.value
+    stream = torch.cuda.ExternalStream(ptr, device=torch.device("cuda", device))
+
+    def destroy() -> None:
+        with _on_device(lib, device):  # under its own device: no context opens on GPU 0
+            lib.cudaStreamDestroy(ctypes.c_void_p(ptr))
+
+    return stream, destroy
+
+
+@contextlib.contextmanager
+def _on_device(lib: Any, device: int) -> Iterator[None]:
+    """``device`` current for torch and for ``lib`` (the same runtime as torch's when torch links it dynamically;
+    set on both anyway, and ``lib``'s own current device restored after)."""
+    prev = ctypes.c_int(-1)
+    with torch.cuda.device(device):
+        if lib.cudaGetDevice(ctypes.byref(prev)) != 0:
+            prev.value = -1
+        lib.cudaSetDevice(ctypes.c_int(device))
+        try:
+            yield
+        finally:
+            if prev.value >= 0:
+                lib.cudaSetDevice(prev)
+
+
+def _check(lib: Any, err: int, call: str, device: int) -> None:
+    if err != 0:
+        lib.cudaGetLastError()  # reported here: the next kernel launch check must not raise it again
+        raise FastCkptError(f"{call} failed on cuda:{device} (CUDA error {err}) while creating fastckpt's copy "
+                            "stream; check the device (nvidia-smi) and the CUDA installation")
 
 
 @dataclass(eq=False)
