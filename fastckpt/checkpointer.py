@@ -331,7 +331,6 @@ class Checkpointer:
             if self._coord is not None:
                 self._coord.close()  # every commit is done: its private group's threads can be joined
             self._arena.close()  # else a stalled writer still reads its slot: the buffers go with the process
-            self._streams.close()  # no copy can be queued any more (else the streams go with the process)
             self._root.release()  # after the last commit and retention: the next writer may start
             self._saver.raise_pending()
             return

@@ -74,8 +74,8 @@ def test_lightning_resume_of_a_gpu_checkpoint_lands_on_the_cpu(tmp_path) -> None
 
 
 def test_a_dropped_temporary_is_not_reused_before_its_copy(tmp_path) -> None:
-    """The caching allocator must not hand the temporary's block to a new tensor while the copy stream still has
-    to read it (the pipeline holds the source until its copy is done: Job.inflight)."""
+    """record_stream: the caching allocator must not hand the temporary's block to a new tensor while the copy
+    stream still has to read it."""
     n = 1 << 20
     with Checkpointer(CheckpointConfig(root=str(tmp_path))) as ckpt:
         tmp = torch.full((n,), 1.5, device="cuda")

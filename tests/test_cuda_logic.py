@@ -272,7 +272,7 @@ def test_wait_staged_orders_each_events_own_device_and_drops_finished_ones(monke
 
 def test_copy_streams_and_ready_events_are_per_device(monkeypatch) -> None:
     fake = FakeCuda(monkeypatch)
-    streams = CopyStreams(lambda d, p: (FakeStream(d, p), None))
+    streams = CopyStreams(lambda d, p: FakeStream(d, p))
     job = streams.prepare([0, 2])
     for d in (0, 2):
         assert job.ready[d].recorded is fake.current_streams[d]  # each device's own compute stream

@@ -101,7 +101,7 @@ def install(patch: Any, dma: Dma) -> None:
     cudart = FakeCudart()
     patch.setattr(torch.cuda, "cudart", lambda: cudart)
     patch.setattr(saver_mod, "cuda_devices", lambda tensors: [0])
-    patch.setattr(streams_mod, "dedicated_stream", lambda d, p: (FakeStream(d, p), None))
+    patch.setattr(streams_mod, "process_stream", lambda d, p: FakeStream(d, p))
     patch.setattr(pipeline_mod, "copy_entries", dma.copy)
     patch.setattr(pipeline_mod, "record_done", dma.event)
 

@@ -75,9 +75,6 @@ class Job:
     # shm: eager shards whose CUDA copies were still in flight when save() returned; the copy thread takes their
     # CRCs once the copies are done, and only then writes the record (which must claim only checked bytes)
     unchecked: list[Shard] = field(default_factory=list)
-    # CUDA sources whose copies are queued, per shard: kept alive (the allocator must not hand their memory to
-    # another stream) until an I/O worker or the committer saw the shard's copies done; record_stream is not used
-    inflight: dict[int, list[torch.Tensor]] = field(default_factory=dict)
 
     # what a FileFormat reads of a save (format/protocol.py's Snapshot)
     @property
@@ -223,10 +220,7 @@ class Pipeline:
         for d in copy_entries(buf, entries, job.tensors, streams):
             job.shard_events[(shard.index, d)] = record_done(streams[d])  # type: ignore[index]
         for e in shard.entries:
-            src = job.tensors[e.index]
-            if src is not None and src.is_cuda:  # its copy may still read it: held until the shard's events complete
-                job.inflight.setdefault(shard.index, []).append(src)
-            job.tensors[e.index] = None  # the job itself no longer needs it
+            job.tensors[e.index] = None  # queued (record_stream keeps a CUDA source's memory): drop it now
         job.writes.append(self._writers().submit(self._write_shard, job, shard))
 
     @staticmethod
@@ -247,7 +241,6 @@ class Pipeline:
             if events:
                 host_wait(events)  # blocking events: this worker sleeps until the DMA has filled the buffer
                 job.copied_at[shard.index] = time.perf_counter()
-                job.inflight.pop(shard.index, None)  # copied: the sources' memory may be reused now
             buf = job.slot.held(shard)
             return fmt.write_shard(self.storage, job, shard, memoryview(buf.numpy())[: shard.nbytes])
         except BaseException as e:
@@ -306,7 +299,6 @@ class Pipeline:
                 # write the slot. Raising here left the handle pending and the slot busy, and close() hung.
                 log.warning("fastckpt: waiting for the CUDA copies of failed checkpoint %r failed too: %s",
                             job.handle.name, cuda_err)
-            job.inflight.clear()
             for f in job.writes:
                 if not f.done():
                     f.exception()

@@ -380,9 +380,9 @@ def copy_entries(buf: torch.Tensor, entries: Iterable[TensorEntry], tensors: lis
 def _copy_async(dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
     """Queue ``src`` -> ``dst`` (pinned host) on ``stream``, which belongs to ``src``'s device."""
     with torch.cuda.device(src.device.index), torch.cuda.stream(stream):
-        # No record_stream: the copy streams are fastckpt's own and destroyed at close, and the allocator would
-        # record an event on a destroyed stream when the source (a parameter) is freed later. The pipeline holds
-        # the source instead until the copy's event completed (Job.inflight).
+        # The allocator may hand src's memory to another stream once the caller frees it; the copy
+        # stream still reads it, so the block is kept until that stream's queued work is done.
+        src.record_stream(stream)
         # A conj/neg view would be fixed up by copy_ with conj_physical_()/neg_() on the host
         # destination, on the CPU, while the DMA is still writing it. Resolve on the device instead.
         src = src.resolve_conj().resolve_neg()

@@ -10,8 +10,13 @@ device*, never on the calling thread's current device.
 The copy streams are fastckpt's own (``cudaStreamCreateWithPriority``, wrapped in
 ``torch.cuda.ExternalStream``), not torch's pool: ``torch.cuda.Stream()`` hands out the
 same 32 streams per priority to every caller, NCCL's and FSDP2's side streams included,
-so a copy could queue behind (or delay) a collective. Where no CUDA runtime is loaded
-separately (a statically linked one), the copies fall back to a pool stream, logged once.
+so a copy could queue behind (or delay) a collective. They are made once per device and
+priority in a process and never destroyed: the caching allocator keeps using a stream
+after any ``close()`` (``record_stream`` on a parameter records an event on it when the
+parameter is freed; a temporary made on it for a strided source stays cached in its pool,
+and expandable segments synchronize it when released), and doing so on a destroyed stream
+is a CUDA error. Where no CUDA runtime is loaded separately (a statically linked one), the
+copies fall back to a pool stream, logged once.
 
 Nothing here runs without a CUDA tensor in the state: on CPU-only machines the
 ``CudaCopy`` of a job is ``None`` and these functions are never called.
@@ -21,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
@@ -30,14 +36,15 @@ from ..errors import FastCkptError
 from .staging import loaded_cudart
 
 __all__ = ["CopyStreams", "CudaCopy", "StreamFactory", "cuda_devices", "dedicated_stream", "gpu_wait", "host_wait",
-           "pending", "record_done", "shard_events"]
+           "pending", "process_stream", "record_done", "shard_events"]
 
 log = logging.getLogger("fastckpt")
 
-# (device, priority) -> the stream and how to destroy it (None: a pool stream, which torch owns)
-StreamFactory = Callable[[int, int], "tuple[Any, Callable[[], None] | None]"]
+StreamFactory = Callable[[int, int], Any]  # (device, priority) -> a stream of that device
 _NON_BLOCKING = 1  # cudaStreamNonBlocking: no implicit wait on the legacy default stream (as torch's pool streams)
 _fallback_logged = False
+_made: dict[tuple[int, int], Any] = {}  # (device, priority) -> this process's copy stream (process_stream)
+_made_lock = threading.Lock()
 
 # One copy's "done" event: ``blocking`` makes ``synchronize()`` sleep in the driver instead
 # of spinning a core (an I/O worker may wait on it for the whole copy).
@@ -55,44 +62,29 @@ def cuda_devices(tensors: Iterable[torch.Tensor]) -> list[int]:
 class CopyStreams:
     """One stream for lazy copies and one high-priority stream for eager copies, per device.
 
-    Owned by a ``Checkpointer``; streams are created on first use, on their own device. Eager
+    Owned by a ``Checkpointer``; the streams are the process's (``process_stream``: made on first use, on their
+    own device, shared by every ``Checkpointer``, never destroyed). Eager
     copies (inside ``save()``) get their own stream so they never queue behind the previous
     save's lazy copies, and a high priority so the training stream does not starve them.
     """
 
     def __init__(self, factory: StreamFactory | None = None) -> None:
-        """``factory``: makes a stream of a device with a priority (default ``dedicated_stream``)."""
-        self._factory = factory or dedicated_stream
+        """``factory``: the stream of a device with a priority (default ``process_stream``)."""
+        self._factory = factory or process_stream
         self._lazy: dict[int, Any] = {}
         self._eager: dict[int, Any] = {}
-        self._destroy: list[Callable[[], None]] = []
 
     def lazy(self, device: int) -> Any:
         """Called by ``save()``: the lazy copy stream of ``device``."""
         if device not in self._lazy:
-            self._lazy[device] = self._make(device, 0)
+            self._lazy[device] = self._factory(device, 0)
         return self._lazy[device]
 
     def eager(self, device: int) -> Any:
         """Called by ``save()``: the eager copy stream of ``device`` (lower number = higher priority)."""
         if device not in self._eager:
-            self._eager[device] = self._make(device, _HIGHEST_PRIORITY)
+            self._eager[device] = self._factory(device, _HIGHEST_PRIORITY)
         return self._eager[device]
-
-    def _make(self, device: int, priority: int) -> Any:
-        stream, destroy = self._factory(device, priority)
-        if destroy is not None:
-            self._destroy.append(destroy)
-        return stream
-
-    def close(self) -> None:
-        """Called by ``Checkpointer.close`` once no copy can be queued any more: destroy the streams made here (the
-        driver frees each once its queued work is done)."""
-        destroy, self._destroy = self._destroy, []
-        self._lazy.clear()
-        self._eager.clear()
-        for fn in destroy:
-            fn()
 
     def prepare(self, devices: list[int]) -> "CudaCopy":
         """Called by ``save()`` on the training thread: a job's streams and ready events.
@@ -112,9 +104,18 @@ class CopyStreams:
         return job
 
 
-def dedicated_stream(device: int, priority: int) -> tuple[Any, Callable[[], None] | None]:
-    """A new non-blocking stream of ``device`` only fastckpt uses, ``priority`` clamped to the device's range, and
-    the function that destroys it; or a pool stream (and None) where no CUDA runtime is loaded separately."""
+def process_stream(device: int, priority: int) -> Any:
+    """This process's copy stream of ``device`` and ``priority`` (``dedicated_stream``), made on first use and shared
+    by every ``Checkpointer``: a few streams for the life of the process, never destroyed (see the module's doc)."""
+    with _made_lock:
+        if (device, priority) not in _made:
+            _made[(device, priority)] = dedicated_stream(device, priority)
+        return _made[(device, priority)]
+
+
+def dedicated_stream(device: int, priority: int) -> Any:
+    """A new non-blocking stream of ``device`` only fastckpt uses, ``priority`` clamped to the device's range; or a
+    pool stream where no CUDA runtime is loaded separately."""
     lib = loaded_cudart()
     if lib is None:
         global _fallback_logged
@@ -122,7 +123,7 @@ def dedicated_stream(device: int, priority: int) -> tuple[Any, Callable[[], None
             _fallback_logged = True
             log.debug("fastckpt: no CUDA runtime library is loaded in this process (a statically linked one?): the "
                       "copies use torch's pool streams, which NCCL and FSDP may share")
-        return torch.cuda.Stream(device=device, priority=priority), None
+        return torch.cuda.Stream(device=device, priority=priority)
     handle = ctypes.c_void_p()
     with _on_device(lib, device):
         least, greatest = ctypes.c_int(), ctypes.c_int()
@@ -131,14 +132,7 @@ def dedicated_stream(device: int, priority: int) -> tuple[Any, Callable[[], None
         prio = min(max(priority, greatest.value), least.value)  # lower is higher; greatest <= least
         _check(lib, lib.cudaStreamCreateWithPriority(ctypes.byref(handle), ctypes.c_uint(_NON_BLOCKING),
                                                       ctypes.c_int(prio)), "cudaStreamCreateWithPriority", device)
-    ptr = handle.value
-    stream = torch.cuda.ExternalStream(ptr, device=torch.device("cuda", device))
-
-    def destroy() -> None:
-        with _on_device(lib, device):  # under its own device: no context opens on GPU 0
-            lib.cudaStreamDestroy(ctypes.c_void_p(ptr))
-
-    return stream, destroy
+    return torch.cuda.ExternalStream(handle.value, device=torch.device("cuda", device))
 
 
 @contextlib.contextmanager
