@@ -12,7 +12,7 @@ from torch import nn
 import fastckpt.engine.saver as checkpointer_mod
 import fastckpt.engine.pipeline as pipeline_mod
 from fastckpt import CheckpointConfig, Checkpointer
-from fastckpt.errors import FastCkptError, IntegrityError
+from fastckpt.errors import FastCkptError, IntegrityError, SnapshotMutatedError
 from fastckpt.engine.handle import SaveHandle, SaveStats
 from fastckpt.read.maplocation import placer, saved_location
 from fastckpt.format.plan import Planner, flatten
@@ -122,15 +122,21 @@ def test_eager_tensors_are_copied_inside_save(tmp_path, copy_gate, by) -> None:
         ref = clone_state(state)
         h = ckpt.save(state, step=1, eager=["m/weight"] if by == "key" else [model.weight])
         # Written in place before any step (max_norm, an EMA swap): no wait runs. Through .data, which skips the
-        # version counter, so the mutation guard stays out of it and the copy's timing shows in the values.
+        # version counter: only the seal's sampled bytes would see it, and the eager copy needs none of that.
         model.weight.data.add_(1)
-        model.bias.data.add_(1)
         copy_gate.set()
         h.wait(timeout=60)
         loaded = ckpt.load()
-    assert torch.equal(loaded["m"]["weight"], ref["m"]["weight"])  # copied inside save()
-    # the lazy bias was copied after the write: what the option exists to prevent (and proof the gate held)
-    assert torch.equal(loaded["m"]["bias"], ref["m"]["bias"] + 1)
+        assert torch.equal(loaded["m"]["weight"], ref["m"]["weight"])  # copied inside save()
+        assert torch.equal(loaded["m"]["bias"], ref["m"]["bias"])
+        # The same write to a lazy tensor, copied after it (the gate held the copy): refused at the seal, loudly.
+        copy_gate.clear()
+        h = ckpt.save(state, step=2, eager=["m/weight"] if by == "key" else [model.weight])
+        model.bias.data.add_(1)
+        copy_gate.set()
+        with pytest.raises(SnapshotMutatedError, match="m/bias"):
+            h.wait(timeout=60)
+        assert ckpt.latest() == 1
 
 
 def test_eager_refuses_what_is_not_a_tensor_or_pattern(tmp_path) -> None:
@@ -169,11 +175,15 @@ def test_load_into_waits_for_pending_lazy_copies(tmp_path, copy_gate, monkeypatc
     assert_bit_equal(old, {"m": model.state_dict()})
 
 
-def test_lightning_callback_waits_before_validation_test_and_predict() -> None:
+def test_lightning_callback_waits_before_validation_test_and_predict(tmp_path) -> None:
     from fastckpt_lightning.callback import FastCheckpointCallback
 
     class Plugin:
         waits = 0
+        config = CheckpointConfig(root=str(tmp_path))  # preemption off (its default)
+
+        def flush(self) -> None:
+            raise AssertionError("no flush expected")
 
         def wait_staged(self, raise_errors: bool = True) -> None:
             self.waits += 1
@@ -272,7 +282,7 @@ def test_wait_staged_orders_each_events_own_device_and_drops_finished_ones(monke
 
 def test_copy_streams_and_ready_events_are_per_device(monkeypatch) -> None:
     fake = FakeCuda(monkeypatch)
-    streams = CopyStreams()
+    streams = CopyStreams(lambda d, p: FakeStream(d, p))
     job = streams.prepare([0, 2])
     for d in (0, 2):
         assert job.ready[d].recorded is fake.current_streams[d]  # each device's own compute stream
@@ -356,20 +366,30 @@ def test_lightning_in_place_write_at_validation_start_comes_after_the_lazy_copy(
     assert_bit_equal({k: saved[k] for k in ("state_dict", "optimizer_states")}, recorder.by_step[4])
 
 
-def test_named_frozen_tensors_are_copied_lazily(tmp_path, copy_gate) -> None:
+def test_named_frozen_tensors_are_copied_lazily(tmp_path, copy_gate, monkeypatch) -> None:
     """save(lazy=...) moves tensors no optimizer owns (frozen base weights) out of save() into the copy thread."""
     torch.manual_seed(0)
     frozen, head = nn.Linear(32, 32), nn.Linear(32, 4)
     opt = torch.optim.SGD(head.parameters(), lr=0.1)
+    copied_by: dict[int, str] = {}  # data_ptr of each source -> the thread that copied it
+    gated = pipeline_mod.copy_entries
+
+    def spy(buf, entries, tensors, streams):
+        entries = list(entries)
+        for e in entries:
+            copied_by[tensors[e.index].data_ptr()] = threading.current_thread().name
+        return gated(buf, entries, tensors, streams)
+
+    monkeypatch.setattr(pipeline_mod, "copy_entries", spy)
     with Checkpointer(CheckpointConfig(root=str(tmp_path))) as ckpt:
         ckpt.watch(opt)
         state = {"base": frozen.state_dict(), "head": head.state_dict()}
         ref = clone_state(state)
         h = ckpt.save(state, step=1, lazy=["base/*"])
-        # only to observe when the copy ran (through .data: the mutation guard would refuse a counted write)
-        frozen.weight.data.add_(1)
+        assert frozen.weight.data_ptr() not in copied_by, "copied inside save(), not lazily"
         copy_gate.set()
         h.wait(timeout=60)
         loaded = ckpt.load()
-    assert torch.equal(loaded["base"]["weight"], ref["base"]["weight"] + 1), "copied inside save(), not lazily"
+    assert copied_by[frozen.weight.data_ptr()].startswith("fastckpt-copy")
+    assert_bit_equal(ref["base"], loaded["base"])
     assert_bit_equal(ref["head"], loaded["head"])

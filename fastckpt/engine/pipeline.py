@@ -78,6 +78,9 @@ class Job:
     retake: Callable[[list[str]], None] | None = None
     retaken: bool = False  # refused and taken again under the same handle: fail quietly, leave the handle alone
     cleared: threading.Event = field(default_factory=threading.Event)  # set once the committer is done with it
+    # shm: eager shards whose CUDA copies were still in flight when save() returned; the copy thread takes their
+    # CRCs once the copies are done, and only then writes the record (which must claim only checked bytes)
+    unchecked: list[Shard] = field(default_factory=list)
 
     # what a FileFormat reads of a save (format/protocol.py's Snapshot)
     @property
@@ -121,9 +124,17 @@ class Pipeline:
     # ---- called by the Checkpointer on the training thread -------------------------
 
     def stage_now(self, job: Job, shards: list[Shard]) -> None:
-        """Copy ``shards`` now (eager tensors; CUDA ones are queued on the eager streams) and queue their writes."""
+        """Copy ``shards`` now (eager tensors; CUDA ones are queued on the eager streams) and queue their writes.
+
+        With shared memory, the CRCs of shards whose CUDA copies are in flight are left to the copy thread
+        (``job.unchecked``): waiting here for the GPU to drain would stall the training thread inside ``save()``."""
         for shard in shards:
             self._copy_shard(job, shard, job.cuda.eager if job.cuda is not None else None)
+            if job.slot.dir is not None:
+                if shard_events(job.shard_events, shard.index):
+                    job.unchecked.append(shard)  # save() must not wait for the GPU: the copy thread checks it
+                else:
+                    self._check_staged(job, shard)
 
     def submit(self, job: Job, lazy: list[Shard]) -> None:
         """Queue ``job``: the copy thread stages ``lazy`` shards, then the committer commits."""
@@ -136,7 +147,7 @@ class Pipeline:
         else:
             job.handle.sealed_now()
         self._commit_q.put(job)
-        if lazy:
+        if lazy or (job.unchecked and job.error is None):
             self._copy_q.put((job, lazy))  # type: ignore[arg-type]
         else:
             self._mark_staged(job)
@@ -186,6 +197,11 @@ class Pipeline:
                     job.cuda.begin_lazy()
                 for shard in shards:
                     self._copy_shard(job, shard, job.cuda.lazy if job.cuda is not None else None)
+                    if job.slot.dir is not None:
+                        self._check_staged(job, shard)
+                # Queued first in save(), so mostly landed by now: the lazy copies above were not held behind them.
+                for shard in job.unchecked:
+                    self._check_staged(job, shard)
             except BaseException as e:  # noqa: BLE001 - reported through the job
                 job.error = e
             finally:
@@ -248,10 +264,13 @@ class Pipeline:
             # the staged bytes the seal compares, taken while the buffer is ours (ring mode reuses it)
             host_wait(shard_events(job.shard_events, shard.index))
             job.seal.record(buf, shard.entries)
-        if job.slot.dir is not None:  # shm: the record carries the checksums of what was staged
-            host_wait(shard_events(job.shard_events, shard.index))  # the bytes must have landed first
-            job.staged_crcs[shard.index] = staged_crcs(buf, shard)
         job.writes.append(self._writers().submit(self._write_shard, job, shard))
+
+    @staticmethod
+    def _check_staged(job: Job, shard: Shard) -> None:
+        """shm: the CRC of each of ``shard``'s tensors as staged (the record carries them), once its copies landed."""
+        host_wait(shard_events(job.shard_events, shard.index))  # a CRC of bytes the DMA is still writing is a lie
+        job.staged_crcs[shard.index] = staged_crcs(job.slot.held(shard), shard)
 
     def _writers(self) -> ThreadPoolExecutor:
         return self._boost if self._priorities.boost else self._io

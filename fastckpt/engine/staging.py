@@ -26,7 +26,7 @@ from ..errors import FastCkptError
 from ..format.checksum import crc32c
 from ..format.plan import Plan, Shard, TensorEntry
 
-__all__ = ["HostArena", "Pinned", "SharedStaging", "Slot", "copy_entries", "entry_view", "staged_crcs"]
+__all__ = ["HostArena", "Pinned", "SharedStaging", "Slot", "copy_entries", "entry_view", "loaded_cudart", "staged_crcs"]
 
 
 class SharedStaging(Protocol):
@@ -101,12 +101,14 @@ def clear_last_cuda_error() -> None:
     """Reset the CUDA runtime's last error of this thread (``cudaGetLastError``), which torch's bindings do not
     expose: through the libcudart this process has loaded (found in ``/proc/self/maps``). Nothing to do where none
     is loaded separately (a statically linked runtime)."""
-    lib = _loaded_cudart()
+    lib = loaded_cudart()
     if lib is not None:
         lib.cudaGetLastError()
 
 
-def _loaded_cudart() -> Any:
+def loaded_cudart() -> Any:
+    """The CUDA runtime library this process has loaded (``ctypes.CDLL``), or None where none is loaded separately
+    (a CPU-only build, a statically linked runtime): torch's bindings lack some calls (``fastckpt.engine.streams``)."""
     try:
         with open("/proc/self/maps") as f:
             paths = {line.split()[-1] for line in f if "libcudart" in line}
