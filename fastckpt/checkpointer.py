@@ -33,6 +33,7 @@ from .tiers.catalog import Catalog
 from .tiers.claim import RootClaim
 from .tiers.recovery import recover
 from .tiers.remote import RemoteTier
+from .tiers.remotesums import ChecksumStats
 from .tiers.shm import ShmTier
 from .tiers.shm_load import load_from_shm
 from .tiers.union import CatalogUnion
@@ -291,6 +292,10 @@ class Checkpointer:
     def stats(self) -> list[SaveStats]:
         """The figures of every finished save (committed or skipped), oldest first."""
         return self._saver.stats
+
+    @property
+    def upload_checksums(self) -> ChecksumStats | None:  # what the store verified of the uploads (rank 0)
+        return None if self._uploader is None else self._uploader.checksums
 
     @property
     def counters(self) -> dict[str, int]:
