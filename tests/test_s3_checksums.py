@@ -16,7 +16,7 @@ from fastckpt import CheckpointConfig, Checkpointer
 from fastckpt.format.checksum import crc32c
 from fastckpt.read.verify import verify_checkpoint
 from fastckpt.storage.protocol import open_storage
-from fastckpt.storage.s3checksum import b64, composite, expected_like
+from fastckpt.storage.s3checksum import PART_BYTES, b64, composite, expected_like, part_bytes
 from tests.helpers import assert_bit_equal
 
 _PART = 16 << 20
@@ -138,3 +138,15 @@ def test_verify_compares_the_stored_checksum(tmp_path, s3_fault_proxy) -> None:
     _, problems = verify_checkpoint(storage, f"{url}/step-000000003")
     assert problems and all("the store keeps checksum 'AAAAAA==" in p for p in problems)
     assert len(problems) == len(manifest["files"])
+
+
+def test_part_size_keeps_every_object_within_10000_parts() -> None:
+    """S3 refuses part 10,001: a file over 156 GiB (a Lightning .ckpt) needs bigger parts, in whole MiB."""
+    for size in (1, 32 << 20, 156 << 30, 157 << 30, 1 << 40, 5 << 40):
+        part = part_bytes(size)
+        assert -(-size // part) <= 10_000 and part % (1 << 20) == 0 and (5 << 20) <= part <= (5 << 30)
+    assert part_bytes(156 << 30) == PART_BYTES  # every object of today's size keeps today's parts
+    data = bytes(range(256)) * (3 * PART_BYTES // 256 + 1)  # a composite over PART_BYTES parts: 4 of them
+    want = composite([crc32c(data[i:i + PART_BYTES]) for i in range(0, len(data), PART_BYTES)])
+    assert want.endswith("-4") and expected_like(data, want) == want
+    assert expected_like(data, want[:-2] + "-5") is None  # parts of another uploader's size: not checkable

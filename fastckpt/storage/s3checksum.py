@@ -20,12 +20,13 @@ import crc32c as _crc32c
 
 from .deadline import Deadline, describe
 
-__all__ = ["ObjectChecksum", "PART_BYTES", "b64", "composite", "digest_rejected", "expected_like", "s3_put",
+__all__ = ["ObjectChecksum", "PART_BYTES", "b64", "composite", "digest_rejected", "expected_like", "part_bytes", "s3_put",
            "s3_multipart", "pieces"]
 
 log = logging.getLogger("fastckpt")
 
 PART_BYTES = 16 * 1024 * 1024  # multipart part size (S3 minimum is 5 MiB); a verified read cuts the same parts
+_MAX_PARTS = 10_000  # S3's most parts in one multipart upload
 _CONCURRENCY = 8  # parts of one file in flight at once
 # S3's error codes for a body that does not match the checksum sent with it (AWS: BadDigest;
 # some stores answer with the others)
@@ -40,6 +41,14 @@ class ObjectChecksum:
     returned: str | None  # the store's answer; None when it ignores the checksum headers
     parts: list[tuple[int, int]] = field(default_factory=list)  # (crc32c, length) of each part, in order
     resent: int = 0  # parts (or PUTs) the store rejected as damaged and that were sent again
+
+
+def part_bytes(total: int) -> int:
+    """The part size of a ``total``-byte multipart upload: ``PART_BYTES``, grown in whole MiB for a file that
+    would need more than S3's 10,000 parts (over 156 GiB). A verified read derives the same size."""
+    mib = 1 << 20
+    per = -(-total // _MAX_PARTS)  # the smallest part that fits in 10,000, rounded up to a MiB
+    return max(PART_BYTES, -(-per // mib) * mib)
 
 
 def b64(crc: int) -> str:
@@ -60,10 +69,10 @@ def expected_like(data: bytes | memoryview, server: str) -> str | None:
     if not sep:
         return b64(_crc32c.crc32c(data))
     view = memoryview(data).cast("B")
-    count = max(1, -(-len(view) // PART_BYTES))
-    if not n.isdigit() or int(n) != count:
+    size = part_bytes(len(view))
+    if not n.isdigit() or int(n) != max(1, -(-len(view) // size)):
         return None
-    return composite([_crc32c.crc32c(view[i: i + PART_BYTES]) for i in range(0, max(len(view), 1), PART_BYTES)])
+    return composite([_crc32c.crc32c(view[i: i + size]) for i in range(0, max(len(view), 1), size)])
 
 
 def digest_rejected(e: BaseException) -> bool:
@@ -130,7 +139,8 @@ async def s3_multipart(fs: Any, deadline: Deadline, path: str, parts: Sequence[m
         return {"PartNumber": number, "ETag": out["ETag"], "ChecksumCRC32C": b64(crc)}, crc, len(body)
 
     try:
-        done = await asyncio.gather(*[one(i + 1, p) for i, p in enumerate(pieces(parts, PART_BYTES))])
+        size = part_bytes(sum(len(p) for p in parts))
+        done = await asyncio.gather(*[one(i + 1, p) for i, p in enumerate(pieces(parts, size))])
         out = await deadline.acall(f"complete_multipart_upload of {path}", s3(
             "complete_multipart_upload", UploadId=upload_id, MultipartUpload={"Parts": [d[0] for d in done]}))
     except BaseException:
