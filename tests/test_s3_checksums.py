@@ -150,3 +150,51 @@ def test_part_size_keeps_every_object_within_10000_parts() -> None:
     want = composite([crc32c(data[i:i + PART_BYTES]) for i in range(0, len(data), PART_BYTES)])
     assert want.endswith("-4") and expected_like(data, want) == want
     assert expected_like(data, want[:-2] + "-5") is None  # parts of another uploader's size: not checkable
+
+
+def test_put_damaged_in_flight_is_rejected_and_sent_again(tmp_path, s3_fault_proxy) -> None:
+    """Files up to 32 MiB are one PUT carrying the manifest's own CRC32C: damage in its body is caught too."""
+    url = s3_fault_proxy.fresh_url("damagedput")
+    remote = {"url": url, "storage_options": s3_fault_proxy.storage_options, "workers": 1}
+    state = {"w": torch.randn(1 << 20, generator=torch.Generator().manual_seed(4))}  # 4 MiB: one PUT
+    flip = FlipOnce(1 << 20)  # past the few request headers before it: inside a body
+    with Checkpointer(CheckpointConfig(root=str(tmp_path / "local"), remote=remote, staging={"mode": "eager"})) as ckpt:
+        s3_fault_proxy.proxy.rewrite = flip
+        ckpt.save(state, step=4).wait()
+        ckpt.wait()
+        s3_fault_proxy.proxy.rewrite = None
+        assert flip.flipped.is_set()
+        stats = ckpt.upload_checksums
+        assert stats is not None and stats.resent == 1 and stats.verified == 2
+        assert not any("-" in v for v in stats.objects.values())  # single PUTs: full-object checksums
+    fs = fsspec.filesystem("s3", **s3_fault_proxy.server.storage_options)
+    assert _remote_files(fs, f"{url}/step-000000004") == _local_files(tmp_path / "local", "step-000000004")
+
+
+def test_local_file_changed_after_commit_is_not_uploaded(tmp_path, s3_server) -> None:
+    """The PUT carries the manifest's CRC32C, not one of the bytes read: a local file damaged after its commit
+    is refused by the store, and the remote copy is never committed."""
+    url = s3_server.fresh_url("tampered")
+    local = tmp_path / "local"
+    state = {"w": torch.randn(1 << 18, generator=torch.Generator().manual_seed(5))}
+    with Checkpointer(CheckpointConfig(root=str(local), staging={"mode": "eager"})) as ckpt:
+        ckpt.save(state, step=5).wait()
+    shard = next((local / "step-000000005").glob("shard-*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0x01  # one bit of the last tensor byte, in place: same size
+    shard.write_bytes(bytes(data))
+    remote = {"url": url, "storage_options": s3_server.storage_options}
+    with Checkpointer(CheckpointConfig(root=str(local), remote=remote, staging={"mode": "eager"},
+                                       network={"retries": 1, "backoff_s": 0.01})) as ckpt:
+        assert len(ckpt.resumed_uploads) == 1  # the new Checkpointer uploads what was never uploaded
+        err: BaseException | None = None
+        for h in ckpt.resumed_uploads:
+            try:
+                h.wait_uploaded()
+            except Exception as e:  # noqa: BLE001 - checked below
+                err = e
+        assert "do not match the CRC32C sent" in str(err) and shard.name in str(err)
+        stats = ckpt.upload_checksums
+        assert stats is not None and not any(p.endswith(shard.name) for p in stats.objects)
+    fs = fsspec.filesystem("s3", **s3_server.storage_options)
+    assert not fs.exists(f"{url.removeprefix('s3://')}/step-000000005/manifest.json")

@@ -19,6 +19,7 @@ from typing import Any, Awaitable, Callable, Sequence
 import crc32c as _crc32c
 
 from .deadline import Deadline, describe
+from ..errors import IntegrityError
 
 __all__ = ["ObjectChecksum", "PART_BYTES", "b64", "composite", "digest_rejected", "expected_like", "part_bytes", "s3_put",
            "s3_multipart", "pieces"]
@@ -94,8 +95,13 @@ async def _resending(what: str, deadline: Deadline, send: Callable[[], Awaitable
         try:
             return await deadline.acall(what, send)
         except Exception as e:
-            if not digest_rejected(e) or n == deadline.retries:
+            if not digest_rejected(e):
                 raise
+            if n == deadline.retries:
+                raise IntegrityError(
+                    f"the store rejected {what} {n + 1} times: its bytes do not match the CRC32C sent with them. "
+                    "Either the source changed after its checksum was taken (run `fastckpt verify` on it) or the "
+                    "network damages every attempt") from e
             sent[0] += 1
             log.warning("fastckpt: the store rejected %s as damaged in flight (%s); sending it again (%d of %d)",
                         what, describe(e), n + 1, deadline.retries)
