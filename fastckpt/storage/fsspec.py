@@ -92,9 +92,10 @@ class FsspecStorage:
             p = self._p(path)
             with _backend_errors("uploading", path, "wrap", self._deadline):
                 if total > 2 * PART_BYTES:
-                    return sync(self.fs.loop, s3_multipart, self.fs, self._deadline, p, parts)  # type: ignore[no-any-return]
-                return sync(self.fs.loop, s3_put, self.fs, self._deadline, p,  # type: ignore[no-any-return]
-                            b"".join(parts), crc32c)
+                    out = sync(self.fs.loop, s3_multipart, self.fs, self._deadline, p, parts)
+                else:
+                    out = sync(self.fs.loop, s3_put, self.fs, self._deadline, p, b"".join(parts), crc32c)
+            return out if isinstance(out, ObjectChecksum) else None
         if getattr(self.fs, "async_impl", False) and total <= 2 * PART_BYTES:
             self._call("uploading", path, "pipe_file", self._p(path), b"".join(parts))  # one PUT
         else:  # streamed through the backend's file writer: one deadline per 32 MiB

@@ -21,8 +21,8 @@ import crc32c as _crc32c
 from .deadline import Deadline, describe
 from ..errors import IntegrityError
 
-__all__ = ["ObjectChecksum", "PART_BYTES", "b64", "composite", "digest_rejected", "expected_like", "part_bytes", "s3_put",
-           "s3_multipart", "pieces"]
+__all__ = ["ObjectChecksum", "PART_BYTES", "b64", "composite", "digest_rejected", "expected_like", "part_bytes",
+           "pieces", "s3_multipart", "s3_put"]
 
 log = logging.getLogger("fastckpt")
 
@@ -66,7 +66,7 @@ def composite(crcs: Sequence[int]) -> str:
 def expected_like(data: bytes | memoryview, server: str) -> str | None:
     """The checksum of ``data`` in the form of the store's ``server`` value (full object, or composite of
     ``PART_BYTES`` parts); None when ``server`` is a composite of parts of another size (another uploader)."""
-    body, sep, n = server.partition("-")
+    _, sep, n = server.partition("-")
     if not sep:
         return b64(_crc32c.crc32c(data))
     view = memoryview(data).cast("B")
