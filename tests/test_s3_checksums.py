@@ -71,7 +71,7 @@ def _local_files(root: Path, name: str) -> dict[str, bytes]:
 def test_part_damaged_in_flight_is_rejected_and_sent_again(tmp_path, s3_fault_proxy) -> None:
     url = s3_fault_proxy.fresh_url("damaged")
     remote = {"url": url, "storage_options": s3_fault_proxy.storage_options, "workers": 1}
-    flip = FlipOnce(_PART + (3 << 20))  # inside the second part of the 40 MiB shard (not in a header)
+    flip = FlipOnce(_PART + (3 << 20))  # 19 MiB in: inside a part's body (a request's headers are ~1 KB)
     state = _state(1)
     with Checkpointer(CheckpointConfig(root=str(tmp_path / "local"), remote=remote, staging={"mode": "eager"})) as ckpt:
         s3_fault_proxy.proxy.rewrite = flip
@@ -112,6 +112,7 @@ def test_store_that_ignores_checksums_is_reported_and_upload_goes_on(tmp_path, s
         local = _local_files(tmp_path / "local", "step-000000002")
         assert stats is not None and stats.verified == 0 and stats.ignored == len(local) - 1 == 2
         assert not stats.objects
+        assert ckpt.remote_storage is not None and ckpt.remote_storage.checksums_ignored == 3  # the manifest too
     s3_fault_proxy.proxy.rewrite = None
     fs = fsspec.filesystem("s3", **s3_fault_proxy.server.storage_options)
     assert _remote_files(fs, f"{url}/step-000000002") == local

@@ -55,6 +55,7 @@ class FsspecStorage:
         self.fs = fs
         self.url = f"{self._protocol}://{path}" if "://" in url else path
         self._workers = workers
+        self.checksums_ignored = 0  # S3 writes the store returned no checksum for (it ignores the headers)
 
     def _p(self, path: str) -> str:
         return path.split("://", 1)[1] if "://" in path else path
@@ -95,6 +96,8 @@ class FsspecStorage:
                     out = sync(self.fs.loop, s3_multipart, self.fs, self._deadline, p, parts)
                 else:
                     out = sync(self.fs.loop, s3_put, self.fs, self._deadline, p, b"".join(parts), crc32c)
+            if isinstance(out, ObjectChecksum) and out.returned is None:
+                self._note_ignored(path)
             return out if isinstance(out, ObjectChecksum) else None
         if getattr(self.fs, "async_impl", False) and total <= 2 * PART_BYTES:
             self._call("uploading", path, "pipe_file", self._p(path), b"".join(parts))  # one PUT
@@ -106,6 +109,15 @@ class FsspecStorage:
                     partial(self._stream, self._p(path), parts), t * scale, "fastckpt-net-write"),
                     retry_timeouts=False)
         return None
+
+    def _note_ignored(self, path: str) -> None:
+        """Count (``checksums_ignored``) and say once that the store returns no checksum: it does not check the
+        bytes it receives. The writes go on; the manifest's CRC32C still checks every read."""
+        self.checksums_ignored += 1
+        if self.checksums_ignored == 1:
+            log.warning("fastckpt: the store of %s returned no checksum for %s: it ignores x-amz-checksum-crc32c, "
+                        "so it does not check the bytes it receives (writes go on; the manifest's CRC32C still checks "
+                        "every read)", self.url, path)
 
     def object_checksum(self, path: str) -> str | None:
         """The CRC32C the store keeps for the object ``path`` (S3's form, ``s3checksum.py``), or None (another

@@ -111,13 +111,13 @@ async def _resending(what: str, deadline: Deadline, send: Callable[[], Awaitable
 async def s3_put(fs: Any, deadline: Deadline, path: str, data: bytes, crc: int | None = None) -> ObjectChecksum:
     """One PutObject of ``data`` carrying its CRC32C (``crc`` when the caller has it, else computed)."""
     bucket, key, _ = fs.split_path(path)
-    value = b64(_crc32c.crc32c(data) if crc is None else crc)
+    crc = _crc32c.crc32c(data) if crc is None else crc
+    value = b64(crc)
     resent = [0]
     out = await _resending(f"PUT of {path}", deadline, lambda: fs._call_s3(
         "put_object", Bucket=bucket, Key=key, Body=data, ChecksumAlgorithm="CRC32C", ChecksumCRC32C=value), resent)
     fs.invalidate_cache(path)
-    return ObjectChecksum(value, out.get("ChecksumCRC32C"), [(crc if crc is not None else _crc32c.crc32c(data),
-                                                             len(data))], resent[0])
+    return ObjectChecksum(value, out.get("ChecksumCRC32C"), [(crc, len(data))], resent[0])
 
 
 async def s3_multipart(fs: Any, deadline: Deadline, path: str, parts: Sequence[memoryview]) -> ObjectChecksum:

@@ -4,11 +4,10 @@ The storage sends every PUT and part with its CRC32C (``storage/s3checksum.py``)
 part damaged in flight. Here, after each file is up, the part CRCs sent are combined and compared with the
 manifest's CRC32C (the bytes sent are the bytes committed), and the store's returned checksum with the one sent
 (the store kept what was sent). A store that returns no checksum ignores the headers: that is counted in
-``ChecksumStats.ignored`` and logged once, and the upload goes on, unverified by the store.
+``ChecksumStats.ignored`` (the storage logs it once), and the upload goes on, unverified by the store.
 """
 from __future__ import annotations
 
-import logging
 import threading
 from dataclasses import dataclass, field
 
@@ -17,8 +16,6 @@ from ..format.checksum import combine
 from ..storage.s3checksum import ObjectChecksum
 
 __all__ = ["ChecksumStats"]
-
-log = logging.getLogger("fastckpt")
 
 
 @dataclass
@@ -49,16 +46,10 @@ class ChecksumStats:
             raise IntegrityError(
                 f"{path}: the store answered checksum {got.returned!r} for the object, but {got.sent!r} was sent: "
                 "it did not keep the bytes sent; upload the checkpoint again (Checkpointer.upload)")
-        with self._lock:
+        with self._lock:  # the storage logged it once (storage/fsspec.py): counted here
             self.resent += got.resent
             if got.returned is None:
-                first = not self.ignored
                 self.ignored += 1
             else:
-                first = False
                 self.verified += 1
                 self.objects[path] = got.returned
-        if first:
-            log.warning("fastckpt: the store at %s returned no checksum for the upload: it ignores "
-                        "x-amz-checksum-crc32c, so it does not check the bytes it receives (uploads go on; the "
-                        "manifest's CRC32C still checks every read)", path)
