@@ -12,8 +12,8 @@ from its mapping to the remote ``Storage.write_file`` on the ``fastckpt-up-<n>``
 come from the manifest, nothing is read back. On S3 every PUT and part carries its CRC32C,
 and what the store answers is checked against the manifest (``remotesums.py``, ``checksums``).
 Then the same manifest bytes are written last with ``write_atomic``: the remote commit, so
-the remote copy exists only once it is complete. A failed upload removes the files it wrote (best effort) and never writes the
-manifest; the local checkpoint stays committed. Remote retention (``remote.keep_last``)
+the remote copy exists only once it is complete. A failed upload removes the files it wrote
+(best effort) and never writes the manifest; the local checkpoint stays committed. Remote retention (``remote.keep_last``)
 runs after each upload. Remote deletions travel through the same queue, so they run
 behind the uploads submitted before them.
 
