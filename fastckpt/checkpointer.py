@@ -14,7 +14,7 @@ import torch
 from .config import CheckpointConfig
 from .engine.distributed import Coordinator
 from .engine.exithook import register_exit_hook
-from .engine.futures import remaining, resolved
+from .engine.futures import raise_if_left, remaining, resolved
 from .engine.handle import SaveHandle, SaveStats
 from .engine.pipeline import Job
 from .engine.preempt import Preemption
@@ -34,6 +34,7 @@ from .tiers.catalog import Catalog
 from .tiers.claim import RootClaim
 from .tiers.recovery import recover
 from .tiers.remote import RemoteTier
+from .tiers.remotesums import ChecksumStats
 from .tiers.runs import Cadenced, RootCadence
 from .tiers.shm import ShmTier
 from .tiers.shm_load import load_from_shm
@@ -159,12 +160,7 @@ class Checkpointer(Cadenced):
         pending = self._flush("wait() blocks on it", timeout)
         uploads = self._tiers.wait_uploads(deadline, self._after_saves)
         self._saver.raise_pending()
-        left = [f"save {h.name!r}" for h in pending if not h.durable.done()] + uploads
-        if left:
-            raise CheckpointTimeoutError(
-                f"Checkpointer.wait(timeout={timeout}) expired with {', '.join(left)} still pending; they go on in "
-                "the background: call wait() again, or check the storage (a stalled write fails after "
-                "network.timeout_s on an fsspec storage)")
+        raise_if_left([f"save {h.name!r}" for h in pending if not h.durable.done()] + uploads, timeout)
 
     def _flush(self, why: str, timeout: float | None) -> list[SaveHandle]:
         """Wait (at most ``timeout``) for the saves pending now (returned), their threads at the caller's priority."""
@@ -294,6 +290,10 @@ class Checkpointer(Cadenced):
     def stats(self) -> list[SaveStats]:
         """The figures of every finished save (committed or skipped), oldest first."""
         return self._saver.stats
+
+    @property
+    def upload_checksums(self) -> ChecksumStats | None:  # what the store verified of the uploads (rank 0)
+        return None if self._uploader is None else self._uploader.checksums
 
     @property
     def counters(self) -> dict[str, int]:

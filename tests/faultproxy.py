@@ -8,6 +8,7 @@
         proxy.cut_download_after(1 << 20) # ... or after 1 MiB more of download (a GET dies mid-body)
         proxy.cut.wait(timeout=10)        # ... set once that cut happened
         proxy.pass_through()              # healthy again
+        proxy.rewrite = fn                # fn(data, upload) -> data: every chunk passes through it
 
 Every change of mode to `refuse` or `blackhole` also resets the connections already open:
 HTTP clients keep connections alive in a pool, and a fault that spared them would not be one.
@@ -25,6 +26,7 @@ import selectors
 import socket
 import struct
 import threading
+from typing import Callable
 
 HOST = "127.0.0.1"
 _BUFSIZE = 64 * 1024
@@ -49,6 +51,9 @@ class FaultProxy:
         self.accepted = 0             # connections accepted in any mode
         self.bytes_up = 0             # client -> server bytes forwarded
         self.cuts = 0                 # connections reset by an upload or download budget
+        # Called by the pumps with each chunk read and its direction (True: client -> server); what it
+        # returns is forwarded instead (damage in flight, headers a store does not know). None: untouched.
+        self.rewrite: Callable[[bytes, bool], bytes] | None = None
         self._lock = threading.Lock()
         self._mode = Mode.PASS
         self._budget = 0
@@ -283,6 +288,9 @@ class _Relay:
                     if not self._aborted:
                         dst.shutdown(socket.SHUT_WR)  # pass the half-close on
                     break
+                rewrite = self._proxy.rewrite
+                if rewrite is not None:
+                    data = rewrite(data, upload)
                 cut = False
                 if upload or self._proxy.mode is Mode.CUT_DOWNLOAD:
                     allowed, cut = self._proxy._allow(len(data), upload)

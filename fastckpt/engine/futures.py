@@ -10,7 +10,9 @@ import time
 from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
-__all__ = ["settle", "copy_outcome", "succeeded", "remaining", "resolved"]
+from ..errors import CheckpointTimeoutError
+
+__all__ = ["settle", "copy_outcome", "succeeded", "remaining", "resolved", "raise_if_left"]
 
 
 def resolved(result: Any = None) -> Future:
@@ -24,6 +26,15 @@ def remaining(deadline: float | None) -> float | None:
     """The seconds left until the ``time.monotonic()`` ``deadline`` (never negative), None for no deadline: what
     is left of one caller's timeout for the next of several waits."""
     return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def raise_if_left(left: list[str], timeout: float | None) -> None:
+    """``Checkpointer.wait(timeout)``'s verdict: ``CheckpointTimeoutError`` naming what is still pending, if any."""
+    if left:
+        raise CheckpointTimeoutError(
+            f"Checkpointer.wait(timeout={timeout}) expired with {', '.join(left)} still pending; they go on in "
+            "the background: call wait() again, or check the storage (a stalled write fails after "
+            "network.timeout_s on an fsspec storage)")
 
 
 def settle(fut: Future, *, result: Any = None, exc: BaseException | None = None) -> None:

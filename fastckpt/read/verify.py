@@ -16,6 +16,7 @@ from ..format.layout import LAYOUT_FILES, MANIFEST, check_shard_header, parse_ma
 from .loader import CheckpointReader
 from ..format.paths import confine
 from ..storage.protocol import Storage
+from ..storage.s3checksum import expected_like
 from ..format.table import TableEntry, check_table
 
 __all__ = ["verify_checkpoint"]
@@ -76,7 +77,22 @@ def _read(storage: Storage, dirpath: str, name: str, rec: dict[str, int], proble
         return None
     if crc32c(data) != rec["crc32c"]:
         problems.append(f"{path}: checksum mismatch (CRC32C {crc32c(data):#010x}, manifest {rec['crc32c']:#010x})")
+    _check_stored(storage, path, data, problems)
     return data
+
+
+def _check_stored(storage: Storage, path: str, data: bytes, problems: list[str]) -> None:
+    """The checksum an S3 store keeps for the object (``storage/s3checksum.py``) against the bytes read."""
+    stored = getattr(storage, "object_checksum", None)
+    try:
+        server = stored(path) if stored is not None else None
+    except FastCkptError as e:
+        problems.append(f"{path}: the store's checksum could not be read: {e}")
+        return
+    expected = expected_like(data, server) if server is not None else None
+    if expected is not None and expected != server:
+        problems.append(f"{path}: the store keeps checksum {server!r} for the object but its bytes give {expected!r}: "
+                        "the object is not what was uploaded; upload the checkpoint again")
 
 
 def _check_shard(path: str, data: bytes, rows: list[TableEntry], problems: list[str]) -> None:

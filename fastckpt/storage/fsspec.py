@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from ..config import NetworkOptions
 from .deadline import Deadline, describe, in_thread, storage_error
+from .s3checksum import PART_BYTES, ObjectChecksum, s3_multipart, s3_put
 from .tempmark import mark_bytes, mark_name, temp_basename
 from ..errors import StorageError
 
@@ -24,8 +25,6 @@ __all__ = ["FsspecStorage"]
 log = logging.getLogger("fastckpt")
 
 _READ_PIECE = 16 * 1024 * 1024  # ranged-read size for remote loads
-_S3_PART = 16 * 1024 * 1024  # multipart part size (S3 minimum is 5 MiB)
-_S3_CONCURRENCY = 8  # parts of one file in flight at once
 _OBJECT_STORES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "memory")  # objects appear whole: no rename
 
 
@@ -56,6 +55,7 @@ class FsspecStorage:
         self.fs = fs
         self.url = f"{self._protocol}://{path}" if "://" in url else path
         self._workers = workers
+        self.checksums_ignored = 0  # S3 writes the store returned no checksum for (it ignores the headers)
 
     def _p(self, path: str) -> str:
         return path.split("://", 1)[1] if "://" in path else path
@@ -80,63 +80,68 @@ class FsspecStorage:
             return self._deadline.call(f"{op} {path}", attempt)
 
     def write_file(self, path: str, parts: Sequence[memoryview]) -> None:
+        self.write_checked(path, parts)
+
+    def write_checked(self, path: str, parts: Sequence[memoryview], crc32c: int | None = None) -> ObjectChecksum | None:
+        """``write_file`` that, on S3, sends every PUT and part with its CRC32C (``crc32c``: the whole file's,
+        when the caller has it) so the store rejects bytes damaged in flight (``s3checksum.py``); returns what
+        was sent and what the store answered, or None on a store without S3 checksums."""
         total = sum(len(p) for p in parts)
-        if self._protocol in ("s3", "s3a") and total > 2 * _S3_PART:
+        if self._protocol in ("s3", "s3a"):
+            from fsspec.asyn import sync
+
+            p = self._p(path)
             with _backend_errors("uploading", path, "wrap", self._deadline):
-                self._s3_multipart(self._p(path), parts)
-        elif getattr(self.fs, "async_impl", False) and total <= 2 * _S3_PART:
+                if total > 2 * PART_BYTES:
+                    out = sync(self.fs.loop, s3_multipart, self.fs, self._deadline, p, parts)
+                else:
+                    out = sync(self.fs.loop, s3_put, self.fs, self._deadline, p, b"".join(parts), crc32c)
+            if isinstance(out, ObjectChecksum) and out.returned is None:
+                self._note_ignored(path)
+            return out if isinstance(out, ObjectChecksum) else None
+        if getattr(self.fs, "async_impl", False) and total <= 2 * PART_BYTES:
             self._call("uploading", path, "pipe_file", self._p(path), b"".join(parts))  # one PUT
         else:  # streamed through the backend's file writer: one deadline per 32 MiB
-            scale = max(1, -(-total // (2 * _S3_PART)))
+            scale = max(1, -(-total // (2 * PART_BYTES)))
             with _backend_errors("uploading", path, "wrap", self._deadline):
                 # an abandoned attempt may still read ``parts``, which the caller reuses once this fails
                 self._deadline.call(f"uploading {path}", lambda t: in_thread(
                     partial(self._stream, self._p(path), parts), t * scale, "fastckpt-net-write"),
                     retry_timeouts=False)
+        return None
+
+    def _note_ignored(self, path: str) -> None:
+        """Count (``checksums_ignored``) and say once that the store returns no checksum: it does not check the
+        bytes it receives. The writes go on; the manifest's CRC32C still checks every read."""
+        self.checksums_ignored += 1
+        if self.checksums_ignored == 1:
+            log.warning("fastckpt: the store of %s returned no checksum for %s: it ignores x-amz-checksum-crc32c, "
+                        "so it does not check the bytes it receives (writes go on; the manifest's CRC32C still checks "
+                        "every read)", self.url, path)
+
+    def object_checksum(self, path: str) -> str | None:
+        """The CRC32C the store keeps for the object ``path`` (S3's form, ``s3checksum.py``), or None (another
+        store, or an object uploaded without one): what a verified read compares the bytes with."""
+        if self._protocol not in ("s3", "s3a"):
+            return None
+        from fsspec.asyn import sync
+
+        fs = self.fs
+        bucket, key, _ = fs.split_path(self._p(path))
+        head = self._deadline.call(f"stat of {path}", lambda t: sync(
+            fs.loop, fs._call_s3, "head_object", Bucket=bucket, Key=key, ChecksumMode="ENABLED", timeout=t))
+        value = head.get("ChecksumCRC32C")
+        return str(value) if value else None
 
     def _stream(self, path: str, parts: Sequence[memoryview]) -> None:
         with self.fs.open(path, "wb", block_size=64 << 20) as f:
             for part in parts:
                 f.write(part)
 
-    def _s3_multipart(self, path: str, parts: Sequence[memoryview]) -> None:
-        """One multipart upload whose parts go up concurrently (s3fs's file writer sends them one by one).
-
-        Each request (create, every part, complete, abort) has its own deadline and retries."""
-        import asyncio
-
-        from fsspec.asyn import sync
-
-        fs, dl = self.fs, self._deadline
-        bucket, key, _ = fs.split_path(path)
-
-        def s3(method: str, **kw: Any) -> Any:
-            return dl.acall(f"{method} of {path}", lambda: fs._call_s3(method, Bucket=bucket, Key=key, **kw))
-
-        async def upload() -> None:
-            mpu = await s3("create_multipart_upload")
-            gate = asyncio.Semaphore(_S3_CONCURRENCY)
-
-            async def one(number: int, piece: memoryview) -> dict[str, Any]:
-                async with gate:  # at most _S3_CONCURRENCY bodies copied out at once
-                    out = await s3("upload_part", PartNumber=number, UploadId=mpu["UploadId"],
-                                   Body=bytes(piece))  # botocore wants bytes
-                return {"PartNumber": number, "ETag": out["ETag"]}
-
-            try:
-                done = await asyncio.gather(*[one(i + 1, p) for i, p in enumerate(_pieces(parts, _S3_PART))])
-                await s3("complete_multipart_upload", UploadId=mpu["UploadId"], MultipartUpload={"Parts": list(done)})
-            except BaseException:
-                try:  # no orphaned parts billed forever (best effort: the endpoint may be what failed)
-                    await s3("abort_multipart_upload", UploadId=mpu["UploadId"])
-                except Exception as e:  # noqa: BLE001 - the upload's own error is the one to raise
-                    log.warning("fastckpt: could not abort the multipart upload of %s: %s", path, describe(e))
-                raise
-
-        sync(fs.loop, upload)
-        fs.invalidate_cache(path)
-
     def write_atomic(self, path: str, data: bytes) -> None:
+        if self._protocol in ("s3", "s3a"):
+            self.write_checked(path, [memoryview(data)])  # one checked PUT: whole or not at all
+            return
         self._call("committing", path, "pipe_file", self._p(path), data)  # one PUT: whole or not at all
 
     def write_file_atomic(self, path: str, parts: Sequence[memoryview]) -> None:
@@ -311,25 +316,3 @@ def _backend_errors(op: str, path: str, missing: str = "wrap", deadline: Deadlin
             raise storage_error(op, path, e, deadline) from e
     except Exception as e:
         raise storage_error(op, path, e, deadline) from e
-
-
-def _pieces(parts: Sequence[memoryview], size: int) -> list[memoryview]:
-    """Cut the concatenation of ``parts`` into ``size``-byte pieces (the last may be shorter)."""
-    out: list[memoryview] = []
-    carry = b""
-    for part in parts:
-        part = memoryview(part).cast("B")
-        if carry:
-            need = size - len(carry)
-            carry += bytes(part[:need])
-            part = part[need:]
-            if len(carry) < size:
-                continue
-            out.append(memoryview(carry))
-            carry = b""
-        whole = len(part) - len(part) % size
-        out.extend(part[i: i + size] for i in range(0, whole, size))
-        carry = bytes(part[whole:])
-    if carry:
-        out.append(memoryview(carry))
-    return out
