@@ -20,6 +20,7 @@ _EXPORTS = {
     "RetentionOptions": ".config",
     "RemoteOptions": ".config",
     "NetworkOptions": ".config",
+    "HealthOptions": ".config",
     "SaveHandle": ".engine.handle",
     "SaveStats": ".engine.handle",
     "CheckpointInfo": ".format.layout",
@@ -42,6 +43,7 @@ _EXPORTS = {
     "StateMismatchError": ".errors",
     "UnsafeCheckpointError": ".errors",
     "SnapshotMutatedError": ".errors",
+    "StaleCheckpointWarning": ".errors",
 }
 
 __all__ = list(_EXPORTS)
@@ -67,11 +69,11 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # type checkers and IDEs see the eager imports
     from .checkpointer import Checkpointer
     from .engine.saver import WatchHandle
-    from .config import (CheckpointConfig, NetworkOptions, PersistOptions, RemoteOptions, RetentionOptions,
-                         StagingOptions)
+    from .config import (CheckpointConfig, HealthOptions, NetworkOptions, PersistOptions, RemoteOptions,
+                         RetentionOptions, StagingOptions)
     from .errors import (CheckpointNotFoundError, CheckpointTimeoutError, ConfigError, FastCkptError,
                          IntegrityError, SnapshotMutatedError, StateMismatchError, StorageError,
-                         UnsafeCheckpointError)
+                         StaleCheckpointWarning, UnsafeCheckpointError)
     from .format.layout import CheckpointInfo
     from .engine.handle import SaveHandle, SaveStats
     from .read.consolidate import consolidate

@@ -174,6 +174,7 @@ class Checkpointer:
     # ---- background callbacks (committer and upload threads) --------------------------
 
     def _on_commit(self, job: Job, info: CheckpointInfo) -> None:
+        self._saver.stale.committed(job)  # parameters unchanged across optimizer steps: warned once
         if not job.file_format.catalogued:  # a framework's file (save_file): not in the catalog, retention or remote
             self._saver.settle(job.handle)
             return
@@ -198,9 +199,9 @@ class Checkpointer:
         self._check_open()
         return self._tiers.list()
 
-    def latest(self) -> int | None:
-        """Newest committed step, or None."""
-        return max((i.step for i in self.list()), default=None)
+    def latest(self, *, healthy: bool = False) -> int | None:
+        """Newest committed step, or None; ``healthy=True``: the newest whose tensors hold no NaN or Inf."""
+        return max((i.step for i in self.list() if i.healthy or not healthy), default=None)
 
     def exists(self, name: str) -> bool:
         """Whether a checkpoint named ``name`` is committed (locally or on the remote tier)."""
@@ -225,9 +226,11 @@ class Checkpointer:
                                 coord=self._coord)
 
     def _read(self, step: int | None, name: str | None, use: Callable[[CheckpointReader], Any],
-              shm: Callable[[CheckpointReader], Any] | None = None) -> Any:
+              shm: Callable[[CheckpointReader], Any] | None = None, healthy: bool = False) -> Any:
         """``use`` a reader (``shm``: a load from the shared-memory tier, nearest first), again if replaced meanwhile."""
         self._check_open()
+        if healthy:  # the newest checkpoint without NaN/Inf (tiers/union.py)
+            step, name = None, self._tiers.newest_healthy(step, None if name is None else checkpoint_name(name))
         storage, dirpath = self._locate(step, name)
 
         def run() -> Any:
@@ -244,16 +247,17 @@ class Checkpointer:
             # ranks read together (self._coord): one retrying alone would hang the others
             return run() if self._coord is not None else read_consistently(storage, dirpath, run)
 
-    def load(self, step: int | None = None, *, name: str | None = None, map_location: Any = None) -> Any:
-        """Rebuild a saved state (the latest committed by default); tensors on CPU unless ``map_location``."""
+    def load(self, step: int | None = None, *, name: str | None = None, map_location: Any = None, healthy: bool = False) -> Any:
+        """Rebuild a saved state (the latest committed by default); tensors on CPU unless ``map_location``.
+        ``healthy=True``: the newest checkpoint (at ``step``) whose tensors hold no NaN or Inf."""
         from_shm = None if map_location is not None else lambda reader: load_from_shm(self._shm, reader)
-        return self._read(step, name, lambda reader: reader.load(map_location), from_shm)
+        return self._read(step, name, lambda reader: reader.load(map_location), from_shm, healthy)
 
-    def load_into(self, target: Any, step: int | None = None, *, name: str | None = None) -> Any:
+    def load_into(self, target: Any, step: int | None = None, *, name: str | None = None, healthy: bool = False) -> Any:
         """Copy a saved state into ``target``'s tensors in place (after pending lazy copies have read them)."""
         self.wait_staged()
         return self._read(step, name, lambda reader: reader.load_into(target),
-                          lambda reader: load_from_shm(self._shm, reader, target))
+                          lambda reader: load_from_shm(self._shm, reader, target), healthy)
 
     def delete(self, name: str) -> Future:
         """Delete a committed checkpoint (both copies, with a remote tier) after every save (and upload)

@@ -25,6 +25,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import FastCkptError, StorageError
+from ..format.health import HealthPart, measured, shard_health, summarize, value_dtype
 from ..format.layout import CheckpointInfo
 from ..format.openlayout import OPEN_LAYOUT
 from ..format.plan import Plan, Shard
@@ -72,6 +73,9 @@ class Job:
     file_format: FileFormat = OPEN_LAYOUT  # the open layout, or a framework's file(s)
     version_src: list[Any] | None = None  # what the mutation guard watches, per tensor (default: the tensors)
     shared: SharedFileWrite | None = None  # one file written by every rank: its commit protocol on this rank
+    health: dict[str, Any] | None = None  # health.enabled: each staged tensor's statistics by key (I/O workers)
+    health_doc: dict[str, Any] | None = None  # their summary (format/health.py), set by the committer
+    stale_mark: Any = None  # engine/stale.py: optimizer steps before this save, and its parameter keys
 
     # what a FileFormat reads of a save (format/protocol.py's Snapshot)
     @property
@@ -223,6 +227,8 @@ class Pipeline:
                 host_wait(events)  # blocking events: this worker sleeps until the DMA has filled the buffer
                 job.copied_at[shard.index] = time.perf_counter()
             buf = job.slot.held(shard)
+            if job.health is not None:  # measured here, on the staged copy: never on the training thread
+                job.health.update(shard_health(buf, shard.entries, job.keys, lambda e: value_dtype(fmt, e)))
             return fmt.write_shard(self.storage, job, shard, memoryview(buf.numpy())[: shard.nbytes])
         except BaseException as e:
             # Ring mode: the copier may be waiting for this very buffer; it must learn the snapshot is lost.
@@ -305,7 +311,8 @@ class Pipeline:
         """The distributed commit: gather to rank 0, rank 0 commits, everyone learns the verdict."""
         coord = self._coord
         assert coord is not None
-        merged, failed = coord.gather(results, error)
+        merged, failed = coord.gather(results + ([HealthPart(job.health)] if job.health is not None else []), error)
+        merged = measured(job, merged)  # rank 0: every rank's tensor statistics joined into job.health
         info = None
         if coord.rank == 0 and failed is None:
             try:
@@ -336,6 +343,8 @@ class Pipeline:
 
     def _commit(self, job: Job, results: list[ShardResult]) -> CheckpointInfo:
         """The format publishes the checkpoint (the commit point); ``results``: every rank's written shards."""
+        if job.health is not None:
+            job.health_doc = summarize(job.health, len(job.health) == len(set(job.keys)))
         info, wrote = job.file_format.commit(self.storage, job, results, lambda: self._staged_views(job, results),
                                              self._writers())
         job.handle.stats.nbytes = info.nbytes

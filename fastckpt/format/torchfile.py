@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ..errors import IntegrityError
+from .health import SIDECAR_SUFFIX, sidecar_bytes, storage_dtype
 from .layout import CheckpointInfo, FileRecord
 # the reading side lives in zipdir; its public checks are re-exported here, where integrations have always found them
 from .zipdir import (DESC_SIG, Sparse, central_entries, crc_less, data_offset, is_zip, record_spans,
@@ -198,6 +199,10 @@ class TorchFileFormat:
         sources = [w[1] if w else t for w, t in zip(where, tensors)]
         return cls(layout, path), tensors, keys, sources
 
+    def value_dtype(self, entry: Any) -> torch.dtype:
+        """The dtype of a staged record's values (its health statistics): the storage type torch pickled."""
+        return storage_dtype(self.layout.records[entry.index].dtype)
+
     def checksum(self, data: memoryview, entries: Any) -> dict[int, int]:
         """Called by an I/O worker once a shard is staged: the CRC-32 of each record it holds."""
         return {e.index: _crc32(data[e.offset:e.offset + e.nbytes]) & 0xFFFFFFFF for e in entries}
@@ -211,8 +216,15 @@ class TorchFileFormat:
         """``FileFormat``: called by the committer; writes the file under a temporary name, then renames it (the
         commit point)."""
         views, crcs = staged()
+        health = snap.health_doc
+        sidecar = self.path + SIDECAR_SUFFIX
+        if health is not None:
+            storage.delete(sidecar)  # an older file's: gone before this file takes the name (a crash: no record)
         size = self.write(storage, views, crcs)
-        return CheckpointInfo(snap.name, snap.step, self.path, size), size
+        if health is not None:  # beside the file, never inside it: torch.load reads the file unchanged
+            storage.write_atomic(sidecar, sidecar_bytes(health, snap.step, size))
+        return CheckpointInfo(snap.name, snap.step, self.path, size, healthy=None if health is None
+                              else health["healthy"]), size
 
     def discard(self, storage: Any, snap: Any) -> None:
         """``FileFormat``: nothing to remove; ``write_file_atomic`` leaves nothing behind when it fails."""

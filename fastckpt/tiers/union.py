@@ -185,6 +185,21 @@ class CatalogUnion:
         union.update((i.name, i) for i in local)
         return sorted(union.values(), key=lambda i: (i.step, i.name)), names
 
+    def newest_healthy(self, step: int | None, name: str | None) -> str:
+        """The name of the newest checkpoint whose health record shows no NaN or Inf (at ``step`` when given;
+        ``name`` itself when given and healthy). Raises ``CheckpointNotFoundError`` saying what was found."""
+        infos = [i for i in self.list() if (step is None or i.step == step) and (name is None or i.name == name)]
+        good = [i for i in infos if i.healthy]
+        if good:
+            return good[-1].name
+        sick = [i.name for i in infos if i.healthy is False]
+        raise CheckpointNotFoundError(
+            f"no healthy committed checkpoint{'' if step is None else f' at step {step}'}"
+            f"{'' if name is None else f' named {name!r}'} under {self.local.storage.url}: {len(infos)} found, "
+            f"{len(sick)} with NaN/Inf values ({', '.join(sick[-3:]) or 'none'}), the others not measured "
+            "(saved with health.enabled: false or by an older fastckpt). Load one by name or step without "
+            "healthy=True, or resume from scratch")
+
     def exists(self, name: str) -> bool:
         """Whether ``name`` is committed in either tier."""
         if self.local.info(name) is not None:

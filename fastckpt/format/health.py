@@ -1,0 +1,189 @@
+"""Health of a checkpoint: per tensor NaN/Inf counts, absolute max, L2 norm and a sampled content fingerprint.
+
+The I/O workers measure each tensor on the staged host copy (never the training thread), right before they write
+or checksum its shard; the committer sums them up (``summarize``) into the ``health`` field of the manifest (the
+open layout and a framework's folder) or into a sidecar file next to a torch file (``sidecar_name``), which
+``torch.load`` never opens. docs/FORMAT.md, "Health", documents the fields.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+import torch
+import xxhash
+
+from ..errors import IntegrityError
+
+__all__ = ["tensor_health", "summarize", "check_health", "healthy_of", "sidecar_name", "sidecar_bytes",
+           "parse_sidecar", "SIDECAR_SUFFIX", "fingerprints", "shard_health", "value_dtype", "HealthPart", "measured",
+           "storage_dtype"]
+
+SIDECAR_SUFFIX = ".fastckpt-health.json"
+_CHUNK = 1 << 22  # elements measured at once: bounds the float64 temporaries of a large tensor to 32 MiB
+_WINDOWS = 64  # sampled windows of the fingerprint...
+_WINDOW = 64  # ...of this many bytes each: 4 KiB read per tensor, whatever its size
+_COUNT_FIELDS = ("nan", "inf")
+
+
+def tensor_health(raw: torch.Tensor, dtype: torch.dtype) -> dict[str, Any]:
+    """Statistics of one staged tensor: ``raw`` holds its bytes (a flat uint8 CPU tensor), ``dtype`` its values'.
+
+    NaN and Inf counts, the absolute max and the L2 norm of the finite values (the norm summed in float64), and
+    ``fp``: an xxh3-64 of the size and of 64 evenly spread 64-byte windows (the whole tensor up to 4 KiB), cheap
+    enough for every tensor and enough to tell whether a tensor changed between two checkpoints.
+    """
+    nbytes = raw.numel()
+    nan = inf = 0
+    absmax = 0.0
+    squares = 0.0
+    values = _values(raw, dtype)
+    for start in range(0, values.numel(), _CHUNK):
+        chunk = values[start:start + _CHUNK]
+        if chunk.is_floating_point():
+            n, i = int(torch.isnan(chunk).sum()), int(torch.isinf(chunk).sum())
+            if n or i:
+                nan, inf = nan + n, inf + i
+                chunk = chunk[torch.isfinite(chunk)]
+        if chunk.numel():
+            absmax = max(absmax, float(chunk.abs().max().to(torch.float64)))
+            squares += float(torch.linalg.vector_norm(chunk, dtype=torch.float64)) ** 2
+    l2 = math.sqrt(squares)
+    return {"nan": nan, "inf": inf, "absmax": absmax if math.isfinite(absmax) else None,
+            "l2": l2 if math.isfinite(l2) else None, "fp": _fingerprint(raw.numpy(), nbytes)}
+
+
+def _values(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``raw``'s bytes as flat values the statistics can run on (float64 for what torch cannot reduce as is)."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    if raw.numel() % size or raw.storage_offset() % size:
+        return raw  # not a whole number of values (never planned so): measured as bytes
+    t = raw.view(dtype)
+    if t.is_complex():
+        return torch.view_as_real(t).reshape(-1)
+    if t.dtype == torch.bool:
+        return t.to(torch.uint8)
+    if t.is_floating_point() and t.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        return t.to(torch.float32)  # float8 kinds: no reductions of their own
+    if not t.is_floating_point() and t.dtype not in (torch.uint8, torch.int8, torch.int16, torch.int32):
+        return t.to(torch.float64)  # int64's abs() of its minimum overflows; unsigned kinds lack reductions
+    return t
+
+
+def _fingerprint(data: Any, nbytes: int) -> str:
+    h = xxhash.xxh3_64()
+    h.update(nbytes.to_bytes(8, "little"))
+    mv = memoryview(data)
+    if nbytes <= _WINDOWS * _WINDOW:
+        h.update(mv)
+    else:
+        last = nbytes - _WINDOW
+        for k in range(_WINDOWS):
+            at = k * last // (_WINDOWS - 1)
+            h.update(mv[at:at + _WINDOW])
+    return h.hexdigest()
+
+
+def summarize(per_tensor: dict[str, dict[str, Any]], complete: bool = True) -> dict[str, Any]:
+    """The ``health`` record of a checkpoint from its tensors' statistics (by key). ``complete``: every tensor was
+    measured (ranks sharing a checkpoint measure only their own shards: the others' keys are absent)."""
+    nan = sum(s["nan"] for s in per_tensor.values())
+    inf = sum(s["inf"] for s in per_tensor.values())
+    # an incomplete measurement proves nothing: a NaN may sit in a tensor nobody measured
+    return {"healthy": nan == 0 and inf == 0 and complete, "nan": nan, "inf": inf, "complete": complete,
+            "tensors": dict(sorted(per_tensor.items()))}
+
+
+def check_health(value: Any, source: str) -> dict[str, Any]:
+    """``value`` (a manifest's or a sidecar's ``health``) checked; IntegrityError names ``source`` and the field."""
+    if not isinstance(value, dict) or type(value.get("healthy")) is not bool:
+        raise IntegrityError(f"{source}: field 'health' must be an object with a boolean 'healthy'; the file is "
+                             "corrupt or crafted")
+    for field in _COUNT_FIELDS:
+        if type(value.get(field, 0)) is not int or value.get(field, 0) < 0:
+            raise IntegrityError(f"{source}: field 'health.{field}' is {value.get(field)!r:.80}, not a count")
+    if value["healthy"] and (value.get("nan", 0) or value.get("inf", 0)):
+        raise IntegrityError(f"{source}: field 'health' says healthy but counts NaN/Inf values; the file is "
+                             "corrupt or crafted")
+    if not isinstance(value.get("tensors", {}), dict):
+        raise IntegrityError(f"{source}: field 'health.tensors' is not an object")
+    return value
+
+
+def healthy_of(doc: dict[str, Any]) -> bool | None:
+    """A parsed manifest's verdict: True or False when measured, None when it carries none (older fastckpt,
+    or ``health.enabled: false``)."""
+    health = doc.get("health")
+    return None if health is None else bool(health["healthy"])
+
+
+def fingerprints(health: dict[str, Any] | None, keys: Iterable[str]) -> dict[str, str]:
+    """The content fingerprints of ``keys`` in a ``health`` record (those it measured)."""
+    tensors = (health or {}).get("tensors", {})
+    return {k: tensors[k]["fp"] for k in keys if isinstance(tensors.get(k), dict) and "fp" in tensors[k]}
+
+
+# ---- the sidecar of a torch file (Lightning's ``.ckpt``) -----------------------------------------------------
+
+
+def sidecar_name(file_name: str) -> str:
+    """The sidecar of the torch file ``file_name``: a JSON file beside it that ``torch.load`` and Lightning's
+    ``*.ckpt`` listings never see."""
+    return file_name + SIDECAR_SUFFIX
+
+
+def sidecar_bytes(health: dict[str, Any], step: int, size: int) -> bytes:
+    """The sidecar's content: the health record plus the file's step and size, so that a sidecar left beside
+    another file of the same name (a crash between the file's rename and its sidecar's) is told apart."""
+    return json.dumps({"format": "fastckpt-health", "step": step, "size": size, "health": health}).encode()
+
+
+def parse_sidecar(data: bytes, size: int, source: str) -> dict[str, Any] | None:
+    """The health record of a sidecar read from ``source``, or None when it belongs to another file (its size
+    differs from the file's ``size``); IntegrityError when malformed."""
+    try:
+        doc = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise IntegrityError(f"{source}: not valid JSON ({type(e).__name__}); delete the sidecar (the checkpoint "
+                             "beside it then has no health record)") from e
+    if not isinstance(doc, dict) or doc.get("format") != "fastckpt-health" or type(doc.get("size")) is not int:
+        raise IntegrityError(f"{source}: not a fastckpt health sidecar; delete it")
+    if doc["size"] != size:
+        return None
+    return check_health(doc.get("health"), source)
+
+
+def shard_health(raw: torch.Tensor, entries: Sequence[Any], keys: list[str], dtypes: Any) -> dict[str, Any]:
+    """Called by an I/O worker: the statistics of each tensor of one staged shard (``raw``: its uint8 buffer),
+    by key; ``dtypes(entry)``: the dtype of an entry's values."""
+    return {keys[e.index]: tensor_health(raw[e.offset:e.offset + e.nbytes], dtypes(e)) for e in entries}
+
+
+def value_dtype(fmt: Any, entry: Any) -> torch.dtype:
+    """The dtype of an entry's values: a torch file stages whole storages as bytes, and knows each one's type."""
+    of = getattr(fmt, "value_dtype", None)
+    return of(entry) if of is not None else entry.dtype
+
+
+def storage_dtype(type_name: str) -> torch.dtype:
+    """The dtype of a storage type torch pickles (``FloatStorage`` -> float32); bytes when unknown."""
+    dtype = getattr(getattr(torch, type_name, None), "dtype", None) if type_name.endswith("Storage") else None
+    return dtype if isinstance(dtype, torch.dtype) else torch.uint8
+
+
+@dataclass(frozen=True)
+class HealthPart:
+    """One rank's tensor statistics, travelling with its shard results to the committing rank (pickled)."""
+
+    tensors: dict[str, Any]
+
+
+def measured(job: Any, merged: list[Any]) -> list[Any]:
+    """On the committing rank: ``merged`` without the ``HealthPart`` items, whose statistics join ``job.health``."""
+    parts = [m for m in merged if isinstance(m, HealthPart)]
+    if job.health is not None:
+        for part in parts:
+            job.health.update(part.tensors)
+    return [m for m in merged if not isinstance(m, HealthPart)]
