@@ -79,8 +79,8 @@ class StaleWatch:
             return  # not every parameter measured: no verdict
         with self._lock:
             previous, self._previous = self._previous, (mark.steps, prints)
-        if previous is None or self.warned:
-            return
+        if previous is None or self.warned or not job.health_doc["healthy"]:
+            return  # a diverged run's parameters stay NaN, step after step: not a stale save
         steps = mark.steps - previous[0]
         if steps > 0 and previous[1] == prints:
             self.warned = True

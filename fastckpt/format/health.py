@@ -42,7 +42,9 @@ def tensor_health(raw: torch.Tensor, dtype: torch.dtype) -> dict[str, Any]:
     values = _values(raw, dtype)
     for start in range(0, values.numel(), _CHUNK):
         chunk = values[start:start + _CHUNK]
-        if chunk.is_floating_point():
+        if not chunk.is_floating_point():
+            chunk = chunk.to(torch.float64)  # integers: exact up to 2**53, and int64's minimum has an abs()
+        else:
             n, i = int(torch.isnan(chunk).sum()), int(torch.isinf(chunk).sum())
             if n or i:
                 nan, inf = nan + n, inf + i
@@ -56,19 +58,16 @@ def tensor_health(raw: torch.Tensor, dtype: torch.dtype) -> dict[str, Any]:
 
 
 def _values(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``raw``'s bytes as flat values the statistics can run on (float64 for what torch cannot reduce as is)."""
+    """``raw``'s bytes as flat values the statistics can run on (float32 for the float8 kinds)."""
     size = torch.empty(0, dtype=dtype).element_size()
-    if raw.numel() % size or raw.storage_offset() % size:
-        return raw  # not a whole number of values (never planned so): measured as bytes
-    t = raw.view(dtype)
+    if raw.numel() % size:
+        return raw  # not a whole number of values: measured as bytes
+    # a torch file's records are staged back to back as bytes: one may start off its dtype's alignment
+    t = (raw if raw.storage_offset() % size == 0 else raw.clone()).view(dtype)
     if t.is_complex():
         return torch.view_as_real(t).reshape(-1)
-    if t.dtype == torch.bool:
-        return t.to(torch.uint8)
     if t.is_floating_point() and t.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         return t.to(torch.float32)  # float8 kinds: no reductions of their own
-    if not t.is_floating_point() and t.dtype not in (torch.uint8, torch.int8, torch.int16, torch.int32):
-        return t.to(torch.float64)  # int64's abs() of its minimum overflows; unsigned kinds lack reductions
     return t
 
 
@@ -169,8 +168,16 @@ def value_dtype(fmt: Any, entry: Any) -> torch.dtype:
 
 def storage_dtype(type_name: str) -> torch.dtype:
     """The dtype of a storage type torch pickles (``FloatStorage`` -> float32); bytes when unknown."""
-    dtype = getattr(getattr(torch, type_name, None), "dtype", None) if type_name.endswith("Storage") else None
-    return dtype if isinstance(dtype, torch.dtype) else torch.uint8
+    return _STORAGE_DTYPES.get(type_name, torch.uint8)
+
+
+# By name, not through ``torch.FloatStorage.dtype``: that access warns that TypedStorage is deprecated.
+_STORAGE_DTYPES = {
+    "FloatStorage": torch.float32, "DoubleStorage": torch.float64, "HalfStorage": torch.float16,
+    "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
+    "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8, "BoolStorage": torch.bool,
+    "ComplexFloatStorage": torch.complex64, "ComplexDoubleStorage": torch.complex128,
+}
 
 
 @dataclass(frozen=True)
