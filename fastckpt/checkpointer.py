@@ -22,6 +22,7 @@ from .engine.saver import Saver, WatchHandle
 from .engine.staging import HostArena
 from .engine.streams import CopyStreams
 from .errors import CheckpointTimeoutError, ConfigError, FastCkptError
+from .format.health import sidecar_path
 from .format.layout import CheckpointInfo
 from .format.paths import checkpoint_name, file_name
 from .format.plan import Planner
@@ -134,8 +135,8 @@ class Checkpointer:
         """Delete the file ``root/name`` after every save submitted before this call (a framework's retention:
         Lightning's ``remove_checkpoint``); missing is fine. The ``Future`` carries its error."""
         self._check_open()
-        path = self.storage.join(self.storage.url, file_name(name))
-        return self._saver.pipeline.run_in_order(lambda: self.storage.delete(path))
+        path = self.storage.join(self.storage.url, file_name(name))  # and its health sidecar (format/health.py)
+        return self._saver.pipeline.run_in_order(lambda: [self.storage.delete(p) for p in (path, sidecar_path(path))])
 
     def pending_names(self) -> list[str]:
         """Names of saves submitted but not yet committed or failed, oldest first."""

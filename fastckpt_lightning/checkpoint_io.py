@@ -24,6 +24,7 @@ from fastckpt import Checkpointer, CheckpointConfig, SaveHandle, open_storage
 from fastckpt.tiers.catalog import Catalog
 from fastckpt.errors import ConfigError, FastCkptError
 from fastckpt.tiers.gc import collect_temp_files
+from fastckpt.format.health import sidecar_path
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.trainer.states import TrainerStatus
@@ -32,6 +33,7 @@ from torch.optim import Optimizer
 from fastckpt_lightning import pending
 from fastckpt_lightning.callback import FastCheckpointCallback
 from fastckpt_lightning.config import build_config, for_directory, staging_mode
+from fastckpt_lightning.healthy import last_healthy_or
 from fastckpt_lightning.discovery import find_calling_trainer, scheduled_by_lightning, wrapped_by_async_io
 from fastckpt_lightning.loggers import LoggerRelay, wrap_loggers
 from fastckpt_lightning.pointer import split_path
@@ -206,6 +208,7 @@ class FastCheckpointIO(CheckpointIO):
         """Read a checkpoint file (or an older fastckpt layout), as ``TorchCheckpointIO`` would. Called on every rank
         when resuming."""
         self.wait_staged(raise_errors=False)  # a load may overwrite parameters a lazy copy still reads
+        path = last_healthy_or(path, self)  # fit(ckpt_path="last-healthy"): Lightning passes the word through
         return read_checkpoint(
             os.fspath(path),
             map_location=map_location,
@@ -226,6 +229,7 @@ class FastCheckpointIO(CheckpointIO):
             pending.wait_for(path)
             storage = open_storage(folder, self.config.storage_options)
             storage.delete(storage.join(storage.url, name))
+            storage.delete(sidecar_path(storage.join(storage.url, name)))  # its health record (fastckpt.format.health)
             return
         # Behind the loggers' calls queued before it: stock logged the file before removing it.
         self._relay.hold(lambda: self._removals.append((path, self._folder(folder).remove_file(name))), path)

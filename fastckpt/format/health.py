@@ -2,7 +2,7 @@
 
 The I/O workers measure each tensor on the staged host copy (never the training thread), right before they write
 or checksum its shard; the committer sums them up (``summarize``) into the ``health`` field of the manifest (the
-open layout and a framework's folder) or into a sidecar file next to a torch file (``sidecar_name``), which
+open layout and a framework's folder) or into a sidecar file next to a torch file (``sidecar_path``), which
 ``torch.load`` never opens. docs/FORMAT.md, "Health", documents the fields.
 """
 from __future__ import annotations
@@ -17,9 +17,9 @@ import xxhash
 
 from ..errors import IntegrityError
 
-__all__ = ["tensor_health", "summarize", "check_health", "healthy_of", "sidecar_name", "sidecar_bytes",
-           "parse_sidecar", "SIDECAR_SUFFIX", "fingerprints", "shard_health", "value_dtype", "HealthPart", "measured",
-           "storage_dtype"]
+__all__ = ["tensor_health", "summarize", "check_health", "healthy_of", "sidecar_path", "sidecar_bytes",
+           "parse_sidecar", "SIDECAR_SUFFIX", "fingerprints", "sidecar_health", "shard_health", "value_dtype",
+           "HealthPart", "measured", "storage_dtype"]
 
 SIDECAR_SUFFIX = ".fastckpt-health.json"
 _CHUNK = 1 << 22  # elements measured at once: bounds the float64 temporaries of a large tensor to 32 MiB
@@ -31,7 +31,7 @@ _COUNT_FIELDS = ("nan", "inf")
 def tensor_health(raw: torch.Tensor, dtype: torch.dtype) -> dict[str, Any]:
     """Statistics of one staged tensor: ``raw`` holds its bytes (a flat uint8 CPU tensor), ``dtype`` its values'.
 
-    NaN and Inf counts, the absolute max and the L2 norm of the finite values (the norm summed in float64), and
+    ``n`` values, NaN and Inf counts, the absolute max and the L2 norm of the finite values (the norm summed in float64), and
     ``fp``: an xxh3-64 of the size and of 64 evenly spread 64-byte windows (the whole tensor up to 4 KiB), cheap
     enough for every tensor and enough to tell whether a tensor changed between two checkpoints.
     """
@@ -53,7 +53,7 @@ def tensor_health(raw: torch.Tensor, dtype: torch.dtype) -> dict[str, Any]:
             absmax = max(absmax, float(chunk.abs().max().to(torch.float64)))
             squares += float(torch.linalg.vector_norm(chunk, dtype=torch.float64)) ** 2
     l2 = math.sqrt(squares)
-    return {"nan": nan, "inf": inf, "absmax": absmax if math.isfinite(absmax) else None,
+    return {"n": values.numel(), "nan": nan, "inf": inf, "absmax": absmax if math.isfinite(absmax) else None,
             "l2": l2 if math.isfinite(l2) else None, "fp": _fingerprint(raw.numpy(), nbytes)}
 
 
@@ -90,8 +90,10 @@ def summarize(per_tensor: dict[str, dict[str, Any]], complete: bool = True) -> d
     measured (ranks sharing a checkpoint measure only their own shards: the others' keys are absent)."""
     nan = sum(s["nan"] for s in per_tensor.values())
     inf = sum(s["inf"] for s in per_tensor.values())
-    # an incomplete measurement proves nothing: a NaN may sit in a tensor nobody measured
-    return {"healthy": nan == 0 and inf == 0 and complete, "nan": nan, "inf": inf, "complete": complete,
+    # An infinite scalar is a sentinel by design (ModelCheckpoint's best and k-th scores start at inf): only an Inf
+    # among many values is a diverged tensor. An incomplete measurement proves nothing.
+    diverged = nan or any(s["inf"] and s.get("n", 0) > 1 for s in per_tensor.values())
+    return {"healthy": not diverged and complete, "nan": nan, "inf": inf, "complete": complete,
             "tensors": dict(sorted(per_tensor.items()))}
 
 
@@ -103,8 +105,8 @@ def check_health(value: Any, source: str) -> dict[str, Any]:
     for field in _COUNT_FIELDS:
         if type(value.get(field, 0)) is not int or value.get(field, 0) < 0:
             raise IntegrityError(f"{source}: field 'health.{field}' is {value.get(field)!r:.80}, not a count")
-    if value["healthy"] and (value.get("nan", 0) or value.get("inf", 0)):
-        raise IntegrityError(f"{source}: field 'health' says healthy but counts NaN/Inf values; the file is "
+    if value["healthy"] and value.get("nan", 0):
+        raise IntegrityError(f"{source}: field 'health' says healthy but counts NaN values; the file is "
                              "corrupt or crafted")
     if not isinstance(value.get("tensors", {}), dict):
         raise IntegrityError(f"{source}: field 'health.tensors' is not an object")
@@ -127,10 +129,11 @@ def fingerprints(health: dict[str, Any] | None, keys: Iterable[str]) -> dict[str
 # ---- the sidecar of a torch file (Lightning's ``.ckpt``) -----------------------------------------------------
 
 
-def sidecar_name(file_name: str) -> str:
-    """The sidecar of the torch file ``file_name``: a JSON file beside it that ``torch.load`` and Lightning's
-    ``*.ckpt`` listings never see."""
-    return file_name + SIDECAR_SUFFIX
+def sidecar_path(path: str) -> str:
+    """The sidecar of the torch file at ``path``: a hidden JSON file beside it (``.NAME.fastckpt-health.json``),
+    which ``torch.load``, Lightning's ``*.ckpt`` listings and ``ls`` never see."""
+    folder, sep, name = path.rpartition("/")
+    return f"{folder}{sep}.{name}{SIDECAR_SUFFIX}"
 
 
 def sidecar_bytes(health: dict[str, Any], step: int, size: int) -> bytes:
@@ -140,8 +143,8 @@ def sidecar_bytes(health: dict[str, Any], step: int, size: int) -> bytes:
 
 
 def parse_sidecar(data: bytes, size: int, source: str) -> dict[str, Any] | None:
-    """The health record of a sidecar read from ``source``, or None when it belongs to another file (its size
-    differs from the file's ``size``); IntegrityError when malformed."""
+    """The health record of a sidecar read from ``source`` (with the file's ``step``), or None when it belongs to
+    another file (its size differs from the file's ``size``); IntegrityError when malformed."""
     try:
         doc = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
@@ -151,7 +154,20 @@ def parse_sidecar(data: bytes, size: int, source: str) -> dict[str, Any] | None:
         raise IntegrityError(f"{source}: not a fastckpt health sidecar; delete it")
     if doc["size"] != size:
         return None
-    return check_health(doc.get("health"), source)
+    health = check_health(doc.get("health"), source)
+    return {**health, "step": doc["step"]} if type(doc.get("step")) is int else health
+
+
+def sidecar_health(storage: Any, path: str) -> dict[str, Any] | None:
+    """The health record of the torch file at ``path`` (a ``Storage`` path), read from its sidecar; None when it
+    has none, or one left by another file of that name. A malformed sidecar raises ``IntegrityError``."""
+    side = sidecar_path(path)
+    try:
+        data = storage.read_bytes(side)
+        size = storage.size(path)
+    except FileNotFoundError:
+        return None
+    return parse_sidecar(data, size, side)
 
 
 def shard_health(raw: torch.Tensor, entries: Sequence[Any], keys: list[str], dtypes: Any) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ..errors import IntegrityError
-from .health import SIDECAR_SUFFIX, sidecar_bytes, storage_dtype
+from .health import sidecar_bytes, sidecar_path, storage_dtype
 from .layout import CheckpointInfo, FileRecord
 # the reading side lives in zipdir; its public checks are re-exported here, where integrations have always found them
 from .zipdir import (DESC_SIG, Sparse, central_entries, crc_less, data_offset, is_zip, record_spans,
@@ -217,7 +217,7 @@ class TorchFileFormat:
         commit point)."""
         views, crcs = staged()
         health = snap.health_doc
-        sidecar = self.path + SIDECAR_SUFFIX
+        sidecar = sidecar_path(self.path)
         if health is not None:
             storage.delete(sidecar)  # an older file's: gone before this file takes the name (a crash: no record)
         size = self.write(storage, views, crcs)
