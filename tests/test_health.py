@@ -167,3 +167,22 @@ def test_torch_file_statistics_use_each_storage_dtype(tmp_path: Path) -> None:
         ckpt.save_file(state, "a.ckpt").wait()
     side = json.loads((tmp_path / (".a.ckpt" + SIDECAR_SUFFIX)).read_text())["health"]["tensors"]
     assert side["w"]["absmax"] == 5.0 and side["n"]["absmax"] == 7.0 and side["n"]["l2"] == math.sqrt(53)
+
+
+def test_fastckpt_list_shows_a_health_column(tmp_path: Path, capsys) -> None:
+    from fastckpt.cli import main
+
+    ckpt, _ = _run(tmp_path / "core", 4, nan_at=2)
+    ckpt.close()
+    assert main(["list", str(tmp_path / "core"), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["step"], r["health"]) for r in rows][:3] == [(0, "ok"), (1, "ok"), (2, "NaN=1 Inf=0")]
+    assert rows[3]["health"].startswith("NaN=")  # the NaN spread through the next step
+    model, opt = _model()
+    with Checkpointer(CheckpointConfig(root=str(tmp_path / "lightning"))) as files:
+        files.save_file({"state_dict": model.state_dict(), "global_step": 3}, "epoch=0-step=3.ckpt", step=3)
+    torch.save({"state_dict": model.state_dict()}, tmp_path / "lightning" / "epoch=0-step=4.ckpt")  # stock's
+    assert main(["list", str(tmp_path / "lightning")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[6] == "HEALTH"
+    assert [line.split()[-2] for line in lines[1:]] == ["ok", "-"]  # HEALTH, then NAME
