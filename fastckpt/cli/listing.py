@@ -59,6 +59,11 @@ class Row:
     """``ok`` (no NaN or Inf), ``NaN=n Inf=m`` (diverged: not one to resume) or ``-`` (never measured), from
     its manifest or, for a Lightning file, its hidden sidecar (fastckpt/format/health.py)."""
 
+    @property
+    def healthy(self) -> bool | None:
+        """The health verdict, as retention (``doomed``) reads it: gc never removes the newest healthy file."""
+        return None if self.health == "-" else self.health == "ok"
+
 
 def list_root(root: str, opts: CliOptions) -> list[Row]:
     """The rows under ``root``, oldest step first; a missing root raises ``CheckpointNotFoundError``."""
