@@ -42,7 +42,7 @@ class ListDirModule(BigModule):
 
     def on_train_epoch_start(self) -> None:
         if self.current_epoch > 0:
-            names = sorted(os.listdir(self.folder))
+            names = sorted(n for n in os.listdir(self.folder) if not n.endswith(".fastckpt-health.json"))
             epoch = torch.load(self.folder / "model.ckpt", weights_only=False)["epoch"] if names else -1
             self.seen.append((names, epoch))
 
@@ -54,7 +54,7 @@ class ListDirCallback(Callback):
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.current_epoch > 0:
-            self.seen.append(sorted(os.listdir(self.folder)))
+            self.seen.append(sorted(n for n in os.listdir(self.folder) if not n.endswith(".fastckpt-health.json")))
 
 
 def _fit(module: pl.LightningModule, folder: Path, callbacks: list[Callback], plugin: Any) -> None:
