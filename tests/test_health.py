@@ -189,3 +189,21 @@ def test_fastckpt_list_shows_a_health_column(tmp_path: Path, capsys) -> None:
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split()[6] == "HEALTH"
     assert [line.split()[-2] for line in lines[1:]] == ["ok", "-"]  # HEALTH, then NAME
+
+
+def test_fastckpt_gc_of_a_lightning_folder_keeps_the_newest_healthy_file(tmp_path: Path, capsys) -> None:
+    from fastckpt.cli import main
+
+    model, _ = _model()
+    with Checkpointer(CheckpointConfig(root=str(tmp_path))) as files:
+        for step in range(1, 5):
+            if step == 3:
+                with torch.no_grad():
+                    model[0].weight[0, 0] = float("nan")
+            files.save_file({"state_dict": model.state_dict(), "global_step": step}, f"epoch=0-step={step}.ckpt",
+                            step=step)
+    assert main(["gc", str(tmp_path), "--keep-last", "1", "--grace-s", "60"]) == 0
+    left = sorted(n for n in os.listdir(tmp_path) if n.endswith(".ckpt"))
+    assert left == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"]  # 2: the newest healthy; 4: the newest
+    assert sorted(n for n in os.listdir(tmp_path) if n.endswith(SIDECAR_SUFFIX)) == [
+        f".{n}{SIDECAR_SUFFIX}" for n in left]  # the removed files' sidecars went with them

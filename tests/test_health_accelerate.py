@@ -64,3 +64,19 @@ def test_stock_load_state_reads_a_folder_with_health(tmp_path, closing) -> None:
     after = other.snapshot()
     for key in ("model", "optimizer", "scheduler"):
         assert_same(expected[key], after[key])
+
+
+def test_total_limit_never_removes_the_newest_healthy_folder(tmp_path, closing) -> None:  # noqa: F811
+    acc = make_accelerator(tmp_path, total_limit=2)
+    checkpointing = fastckpt_accelerate.enable(acc)
+    closing.append(checkpointing)
+    setup = Setup(acc)
+    for i in range(6):
+        setup.step()
+        if i >= NAN_AT:
+            with torch.no_grad():
+                acc.unwrap_model(setup.model)[0].weight[0, 0] = float("nan")
+        acc.save_state()
+    checkpointing.wait()
+    names = [os.path.basename(i.path) for i in checkpointing.list()]
+    assert names == [f"checkpoint_{NAN_AT - 1}", "checkpoint_4", "checkpoint_5"]
