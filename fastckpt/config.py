@@ -287,7 +287,8 @@ class HealthOptions(_Freezable):
     _prefix = "health."
     enabled: bool = True
     """Measure each tensor while persisting: NaN/Inf counts, absolute max, L2 norm (float64) and a sampled
-    content fingerprint, recorded in the manifest (a sidecar beside a torch file). Never on the training thread."""
+    content fingerprint, recorded in the manifest (a torch file: its extended attribute). Never on the training
+    thread."""
     stale_warning: bool = True
     """Warn (``StaleCheckpointWarning``, once per ``Checkpointer``) when a checkpoint's parameters are
     bit-identical to the previous checkpoint's although a watched optimizer stepped in between."""

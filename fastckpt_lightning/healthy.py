@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 from fastckpt import open_storage
 from fastckpt.errors import CheckpointNotFoundError, FastCkptError
-from fastckpt.format.health import sidecar_health
+from fastckpt.format.health import file_health
 
 from fastckpt_lightning.discovery import find_calling_trainer
 from fastckpt_lightning.pointer import join_path
@@ -34,7 +34,7 @@ def find_healthy_checkpoint(dirpath: str, storage_options: Optional[dict[str, An
             continue
         path = storage.join(storage.url, name)
         try:
-            health = sidecar_health(storage, path)
+            health = file_health(storage, path)
         except (FastCkptError, OSError) as e:  # one crafted or unreadable sidecar must not stop the resume
             log.warning("fastckpt: ignoring the health record of %s: %s", name, e)
             continue

@@ -153,14 +153,9 @@ class HeldIO(FastCheckpointIO):
 
 
 def ckpt_names(dirpath: str) -> set[str]:
-    """The checkpoint files in ``dirpath`` (every other name is a failure: no temporaries, and no sidecar but each
-    file's hidden health record, ``.NAME.fastckpt-health.json``, which must not outlive its file)."""
+    """The checkpoint files in ``dirpath`` (every other name is a failure: no sidecars, no temporaries)."""
     names = set(os.listdir(dirpath))
-    suffix = ".fastckpt-health.json"
-    sidecars = {n for n in names if n.startswith(".") and n.endswith(suffix)}
-    names -= sidecars
     assert all(name.endswith(".ckpt") for name in names), names
-    assert {n[1:-len(suffix)] for n in sidecars} <= names, (sidecars, names)
     return names
 
 

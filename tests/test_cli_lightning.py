@@ -25,7 +25,6 @@ from lightning_support import ResumableBatches, TinyModule, make_trainer
 
 REPO = Path(__file__).resolve().parents[1]
 NAMES = ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "epoch=1-step=6.ckpt", "last.ckpt"]
-SIDECAR = ".fastckpt-health.json"  # each file's hidden health record, beside it
 
 # Run by a fresh interpreter that never imports fastckpt: stock Lightning resumes from the exported file.
 STOCK_RESUME = r'''
@@ -85,7 +84,7 @@ def dirpath(tmp_path_factory) -> Path:
     plugin = FastCheckpointIO(persist={"fsync": False})
     checkpoints = ModelCheckpoint(dirpath=str(out), every_n_train_steps=2, save_top_k=-1, save_last=True)
     make_trainer([checkpoints], plugin, max_steps=6).fit(TinyModule(), ResumableBatches())
-    assert sorted(n for n in os.listdir(out) if not n.endswith(SIDECAR)) == NAMES
+    assert sorted(os.listdir(out)) == NAMES  # each file's health record is an extended attribute of it
     return out
 
 
@@ -123,7 +122,7 @@ def test_gc_keeps_the_newest_and_last_and_never_removes_torn_files(copy, capsys)
     argv = ["gc", str(copy), "--keep-last", "1", "--grace-s", "60"]
     code, out, _ = run([*argv, "--dry-run"], capsys)
     assert code == 0 and out.count("would remove") == 2 and "epoch=9-step=99.ckpt" not in out
-    assert sorted(n for n in os.listdir(copy) if not n.endswith(SIDECAR)) == sorted([*NAMES, torn.name, ".fastckpt.lock"])
+    assert sorted(os.listdir(copy)) == sorted([*NAMES, torn.name, ".fastckpt.lock"])
     code, out, _ = run(argv, capsys)
     assert code == 0 and out.count("removed") == 2
     assert sorted(n for n in os.listdir(copy) if n.endswith(".ckpt")) == sorted([torn.name, "epoch=1-step=6.ckpt",
@@ -273,9 +272,7 @@ def test_gc_removes_the_temporary_files_of_dead_saves_only(copy, capsys) -> None
     assert live.exists() and marks[2].exists() and named.exists()
     assert all((copy / n).exists() for n in NAMES)
 
-def test_gc_removes_each_file_with_its_health_sidecar(copy, capsys) -> None:
+def test_gc_leaves_exactly_the_kept_files(copy, capsys) -> None:
     code, _, _ = run(["gc", str(copy), "--keep-last", "1", "--grace-s", "60"], capsys)
     assert code == 0
-    left = sorted(os.listdir(copy))
-    assert left == [".epoch=1-step=6.ckpt" + SIDECAR, ".fastckpt.lock", ".last.ckpt" + SIDECAR, "epoch=1-step=6.ckpt",
-                    "last.ckpt"]
+    assert sorted(os.listdir(copy)) == [".fastckpt.lock", "epoch=1-step=6.ckpt", "last.ckpt"]

@@ -1,11 +1,13 @@
 """Health of every checkpoint (issue 25, item 2) in the core: statistics measured by the background workers, the
-newest healthy checkpoint found and kept, and the native formats' sidecar unseen by torch.load."""
+newest healthy checkpoint found and kept, and a torch file's record (an extended attribute of the
+file, a sidecar on an object store) unseen by torch.load."""
 from __future__ import annotations
 
 import json
 import math
 import os
 import threading
+import uuid
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,7 @@ import torch
 
 import fastckpt.format.health as health_mod
 from fastckpt import CheckpointConfig, Checkpointer, CheckpointNotFoundError
-from fastckpt.format.health import SIDECAR_SUFFIX, tensor_health
+from fastckpt.format.health import HEALTH_ATTR, SIDECAR_SUFFIX, tensor_health
 from helpers import assert_bit_equal, clone_state
 
 
@@ -145,7 +147,7 @@ def test_crafted_health_field_hides_the_checkpoint_with_a_warning(tmp_path: Path
     assert "says healthy but counts NaN" in caplog.text
 
 
-def test_torch_file_sidecar_is_unseen_by_torch_load(tmp_path: Path) -> None:
+def test_torch_file_health_is_an_extended_attribute_unseen_by_torch_load(tmp_path: Path) -> None:
     model, opt = _model()
     _train(model, opt)
     with torch.no_grad():
@@ -157,18 +159,27 @@ def test_torch_file_sidecar_is_unseen_by_torch_load(tmp_path: Path) -> None:
         handle = ckpt.save_file(state, "epoch=1.ckpt", step=7)
         info = handle.wait()
     assert info.healthy is False
-    assert sorted(os.listdir(tmp_path)) == [".epoch=1.ckpt" + SIDECAR_SUFFIX, "epoch=1.ckpt"]
+    assert sorted(os.listdir(tmp_path)) == ["epoch=1.ckpt"]  # no sidecar: the record is the file's own attribute
     assert_bit_equal(torch.load(tmp_path / "epoch=1.ckpt", weights_only=True), ref)
-    side = json.loads((tmp_path / (".epoch=1.ckpt" + SIDECAR_SUFFIX)).read_text())
+    record = os.getxattr(tmp_path / "epoch=1.ckpt", HEALTH_ATTR)
+    assert len(record) < 512  # a summary, never the per-tensor table: ext4 keeps ~4 KB of attributes per file
+    side = json.loads(record)
     assert side["step"] == 7 and side["size"] == (tmp_path / "epoch=1.ckpt").stat().st_size
-    assert side["health"]["inf"] == 1 and side["health"]["tensors"]["state_dict/2.bias"]["inf"] == 1
+    assert side["health"]["inf"] == 1 and side["health"]["healthy"] is False and "tensors" not in side["health"]
+    # 4 parameters, each with Adam's exp_avg, exp_avg_sq and step; a digest of their fingerprints
+    assert side["health"]["count"] == 16 and len(side["health"]["fp"]) == 16
 
 
 def test_torch_file_statistics_use_each_storage_dtype(tmp_path: Path) -> None:
+    # an object store keeps no attributes: the record, per-tensor table included, is a hidden sidecar there
+    import fsspec
+
+    root = f"memory://fastckpt-{uuid.uuid4().hex}"
     state = {"w": torch.tensor([3.0, -5.0], dtype=torch.bfloat16), "n": torch.tensor([-7, 2], dtype=torch.int64)}
-    with Checkpointer(CheckpointConfig(root=str(tmp_path))) as ckpt:
+    with Checkpointer(CheckpointConfig(root=root)) as ckpt:
         ckpt.save_file(state, "a.ckpt").wait()
-    side = json.loads((tmp_path / (".a.ckpt" + SIDECAR_SUFFIX)).read_text())["health"]["tensors"]
+    with fsspec.open(f"{root}/.a.ckpt{SIDECAR_SUFFIX}", "rb") as f:
+        side = json.loads(f.read())["health"]["tensors"]
     assert side["w"]["absmax"] == 5.0 and side["n"]["absmax"] == 7.0 and side["n"]["l2"] == math.sqrt(53)
 
 
@@ -205,5 +216,4 @@ def test_fastckpt_gc_of_a_lightning_folder_keeps_the_newest_healthy_file(tmp_pat
     assert main(["gc", str(tmp_path), "--keep-last", "1", "--grace-s", "60"]) == 0
     left = sorted(n for n in os.listdir(tmp_path) if n.endswith(".ckpt"))
     assert left == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"]  # 2: the newest healthy; 4: the newest
-    assert sorted(n for n in os.listdir(tmp_path) if n.endswith(SIDECAR_SUFFIX)) == [
-        f".{n}{SIDECAR_SUFFIX}" for n in left]  # the removed files' sidecars went with them
+    assert sorted(os.listdir(tmp_path)) == [".fastckpt.lock", *left]  # no record of a removed file outlives it

@@ -35,7 +35,7 @@ def test_cli_yaml_uses_fastckpt(tmp_path, capsys):
     example.main(["cli", "fit", "--config", str(path), "--trainer.enable_progress_bar=false"])
 
     assert "stall" in capsys.readouterr().out
-    files = sorted(n for n in os.listdir(tmp_path / "ckpt") if not n.startswith("."))  # not the hidden health records
+    files = sorted(os.listdir(tmp_path / "ckpt"))
     assert files[-1] == "last.ckpt" and len(files) == 3
     assert torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)["global_step"] == 4
 

@@ -42,7 +42,7 @@ class ListDirModule(BigModule):
 
     def on_train_epoch_start(self) -> None:
         if self.current_epoch > 0:
-            names = sorted(n for n in os.listdir(self.folder) if not n.endswith(".fastckpt-health.json"))
+            names = sorted(os.listdir(self.folder))
             epoch = torch.load(self.folder / "model.ckpt", weights_only=False)["epoch"] if names else -1
             self.seen.append((names, epoch))
 
@@ -54,7 +54,7 @@ class ListDirCallback(Callback):
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.current_epoch > 0:
-            self.seen.append(sorted(n for n in os.listdir(self.folder) if not n.endswith(".fastckpt-health.json")))
+            self.seen.append(sorted(os.listdir(self.folder)))
 
 
 def _fit(module: pl.LightningModule, folder: Path, callbacks: list[Callback], plugin: Any) -> None:
@@ -83,7 +83,7 @@ def test_async_user_hooks_opts_out_and_the_files_still_land(tmp_path):
     module = ListDirModule(tmp_path)
     _fit(module, tmp_path, [], FastCheckpointIO(persist={"fsync": False}, async_user_hooks=True))
     assert len(module.seen) == EPOCHS - 1
-    assert sorted(os.listdir(tmp_path)) == [".model.ckpt.fastckpt-health.json", "model.ckpt"]  # and its health record
+    assert os.listdir(tmp_path) == ["model.ckpt"]
     assert torch.load(tmp_path / "model.ckpt", weights_only=False)["epoch"] == EPOCHS - 1
 
 

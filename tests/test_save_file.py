@@ -68,8 +68,7 @@ def test_lazy_save_file_holds_the_values_of_save_time_and_loads_with_plain_torch
     with zipfile.ZipFile(path) as z:
         assert z.testzip() is None
     assert verify_torch_file(str(path)) == []
-    # no temporary left; only the hidden health sidecar beside the file (torch.load never opens it)
-    assert sorted(os.listdir(tmp_path)) == [".epoch=0-step=7.ckpt.fastckpt-health.json", "epoch=0-step=7.ckpt"]
+    assert sorted(os.listdir(tmp_path)) == ["epoch=0-step=7.ckpt"]  # no sidecar, no temporary left
 
 
 def test_repeated_save_file_reuses_the_plan_and_buffers(tmp_path) -> None:

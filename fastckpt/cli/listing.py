@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..errors import FastCkptError, IntegrityError
-from ..format.health import sidecar_health
+from ..format.health import file_health
 from ..format.layout import MANIFEST, parse_manifest
 from ..tiers.catalog import Catalog
 from ..tiers.gc import is_save_folder
@@ -211,7 +211,7 @@ def _lightning_row(loc: Located, where: str) -> Row:
     row = Row(loc.name, int(step.group(1)) if step else None, int(epoch.group(1)) if epoch else None,
               _modified(loc), loc.storage.size(loc.path), where, "committed", loc.path, "lightning")
     try:
-        row.health = _health_cell(sidecar_health(loc.storage, loc.path))
+        row.health = _health_cell(file_health(loc.storage, loc.path))
     except (FastCkptError, OSError) as e:  # a crafted sidecar: said, and the file listed all the same
         print(f"fastckpt: warning: {clean(e)}", file=sys.stderr)
     try:
