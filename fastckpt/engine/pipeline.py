@@ -12,6 +12,8 @@ stop on a ``None`` sentinel; ``fastckpt-io-*`` (lowered, fastckpt/engine/priorit
 """
 from __future__ import annotations
 
+import functools
+
 import itertools
 import logging
 import queue
@@ -25,7 +27,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import FastCkptError, StorageError
-from ..format.health import HealthPart, measured, shard_health, summarize, value_dtype
+from ..format.health import HealthPart, attr_bytes, measured, shard_health, summarize, value_dtype
 from ..format.layout import CheckpointInfo
 from ..format.openlayout import OPEN_LAYOUT
 from ..format.plan import Plan, Shard
@@ -357,7 +359,8 @@ class Pipeline:
         write = job.shared
         assert write is not None
         views, crcs = self._staged_views(job, results) if error is None else ({}, {})
-        size = write.run(views, crcs, error, self._writers())  # <- rank 0 commits; every rank gets the verdict
+        record = None if job.health is None else functools.partial(_shared_record, job, write.fmt.layout.size)
+        size = write.run(views, crcs, error, self._writers(), job.health, record)  # <- rank 0 commits; all learn
         job.handle.stats.nbytes = size
         job.handle.stats.written_bytes = write.written
         return CheckpointInfo(job.handle.name, job.handle.step, write.fmt.path, size)
@@ -378,3 +381,8 @@ class Pipeline:
     def _discard(self, job: Job) -> None:
         """Remove every file this job may have written (never another save's)."""
         job.file_format.discard(self.storage, job)
+
+
+def _shared_record(job: Job, size: int, tensors: dict[str, Any]) -> bytes:
+    """Rank 0: the health record of a file every rank wrote (its extended attribute), from all ranks' statistics."""
+    return attr_bytes(summarize(tensors, len(tensors) == len(set(job.keys))), job.handle.step, size)
