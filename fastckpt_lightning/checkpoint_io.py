@@ -229,7 +229,7 @@ class FastCheckpointIO(CheckpointIO):
             pending.wait_for(path)
             storage = open_storage(folder, self.config.storage_options)
             storage.delete(storage.join(storage.url, name))
-            storage.delete(sidecar_path(storage.join(storage.url, name)))  # its health record (fastckpt.format.health)
+            storage.delete(sidecar_path(storage.join(storage.url, name)))  # an object store's health sidecar
             return
         # Behind the loggers' calls queued before it: stock logged the file before removing it.
         self._relay.hold(lambda: self._removals.append((path, self._folder(folder).remove_file(name))), path)

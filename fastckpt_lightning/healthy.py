@@ -1,8 +1,9 @@
 """Resuming from the newest healthy checkpoint: ``fit(ckpt_path="last-healthy")`` and ``find_healthy_checkpoint``.
 
-Every ``.ckpt`` the plugin saves has a hidden health sidecar beside it (``.NAME.fastckpt-health.json``,
-fastckpt/format/health.py: NaN/Inf counts, norms, fingerprints of each tensor, measured by the background
-workers). A run that diverged (a NaN at step N) resumes from the newest file whose tensors hold no NaN or Inf.
+Every ``.ckpt`` the plugin saves carries its health record (fastckpt/format/health.py: NaN/Inf totals, measured by
+the background workers): in a local folder an extended attribute of the file itself (``user.fastckpt.health``, so the
+folder lists exactly what stock Lightning writes), on an object store a hidden sidecar object beside it. A run that
+diverged (a NaN at step N) resumes from the newest file whose tensors hold no NaN or Inf.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ LAST_HEALTHY = "last-healthy"
 
 
 def find_healthy_checkpoint(dirpath: str, storage_options: Optional[dict[str, Any]] = None) -> Optional[str]:
-    """The newest ``.ckpt`` in ``dirpath`` (local or remote) whose health sidecar shows no NaN or Inf, or None: pass
-    it as ``fit(ckpt_path=...)``. Files are ranked by the step their sidecar records; a file without a sidecar
-    (saved by stock Lightning, or with ``health.enabled: false``) is never chosen."""
+    """The newest ``.ckpt`` in ``dirpath`` (local or remote) whose health record shows no NaN or Inf, or None: pass
+    it as ``fit(ckpt_path=...)``. Files are ranked by the step their record holds; a file without one (saved by
+    stock Lightning, with ``health.enabled: false``, or on a file system without user attributes) is never chosen."""
     storage = open_storage(dirpath, storage_options)
     ranked = []
     for name in storage.listdir(storage.url):
@@ -35,7 +36,7 @@ def find_healthy_checkpoint(dirpath: str, storage_options: Optional[dict[str, An
         path = storage.join(storage.url, name)
         try:
             health = file_health(storage, path)
-        except (FastCkptError, OSError) as e:  # one crafted or unreadable sidecar must not stop the resume
+        except (FastCkptError, OSError) as e:  # one crafted or unreadable record must not stop the resume
             log.warning("fastckpt: ignoring the health record of %s: %s", name, e)
             continue
         if health is not None and health["healthy"]:

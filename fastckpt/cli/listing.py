@@ -57,7 +57,8 @@ class Row:
     """What a ``damaged`` checkpoint lacks (a folder deleted part way keeps its manifest); else None."""
     health: str = "-"
     """``ok`` (no NaN or Inf), ``NaN=n Inf=m`` (diverged: not one to resume) or ``-`` (never measured), from
-    its manifest or, for a Lightning file, its hidden sidecar (fastckpt/format/health.py)."""
+    its manifest or, for a Lightning file, its extended attribute (a sidecar on an object store;
+    fastckpt/format/health.py)."""
 
     @property
     def healthy(self) -> bool | None:
@@ -212,7 +213,7 @@ def _lightning_row(loc: Located, where: str) -> Row:
               _modified(loc), loc.storage.size(loc.path), where, "committed", loc.path, "lightning")
     try:
         row.health = _health_cell(file_health(loc.storage, loc.path))
-    except (FastCkptError, OSError) as e:  # a crafted sidecar: said, and the file listed all the same
+    except (FastCkptError, OSError) as e:  # a crafted record: said, and the file listed all the same
         print(f"fastckpt: warning: {clean(e)}", file=sys.stderr)
     try:
         if pointer_parts(loc) is not None:  # fastckpt 0.1's layout

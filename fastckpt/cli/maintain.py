@@ -121,7 +121,7 @@ def _delete_file(storage: Any, path: str) -> None:
     if is_plain is not None and not is_plain(path):
         raise StorageError(f"{path} is not a regular file (a symlink, a folder or a FIFO): not deleted")
     storage.delete(path)
-    storage.delete(sidecar_path(path))  # its hidden health record (fastckpt.format.health), when it has one
+    storage.delete(sidecar_path(path))  # an object store's health sidecar (a local file's record is its xattr)
 
 
 def run_persist_pending(args: argparse.Namespace, opts: CliOptions) -> int:

@@ -2,8 +2,9 @@
 
 The I/O workers measure each tensor on the staged host copy (never the training thread), right before they write
 or checksum its shard; the committer sums them up (``summarize``) into the ``health`` field of the manifest (the
-open layout and a framework's folder) or into a sidecar file next to a torch file (``sidecar_path``), which
-``torch.load`` never opens. docs/FORMAT.md, "Health", documents the fields.
+open layout and a framework's folder) or, for a torch file, into its extended attribute ``HEALTH_ATTR`` (a summary:
+``attr_bytes``; local storage) or a sidecar file next to it (``sidecar_path``; an object store), neither of which
+``torch.load`` ever reads. docs/FORMAT.md, "Health", documents the fields.
 """
 from __future__ import annotations
 
