@@ -11,6 +11,8 @@ import torch
 
 from fastckpt import CheckpointConfig, Checkpointer
 from fastckpt.format.health import HEALTH_ATTR
+from fastckpt.storage.protocol import open_storage
+from helpers import WrappedStorage
 
 
 def test_the_record_is_set_on_the_descriptor_before_the_file_is_named(tmp_path: Path, monkeypatch) -> None:
@@ -32,3 +34,37 @@ def test_the_record_is_set_on_the_descriptor_before_the_file_is_named(tmp_path: 
     assert record["step"] == 6 and record["health"]["healthy"] is True
     assert torch.equal(torch.load(tmp_path / "a.ckpt", weights_only=True)["w"], state["w"] * 2)
     assert os.listdir(tmp_path) == ["a.ckpt"]
+
+
+def test_without_o_tmpfile_the_named_temporary_gets_the_record_before_its_rename(tmp_path: Path,
+                                                                                    monkeypatch) -> None:
+    import fastckpt.storage.local as local
+
+    monkeypatch.setattr(local, "_UNNAMED_OK", False)  # a file system without O_TMPFILE: a named temporary file
+    named: list[Any] = []
+    real = os.setxattr
+    monkeypatch.setattr(os, "setxattr", lambda t, *a, **k: (named.append((t, (tmp_path / "b.ckpt").exists())),
+                                                            real(t, *a, **k)))
+    with Checkpointer(CheckpointConfig(root=str(tmp_path))) as ckpt:
+        ckpt.save_file({"w": torch.ones(8)}, "b.ckpt", step=2).wait()
+    assert named == [(named[0][0], False)] and isinstance(named[0][0], int)  # its descriptor, before the rename
+    assert json.loads(os.getxattr(tmp_path / "b.ckpt", HEALTH_ATTR))["step"] == 2
+    assert os.listdir(tmp_path) == ["b.ckpt"]
+
+
+class OwnWrite(WrappedStorage):
+    """Writes single files itself (never through LocalStorage.write_file_atomic), as a user's wrapper may."""
+
+    def write_file_atomic(self, path: str, parts: Any) -> None:
+        with open(path, "wb") as f:
+            for part in parts:
+                f.write(part)
+
+
+def test_a_wrapper_that_writes_files_itself_gets_the_record_right_after(tmp_path: Path) -> None:
+    storage = OwnWrite(open_storage(str(tmp_path)))
+    with Checkpointer(CheckpointConfig(root=str(tmp_path)), storage=storage) as ckpt:
+        ckpt.save_file({"w": torch.full((4,), float("nan"))}, "c.ckpt", step=3).wait()
+    record = json.loads(os.getxattr(tmp_path / "c.ckpt", HEALTH_ATTR))
+    assert record["step"] == 3 and record["health"]["healthy"] is False and record["health"]["nan"] == 4
+    assert os.listdir(tmp_path) == ["c.ckpt"]
