@@ -27,6 +27,7 @@ _EXPORTS = {
     "CadenceStats": ".engine.cadence",
     "young_daly": ".engine.cadence",
     "open_cadence": ".tiers.runs",
+    "HealthOptions": ".config",
     "SaveHandle": ".engine.handle",
     "SaveStats": ".engine.handle",
     "CheckpointInfo": ".format.layout",
@@ -49,6 +50,7 @@ _EXPORTS = {
     "StateMismatchError": ".errors",
     "UnsafeCheckpointError": ".errors",
     "SnapshotMutatedError": ".errors",
+    "StaleCheckpointWarning": ".errors",
 }
 
 __all__ = list(_EXPORTS)
@@ -74,14 +76,14 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # type checkers and IDEs see the eager imports
     from .checkpointer import Checkpointer
     from .engine.saver import WatchHandle
-    from .config import (CadenceOptions, CheckpointConfig, NetworkOptions, PersistOptions, PreemptionOptions,
-                         RemoteOptions, RetentionOptions, StagingOptions)
+    from .config import (CadenceOptions, CheckpointConfig, HealthOptions, NetworkOptions, PersistOptions,
+                         PreemptionOptions, RemoteOptions, RetentionOptions, StagingOptions)
     from .engine.cadence import Cadence, CadenceStats, young_daly
     from .engine.preempt import Preemption
     from .tiers.runs import open_cadence
     from .errors import (CheckpointNotFoundError, CheckpointTimeoutError, ConfigError, FastCkptError,
                          IntegrityError, SnapshotMutatedError, StateMismatchError, StorageError,
-                         UnsafeCheckpointError)
+                         StaleCheckpointWarning, UnsafeCheckpointError)
     from .format.layout import CheckpointInfo
     from .engine.handle import SaveHandle, SaveStats
     from .read.consolidate import consolidate

@@ -23,6 +23,7 @@ from .engine.saver import Saver, WatchHandle
 from .engine.staging import HostArena
 from .engine.streams import CopyStreams
 from .errors import CheckpointTimeoutError, ConfigError, FastCkptError
+from .format.health import sidecar_path
 from .format.layout import CheckpointInfo
 from .format.paths import checkpoint_name, file_name
 from .format.plan import Planner
@@ -136,14 +137,13 @@ class Checkpointer(Cadenced):
         return self._saver.save_files(files, name, step=step, user=user, made=made, loaders=loaders)
 
     def remove_file(self, name: str) -> Future:
-        """Delete the file ``root/name`` after every save submitted before this call (a framework's retention:
-        Lightning's ``remove_checkpoint``); missing is fine. The ``Future`` carries its error."""
+        """Delete the file ``root/name`` after every save submitted before (Lightning's ``remove_checkpoint``); missing
+        is fine. The ``Future`` carries its error."""
         self._check_open()
-        path = self.storage.join(self.storage.url, file_name(name))
-        return self._saver.pipeline.run_in_order(lambda: self.storage.delete(path))
+        path = self.storage.join(self.storage.url, file_name(name))  # and its health sidecar (format/health.py)
+        return self._saver.pipeline.run_in_order(lambda: [self.storage.delete(p) for p in (path, sidecar_path(path))])
 
-    def pending_names(self) -> list[str]:
-        """Names of saves submitted but not yet committed or failed, oldest first."""
+    def pending_names(self) -> list[str]:  # saves submitted, not yet committed or failed, oldest first
         return self._saver.pending_names()
 
     def wait_staged(self, *, host: bool = False) -> None:
@@ -174,6 +174,7 @@ class Checkpointer(Cadenced):
     # ---- background callbacks (committer and upload threads) --------------------------
 
     def _on_commit(self, job: Job, info: CheckpointInfo) -> None:
+        self._saver.stale.committed(job)  # parameters unchanged across optimizer steps: warned once
         if not job.file_format.catalogued:  # a framework's file (save_file): not in the catalog, retention or remote
             self._saver.settle(job.handle)
             return
@@ -193,17 +194,15 @@ class Checkpointer(Cadenced):
     # ---- committed checkpoints (tiers/union.py) ------------------------------------
 
     def list(self) -> list[CheckpointInfo]:
-        """Committed checkpoints under ``root`` and on the remote tier (by name, the local copy first),
-        oldest step first."""
+        """Committed checkpoints under ``root`` and on the remote tier (the local copy first), oldest step first."""
         self._check_open()
         return self._tiers.list()
 
-    def latest(self) -> int | None:
-        """Newest committed step, or None."""
-        return max((i.step for i in self.list()), default=None)
+    def latest(self, *, healthy: bool = False) -> int | None:
+        """Newest committed step, or None; ``healthy=True``: the newest whose tensors hold no NaN or Inf."""
+        return max((i.step for i in self.list() if i.healthy or not healthy), default=None)
 
-    def exists(self, name: str) -> bool:
-        """Whether a checkpoint named ``name`` is committed (locally or on the remote tier)."""
+    def exists(self, name: str) -> bool:  # a checkpoint named ``name`` is committed (locally or on the remote tier)
         return self._tiers.exists(checkpoint_name(name))
 
     def reader(self, step: int | None = None, *, name: str | None = None) -> CheckpointReader:
@@ -212,8 +211,8 @@ class Checkpointer(Cadenced):
         self._check_open()
         return self._open_reader(*self._locate(step, name))
 
-    def _locate(self, step: int | None, name: str | None) -> tuple[Storage, str]:  # its storage, and folder there
-        storage, target = self._tiers.locate(step, None if name is None else checkpoint_name(name))
+    def _locate(self, step: int | None, name: str | None, healthy: bool = False) -> tuple[Storage, str]:
+        storage, target = self._tiers.locate(step, None if name is None else checkpoint_name(name), healthy)
         return storage, storage.join(storage.url, target)
 
     def _open_reader(self, storage: Storage, dirpath: str) -> CheckpointReader:
@@ -224,10 +223,10 @@ class Checkpointer(Cadenced):
                                 coord=self._coord)
 
     def _read(self, step: int | None, name: str | None, use: Callable[[CheckpointReader], Any],
-              shm: Callable[[CheckpointReader], Any] | None = None) -> Any:
+              shm: Callable[[CheckpointReader], Any] | None = None, healthy: bool = False) -> Any:
         """``use`` a reader (``shm``: a load from the shared-memory tier, nearest first), again if replaced meanwhile."""
         self._check_open()
-        storage, dirpath = self._locate(step, name)
+        storage, dirpath = self._locate(step, name, healthy)  # healthy: the newest without NaN/Inf (tiers/union.py)
 
         def run() -> Any:
             reader = self._open_reader(storage, dirpath)
@@ -243,16 +242,19 @@ class Checkpointer(Cadenced):
             # ranks read together (self._coord): one retrying alone would hang the others
             return run() if self._coord is not None else read_consistently(storage, dirpath, run)
 
-    def load(self, step: int | None = None, *, name: str | None = None, map_location: Any = None) -> Any:
-        """Rebuild a saved state (the latest committed by default); tensors on CPU unless ``map_location``."""
+    def load(self, step: int | None = None, *, name: str | None = None, map_location: Any = None,
+             healthy: bool = False) -> Any:
+        """Rebuild a saved state (the latest committed by default, or with ``healthy`` the latest without NaN/Inf);
+        tensors on CPU unless ``map_location``."""
         from_shm = None if map_location is not None else lambda reader: load_from_shm(self._shm, reader)
-        return self._read(step, name, lambda reader: reader.load(map_location), from_shm)
+        return self._read(step, name, lambda reader: reader.load(map_location), from_shm, healthy)
 
-    def load_into(self, target: Any, step: int | None = None, *, name: str | None = None) -> Any:
+    def load_into(self, target: Any, step: int | None = None, *, name: str | None = None,
+                  healthy: bool = False) -> Any:
         """Copy a saved state into ``target``'s tensors in place (after pending lazy copies have read them)."""
         self.wait_staged()
         return self._read(step, name, lambda reader: reader.load_into(target),
-                          lambda reader: load_from_shm(self._shm, reader, target))
+                          lambda reader: load_from_shm(self._shm, reader, target), healthy)
 
     def delete(self, name: str) -> Future:
         """Delete a committed checkpoint (both copies, with a remote tier) after every save (and upload)

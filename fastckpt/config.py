@@ -32,6 +32,7 @@ __all__ = [
     "NetworkOptions",
     "PreemptionOptions",
     "CadenceOptions",
+    "HealthOptions",
     "SECTIONS",
 ]
 
@@ -39,6 +40,7 @@ _MODES = ("lazy", "eager")
 _ON_MUTATION = ("raise", "retake")
 _WHEN_BUSY = ("wait", "skip")
 _DIRECT_IO = ("auto", "on", "off")
+_UNHEALTHY = ("count", "delete", "keep")
 
 # The CPU priorities ``persist.priority`` accepts (engine/priority.py applies them).
 PRIORITIES = ("idle", "low", "normal")
@@ -129,10 +131,15 @@ class RetentionOptions(_Freezable):
     """Keep the newest N committed checkpoints (null keeps all)."""
     keep_every_n_steps: int | None = None
     """Also keep every checkpoint whose step is a multiple of N."""
+    unhealthy: str = "count"
+    """What a checkpoint holding NaN or Inf values does to retention: ``count`` (kept and counted in
+    ``keep_last`` like any other), ``delete`` (not counted, and removed unless it is the newest) or ``keep``
+    (not counted, never removed). Whatever the choice, the newest healthy checkpoint is never removed."""
 
     def validate(self) -> None:
         _check_int("retention.", "keep_last", self.keep_last, 1, allow_none=True)
         _check_int("retention.", "keep_every_n_steps", self.keep_every_n_steps, 1, allow_none=True)
+        _check_choice("retention.", "unhealthy", self.unhealthy, _UNHEALTHY)
 
 
 _LOCAL_SCHEMES = ("file", "local")
@@ -195,6 +202,25 @@ class NetworkOptions(_Freezable):
         _check_seconds("network.", "backoff_s", self.backoff_s, 0.0)
 
 
+@dataclass(kw_only=True, slots=True)
+class HealthOptions(_Freezable):
+    """Health of every checkpoint, measured by the background workers on the staged copy (format/health.py)."""
+
+    _prefix = "health."
+    enabled: bool = True
+    """Measure each tensor while persisting: NaN/Inf counts, absolute max, L2 norm (float64) and a sampled
+    content fingerprint, recorded in the manifest (a torch file: its extended attribute). Never on the training
+    thread."""
+    stale_warning: bool = True
+    """Warn (``StaleCheckpointWarning``, once per ``Checkpointer``) when a checkpoint's parameters are
+    bit-identical to the previous checkpoint's although a watched optimizer stepped in between."""
+
+    def validate(self) -> None:
+        for name in ("enabled", "stale_warning"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"health.{name} must be true or false, got {getattr(self, name)!r}")
+
+
 # The nested sections of ``CheckpointConfig``: field name -> its dataclass (built from a mapping by name;
 # ``tools/configref`` documents each).
 SECTIONS: dict[str, type] = {
@@ -205,6 +231,7 @@ SECTIONS: dict[str, type] = {
     "network": NetworkOptions,
     "preemption": PreemptionOptions,
     "cadence": CadenceOptions,
+    "health": HealthOptions,
 }
 
 
@@ -223,6 +250,7 @@ class CheckpointConfig(_Freezable):
     network: NetworkOptions = field(default_factory=NetworkOptions)
     preemption: PreemptionOptions = field(default_factory=PreemptionOptions)
     cadence: CadenceOptions = field(default_factory=CadenceOptions)
+    health: HealthOptions = field(default_factory=HealthOptions)
     allowed_classes: list[str] = field(default_factory=list)
     """Extra ``module.QualName`` classes the safe loader may rebuild (non-plain leaves)."""
     orphan_grace_s: float | None = 3600.0

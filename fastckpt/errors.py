@@ -15,6 +15,7 @@ __all__ = [
     "StateMismatchError",
     "UnsafeCheckpointError",
     "SnapshotMutatedError",
+    "StaleCheckpointWarning",
 ]
 
 
@@ -59,3 +60,9 @@ class UnsafeCheckpointError(IntegrityError):
 
 class SnapshotMutatedError(FastCkptError):
     """A lazily copied tensor changed between ``save()`` and its copy; use ``staging.mode: eager``."""
+
+
+class StaleCheckpointWarning(UserWarning):
+    """A checkpoint's parameters are bit-identical to the previous checkpoint's although a watched optimizer
+    stepped in between: the state saved is not the one being trained (a copy of the model made once, a
+    reference to a state the optimizer no longer updates). Raised as a warning, once per ``Checkpointer``."""

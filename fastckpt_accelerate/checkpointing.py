@@ -46,6 +46,7 @@ from fastckpt.format.bundle import TORCH
 from . import naming
 from .distributed import all_gather, broadcast_from_main, can_share_writes
 from .fastload import FolderReader
+from .healthy import newest, newest_or_none
 from .loadstats import LoadStateStats
 from .folder import CORE, FILES, inspect_folder, local_folder, unlisted_files
 from .foreign import load_accelerate_folder, save_loaders
@@ -170,18 +171,18 @@ class FastAccelerateCheckpointing:
         self.save_state_ms.append((time.perf_counter() - started) * 1e3)
         return target.url
 
-    def load_state(
-        self, input_dir: str | os.PathLike | None = None, load_kwargs: dict | None = None, **kwargs: Any
-    ) -> str:
+    def load_state(self, input_dir: str | os.PathLike | None = None, load_kwargs: dict | None = None, *,
+                   healthy: bool = False, **kwargs: Any) -> str:
         """Replaces ``Accelerator.load_state``; returns the folder it restored.
 
         Stock ``load_state`` restores the folder, its reads routed through ``fastload.FolderReader``: the model's
         safetensors read straight into its tensors, the torch files read whole and unpickled over those bytes,
         every byte checked against the manifest as it is read (``IntegrityError`` names a damaged file). ``load_kwargs`` other than
-        ``weights_only`` take stock's reads, after a check of every file (``last_load_stats`` says which)."""
+        ``weights_only`` take stock's reads, after a check of every file (``last_load_stats`` says which).
+        ``healthy=True`` (no ``input_dir``): the newest checkpoint whose tensors hold no NaN or Inf."""
         self._check_open()
         started = time.perf_counter()
-        path = self._main_decides(lambda: self._resolve_load_path(input_dir))
+        path = self._main_decides(lambda: self._resolve_load_path(input_dir, healthy))
         options = self._storage_options(path)
         verify = self.config.persist.verify_on_load
         fast = set(load_kwargs or {}) <= {"weights_only"}  # anything else (mmap, encoding, ...): stock reads
@@ -243,6 +244,10 @@ class FastAccelerateCheckpointing:
         process lists and every process gets its answer (call it on every process)."""
         self._check_open()
         return self._main_decides(lambda: sorted(self._checkpointer_for(self.root).list(), key=lambda i: i.step))
+
+    def latest(self, *, healthy: bool = False) -> int | None:
+        """The newest committed step (with ``healthy``, of a checkpoint without NaN or Inf), or None."""
+        return getattr(newest_or_none(self.list(), healthy), "step", None)
 
     def wait(self) -> None:
         """Block until every pending save is committed; raises a background error (once)."""
@@ -341,7 +346,7 @@ class FastAccelerateCheckpointing:
 
     # ----------------------------------------------------------------- load helpers
 
-    def _resolve_load_path(self, input_dir: str | os.PathLike | None) -> str:
+    def _resolve_load_path(self, input_dir: str | os.PathLike | None, healthy: bool = False) -> str:
         """Main process: the checkpoint to load, after pending saves commit."""
         self.wait()
         if input_dir is not None:
@@ -349,12 +354,7 @@ class FastAccelerateCheckpointing:
             _wait_for_saves_of(path)
             return path
         _wait_for_saves_of(self.root, under=True)
-        infos = self._checkpointer_for(self.root).list()
-        if not infos:
-            raise CheckpointNotFoundError(
-                f"no committed fastckpt checkpoint under {self.root}; pass load_state(path) to load another one"
-            )
-        return max(infos, key=lambda info: info.step).path
+        return newest(self._checkpointer_for(self.root).list(), self.root, healthy).path
 
     def _read(self, path: str) -> dict[str, Any]:
         try:

@@ -3,6 +3,7 @@
 from fastckpt_lightning.callback import FastCheckpointCallback
 from fastckpt_lightning.checkpoint_io import FastCheckpointIO
 from fastckpt_lightning.ddp import FastDDPStrategy
+from fastckpt_lightning.healthy import find_healthy_checkpoint
 from fastckpt_lightning.model_checkpoint import FastModelCheckpoint, find_last_checkpoint
 from fastckpt_lightning.sharded import FastModelParallelStrategy
 from fastckpt_lightning.stats import CheckpointStats
@@ -14,5 +15,6 @@ __all__ = [
     "FastDDPStrategy",
     "FastModelCheckpoint",
     "FastModelParallelStrategy",
+    "find_healthy_checkpoint",
     "find_last_checkpoint",
 ]

@@ -24,6 +24,7 @@ from fastckpt import Checkpointer, CheckpointConfig, SaveHandle, open_storage
 from fastckpt.tiers.catalog import Catalog
 from fastckpt.errors import ConfigError, FastCkptError
 from fastckpt.tiers.gc import collect_temp_files
+from fastckpt.format.health import sidecar_path
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.trainer.states import TrainerStatus
@@ -32,6 +33,7 @@ from torch.optim import Optimizer
 from fastckpt_lightning import pending
 from fastckpt_lightning.callback import FastCheckpointCallback
 from fastckpt_lightning.config import build_config, for_directory, staging_mode
+from fastckpt_lightning.healthy import last_healthy_or
 from fastckpt_lightning.discovery import find_calling_trainer, scheduled_by_lightning, wrapped_by_async_io
 from fastckpt_lightning.loggers import LoggerRelay, wrap_loggers
 from fastckpt_lightning.pointer import split_path
@@ -39,6 +41,7 @@ from fastckpt_lightning.reader import read_checkpoint
 from fastckpt_lightning import hooks
 from fastckpt_lightning.loadhooks import LoadGuard
 from fastckpt_lightning.stats import CheckpointStats, StatsBook, log_newest
+from fastckpt_lightning.rootdefault import adopt_root
 from fastckpt_lightning.steps import step_of
 from fastckpt_lightning.versioning import see_pending_saves
 
@@ -213,6 +216,7 @@ class FastCheckpointIO(CheckpointIO):
         """Read a checkpoint file (or an older fastckpt layout), as ``TorchCheckpointIO`` would. Called on every rank
         when resuming."""
         self.wait_staged(raise_errors=False)  # a load may overwrite parameters a lazy copy still reads
+        path = last_healthy_or(path, self)  # fit(ckpt_path="last-healthy"): Lightning passes the word through
         return read_checkpoint(
             os.fspath(path),
             map_location=map_location,
@@ -233,6 +237,7 @@ class FastCheckpointIO(CheckpointIO):
             pending.wait_for(path)
             storage = open_storage(folder, self.config.storage_options)
             storage.delete(storage.join(storage.url, name))
+            storage.delete(sidecar_path(storage.join(storage.url, name)))  # an object store's health sidecar
             return
         # Behind the loggers' calls queued before it: stock logged the file before removing it.
         self._relay.hold(lambda: self._removals.append((path, self._folder(folder).remove_file(name))), path)
@@ -437,24 +442,7 @@ class FastCheckpointIO(CheckpointIO):
         return bool(self._optimizers)
 
     def _adopt_root(self, trainer: pl.Trainer) -> None:
-        """``root`` is the default ``dirpath`` of ``ModelCheckpoint``s without one (before their setup), and a
-        warning names both when they differ."""
-        if self.root is None:
-            return
-        for callback in trainer.checkpoint_callbacks:
-            dirpath = getattr(callback, "dirpath", None)
-            if dirpath is None:  # before ModelCheckpoint.setup resolved its default: ours wins
-                callback.dirpath = self.root
-            elif dirpath is not None and os.fspath(dirpath).rstrip("/") != self.root.rstrip("/") and (
-                not self._warned_root
-            ):
-                self._warned_root = True
-                warnings.warn(
-                    f"FastCheckpointIO(root={self.root!r}) differs from ModelCheckpoint(dirpath={os.fspath(dirpath)!r});"
-                    " checkpoints go to the ModelCheckpoint's dirpath. Set one of them, or make them equal.",
-                    UserWarning,
-                    stacklevel=2,
-                )
+        self._warned_root = adopt_root(trainer, self.root, self._warned_root)
 
     def _step_of(self, checkpoint: Mapping[str, Any]) -> int:
         self._saves += 1

@@ -84,7 +84,7 @@ def dirpath(tmp_path_factory) -> Path:
     plugin = FastCheckpointIO(persist={"fsync": False})
     checkpoints = ModelCheckpoint(dirpath=str(out), every_n_train_steps=2, save_top_k=-1, save_last=True)
     make_trainer([checkpoints], plugin, max_steps=6).fit(TinyModule(), ResumableBatches())
-    assert sorted(os.listdir(out)) == NAMES
+    assert sorted(os.listdir(out)) == NAMES  # each file's health record is an extended attribute of it
     return out
 
 
@@ -271,3 +271,8 @@ def test_gc_removes_the_temporary_files_of_dead_saves_only(copy, capsys) -> None
     assert not dead.exists() and not shared.exists() and not any(m.exists() for m in marks[:2])
     assert live.exists() and marks[2].exists() and named.exists()
     assert all((copy / n).exists() for n in NAMES)
+
+def test_gc_leaves_exactly_the_kept_files(copy, capsys) -> None:
+    code, _, _ = run(["gc", str(copy), "--keep-last", "1", "--grace-s", "60"], capsys)
+    assert code == 0
+    assert sorted(os.listdir(copy)) == [".fastckpt.lock", "epoch=1-step=6.ckpt", "last.ckpt"]

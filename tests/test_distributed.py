@@ -1,6 +1,8 @@
 """Data-parallel ranks share the writes and read each file once (2 gloo ranks)."""
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 
 import pytest
@@ -86,6 +88,11 @@ def test_ranks_share_writes_and_reads(tmp_path) -> None:
     _, opt = _model()
     with Checkpointer(CheckpointConfig(root=str(root))) as ckpt:
         assert ckpt.load()["step"] == 2
+        assert ckpt.latest(healthy=True) == 2  # every rank's tensor statistics reached rank 0's manifest
+    folder = root / "step-000000002"
+    manifest = json.loads((folder / "manifest.json").read_text())
+    keys = {t["key"] for t in json.loads((folder / manifest["meta"]).read_text())["tensors"]}
+    assert manifest["health"]["complete"] and set(manifest["health"]["tensors"]) == keys, "every rank's shards measured"
 
 
 def _one_rank_fails(rank: int, world: int, root: str) -> None:

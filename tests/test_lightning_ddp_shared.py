@@ -8,6 +8,7 @@ differ between the ranks, as they do under DDP.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -17,6 +18,8 @@ from typing import Any
 
 import pytest
 import torch
+
+from fastckpt.format.health import HEALTH_ATTR
 
 HERE = Path(__file__).resolve().parent
 STOP_AT, TOTAL_STEPS = 3, 6
@@ -55,6 +58,9 @@ def test_ranks_share_each_file_and_an_interrupted_run_resumes_bit_exact(tmp_path
     ckpt = tmp_path / "ckpt"
     assert sorted(p.name for p in ckpt.iterdir()) == [".fastckpt.lock", "epoch=0-step=3.ckpt", "last.ckpt"], \
         "top-k removed the older files, and no temporary file is left"
+    for path in ("epoch=0-step=3.ckpt", "last.ckpt"):  # each shared file's health record: its extended attribute
+        record = json.loads(os.getxattr(ckpt / path, HEALTH_ATTR))
+        assert record["health"]["healthy"] is True and record["health"]["complete"] is True, record
 
     train = [_result(tmp_path, "train", rank) for rank in range(devices)]
     for path in ("epoch=0-step=3.ckpt", "last.ckpt"):

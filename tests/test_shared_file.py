@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import errno
+import json
+import os
 import zipfile
 from pathlib import Path
 
@@ -11,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fastckpt import CheckpointConfig, Checkpointer, ConfigError, StorageError
+from fastckpt.format.health import HEALTH_ATTR
 from fastckpt.storage.protocol import open_storage
 from tests.dist_launcher import run_ranks
 from tests.helpers import WrappedStorage, assert_bit_equal, clone_state
@@ -85,6 +88,14 @@ def test_every_rank_writes_its_part_of_one_genuine_torch_file(tmp_path, world, m
     written = ranks[0]["written"]
     assert all(w > 0 for w in written), f"every rank wrote part of the file: {written}"
     assert sum(written) == path.stat().st_size == ranks[0]["nbytes"], "the parts add up to the file, no overlap"
+    # Its health record, from every rank's statistics, is the file's extended attribute (set by rank 0 before the
+    # rename): every record measured, nothing beside the file.
+    record = json.loads(os.getxattr(path, HEALTH_ATTR))
+    with zipfile.ZipFile(path) as z:
+        tensors = sum(1 for n in z.namelist() if "/data/" in n and not n.endswith("serialization_id"))
+    assert record["step"] == 7 and record["size"] == path.stat().st_size
+    assert record["health"]["healthy"] is True and record["health"]["complete"] is True
+    assert record["health"]["count"] == tensors
     # The buffers are rank 0's: rank 1's differ, so had rank 1 written them the comparison above would fail.
     for buffer in ("1.running_mean", "1.running_var"):
         assert not torch.equal(loaded["state_dict"][buffer], ranks[1]["ref"]["state_dict"][buffer]), buffer

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..errors import FastCkptError, IntegrityError
+from ..format.health import file_health
 from ..format.layout import MANIFEST, parse_manifest
 from ..tiers.catalog import Catalog
 from ..tiers.gc import is_save_folder
@@ -54,6 +55,15 @@ class Row:
     layout: str
     problem: str | None = None
     """What a ``damaged`` checkpoint lacks (a folder deleted part way keeps its manifest); else None."""
+    health: str = "-"
+    """``ok`` (no NaN or Inf), ``NaN=n Inf=m`` (diverged: not one to resume) or ``-`` (never measured), from
+    its manifest or, for a Lightning file, its extended attribute (a sidecar on an object store;
+    fastckpt/format/health.py)."""
+
+    @property
+    def healthy(self) -> bool | None:
+        """The health verdict, as retention (``doomed``) reads it: gc never removes the newest healthy file."""
+        return None if self.health == "-" else self.health == "ok"
 
 
 def list_root(root: str, opts: CliOptions) -> list[Row]:
@@ -150,6 +160,7 @@ def _core_row(loc: Located, where: str) -> Row | None:
     meta = (doc.get("user") or {}).get("fastckpt_accelerate")  # fastckpt_accelerate's: the training step
     if isinstance(meta, dict) and type(meta.get("step")) is int:
         row.step = meta["step"]
+    row.health = _health_cell(doc.get("health"))
     row.problem = Catalog.damage_of(storage, loc.path, doc, files)
     if row.problem is not None:
         row.status = "damaged"  # committed, then deleted part way (or copied part way): it does not load
@@ -200,6 +211,10 @@ def _lightning_row(loc: Located, where: str) -> Row:
     epoch = _EPOCH.search(loc.name)
     row = Row(loc.name, int(step.group(1)) if step else None, int(epoch.group(1)) if epoch else None,
               _modified(loc), loc.storage.size(loc.path), where, "committed", loc.path, "lightning")
+    try:
+        row.health = _health_cell(file_health(loc.storage, loc.path))
+    except (FastCkptError, OSError) as e:  # a crafted record: said, and the file listed all the same
+        print(f"fastckpt: warning: {clean(e)}", file=sys.stderr)
     try:
         if pointer_parts(loc) is not None:  # fastckpt 0.1's layout
             row.layout, row.step = "lightning-0.1-pointer", pointer_step(loc)
@@ -262,15 +277,21 @@ def run(args: argparse.Namespace, opts: CliOptions) -> int:
     if not rows:
         print(f"no checkpoints under {clean(args.root)}", file=sys.stderr)
         return 0
-    cells = [(_dash(r.step), _dash(r.epoch), _when(r.created), human_size(r.nbytes), r.where, r.status, r.name)
-             for r in rows]
-    print("\n".join(table(("STEP", "EPOCH", "COMMITTED", "SIZE", "WHERE", "STATUS", "NAME"), cells,
+    cells = [(_dash(r.step), _dash(r.epoch), _when(r.created), human_size(r.nbytes), r.where, r.status, r.health,
+              r.name) for r in rows]
+    print("\n".join(table(("STEP", "EPOCH", "COMMITTED", "SIZE", "WHERE", "STATUS", "HEALTH", "NAME"), cells,
                           right=(0, 1, 3))))
     for r in rows:
         if r.problem is not None:  # the table says damaged; this says why, and what to do
             print(clean(f"fastckpt: warning: {r.name} is damaged: {r.problem}; it does not load. `fastckpt verify "
                         f"{r.path}` checks every file; remove it once you have what you need from it"), file=sys.stderr)
     return 0
+
+
+def _health_cell(health: dict[str, Any] | None) -> str:
+    if health is None:
+        return "-"
+    return "ok" if health["healthy"] else f"NaN={health.get('nan', 0)} Inf={health.get('inf', 0)}"
 
 
 def _dash(value: Any) -> str:

@@ -12,6 +12,8 @@ stop on a ``None`` sentinel; ``fastckpt-io-*`` (lowered, fastckpt/engine/priorit
 """
 from __future__ import annotations
 
+import functools
+
 import itertools
 import logging
 import queue
@@ -25,6 +27,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import FastCkptError, SnapshotMutatedError, StorageError
+from ..format.health import HealthPart, attr_bytes, measured, shard_health, summarize, value_dtype
 from ..format.layout import CheckpointInfo
 from ..format.openlayout import OPEN_LAYOUT
 from ..format.plan import Plan, Shard
@@ -81,6 +84,9 @@ class Job:
     # shm: eager shards whose CUDA copies were still in flight when save() returned; the copy thread takes their
     # CRCs once the copies are done, and only then writes the record (which must claim only checked bytes)
     unchecked: list[Shard] = field(default_factory=list)
+    health: dict[str, Any] | None = None  # health.enabled: each staged tensor's statistics by key (I/O workers)
+    health_doc: dict[str, Any] | None = None  # their summary (format/health.py), set by the committer
+    stale_mark: Any = None  # engine/stale.py: optimizer steps before this save, and its parameter keys
 
     # what a FileFormat reads of a save (format/protocol.py's Snapshot)
     @property
@@ -285,6 +291,8 @@ class Pipeline:
                 host_wait(events)  # blocking events: this worker sleeps until the DMA has filled the buffer
                 job.copied_at[shard.index] = time.perf_counter()
             buf = job.slot.held(shard)
+            if job.health is not None:  # measured here, on the staged copy: never on the training thread
+                job.health.update(shard_health(buf, shard.entries, job.keys, lambda e: value_dtype(fmt, e)))
             return fmt.write_shard(self.storage, job, shard, memoryview(buf.numpy())[: shard.nbytes])
         except BaseException as e:
             # Ring mode: the copier may be waiting for this very buffer; it must learn the snapshot is lost.
@@ -379,7 +387,8 @@ class Pipeline:
         """The distributed commit: gather to rank 0, rank 0 commits, everyone learns the verdict."""
         coord = self._coord
         assert coord is not None
-        merged, failed = coord.gather(results, error)
+        merged, failed = coord.gather(results + ([HealthPart(job.health)] if job.health is not None else []), error)
+        merged = measured(job, merged)  # rank 0: every rank's tensor statistics joined into job.health
         info = None
         if coord.rank == 0 and failed is None:
             try:
@@ -410,6 +419,8 @@ class Pipeline:
 
     def _commit(self, job: Job, results: list[ShardResult]) -> CheckpointInfo:
         """The format publishes the checkpoint (the commit point); ``results``: every rank's written shards."""
+        if job.health is not None:
+            job.health_doc = summarize(job.health, len(job.health) == len(set(job.keys)))
         info, wrote = job.file_format.commit(self.storage, job, results, lambda: self._staged_views(job, results),
                                              self._writers())
         job.handle.stats.nbytes = info.nbytes
@@ -422,7 +433,8 @@ class Pipeline:
         write = job.shared
         assert write is not None
         views, crcs = self._staged_views(job, results) if error is None else ({}, {})
-        size = write.run(views, crcs, error, self._writers())  # <- rank 0 commits; every rank gets the verdict
+        record = None if job.health is None else functools.partial(_shared_record, job, write.fmt.layout.size)
+        size = write.run(views, crcs, error, self._writers(), job.health, record)  # <- rank 0 commits; all learn
         job.handle.stats.nbytes = size
         job.handle.stats.written_bytes = write.written
         return CheckpointInfo(job.handle.name, job.handle.step, write.fmt.path, size)
@@ -443,3 +455,8 @@ class Pipeline:
     def _discard(self, job: Job) -> None:
         """Remove every file this job may have written (never another save's)."""
         job.file_format.discard(self.storage, job)
+
+
+def _shared_record(job: Job, size: int, tensors: dict[str, Any]) -> bytes:
+    """Rank 0: the health record of a file every rank wrote (its extended attribute), from all ranks' statistics."""
+    return attr_bytes(summarize(tensors, len(tensors) == len(set(job.keys))), job.handle.step, size)

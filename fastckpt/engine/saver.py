@@ -37,6 +37,7 @@ from .pipeline import Job, Pipeline
 from .pace import keep_pace, slot_wait_reason, warn_all_eager, warn_retake
 from .priority import ThreadPriorities
 from .sharedfile import SharedFileWrite, can_share
+from .stale import Hooks, StaleWatch
 from .staging import HostArena, Slot
 from .streams import CopyStreams, CudaCopy, cuda_devices, gpu_wait
 
@@ -81,6 +82,7 @@ class Saver:
         self._pending: list[SaveHandle] = []
         self._errors: list[tuple[SaveHandle, FastCkptError]] = []
         self.stats: list[SaveStats] = []
+        self.stale = StaleWatch(config.health.enabled, config.health.stale_warning)  # also asks for health
         self.pipeline = Pipeline(storage, arena, config.persist.workers, on_commit, self._on_failure, coord,
                                  priorities=priorities)
         self.pipeline.on_refused = self._on_refused
@@ -92,7 +94,8 @@ class Saver:
     def watch(self, optimizer: torch.optim.Optimizer, wait: Callable[[], None] | None) -> WatchHandle:
         """Mark ``optimizer``'s params and state as lazily copyable; with ``wait``, its step() first calls it (the
         owner's ``wait_staged``, which a subclass or a fork()ed child may change)."""
-        handle = optimizer.register_step_pre_hook(lambda *_: wait()) if wait is not None else None
+        handle = Hooks(optimizer.register_step_pre_hook(lambda *_: wait()) if wait is not None else None,
+                       optimizer.register_step_post_hook(self.stale.count))  # steps between checkpoints
         self._watched.add(optimizer)
         wh = WatchHandle(self, optimizer, handle)
         self._hooks.append(wh)
@@ -229,6 +232,7 @@ class Saver:
         job = Job(handle=handle, plan=rec.plan, slot=slot, tensors=[], keys=rec.keys, numpy=rec.numpy, tree=rec.tree,
                   objects=rec.objects, dirpath=rec.dirpath, t0=time.perf_counter(), uid=rec.uid, dtensors=rec.dtensors,
                   staged_crcs=rec.crcs)
+        job.health = {} if self.stale.measure else None
         with self._lock:
             self._pending.append(handle)
         self.pipeline.submit_recovered(job)
@@ -294,6 +298,7 @@ class Saver:
         job = Job(handle=handle, plan=plan, slot=slot, tensors=flat.tensors, keys=flat.keys, numpy=flat.numpy,
                   tree=flat.tree, objects=objects, dirpath=dirpath, t0=t0, dtensors=dtensors or [],
                   file_format=file_format, version_src=version_src)
+        self.stale.prepare(job, self._optimizer_ptrs(params=False), version_src or flat.lazy_src)
         if self._coord is not None:
             job.uid = self._coord.next_uid()
         elif retake is not None and self.config.staging.on_mutation == "retake":
@@ -351,13 +356,13 @@ class Saver:
             return set()  # eager mode: save(lazy=...) is ignored too; a retake is taken whole, at the seal
         return (self._optimizer_ptrs() | also) - never
 
-    def _optimizer_ptrs(self) -> set[Hashable]:
+    def _optimizer_ptrs(self, params: bool = True) -> set[Hashable]:
         """The identities of the watched optimizers' parameters and state tensors (``fastckpt.format.identity``)."""
         # Addresses, not tensor objects: state_dict() hands out detached aliases. A tensor is
         # lazy only if it starts exactly where a watched param/state tensor starts (an empty one: same storage).
         ptrs: set[Hashable] = set()
         for opt in list(self._watched):
-            for group in opt.param_groups:
+            for group in opt.param_groups if params else ():
                 ptrs.update(address(p) for p in group["params"])
             for st in opt.state.values():
                 ptrs.update(address(v) for v in st.values() if isinstance(v, torch.Tensor))

@@ -27,10 +27,11 @@ from __future__ import annotations
 import logging
 import os
 from concurrent.futures import Executor
-from typing import Any
+from typing import Any, Callable
 
 from .distributed import Coordinator
 from ..errors import FastCkptError, StateMismatchError, StorageError
+from ..format.health import HEALTH_ATTR, HealthPart
 from ..format.torchfile import TorchFileFormat
 from ..storage.tempmark import temp_basename
 
@@ -63,9 +64,11 @@ class SharedFileWrite:
         self.marked = False  # rank 0: whether it created the temporary file's marker (storage/tempmark.py)
 
     def run(self, views: dict[int, memoryview], crcs: dict[int, int], error: BaseException | None,
-            pool: Executor | None = None) -> int:
+            pool: Executor | None = None, health: dict[str, Any] | None = None,
+            record: Callable[[dict[str, Any]], bytes] | None = None) -> int:
         """Every rank, the same collectives in the same order whatever fails; returns the file's size or raises the
-        verdict (``StorageError``, the same text on every rank)."""
+        verdict (``StorageError``, the same text on every rank). ``health``: this rank's tensor statistics, which
+        travel to rank 0; there ``record(all of them)`` is the file's health record (its extended attribute)."""
         coord = self.coord
         layout = self.fmt.layout
         mine = (self.fmt.signature(), self.writers, [r.offset for r in layout.records])
@@ -90,12 +93,13 @@ class SharedFileWrite:
             except BaseException as e:  # noqa: BLE001 - reported to rank 0 below, so no rank hangs
                 local = e
         try:
-            merged, failed = self._collective(coord.gather, [sent], local)  # 3.
+            parts = [sent] + ([HealthPart(health)] if health is not None else [])
+            merged, failed = self._collective(coord.gather, parts, local)  # 3.
             if coord.rank == 0:
                 if failed is None and ref is None:
                     failed = f"rank 0: {error}"
                 if failed is None:
-                    failed = self._commit(merged)  # 4.
+                    failed = self._commit(merged, record)  # 4.
             verdict = self._collective(coord.outcome, failed)  # 5.
         except FastCkptError:
             self._remove_tmp()
@@ -146,11 +150,16 @@ class SharedFileWrite:
             self.storage.sync(self.tmp)  # here: rank 0's commit must find this rank's bytes durable (a shared FS)
         self.written += sum(len(v) for _, v in pieces)
 
-    def _commit(self, merged: list[dict[int, int]]) -> str | None:
-        """Rank 0, every rank's records written: the fixed bytes, sync, rename. The error text, or None."""
+    def _commit(self, merged: list[Any], record: Callable[[dict[str, Any]], bytes] | None = None) -> str | None:
+        """Rank 0, every rank's records written: the fixed bytes, the health record, sync, rename. The error text,
+        or None."""
         crcs: dict[int, int] = {}
+        tensors: dict[str, Any] = {}
         for part in merged:
-            crcs.update(part)
+            if isinstance(part, HealthPart):
+                tensors.update(part.tensors)
+            else:
+                crcs.update(part)
         missing = [i for i, r in enumerate(self.fmt.layout.records) if r.nbytes and i not in crcs]
         if missing:
             return f"rank 0 commit: no rank wrote record data/{missing[0]} ({len(missing)} missing)"
@@ -158,6 +167,9 @@ class SharedFileWrite:
             fixed = [(off, memoryview(b)) for off, b in self.fmt.fixed(crcs) if len(b)]
             self.storage.write_at(self.tmp, fixed)
             self.written += sum(len(b) for _, b in fixed)
+            set_attrs = getattr(self.storage, "set_attrs", None)  # local storage only; refused: health unknown
+            if record is not None and set_attrs is not None:  # before the rename: never named without it
+                set_attrs(self.tmp, {HEALTH_ATTR: record(tensors)})
             self.storage.sync(self.tmp)
             self.storage.publish(self.tmp, self.fmt.path)  # <- the commit point
         except BaseException as e:  # noqa: BLE001 - broadcast as the verdict

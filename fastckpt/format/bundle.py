@@ -74,6 +74,7 @@ class FileBundle:
     # was removed (and recreated by a storage's makedirs, or by the user).
     identities: tuple[tuple[str, int, int], ...] = ()
     marked = False  # PENDING written and the older manifest removed (by ``mark``)
+    health: dict[str, Any] | None = None  # the save's health record (format/health.py), set at the commit
     catalogued = True  # a checkpoint of the root like save()'s: listed, retained and uploaded by its manifest
     keeps_shards = True  # the member files are written at the commit, from the slot
 
@@ -119,6 +120,12 @@ class FileBundle:
     def _member_of(self, index: int) -> int:
         return bisect.bisect_right(self.starts, index) - 1
 
+    def value_dtype(self, entry: Any) -> torch.dtype:
+        """The dtype of a staged entry's values (its health statistics), as its member file knows it."""
+        k = self._member_of(entry.index)
+        of = getattr(self.members[k], "value_dtype", None)
+        return of(_Shifted(entry, self.starts[k])) if of is not None else entry.dtype
+
     def checksum(self, data: memoryview, entries: Any) -> dict[int, int]:
         """Called by an I/O worker: each record's CRC-32 that its torch file's zip fields need (0 otherwise)."""
         out: dict[int, int] = {}
@@ -138,8 +145,10 @@ class FileBundle:
         """``FileFormat``: called by the committer; writes the member files and then the manifest (the commit)."""
         self.check_pickles(storage)
         views, crcs = staged()
+        self.health = snap.health_doc
         size = self.write(storage, views, crcs, pool)
-        return CheckpointInfo(snap.name, snap.step, self.dirpath, size), size
+        return CheckpointInfo(snap.name, snap.step, self.dirpath, size,
+                              healthy=None if self.health is None else self.health["healthy"]), size
 
     def check_pickles(self, storage: Storage) -> None:
         """Each torch member with a loader, unpickled as that loader will read it (storages on the meta device);
@@ -340,6 +349,8 @@ class FileBundle:
         doc = {"format": FORMAT, "version": 1, "layout": LAYOUT_FILES, "name": self.name, "step": self.step,
                "created": time.time(), "nbytes": sum(r.size for r in records),
                "files": {r.name: {"size": r.size, "crc32c": r.crc32c} for r in records}, "user": self.user}
+        if self.health is not None:
+            doc["health"] = self.health
         return json.dumps(doc, indent=1).encode()
 
 

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ..errors import IntegrityError
+from .health import check_health
 from .paths import plain_name
 from .plan import Shard
 from .safetensorsfile import st_dtype
@@ -57,6 +58,7 @@ class CheckpointInfo:
     step: int
     path: str
     nbytes: int
+    healthy: bool | None = None  # its health record's verdict (format/health.py); None: not measured
 
 FORMAT = "fastckpt"
 VERSION = 2  # the newest this code writes (only with DTensor blocks; see build_manifest) and reads
@@ -105,7 +107,8 @@ def shard_header(shard: Shard, step: int, keys: list[str]) -> bytes:
 
 
 def build_manifest(name: str, step: int, files: list[FileRecord], meta_file: str, nbytes: int,
-                   user: dict[str, Any] | None = None, version: int = 1) -> bytes:
+                   user: dict[str, Any] | None = None, version: int = 1,
+                   health: dict[str, Any] | None = None) -> bytes:
     """The manifest JSON. ``files`` must list every file of the checkpoint, meta included."""
     doc = {
         "format": FORMAT,
@@ -118,6 +121,8 @@ def build_manifest(name: str, step: int, files: list[FileRecord], meta_file: str
         "files": {f.name: {"size": f.size, "crc32c": f.crc32c} for f in files},
         "user": user or {},
     }
+    if health is not None:  # optional: older readers ignore it, older manifests lack it
+        doc["health"] = health
     return json.dumps(doc, indent=1).encode()
 
 
@@ -188,6 +193,8 @@ def parse_manifest(data: bytes, source: str) -> dict[str, Any]:
             raise IntegrityError(f"{source}: the record of file {name!r} is {rec!r:.80}, not an object")
         _count(rec.get("size"), f"files.{name}.size", source)
         _count(rec.get("crc32c"), f"files.{name}.crc32c", source, _CRC_LIMIT)
+    if "health" in doc:
+        check_health(doc["health"], source)
     if files_layout:
         return doc
     plain_name(doc["meta"], "meta file", source)

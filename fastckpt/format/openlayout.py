@@ -89,15 +89,17 @@ class OpenLayout:
         files.append(FileRecord(meta_name, len(meta), crc32c(meta)))
         old = _listed_files(storage, snap.dirpath)
         nbytes = sum(f.size for f in files)
+        health = snap.health_doc
         manifest = build_manifest(snap.name, snap.step, files, meta_name, nbytes,
-                                  version=VERSION if snap.dtensors else 1)
+                                  version=VERSION if snap.dtensors else 1, health=health)
         storage.write_atomic(storage.join(snap.dirpath, MANIFEST), manifest)  # <- the commit point
         for name in old - {f.name for f in files}:  # bytes of the checkpoint this one replaced
             try:
                 storage.delete(storage.join(snap.dirpath, name))
             except StorageError as e:
                 log.warning("fastckpt: could not remove replaced file %s: %s", name, e)
-        return CheckpointInfo(snap.name, snap.step, snap.dirpath, nbytes), wrote + len(meta)
+        return CheckpointInfo(snap.name, snap.step, snap.dirpath, nbytes,
+                              healthy=None if health is None else health["healthy"]), wrote + len(meta)
 
     def discard(self, storage: Storage, snap: Snapshot) -> None:
         """Called by the committer after a failure: remove every file this save may have written (never another

@@ -45,6 +45,7 @@ class Snapshot(Protocol):
     objects: bytes | None
     dtensors: list[dict[str, Any]]
     staged_crcs: dict[int, list[int]]  # per shard, each tensor's CRC32C when it was staged (shm), else empty
+    health_doc: dict[str, Any] | None  # the health record to commit (format/health.py); None: not measured
 
 
 class FileFormat(Protocol):

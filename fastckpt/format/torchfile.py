@@ -26,6 +26,8 @@ from typing import Any
 import torch
 
 from ..errors import IntegrityError
+from ..storage.xattr import attrs_for
+from .health import HEALTH_ATTR, attr_bytes, sidecar_bytes, sidecar_path, storage_dtype
 from .layout import CheckpointInfo, FileRecord
 # the reading side lives in zipdir; its public checks are re-exported here, where integrations have always found them
 from .zipdir import (DESC_SIG, Sparse, central_entries, crc_less, data_offset, is_zip, record_spans,
@@ -198,6 +200,10 @@ class TorchFileFormat:
         sources = [w[1] if w else t for w, t in zip(where, tensors)]
         return cls(layout, path), tensors, keys, sources
 
+    def value_dtype(self, entry: Any) -> torch.dtype:
+        """The dtype of a staged record's values (its health statistics): the storage type torch pickled."""
+        return storage_dtype(self.layout.records[entry.index].dtype)
+
     def checksum(self, data: memoryview, entries: Any) -> dict[int, int]:
         """Called by an I/O worker once a shard is staged: the CRC-32 of each record it holds."""
         return {e.index: _crc32(data[e.offset:e.offset + e.nbytes]) & 0xFFFFFFFF for e in entries}
@@ -211,8 +217,29 @@ class TorchFileFormat:
         """``FileFormat``: called by the committer; writes the file under a temporary name, then renames it (the
         commit point)."""
         views, crcs = staged()
-        size = self.write(storage, views, crcs)
-        return CheckpointInfo(snap.name, snap.step, self.path, size), size
+        health = snap.health_doc
+        if health is not None and getattr(storage, "set_attrs", None) is not None:
+            size = self._write_with_attr(storage, views, crcs, attr_bytes(health, snap.step, self.layout.size))
+        elif health is not None:  # an object store: no attributes, a hidden sidecar beside the file
+            sidecar = sidecar_path(self.path)
+            storage.delete(sidecar)  # an older file's: gone before this file takes the name (a crash: no record)
+            size = self.write(storage, views, crcs)
+            storage.write_atomic(sidecar, sidecar_bytes(health, snap.step, size))
+        else:
+            size = self.write(storage, views, crcs)
+        return CheckpointInfo(snap.name, snap.step, self.path, size, healthy=None if health is None
+                              else health["healthy"]), size
+
+    def _write_with_attr(self, storage: Any, views: dict[int, memoryview], crcs: dict[int, int], record: bytes) -> int:
+        """A local file, its health record in its extended attribute (never inside it: torch.load reads the file
+        unchanged, and no other name appears in the folder): set before the file is named, or right after where
+        a wrapper storage wrote it some other way (briefly unknown, never wrong)."""
+        attrs = {HEALTH_ATTR: record}
+        with attrs_for(self.path, attrs) as given:
+            size = self.write(storage, views, crcs)
+        if not given.tried:
+            storage.set_attrs(self.path, attrs)
+        return size
 
     def discard(self, storage: Any, snap: Any) -> None:
         """``FileFormat``: nothing to remove; ``write_file_atomic`` leaves nothing behind when it fails."""

@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 from .deadline import storage_error
 from .heldlink import UNNAMED_OK as _UNNAMED_OK, link_fd  # a test turns _UNNAMED_OK off here
 from .tempmark import mark_bytes, mark_name, temp_basename
+from .xattr import get_attr, set_attrs, take_attrs
 from ..errors import IntegrityError, StorageError
 
 __all__ = ["LocalStorage", "aligned_buffer", "open_regular"]
@@ -80,14 +81,18 @@ class LocalStorage:
             if not works:
                 log.info("fastckpt: O_DIRECT not supported under %s (%s); using buffered writes", self.url, e)
 
-    def _write_buffered(self, path: str, parts: Sequence[memoryview], replace: bool = True) -> None:
-        self._write_fd(path, parts, None, replace)
+    def _write_buffered(self, path: str, parts: Sequence[memoryview], replace: bool = True,
+                        attrs: dict[str, bytes] | None = None) -> None:
+        self._write_fd(path, parts, None, replace, attrs)
 
-    def _write_fd(self, path: str, parts: Sequence[memoryview], flags: int | None, replace: bool = True) -> None:
+    def _write_fd(self, path: str, parts: Sequence[memoryview], flags: int | None, replace: bool = True,
+                  attrs: dict[str, bytes] | None = None) -> None:
         fd = _create(path, 0, replace=replace) if flags is None else os.open(path, flags)
         try:
             for part in parts:
                 _write_all(fd, part)
+            if attrs:  # before the fsync, which makes them durable with the bytes
+                set_attrs(fd, attrs)
             if self._fsync:
                 os.fsync(fd)
         finally:
@@ -123,14 +128,15 @@ class LocalStorage:
         folder, base = os.path.split(path)
         tmp = os.path.join(folder, temp_basename(base))
         marked = False
+        attrs = take_attrs(path)  # a torch file's health record (storage/xattr.py): set before the file is named
         try:
             if create_folder:
                 os.makedirs(folder, exist_ok=True)
-            if self._publish_unnamed(path, parts, tmp, before_publish, mark=True):
+            if self._publish_unnamed(path, parts, tmp, before_publish, mark=True, attrs=attrs):
                 return
             self.mark_temp(tmp, make_folder=create_folder)
             marked = True
-            self._write_buffered(tmp, parts, replace=False)
+            self._write_buffered(tmp, parts, replace=False, attrs=attrs)
             if before_publish is not None:
                 before_publish()
             os.replace(tmp, path)
@@ -174,12 +180,13 @@ class LocalStorage:
             log.info("fastckpt: could not remove the marker of %s: %s", tmp, e)
 
     def _publish_unnamed(self, path: str, parts: Sequence[memoryview], tmp: str,
-                         before_publish: Callable[[], None] | None, mark: bool = False) -> bool:
+                         before_publish: Callable[[], None] | None, mark: bool = False,
+                         attrs: dict[str, bytes] | None = None) -> bool:
         """Write ``path`` atomically through an unnamed file (``O_TMPFILE``, linked in once complete): nothing of a
         half-written file is ever listed in the folder, so a user's ``rmtree`` of the folder never races a temporary
         name, and a kill leaves no temporary file behind. False where the filesystem has no ``O_TMPFILE`` (the
         caller then writes a named temporary file)."""
-        fd = self.write_unnamed(os.path.dirname(path), parts)
+        fd = self.write_unnamed(os.path.dirname(path), parts, attrs)
         if fd is None:
             return False
         try:
@@ -188,7 +195,8 @@ class LocalStorage:
             os.close(fd)
         return True
 
-    def write_unnamed(self, folder: str, parts: Sequence[memoryview]) -> int | None:
+    def write_unnamed(self, folder: str, parts: Sequence[memoryview],
+                      attrs: dict[str, bytes] | None = None) -> int | None:
         """A complete, unnamed file in ``folder`` (``O_TMPFILE``), open as the returned fd (the caller closes it),
         never listed until ``link_unnamed``; None where the filesystem has none. Raises ``OSError`` (a removed
         ``folder``: ``FileNotFoundError``, never recreated)."""
@@ -203,6 +211,8 @@ class LocalStorage:
         try:
             for part in parts:
                 _write_all(fd, part)
+            if attrs:  # on the unnamed file: the record is there the moment the file has a name
+                set_attrs(fd, attrs)
             if self._fsync:
                 os.fsync(fd)
         except BaseException:
@@ -233,6 +243,14 @@ class LocalStorage:
             _fsync_dir(os.path.dirname(path))
 
     # ---- one file written by several processes (fastckpt.engine.sharedfile) -----------------------------------------
+
+    def get_attr(self, path: str, name: str) -> bytes | None:
+        """The extended attribute ``name`` of ``path`` (storage/xattr.py); None when absent or not kept here."""
+        return get_attr(path, name)
+
+    def set_attrs(self, path: str, attrs: dict[str, bytes]) -> bool:
+        """Set extended attributes on ``path``; False (logged once) where the file system refuses them."""
+        return set_attrs(path, attrs)
 
     def write_at(self, path: str, pieces: Sequence[tuple[int, memoryview]]) -> None:
         """Write each ``(offset, bytes)`` of ``pieces`` into ``path``, created if absent and never truncated: other

@@ -13,6 +13,7 @@ from typing import Protocol, Sequence, TypeVar
 
 from ..config import RetentionOptions
 from ..errors import CheckpointNotFoundError, FastCkptError, IntegrityError, StorageError
+from ..format.health import healthy_of
 from ..format.layout import MANIFEST, parse_manifest
 from ..format.layout import CheckpointInfo
 from ..format.paths import confine
@@ -36,13 +37,21 @@ T = TypeVar("T", bound=_Step)
 
 
 def doomed(infos: Sequence[T], rules: RetentionOptions, pending: set[str]) -> list[T]:
-    """Of ``infos`` (anything with ``name`` and ``step``, oldest step first), those ``rules`` do not keep:
-    never the newest, never a pending name. ``fastckpt gc`` applies it to Lightning and Accelerate folders too."""
+    """Of ``infos`` (anything with ``name`` and ``step``, and ``healthy`` when measured; oldest step first), those
+    ``rules`` do not keep: never the newest, never the newest healthy one, never a pending name. ``fastckpt gc``
+    applies it to Lightning and Accelerate folders too."""
     if rules.keep_last is None:
         return []
-    keep = {i.name for i in infos[-rules.keep_last:]}
+    sick = {i.name for i in infos if getattr(i, "healthy", None) is False}  # None: not measured, counted as healthy
+    counted = infos if rules.unhealthy == "count" else [i for i in infos if i.name not in sick]
+    keep = {i.name for i in counted[-rules.keep_last:]}
     if rules.keep_every_n_steps:
         keep |= {i.name for i in infos if i.step % rules.keep_every_n_steps == 0}
+    if rules.unhealthy == "keep":
+        keep |= sick
+    healthy = [i for i in infos if getattr(i, "healthy", None) is True]
+    if healthy:  # a run that turned NaN must still resume from before it, whatever keep_last says
+        keep.add(healthy[-1].name)
     return [i for i in infos[:-1] if i.name not in keep and i.name not in pending]
 
 
@@ -86,7 +95,7 @@ class Catalog:
                 raise
             log.warning("fastckpt: ignoring %s: its %s is not a file", path, MANIFEST)
             return None
-        return CheckpointInfo(name, doc["step"], path, doc.get("nbytes", 0))
+        return CheckpointInfo(name, doc["step"], path, doc.get("nbytes", 0), healthy=healthy_of(doc))
 
     @staticmethod
     def damage_of(storage: Storage, path: str, doc: dict, present: list[str] | None = None) -> str | None:

@@ -185,15 +185,33 @@ class CatalogUnion:
         union.update((i.name, i) for i in local)
         return sorted(union.values(), key=lambda i: (i.step, i.name)), names
 
+    def newest_healthy(self, step: int | None, name: str | None) -> str:
+        """The name of the newest checkpoint whose health record shows no NaN or Inf (at ``step`` when given;
+        ``name`` itself when given and healthy). Raises ``CheckpointNotFoundError`` saying what was found."""
+        infos = [i for i in self.list() if (step is None or i.step == step) and (name is None or i.name == name)]
+        good = [i for i in infos if i.healthy]
+        if good:
+            return good[-1].name
+        sick = [i.name for i in infos if i.healthy is False]
+        raise CheckpointNotFoundError(
+            f"no healthy committed checkpoint{'' if step is None else f' at step {step}'}"
+            f"{'' if name is None else f' named {name!r}'} under {self.local.storage.url}: {len(infos)} found, "
+            f"{len(sick)} with NaN/Inf values ({', '.join(sick[-3:]) or 'none'}), the others not measured "
+            "(saved with health.enabled: false or by an older fastckpt). Load one by name or step without "
+            "healthy=True, or resume from scratch")
+
     def exists(self, name: str) -> bool:
         """Whether ``name`` is committed in either tier."""
         if self.local.info(name) is not None:
             return True
         return self.remote is not None and self.remote.info(name) is not None
 
-    def locate(self, step: int | None, name: str | None) -> tuple[Storage, str]:
+    def locate(self, step: int | None, name: str | None, healthy: bool = False) -> tuple[Storage, str]:
         """The storage holding the checkpoint to read, and its name: ``name`` if given, else the newest at
-        ``step`` (the newest of all when None). Raises ``CheckpointNotFoundError`` naming both tiers."""
+        ``step`` (the newest of all when None); ``healthy``: the newest of those without NaN/Inf
+        (``newest_healthy``). Raises ``CheckpointNotFoundError`` naming both tiers."""
+        if healthy:
+            step, name = None, self.newest_healthy(step, name)
         remote = self.remote
         if remote is None:
             return self.local.storage, name if name is not None else self.local.resolve(step)
