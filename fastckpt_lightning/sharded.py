@@ -29,6 +29,7 @@ import os
 from typing import Any, Optional
 
 from fastckpt import is_checkpoint
+from fastckpt.errors import ConfigError
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
@@ -134,6 +135,13 @@ class FastFSDPStrategy(_ShardedThroughCore, FSDPStrategy):
         """The parent's, then a 1-D device mesh over the world unless the user passed one (sharded state only)."""
         super().setup_environment()
         if self._sharded() and self.kwargs.get("device_mesh") is None:
+            # FSDP1 takes a mesh or a process group, not both; a hybrid strategy needs a 2-D mesh. Without a mesh
+            # its sharded state is ShardedTensors, which the core does not save: refuse rather than fail at save.
+            if self.kwargs.get("process_group") is not None or "HYBRID" in self.sharding_strategy.name:
+                raise ConfigError(
+                    f"FastFSDPStrategy(state_dict_type='sharded') with sharding_strategy={self.sharding_strategy.name}"
+                    " and no device_mesh: FSDP1 gives DTensor state (what fastckpt saves) only on a device mesh; "
+                    "pass device_mesh=(replicas, shards) instead of process_group")
             from torch.distributed.device_mesh import init_device_mesh
 
             self.kwargs["device_mesh"] = init_device_mesh(self.root_device.type, (self.world_size,))
