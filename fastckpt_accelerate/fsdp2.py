@@ -95,6 +95,7 @@ class FastFSDP2Checkpointing:
         self._watchers[folder].sync(acc._optimizers)
         state = self._live_state()
         state.update(
+            iteration=project.iteration,
             step=acc.step,
             schedulers=[s.state_dict() for s in acc._schedulers],
             scaler=acc.scaler.state_dict() if acc.scaler is not None else None,
@@ -134,6 +135,9 @@ class FastFSDP2Checkpointing:
             obj.load_state_dict(state)
         acc.step = int(loaded.get("step", 0))
         restore_process_state(acc, loaded)
+        iteration = loaded.get("iteration")
+        if isinstance(iteration, int):  # as for DDP: the next automatic save must not reuse the loaded name
+            acc.project_configuration.iteration = iteration + 1
 
     # ----------------------------------------------------------------- lifecycle
 

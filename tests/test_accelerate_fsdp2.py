@@ -25,13 +25,18 @@ def _accelerator(project: str, seed: int, state_dict_type: str = "SHARDED_STATE_
     from accelerate import Accelerator
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, ProjectConfiguration
 
+    import torch.distributed as dist
+
+    # what a launcher sets, with cpu=True: Accelerate then sees MULTI_CPU, 2 processes on the gloo group
+    os.environ.update(RANK=str(dist.get_rank()), LOCAL_RANK=str(dist.get_rank()), WORLD_SIZE=str(dist.get_world_size()))
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type=state_dict_type)
-    acc = Accelerator(fsdp_plugin=plugin, project_config=ProjectConfiguration(project_dir=project))
+    acc = Accelerator(cpu=True, fsdp_plugin=plugin, project_config=ProjectConfiguration(project_dir=project))
     acc.state.distributed_type, acc.state.fsdp_plugin = DistributedType.FSDP, plugin  # the GPU-only gate
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
     model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
     acc.state.distributed_type = DistributedType.FSDP  # prepare() re-derives it from the device
+    assert (acc.num_processes, acc.process_index) == (dist.get_world_size(), dist.get_rank())
     _step(acc, model, opt, seed)
     return acc, model, opt
 
@@ -83,7 +88,10 @@ def _save_and_load(rank: int, world: int, tmp: str) -> None:
     acc.state.fsdp_plugin = full_acc
     fast = fastckpt_accelerate.enable(acc, {"root": f"{tmp}/p0/checkpoints"})
     at_save = _full(model, opt)
+    acc.step = 5  # as after 5 accumulated steps: restored by load_state
+    torch.manual_seed(1000 + rank)  # each process's own RNG, restored on that process
     fast_dir = acc.save_state(f"{tmp}/fast")
+    rng_at_save = torch.get_rng_state()
     type(acc).save_state(acc, f"{tmp}/stock")  # stock Accelerate's FSDP2 save of the same state (DCP)
     _step(acc, model, opt, 9)  # training goes on: the fast save must hold the state at save_state
     acc.wait_for_everyone()  # routed: the fast save is committed on every process after this
@@ -98,7 +106,11 @@ def _save_and_load(rank: int, world: int, tmp: str) -> None:
         acc2, model2, opt2 = _accelerator(f"{tmp}/p{seed}", seed=seed)
         loader = fastckpt_accelerate.enable(acc2, {"root": f"{tmp}/p{seed}/checkpoints"})
         acc2.load_state(folder)
+        assert torch.equal(torch.get_rng_state(), rng_at_save), f"rank {rank}: {folder}: this process's RNG"
+        assert acc2.step == 5, folder
         _assert_equal(_full(model2, opt2), at_save, f"rank {rank}: {folder} loaded")
+        if folder.endswith("fast"):
+            assert acc2.project_configuration.iteration == 1, "past the loaded folder's iteration (0)"
         loader.close()
 
 
