@@ -121,6 +121,16 @@ def _reshard(rank: int, world: int, tmp: str) -> None:
     loader = fastckpt_accelerate.enable(acc, {"root": f"{tmp}/p3/checkpoints"})
     acc.load_state(f"{tmp}/fast")
     _assert_equal(_full(model, opt), torch.load(f"{tmp}/expected.pt"), "2-process checkpoint on 1 process")
+    # automatic naming: checkpoint_{iteration} under the root (the load moved iteration past 0); load_state()
+    # with no folder takes the newest
+    acc.project_configuration.automatic_checkpoint_naming = True
+    assert acc.save_state() == f"{tmp}/p3/checkpoints/checkpoint_1"
+    _step(acc, model, opt, 4)
+    at_second = _full(model, opt)
+    assert acc.save_state() == f"{tmp}/p3/checkpoints/checkpoint_2"
+    _step(acc, model, opt, 5)
+    acc.load_state()
+    _assert_equal(_full(model, opt), at_second, "load_state() of the newest automatic checkpoint")
     loader.close()
 
 
