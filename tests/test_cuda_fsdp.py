@@ -2,7 +2,8 @@
 
 - Lightning ``FastFSDPStrategy(state_dict_type="sharded")`` (FSDP1: torch's FullyShardedDataParallel raises 'FSDP
   needs a non-CPU accelerator device' on CPU, so this test cannot run without CUDA): saved through fastckpt, and
-  by stock FSDPStrategy (DCP); each loaded by a fresh Trainer equals the state at save.
+  by stock FSDPStrategy (DCP); each loaded by a fresh Trainer equals the state at save. On one GPU torch clamps
+  FSDP1 to NO_SHARD (plain tensors in its "sharded" state dict): the route is tested, not DTensor blocks.
 
 It runs ``benchmarks/gpu_fsdp.py``'s check in a child process with its own one-process NCCL group. Accelerate FSDP2
 is tested on CPU (tests/test_accelerate_fsdp2.py, 2 gloo processes) and on the GPU by ``gpu_fsdp``'s own step of
