@@ -52,6 +52,9 @@ def enable(
     if previous is not None and not previous.closed:
         raise ConfigError("fastckpt is already enabled on this Accelerator; close() the returned object first")
     if is_sharded_fsdp2(accelerator):
+        if log_stats or shared_writes is False:
+            raise ConfigError("with FSDP2, log_stats=True and shared_writes=False are not supported: every process "
+                              "writes its own blocks; read checkpointing.stats instead of log_stats")
         fsdp2 = FastFSDP2Checkpointing(
             accelerator, resolve_config(config, accelerator), storage=storage,
             original_load_state=type(accelerator).load_state.__get__(accelerator),

@@ -38,3 +38,9 @@ def test_fsdp1_is_refused_and_pointed_at_fsdp2() -> None:
 def test_other_sharding_engines_are_refused_naming_what_is_supported(kind: DistributedType) -> None:
     with pytest.raises(ConfigError, match=rf"distributed_type={kind.value}.*supports single-process.*DDP"):
         enable(_accelerator(kind))
+
+
+@pytest.mark.parametrize("kwargs", [{"log_stats": True}, {"shared_writes": False}])
+def test_fsdp2_refuses_the_options_it_cannot_honour(kwargs: dict) -> None:
+    with pytest.raises(ConfigError, match="with FSDP2, log_stats=True and shared_writes=False are not supported"):
+        enable(_accelerator(DistributedType.FSDP, 2), **kwargs)
