@@ -20,7 +20,8 @@ from fastckpt.errors import ConfigError
 
 from .checkpointing import FastAccelerateCheckpointing
 from .config import ConfigSource, resolve_config
-from .fsdp import check_engine
+from .fsdp import check_engine, is_sharded_fsdp2
+from .fsdp2 import FastFSDP2Checkpointing
 from .preempt import AcceleratePreemption
 from .runend import ended
 
@@ -53,6 +54,16 @@ def enable(
     previous = get_checkpointing(accelerator)
     if previous is not None and not previous.closed:
         raise ConfigError("fastckpt is already enabled on this Accelerator; close() the returned object first")
+    if is_sharded_fsdp2(accelerator):
+        if log_stats or shared_writes is False:
+            raise ConfigError("with FSDP2, log_stats=True and shared_writes=False are not supported: every process "
+                              "writes its own blocks; read checkpointing.stats instead of log_stats")
+        fsdp2 = FastFSDP2Checkpointing(
+            accelerator, resolve_config(config, accelerator), storage=storage,
+            original_load_state=type(accelerator).load_state.__get__(accelerator),
+            original_wait_for_everyone=type(accelerator).wait_for_everyone.__get__(accelerator))
+        _install(accelerator, fsdp2)  # type: ignore[arg-type]  # the same routed surface
+        return fsdp2  # type: ignore[return-value]
     resolved = resolve_config(config, accelerator)
     checkpointing = FastAccelerateCheckpointing(
         accelerator,

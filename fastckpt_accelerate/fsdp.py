@@ -1,11 +1,11 @@
-"""Which Accelerate engines ``enable()`` takes; the sharded ones are refused with what to use instead.
+"""Which Accelerate engines ``enable()`` takes; the ones it cannot save are refused with what to use instead.
 
-FSDP2 state is what the core saves best (each rank writes its DTensor blocks, ``load_into`` reshards), but
-Accelerate 1.15 cannot run FSDP2 on CPU: ``AcceleratorState`` turns an ``fsdp_plugin`` into
-``DistributedType.FSDP`` only for GPU-like devices (``accelerate/state.py``, the ``MULTI_GPU ... MULTI_NEURON``
-branch), so on CPU the same script silently trains under DDP (``MULTI_CPU``). With no GPU to test on, the
-hook does not claim FSDP2: its ``load_state`` restores full plain tensors with ``load_state_dict``, which
-FSDP2's DTensor parameters do not take. The message says how to reach the core directly meanwhile.
+FSDP2 (``fsdp_version=2``) with ``SHARDED_STATE_DICT`` goes through ``fsdp2.FastFSDP2Checkpointing``: each
+process writes its own DTensor blocks, ``load_state`` reshards. FSDP2 with ``FULL_STATE_DICT`` is refused: stock
+gathers the full state onto the main process inside ``save_state``, which is the synchronous copy fastckpt exists
+to avoid, and its loader expects that full file. Note that Accelerate 1.15 turns an ``fsdp_plugin`` into
+``DistributedType.FSDP`` only on GPU-like devices (``accelerate/state.py``): on CPU the same script trains under
+DDP (``MULTI_CPU``), and is saved as DDP.
 """
 
 from __future__ import annotations
@@ -16,15 +16,15 @@ from accelerate.utils import DistributedType
 
 from fastckpt.errors import ConfigError
 
-__all__ = ["check_engine"]
+__all__ = ["check_engine", "is_sharded_fsdp2"]
 
-_SUPPORTED = "single-process training and DDP (MULTI_CPU, MULTI_GPU and the other MULTI_* data-parallel types)"
+_SUPPORTED = ("single-process training, DDP (MULTI_CPU, MULTI_GPU and the other MULTI_* data-parallel types) and "
+              "FSDP2 with SHARDED_STATE_DICT")
 
 _FSDP2_INSTEAD = (
-    "save FSDP2 state with the core instead: ckpt = fastckpt.Checkpointer(config, distributed=True) on every "
-    "process, ckpt.save({'model': model.state_dict(), 'optim': optimizer.state_dict()}, step=...) writes each "
-    "process's own blocks, and ckpt.load_into(...) of the same dict reshards on load (any number of processes); "
-    "under Lightning, FastModelParallelStrategy does this"
+    "FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type='SHARDED_STATE_DICT') saves through fastckpt "
+    "(each process writes its own blocks, load_state reshards); the core does it too: "
+    "fastckpt.Checkpointer(config, distributed=True) on every process, then save() and load_into()"
 )
 
 
@@ -34,13 +34,27 @@ def check_engine(accelerator: Any) -> None:
     if kind == DistributedType.FSDP:
         plugin = getattr(accelerator.state, "fsdp_plugin", None)
         if getattr(plugin, "fsdp_version", 1) == 2:
+            if _state_dict_type(plugin) == "SHARDED_STATE_DICT":
+                return
             raise ConfigError(
-                f"fastckpt_accelerate does not support FSDP2 (fsdp_version=2) yet; it supports {_SUPPORTED}. "
-                f"To checkpoint FSDP2 with fastckpt, {_FSDP2_INSTEAD}")
+                f"fastckpt_accelerate supports FSDP2 with state_dict_type=SHARDED_STATE_DICT only, not "
+                f"{_state_dict_type(plugin)}: a full state dict is gathered onto the main process inside save_state, "
+                "the synchronous copy fastckpt avoids. Set FullyShardedDataParallelPlugin(state_dict_type="
+                "'SHARDED_STATE_DICT') (fastckpt reshards on load: any number of processes can resume it)")
         raise ConfigError(
             f"fastckpt_accelerate does not support FSDP1 (fsdp_version=1): its FlatParameter/ShardedTensor state "
-            f"is not what fastckpt stores; it supports {_SUPPORTED}. Move to fsdp_version=2, and {_FSDP2_INSTEAD}")
+            f"is not what fastckpt stores; it supports {_SUPPORTED}. Move to fsdp_version=2: {_FSDP2_INSTEAD}")
     if kind in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM, DistributedType.XLA):
         raise ConfigError(
             f"fastckpt_accelerate does not support distributed_type={kind.value}: its engine saves sharded state "
-            f"itself; fastckpt supports {_SUPPORTED} (and FSDP2 through fastckpt.Checkpointer(distributed=True))")
+            f"itself; fastckpt supports {_SUPPORTED}")
+
+
+def is_sharded_fsdp2(accelerator: Any) -> bool:
+    """Whether ``accelerator`` runs FSDP2 with sharded state dicts (what ``check_engine`` lets through as FSDP)."""
+    return accelerator.distributed_type == DistributedType.FSDP
+
+
+def _state_dict_type(plugin: Any) -> str:
+    kind = getattr(plugin, "state_dict_type", None)
+    return str(getattr(kind, "name", kind))

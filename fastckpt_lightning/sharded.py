@@ -1,4 +1,4 @@
-"""``FastModelParallelStrategy``: Lightning's ``ModelParallelStrategy`` (FSDP2, tensor parallelism) saving through fastckpt.
+"""``FastModelParallelStrategy`` (FSDP2, tensor parallelism) and ``FastFSDPStrategy`` (FSDP1) saving through fastckpt.
 
 The plugin alone cannot reach sharded state: ``ModelParallelStrategy.save_checkpoint`` runs on every rank and calls
 DCP directly, never ``CheckpointIO``, and it builds its state dicts with ``cpu_offload=True`` (a synchronous copy of
@@ -14,6 +14,13 @@ changes three things when ``save_distributed_checkpoint=True`` (the default):
   mesh. Folders written by stock Lightning (DCP) and single files still load through the parent class.
 
 ``save_distributed_checkpoint=False`` (one full file on rank 0) is left to the parent and the plugin.
+
+``FastFSDPStrategy`` does the same for ``FSDPStrategy(state_dict_type="sharded")`` (which calls DCP directly too).
+FSDP1 gives its sharded state as DTensors only when it was wrapped with a ``device_mesh`` (else as
+``ShardedTensor``s, which the core does not save), so the strategy passes a 1-D mesh over the world when none is
+given. FSDP1's sharded state dict is built from clones of each rank's chunk (torch's ``_create_chunk_dtensor``),
+so that copy happens on the training thread, as with stock; writing stays in the background.
+``state_dict_type="full"`` is left to the parent and the plugin.
 """
 
 from __future__ import annotations
@@ -22,14 +29,15 @@ import os
 from typing import Any, Optional
 
 from fastckpt import is_checkpoint
+from fastckpt.errors import ConfigError
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from torch.optim import Optimizer
 
 from fastckpt_lightning.owner import FastIOOwner
 
-__all__ = ["FastModelParallelStrategy"]
+__all__ = ["FastFSDPStrategy", "FastModelParallelStrategy"]
 
 
 def _sharded_options() -> Any:
@@ -40,13 +48,16 @@ def _sharded_options() -> Any:
     return StateDictOptions(full_state_dict=False, cpu_offload=False)
 
 
-class FastModelParallelStrategy(FastIOOwner, ModelParallelStrategy):
-    """``Trainer(strategy=FastModelParallelStrategy(...), plugins=[FastCheckpointIO(...)])``; same arguments as
-    ``ModelParallelStrategy``. Without a ``FastCheckpointIO`` plugin, one with default settings is used."""
+class _ShardedThroughCore(FastIOOwner):
+    """The save, load and removal of sharded state through the core, for a strategy whose model is sharded."""
+
+    def _sharded(self) -> bool:
+        """Whether this strategy saves sharded state (else the parent's full-state path runs)."""
+        raise NotImplementedError
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The model's live sharded DTensors (called on every rank by ``Trainer.save_checkpoint``)."""
-        if not self._save_distributed_checkpoint:
+        if not self._sharded():
             return super().lightning_module_state_dict()
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
@@ -55,7 +66,7 @@ class FastModelParallelStrategy(FastIOOwner, ModelParallelStrategy):
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """The optimizer's live sharded state, keyed by parameter name (called on every rank)."""
-        if not self._save_distributed_checkpoint:
+        if not self._sharded():
             return super().optimizer_state(optimizer)
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -68,7 +79,7 @@ class FastModelParallelStrategy(FastIOOwner, ModelParallelStrategy):
         self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
     ) -> None:
         """Every rank: snapshot its blocks and return; the folder appears committed once every rank's are durable."""
-        if not self._save_distributed_checkpoint:
+        if not self._sharded():
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         self.refuse_storage_options(storage_options)
         path = os.fspath(self.broadcast(os.fspath(filepath)))  # rank 0 names it, as in the parent class
@@ -98,10 +109,42 @@ class FastModelParallelStrategy(FastIOOwner, ModelParallelStrategy):
 
     def remove_checkpoint(self, filepath: _PATH) -> None:
         """Rank 0: delete a sharded folder behind the saves queued before it (``ModelCheckpoint(save_top_k)``)."""
-        if not self._save_distributed_checkpoint:
+        if not self._sharded():
             return super().remove_checkpoint(filepath)
         if self.is_global_zero:
             self.fast_io.remove_sharded(os.fspath(filepath))
+
+
+class FastModelParallelStrategy(_ShardedThroughCore, ModelParallelStrategy):
+    """``Trainer(strategy=FastModelParallelStrategy(...), plugins=[FastCheckpointIO(...)])``; same arguments as
+    ``ModelParallelStrategy``. Without a ``FastCheckpointIO`` plugin, one with default settings is used."""
+
+    def _sharded(self) -> bool:
+        return bool(self._save_distributed_checkpoint)
+
+
+class FastFSDPStrategy(_ShardedThroughCore, FSDPStrategy):
+    """``Trainer(strategy=FastFSDPStrategy(state_dict_type="sharded", ...), plugins=[FastCheckpointIO(...)])``;
+    same arguments as ``FSDPStrategy``. Without a ``device_mesh``, the model is sharded over a 1-D mesh of every
+    rank (FSDP1 then gives DTensors, which the core saves); with ``state_dict_type="full"``, the parent's path."""
+
+    def _sharded(self) -> bool:
+        return self._state_dict_type == "sharded"
+
+    def setup_environment(self) -> None:
+        """The parent's, then a 1-D device mesh over the world unless the user passed one (sharded state only)."""
+        super().setup_environment()
+        if self._sharded() and self.kwargs.get("device_mesh") is None:
+            # FSDP1 takes a mesh or a process group, not both; a hybrid strategy needs a 2-D mesh. Without a mesh
+            # its sharded state is ShardedTensors, which the core does not save: refuse rather than fail at save.
+            if self.kwargs.get("process_group") is not None or "HYBRID" in self.sharding_strategy.name:
+                raise ConfigError(
+                    f"FastFSDPStrategy(state_dict_type='sharded') with sharding_strategy={self.sharding_strategy.name}"
+                    " and no device_mesh: FSDP1 gives DTensor state (what fastckpt saves) only on a device mesh; "
+                    "pass device_mesh=(replicas, shards) instead of process_group")
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self.kwargs["device_mesh"] = init_device_mesh(self.root_device.type, (self.world_size,))
 
 
 def _with_strict(options: Any, strict: bool) -> Any:

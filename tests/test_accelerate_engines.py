@@ -15,16 +15,18 @@ from fastckpt.errors import ConfigError
 from fastckpt_accelerate import enable
 
 
-def _accelerator(kind: DistributedType, fsdp_version: int | None = None) -> SimpleNamespace:
-    plugin = None if fsdp_version is None else SimpleNamespace(fsdp_version=fsdp_version)
+def _accelerator(kind: DistributedType, fsdp_version: int | None = None,
+                 state_dict_type: str = "SHARDED_STATE_DICT") -> SimpleNamespace:
+    plugin = None if fsdp_version is None else SimpleNamespace(fsdp_version=fsdp_version,
+                                                                 state_dict_type=SimpleNamespace(name=state_dict_type))
     return SimpleNamespace(distributed_type=kind, state=SimpleNamespace(fsdp_plugin=plugin))
 
 
-def test_fsdp2_is_refused_with_the_core_route() -> None:
-    with pytest.raises(ConfigError, match=r"FSDP2 \(fsdp_version=2\).*supports single-process.*DDP") as e:
-        enable(_accelerator(DistributedType.FSDP, 2))
-    assert "Checkpointer(config, distributed=True)" in str(e.value) and "load_into" in str(e.value)
-    assert "FastModelParallelStrategy" in str(e.value)
+@pytest.mark.parametrize("kind", ["FULL_STATE_DICT", "LOCAL_STATE_DICT"])
+def test_fsdp2_without_sharded_state_dicts_is_refused(kind: str) -> None:
+    # FSDP2 with SHARDED_STATE_DICT is taken (tests/test_accelerate_fsdp2.py); a full state dict is not.
+    with pytest.raises(ConfigError, match=rf"FSDP2 with state_dict_type=SHARDED_STATE_DICT only, not {kind}"):
+        enable(_accelerator(DistributedType.FSDP, 2, kind))
 
 
 def test_fsdp1_is_refused_and_pointed_at_fsdp2() -> None:
@@ -36,3 +38,9 @@ def test_fsdp1_is_refused_and_pointed_at_fsdp2() -> None:
 def test_other_sharding_engines_are_refused_naming_what_is_supported(kind: DistributedType) -> None:
     with pytest.raises(ConfigError, match=rf"distributed_type={kind.value}.*supports single-process.*DDP"):
         enable(_accelerator(kind))
+
+
+@pytest.mark.parametrize("kwargs", [{"log_stats": True}, {"shared_writes": False}])
+def test_fsdp2_refuses_the_options_it_cannot_honour(kwargs: dict) -> None:
+    with pytest.raises(ConfigError, match="with FSDP2, log_stats=True and shared_writes=False are not supported"):
+        enable(_accelerator(DistributedType.FSDP, 2), **kwargs)

@@ -3,7 +3,7 @@
 - Its wheel list (benchmarks/gpu_wheels.sh) plus the GPU machine's packages (benchmarks/gpu_machine_packages.txt)
   cover every hard third-party import of the package: the GPU machine has no network.
 - Its dry run runs end to end here: CUDA tests collected and skipped, the benchmark a labelled CPU fallback
-  with bit-exact restores, the FSDP2 check passed on gloo, the framework FSDP checks skipped with a reason.
+  with bit-exact restores, the FSDP2 and Accelerate FSDP2 checks passed on gloo, Lightning's FSDP1 skipped with a reason.
 - The GPU section of BENCHMARKS.md is never filled from a CPU fallback.
 """
 from __future__ import annotations
@@ -133,7 +133,8 @@ def test_dry_run_end_to_end(tmp_path: Path) -> None:
     assert "CPU fallback, not a GPU measurement" in (out / "gpu_bench.md").read_text()
     fsdp = json.loads((out / "fsdp.json").read_text())
     assert fsdp["core_fsdp2"]["status"] == "passed", fsdp
-    assert fsdp["lightning_fsdp"]["status"] == fsdp["accelerate_fsdp2"]["status"] == "skipped", fsdp
+    assert fsdp["accelerate_fsdp2"]["status"] == "passed" and "by hand" in fsdp["accelerate_fsdp2"]["fsdp_gate"], fsdp
+    assert fsdp["lightning_fsdp"]["status"] == "skipped" and "accelerator" in fsdp["lightning_fsdp"]["reason"], fsdp
     # a CPU fallback never becomes the GPU section
     assert gpu_report.section(bench) == gpu_report.PENDING
 
