@@ -53,7 +53,7 @@ from .foreign import load_accelerate_folder, save_loaders
 from .native import rng_file_state, stock_files
 from .state import META_KEY, read_meta, restore_process_state, restore_state
 from .stats import StatsLogger
-from .watcher import OptimizerWatcher
+from .watcher import OptimizerWatcher, close_all
 
 logger = logging.getLogger(__name__)
 _LIVE: "weakref.WeakSet[FastAccelerateCheckpointing]" = weakref.WeakSet()  # a load waits for their saves
@@ -281,15 +281,7 @@ class FastAccelerateCheckpointing:
         if getattr(self, "_closed", True):
             return
         self._closed = True
-        first_error: BaseException | None = None
-        for root, ckpt in list(self._checkpointers.items()):
-            try:
-                ckpt.wait()
-            except BaseException as e:  # keep closing the others; report the first failure
-                first_error = first_error or e
-            finally:
-                self._watchers.pop(root).remove()
-                ckpt.close()
+        first_error = close_all(self._checkpointers, self._watchers)
         try:
             self.log_stats()
         finally:

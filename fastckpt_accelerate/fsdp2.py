@@ -23,7 +23,7 @@ from fastckpt.errors import CheckpointNotFoundError, ConfigError
 from . import naming
 from .distributed import all_gather
 from .state import capture_process_state, restore_process_state
-from .watcher import OptimizerWatcher, inner_optimizer
+from .watcher import OptimizerWatcher, close_all, inner_optimizer
 
 __all__ = ["FastFSDP2Checkpointing"]
 
@@ -157,15 +157,7 @@ class FastFSDP2Checkpointing:
         if self._closed:
             return
         self._closed = True
-        first: BaseException | None = None
-        for folder, ckpt in list(self._checkpointers.items()):
-            try:
-                ckpt.wait()
-            except BaseException as e:  # keep closing the others; report the first failure
-                first = first or e
-            finally:
-                self._watchers.pop(folder).remove()
-                ckpt.close()
+        first = close_all(self._checkpointers, self._watchers)
         self._checkpointers.clear()
         if first is not None:
             raise first

@@ -74,3 +74,18 @@ class OptimizerWatcher:
             for h in handles:
                 h.remove()
         self._guarded.clear()
+
+
+def close_all(checkpointers: dict[str, Checkpointer], watchers: dict[str, Any]) -> BaseException | None:
+    """Flush and close every folder's ``Checkpointer`` (removing its optimizer watcher), all of them even when one
+    fails: the first failure is returned for the caller to raise once it has finished closing."""
+    first: BaseException | None = None
+    for folder, ckpt in list(checkpointers.items()):
+        try:
+            ckpt.wait()
+        except BaseException as e:  # keep closing the others; report the first failure
+            first = first or e
+        finally:
+            watchers.pop(folder).remove()
+            ckpt.close()
+    return first
