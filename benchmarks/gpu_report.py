@@ -26,12 +26,17 @@ def section(result: dict[str, Any] | None) -> str:
     return markdown(result)
 
 
-def merge(report: str, sect: str) -> str:
-    """``report`` with its ``## GPU`` section replaced by ``sect`` (or ``sect`` inserted before Methodology)."""
+# Sections other commands write by hand-run measurements (benchmarks.health, benchmarks.preempt_flush), kept like
+# the GPU section when benchmarks.run rewrites the report.
+CARRIED = ("## Health statistics cost",)
+
+
+def merge(report: str, sect: str, heading: str = "## GPU") -> str:
+    """``report`` with its ``heading`` section replaced by ``sect`` (or ``sect`` inserted before Methodology)."""
     lines = report.splitlines(keepends=True)
     heads = [i for i, ln in enumerate(lines) if ln.startswith("## ")]
     body = sect if sect.endswith("\n\n") else sect.rstrip("\n") + "\n\n"
-    gpu = [i for i in heads if lines[i].strip() == "## GPU"]
+    gpu = [i for i in heads if lines[i].strip() == heading]
     if gpu:
         start = gpu[0]
         end = next((i for i in heads if i > start), len(lines))
@@ -41,11 +46,11 @@ def merge(report: str, sect: str) -> str:
     return "".join(lines[:at]) + body + "".join(lines[at:])
 
 
-def existing(report: str) -> str | None:
-    """The ``## GPU`` section of a report (up to the next ``## `` heading), or None."""
+def existing(report: str, heading: str = "## GPU") -> str | None:
+    """The ``heading`` section of a report (up to the next ``## `` heading), or None."""
     lines = report.splitlines(keepends=True)
     heads = [i for i, ln in enumerate(lines) if ln.startswith("## ")]
-    gpu = [i for i in heads if lines[i].strip() == "## GPU"]
+    gpu = [i for i in heads if lines[i].strip() == heading]
     if not gpu:
         return None
     end = next((i for i in heads if i > gpu[0]), len(lines))
@@ -55,8 +60,14 @@ def existing(report: str) -> str | None:
 def carried(new_report: str, old_path: Path) -> str:
     """``new_report`` (benchmarks.run's CPU report, which has no GPU figures) with the GPU section of the file it
     replaces, so that a CPU rerun keeps the last GPU run's figures; "pending" when that file has none."""
-    old = existing(old_path.read_text()) if old_path.exists() else None
-    return merge(new_report, old if old is not None else PENDING)
+    text = old_path.read_text() if old_path.exists() else ""
+    old = existing(text)
+    report = merge(new_report, old if old is not None else PENDING)
+    for heading in CARRIED:
+        kept = existing(text, heading)
+        if kept is not None:
+            report = merge(report, kept, heading)
+    return report
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -161,3 +161,12 @@ def test_a_cpu_rerun_of_the_report_keeps_the_gpu_section(tmp_path: Path) -> None
     assert "Device: **NVIDIA H200**." in new and "## Restore" in new and new.count("## GPU") == 1
     assert new.index("## GPU") < new.index("## Methodology")
     assert "GPU run pending" in gpu_report.carried("# B\n\n## Methodology\n", tmp_path / "absent.md")
+
+
+def test_a_cpu_rerun_of_the_report_keeps_the_hand_measured_sections(tmp_path: Path) -> None:
+    # benchmarks.health's figures are measured by a separate command: a rerun of benchmarks.run must not drop them
+    old = tmp_path / "BENCHMARKS.md"
+    old.write_text("# B\n\n## Health statistics cost\n\n| 1.24x |\n\n## Methodology\n\nold\n")
+    new = gpu_report.carried("# B\n\n## Restore\n\nnew\n\n## Methodology\n\nnew\n", old)
+    assert "| 1.24x |" in new and new.count("## Health statistics cost") == 1 and "GPU run pending" in new
+    assert new.index("## Health statistics cost") < new.index("## Methodology")
