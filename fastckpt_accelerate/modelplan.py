@@ -14,6 +14,8 @@ from torch.nn.modules.batchnorm import _NormBase  # torch's BatchNorm base: its 
 from fastckpt.format.safetensorsfile import st_dtype
 from fastckpt.read.readers import tensor_bytes
 
+from fastckpt.engine.loadwait import foreign_load_hooks
+
 __all__ = ["ModelPlan", "plan_model"]
 
 _MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
@@ -40,7 +42,7 @@ def plan_model(model: nn.Module, path: str, size: int, device: str, strict: bool
     if kwargs or device != "cpu":
         return None, f"load_model arguments {sorted(kwargs)} / device {device!r}: stock reads it"
     for m in model.modules():
-        if m._load_state_dict_pre_hooks or m._load_state_dict_post_hooks:
+        if foreign_load_hooks(m):
             return None, f"{type(m).__name__} has load_state_dict hooks"
         if type(m)._load_from_state_dict not in _PLAIN_LOADERS:
             return None, f"{type(m).__name__} has its own _load_from_state_dict"

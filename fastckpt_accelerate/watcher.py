@@ -20,6 +20,7 @@ import torch
 from accelerate.optimizer import AcceleratedOptimizer
 
 from fastckpt import Checkpointer
+from fastckpt.engine.loadwait import guard_loads
 
 
 def inner_optimizer(optimizer: Any) -> torch.optim.Optimizer:
@@ -45,15 +46,8 @@ class OptimizerWatcher:
             entry = self._guarded.get(id(model))
             if entry is not None and entry[0]() is model:
                 continue
-            wait = weakref.WeakMethod(self._wait_before_load)  # the hooks must not keep this watcher alive
-
-            def before_load(*_: Any) -> None:
-                fn = wait()
-                if fn is not None:
-                    fn()
-
-            self._guarded[id(model)] = (weakref.ref(model),
-                                        [m.register_load_state_dict_pre_hook(before_load) for m in model.modules()])
+            # the hooks hold this watcher weakly and are inert in a pickled copy (fastckpt/engine/loadwait.py)
+            self._guarded[id(model)] = (weakref.ref(model), guard_loads(model, self._wait_before_load))
         for optimizer in optimizers:
             inner = inner_optimizer(optimizer)
             entry = self._watched.get(id(inner))
@@ -89,3 +83,4 @@ def close_all(checkpointers: dict[str, Checkpointer], watchers: dict[str, Any]) 
             watchers.pop(folder).remove()
             ckpt.close()
     return first
+

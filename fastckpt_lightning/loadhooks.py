@@ -13,21 +13,9 @@ from typing import Any, Callable
 
 from torch import nn
 
+from fastckpt.engine.loadwait import guard_loads
+
 __all__ = ["LoadGuard", "guard_loads"]
-
-
-def guard_loads(module: nn.Module, wait: Callable[[], None]) -> list[Any]:
-    """Register ``wait`` to run before ``load_state_dict`` writes ``module`` or any submodule (called directly on a
-    submodule too); returns the hook handles (``remove()`` each). ``wait`` is held weakly when it is a bound method,
-    so the hooks do not keep the plugin alive."""
-    ref = weakref.WeakMethod(wait) if hasattr(wait, "__self__") else (lambda: wait)
-
-    def before_load(*_: Any) -> None:
-        fn = ref()
-        if fn is not None:
-            fn()
-
-    return [m.register_load_state_dict_pre_hook(before_load) for m in module.modules()]
 
 
 class LoadGuard:
