@@ -53,7 +53,7 @@ def resolve_config(source: ConfigSource, accelerator: Accelerator) -> Checkpoint
             )
         raw["retention"] = retention
     staging = raw.get("staging")
-    if staging is None or (isinstance(staging, Mapping) and "on_mutation" not in staging):
+    if "staging" not in raw or (isinstance(staging, Mapping) and "on_mutation" not in staging):
         # Parameters written outside step() (an EMA in the loop, weight clipping): such a checkpoint is taken again
         # at the next step instead of failing the run (docs/accelerate.md, "Writes outside step()").
         staging = raw["staging"] = {**(staging or {}), "on_mutation": "retake"}

@@ -40,9 +40,10 @@ def build_config(source: ConfigSource, **overrides: Any) -> tuple[CheckpointConf
         base["root"] = _PLACEHOLDER_ROOT
     base = _without_retention(base)
     staging = base.get("staging")
-    if staging is None or (isinstance(staging, Mapping) and "on_mutation" not in staging):
+    if "staging" not in base or (isinstance(staging, Mapping) and "on_mutation" not in staging):
         # Lightning's own hooks and callbacks write parameters outside step() (an EMA in on_train_batch_end, WGAN
         # clipping in training_step): such a checkpoint is taken again at the next step instead of failing fit.
+        # (a section that is no mapping, `staging: null` included, stays as given: from_dict names the field)
         base["staging"] = {**(staging or {}), "on_mutation": "retake"}
     config = _without_shm(CheckpointConfig.from_dict(base))  # checks root (a path, not 5) and every section
     if config.remote.url is not None:

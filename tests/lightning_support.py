@@ -110,6 +110,23 @@ class HeldCheckpointer(Checkpointer):
             copy_shard(job, shard, *rest)
 
         pipeline._copy_shard = held
+        # A seal on the training thread (a save waiting for a slot, the logger relay, a load of a pending file)
+        # waits for the copies: that is the training thread waiting for staging too, so it opens the gate.
+        new_handle = self._saver.new_handle
+
+        def handle_opening_at_its_seal(*args: Any, **kwargs: Any) -> Any:
+            handle = new_handle(*args, **kwargs)
+            seal = handle.seal
+
+            def opening_seal() -> None:
+                if not handle.staged():
+                    self._open()
+                seal()
+
+            handle.seal = opening_seal
+            return handle
+
+        self._saver.new_handle = handle_opening_at_its_seal
 
     def save_file(self, *args: Any, **kwargs: Any) -> Any:
         self._gate.clear()

@@ -292,7 +292,8 @@ def test_list_shows_a_half_deleted_checkpoint_as_damaged(tmp_path, capsys) -> No
     assert rows[0]["problem"] is None and gone[0] in rows[2]["problem"] and "missing" in rows[2]["problem"]
     assert shard.name in rows[1]["problem"] and "manifest says" in rows[1]["problem"]
     code, out, err = run(["list", str(root)], capsys)
-    assert code == 0 and out.splitlines()[3].split()[-2:] == ["damaged", "step-000000003"]
+    row = out.splitlines()[3].split()
+    assert code == 0 and row[-1] == "step-000000003" and "damaged" in row, row
     assert "step-000000003 is damaged" in err and gone[0] in err
 
 
