@@ -77,7 +77,9 @@ class _BlockAfterSignal:
         return self.inner.join(*parts)
 
     def write_file(self, path: str, parts: Any) -> None:
-        if self.blocked:
+        # Only the final snapshot's writes stall: an earlier save committing at the same moment (its commit waits for
+        # its seal, at this very step's pre-hook) must not send "stalled" before the final snapshot is staged.
+        if self.blocked and "-preempt" in path:
             self.conn.send(("stalled", None))
             threading.Event().wait()  # until SIGKILL
         self.inner.write_file(path, parts)

@@ -118,7 +118,9 @@ def test_plain_loop_30_trials_sigterm_then_sigkill(tmp_path) -> None:
     trials = [preempt_trials.run_trial("plain", tmp_path / f"t{i}" / "root", rng=rng, ctx=ctx) for i in range(30)]
     for t in trials:  # a 20 s grace always suffices for this small state: every trial is judged exact
         assert not t.killed and t.exitcode == -signal.SIGTERM, t  # the default action went on: never swallowed
-        assert t.recorded_step == t.signal_after or t.recorded_step == t.signal_after + 1, t
+        # the checkpoint is the state at the first safe point after the signal: at or after the step the parent had
+        # read from the child's pipe (a loaded machine lets the child run a few steps before the parent reads on)
+        assert t.recorded_step is not None and t.recorded_step >= t.signal_after, t
         assert t.latest == t.recorded_step and t.exact, t
 
 
