@@ -104,7 +104,8 @@ def test_upload_is_a_bit_exact_copy(tmp_path, remote) -> None:
         info = h.wait_uploaded()
         assert h.uploaded()
         rs = ckpt.remote_storage
-        assert info == CheckpointInfo("step-000000001", 1, _remote_dir(rs, "step-000000001"), local.nbytes)
+        assert info == CheckpointInfo("step-000000001", 1, _remote_dir(rs, "step-000000001"), local.nbytes,
+                                      healthy=True)  # the health record travels with the manifest
         _assert_same_copy(tmp_path / "local", rs, "step-000000001")
         assert ckpt.list() == [local]  # both tiers hold it: the local copy is preferred
         assert ckpt.reader().storage is ckpt.storage

@@ -22,6 +22,8 @@ executor; both stop in ``close``.
 """
 from __future__ import annotations
 
+import json
+
 import collections
 import itertools
 import logging
@@ -40,6 +42,7 @@ from ..config import RetentionOptions
 from ..errors import CheckpointTimeoutError, FastCkptError, IntegrityError, StorageError
 from ..format.layout import MANIFEST, parse_manifest
 from ..engine.futures import copy_outcome, settle, succeeded
+from ..format.health import healthy_of
 from ..format.layout import CheckpointInfo
 from ..engine.handle import SaveHandle
 from ..format.paths import confine
@@ -271,7 +274,8 @@ class RemoteTier:
             except FastCkptError as e:
                 log.warning("fastckpt: could not remove replaced remote file %s: %s", rs.join(dst, name), e)
         nbytes = sum(size for size, _ in up.files.values())
-        info = CheckpointInfo(up.name, up.step, dst, nbytes)
+        # the health verdict travels in the manifest: the same as the local copy's, and as a later list() reads it
+        info = CheckpointInfo(up.name, up.step, dst, nbytes, healthy=healthy_of(json.loads(up.manifest)))
         self.catalog.committed(info)
         log.info("fastckpt: uploaded %s (%.1f MB) to %s in %.2fs", up.name, nbytes / 1e6, dst,
                  time.perf_counter() - t0)
