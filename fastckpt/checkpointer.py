@@ -23,7 +23,7 @@ from .engine.saver import Saver, WatchHandle
 from .engine.staging import HostArena
 from .engine.streams import CopyStreams
 from .errors import CheckpointTimeoutError, ConfigError, FastCkptError
-from .format.health import sidecar_path
+from .format.health import delete_with_record
 from .format.layout import CheckpointInfo
 from .format.paths import checkpoint_name, file_name
 from .format.plan import Planner
@@ -141,7 +141,7 @@ class Checkpointer(Cadenced):
         is fine. The ``Future`` carries its error."""
         self._check_open()
         path = self.storage.join(self.storage.url, file_name(name))  # and its health sidecar (format/health.py)
-        return self._saver.pipeline.run_in_order(lambda: [self.storage.delete(p) for p in (path, sidecar_path(path))])
+        return self._saver.pipeline.run_in_order(lambda: delete_with_record(self.storage, path))
 
     def pending_names(self) -> list[str]:  # saves submitted, not yet committed or failed, oldest first
         return self._saver.pending_names()

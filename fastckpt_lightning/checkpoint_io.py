@@ -24,7 +24,7 @@ from fastckpt import Checkpointer, CheckpointConfig, SaveHandle, open_storage
 from fastckpt.tiers.catalog import Catalog
 from fastckpt.errors import ConfigError, FastCkptError
 from fastckpt.tiers.gc import collect_temp_files
-from fastckpt.format.health import sidecar_path
+from fastckpt.format.health import delete_with_record
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.trainer.states import TrainerStatus
@@ -236,8 +236,7 @@ class FastCheckpointIO(CheckpointIO):
             # `.temp.ckpt`): delete now rather than start threads that no teardown would stop.
             pending.wait_for(path)
             storage = open_storage(folder, self.config.storage_options)
-            storage.delete(storage.join(storage.url, name))
-            storage.delete(sidecar_path(storage.join(storage.url, name)))  # an object store's health sidecar
+            delete_with_record(storage, storage.join(storage.url, name))
             return
         # Behind the loggers' calls queued before it: stock logged the file before removing it.
         self._relay.hold(lambda: self._removals.append((path, self._folder(folder).remove_file(name))), path)

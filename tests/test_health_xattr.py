@@ -68,3 +68,18 @@ def test_a_wrapper_that_writes_files_itself_gets_the_record_right_after(tmp_path
     record = json.loads(os.getxattr(tmp_path / "c.ckpt", HEALTH_ATTR))
     assert record["step"] == 3 and record["health"]["healthy"] is False and record["health"]["nan"] == 4
     assert os.listdir(tmp_path) == ["c.ckpt"]
+
+
+def test_removing_a_local_file_never_deletes_a_user_file_named_like_a_sidecar(tmp_path) -> None:
+    # Local records are extended attributes: a file with the sidecar's name beside a local .ckpt is the user's.
+    from fastckpt import CheckpointConfig, Checkpointer
+    from fastckpt.format.health import sidecar_path
+
+    with Checkpointer(CheckpointConfig(root=str(tmp_path))) as ckpt:
+        ckpt.save_file({"w": torch.ones(4)}, "a.ckpt").wait(timeout=60)
+        users = tmp_path / ".a.ckpt.fastckpt-health.json"
+        assert sidecar_path(str(tmp_path / "a.ckpt")) == str(users)
+        users.write_text("the user's own notes")
+        ckpt.remove_file("a.ckpt").result(timeout=60)
+    assert not (tmp_path / "a.ckpt").exists()
+    assert users.read_text() == "the user's own notes"

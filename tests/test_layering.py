@@ -67,7 +67,7 @@ SURFACE: dict[str, frozenset[str] | str] = {
     "fastckpt.format.bundle": frozenset({"PENDING", "SAFETENSORS", "TORCH"}),
     # a torch file's health record (NaN/Inf, norms; Lightning's .ckpt): its extended attribute on local storage,
     # a sidecar beside it on an object store (removed with the file)
-    "fastckpt.format.health": frozenset({"sidecar_path", "file_health"}),
+    "fastckpt.format.health": frozenset({"delete_with_record", "file_health"}),
     # safetensors' name of a torch dtype, to check a model file's header
     "fastckpt.format.safetensorsfile": frozenset({"st_dtype"}),
     # parallel, verified ranged reads, for the loads an integration drives itself

@@ -13,7 +13,7 @@ import os
 import sys
 from typing import Any, Callable
 
-from ..format.health import sidecar_path
+from ..format.health import delete_with_record
 from ..errors import CheckpointNotFoundError, FastCkptError
 from .options import CliOptions, checkpoint_config
 from .text import clean
@@ -120,8 +120,7 @@ def _delete_file(storage: Any, path: str) -> None:
     is_plain = getattr(storage, "is_plain_file", None)
     if is_plain is not None and not is_plain(path):
         raise StorageError(f"{path} is not a regular file (a symlink, a folder or a FIFO): not deleted")
-    storage.delete(path)
-    storage.delete(sidecar_path(path))  # an object store's health sidecar (a local file's record is its xattr)
+    delete_with_record(storage, path)
 
 
 def run_persist_pending(args: argparse.Namespace, opts: CliOptions) -> int:

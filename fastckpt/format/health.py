@@ -18,7 +18,7 @@ import xxhash
 
 from ..errors import IntegrityError
 
-__all__ = ["tensor_health", "summarize", "check_health", "healthy_of", "sidecar_path", "sidecar_bytes",
+__all__ = ["tensor_health", "summarize", "check_health", "healthy_of", "sidecar_path", "sidecar_bytes", "uses_sidecar", "delete_with_record",
            "parse_sidecar", "SIDECAR_SUFFIX", "fingerprints", "sidecar_health", "shard_health", "value_dtype",
            "HealthPart", "measured", "storage_dtype", "HEALTH_ATTR", "attr_bytes", "file_health"]
 
@@ -157,6 +157,20 @@ def sidecar_path(path: str) -> str:
     which ``torch.load``, Lightning's ``*.ckpt`` listings and ``ls`` never see."""
     folder, sep, name = path.rpartition("/")
     return f"{folder}{sep}.{name}{SIDECAR_SUFFIX}"
+
+
+def uses_sidecar(storage: Any) -> bool:
+    """Whether torch files on ``storage`` keep their health record in a sidecar (an object store: no extended
+    attributes) rather than in the file's own attribute (local storage, ``set_attrs``)."""
+    return getattr(storage, "set_attrs", None) is None
+
+
+def delete_with_record(storage: Any, path: str) -> None:
+    """Delete the torch file at ``path`` and its health record: gone with the file where it is an attribute; the
+    sidecar only where sidecars are written, so a user's file that merely has the sidecar's name stays."""
+    storage.delete(path)
+    if uses_sidecar(storage):
+        storage.delete(sidecar_path(path))
 
 
 def sidecar_bytes(health: dict[str, Any], step: int, size: int) -> bytes:

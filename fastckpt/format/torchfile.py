@@ -27,7 +27,7 @@ import torch
 
 from ..errors import IntegrityError
 from ..storage.xattr import attrs_for
-from .health import HEALTH_ATTR, attr_bytes, sidecar_bytes, sidecar_path, storage_dtype
+from .health import HEALTH_ATTR, attr_bytes, sidecar_bytes, sidecar_path, storage_dtype, uses_sidecar
 from .layout import CheckpointInfo, FileRecord
 # the reading side lives in zipdir; its public checks are re-exported here, where integrations have always found them
 from .zipdir import (DESC_SIG, Sparse, central_entries, crc_less, data_offset, is_zip, record_spans,
@@ -218,7 +218,7 @@ class TorchFileFormat:
         commit point)."""
         views, crcs = staged()
         health = snap.health_doc
-        if health is not None and getattr(storage, "set_attrs", None) is not None:
+        if health is not None and not uses_sidecar(storage):
             size = self._write_with_attr(storage, views, crcs, attr_bytes(health, snap.step, self.layout.size))
         elif health is not None:  # an object store: no attributes, a hidden sidecar beside the file
             sidecar = sidecar_path(self.path)
