@@ -192,7 +192,9 @@ def run_dedup(workdir: Path, saves: int = 3, layers: int = 6) -> dict[str, Any]:
 
 def dedup_markdown(res: dict[str, Any]) -> list[str]:
     """The report's section: bytes per checkpoint after the first, per peer and case."""
-    md = ["## Bytes sent per checkpoint: dedup (issue 26, item 2)", ""]
+    from .labels import own_run_label
+
+    md = ["## Bytes sent per checkpoint: dedup (issue 26, item 2)", ""] + own_run_label(res.get("meta"))
     if not res.get("ok"):
         return md + [f"n/a: {res.get('error')}", ""]
     md += [f"GPT-2 from a `GPT2Config` (n_embd 768, {res['layers']} layers, 12 heads), AdamW, one training step "

@@ -162,3 +162,19 @@ def test_overlapping_records_are_refused():
         plan_parts(100, [Record(0, 60, "a"), Record(50, 50, "b")], [])
     with pytest.raises(IntegrityError, match="leave"):
         plan_parts(100, [Record(90, 20, "a")], [])
+
+
+def test_equal_records_in_many_places_keep_runs_whole():
+    """Every LayerNorm weight is all ones: equal records in many places. Each copy continues its own run, so an
+    unchanged stretch stays one copy instead of breaking at every equal record (and being sent for shortness)."""
+    ones = b"\x01" * 4096
+    big = _pieces([6 * MiB, 6 * MiB, 6 * MiB], 10)
+    old_p = [big[0], ones, big[1], ones, big[2], ones]
+    new_p = list(old_p)
+    new_p[0] = bytes(reversed(big[0]))  # only the first record changed
+    old, new = b"".join(old_p), b"".join(new_p)
+    cuts = [sum(len(p) for p in old_p[:i]) for i in range(1, len(old_p))]
+    parts = plan_parts(len(new), _records(new, cuts), [SourceRecord("o", *r) for r in _records(old, cuts)])
+    _check_rules(parts, len(new))
+    assert _execute(parts, new, {"o": old}) == new
+    assert [p.kind for p in parts] == ["send", "copy"] and plan_stats(parts)[0] == 6 * MiB

@@ -175,3 +175,26 @@ def test_older_checkpoint_deleted_afterwards_newer_still_loads_bit_exact(tmp_pat
         assert_bit_equal(reader.load(step=2), _state(2))
     finally:
         reader.close()
+
+
+def test_a_copy_whose_bytes_differ_from_the_local_ones_is_sent_instead(tmp_path, counted):
+    """The previous remote shard was replaced by other bytes of the same size (its manifest still lists the old
+    hashes): each copied part's CRC32C, as the store returns it, differs from the local bytes' -> sent."""
+    proxied, counter = counted
+    url = proxied.fresh_url("tampered")
+    ck = _ck(tmp_path, proxied, url)
+    try:
+        ck.save(_state(1), step=1)
+        ck.wait()
+        fs = _direct(proxied)
+        (old,) = _remote_shards(fs, url, _name(1))
+        size = fs.size(old)
+        fs.pipe_file(old, bytes(size))  # same size, all zeros
+        ck.save(_state(2), step=2)
+        ck.wait()
+        stats = ck.upload_checksums.dedup
+        assert stats.fell_back > 0 and stats.copied == 0
+        local = sorted((tmp_path / "local" / _name(2)).glob("*.safetensors"))
+        assert fs.cat_file(_remote_shards(fs, url, _name(2))[0]) == local[0].read_bytes()
+    finally:
+        ck.close()

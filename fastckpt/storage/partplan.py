@@ -74,9 +74,11 @@ def plan_parts(size: int, records: Iterable[Record], previous: Iterable[SourceRe
     if not 0 < min_part <= send_part or copy_part > _MAX_COPY or copy_part < min_part:
         raise ValueError(f"part sizes out of range: min {min_part}, send {send_part}, copy {copy_part}")
     index: dict[tuple[str, int], SourceRecord] = {}
+    holders: set[tuple[str, int, str, int]] = set()
     for src in previous:
-        index.setdefault((src.digest, src.length), src)  # the first holder of those bytes is as good as any
-    runs = _merge(_segments(size, records, index))
+        index.setdefault((src.digest, src.length), src)
+        holders.add((src.key, src.offset, src.digest, src.length))
+    runs = _merge(_segments(size, records, index, holders))
     runs = _merge([r if r.source is None or r.length >= min_part else _Run(r.offset, r.length) for r in runs])
     runs = _borrow(runs, min_part)
     parts: list[Part] = []
@@ -94,9 +96,12 @@ def plan_stats(parts: Sequence[Part]) -> tuple[int, int]:
     return sent, sum(p.length for p in parts) - sent
 
 
-def _segments(size: int, records: Iterable[Record], index: Mapping[tuple[str, int], SourceRecord]) -> list[_Run]:
+def _segments(size: int, records: Iterable[Record], index: Mapping[tuple[str, int], SourceRecord],
+              holders: set[tuple[str, int, str, int]]) -> list[_Run]:
     """The object cut at record edges: each record copied when a previous object has its bytes, else sent; the
-    bytes between records (none in fastckpt's own records, which tile the file) are sent."""
+    bytes between records (none in fastckpt's own records, which tile the file) are sent. Equal records are
+    common (every LayerNorm's ones and zeros): the copy of the one right after the previous copy's source range
+    is preferred, so that runs stay long; else the first holder of those bytes."""
     out: list[_Run] = []
     at = 0
     for rec in sorted(records, key=lambda r: r.offset):
@@ -106,6 +111,10 @@ def _segments(size: int, records: Iterable[Record], index: Mapping[tuple[str, in
         if rec.offset > at:
             out.append(_Run(at, rec.offset - at))
         src = index.get((rec.digest, rec.length))
+        last = out[-1] if out else None
+        if src is not None and last is not None and last.source is not None and last.end == rec.offset and (
+                (last.source, last.source_offset + last.length, rec.digest, rec.length) in holders):
+            src = SourceRecord(last.source, last.source_offset + last.length, rec.length, rec.digest)
         out.append(_Run(rec.offset, rec.length, src.key if src else None, src.offset if src else 0))
         at = rec.offset + rec.length
     if at < size:
