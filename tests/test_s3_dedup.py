@@ -198,3 +198,28 @@ def test_a_copy_whose_bytes_differ_from_the_local_ones_is_sent_instead(tmp_path,
         assert fs.cat_file(_remote_shards(fs, url, _name(2))[0]) == local[0].read_bytes()
     finally:
         ck.close()
+
+
+def test_remote_retention_deletes_each_source_and_every_newer_checkpoint_stays_whole(tmp_path, counted):
+    """remote.keep_last=1: each upload copies from the previous checkpoint, which retention then deletes."""
+    proxied, counter = counted
+    url = proxied.fresh_url("keep1")
+    ck = Checkpointer(CheckpointConfig(
+        root=str(tmp_path / "local"), persist={"chunk_bytes": 64 * MiB}, staging={"mode": "eager"},
+        remote={"url": url, "storage_options": proxied.storage_options, "keep_last": 1}))
+    try:
+        for step in (1, 2, 3):
+            ck.save(_state(step), step=step)
+            ck.wait()
+        assert ck.upload_checksums.dedup.copied >= 2 * FROZEN * 8 * MiB - 4 * FROZEN * MIN_PART
+    finally:
+        ck.close()
+    fs = _direct(proxied)
+    base = url.removeprefix("s3://")
+    assert not fs.exists(f"{base}/{_name(1)}") and not fs.exists(f"{base}/{_name(2)}")
+    reader = Checkpointer(CheckpointConfig(root=str(tmp_path / "empty"), remote={
+        "url": url, "storage_options": proxied.server.storage_options}))
+    try:
+        assert_bit_equal(reader.load(step=3), _state(3))
+    finally:
+        reader.close()

@@ -11,8 +11,9 @@ from its mapping to the remote ``Storage.write_file`` on the ``fastckpt-up-<n>``
 (a big file on S3 is one multipart upload whose parts go up concurrently); the sizes
 come from the manifest, nothing is read back. On S3 every PUT and part carries its CRC32C,
 and what the store answers is checked against the manifest (``remotesums.py``, ``checksums``).
-Then the same manifest bytes are written last with ``write_atomic``: the remote commit, so
-the remote copy exists only once it is complete. A failed upload removes the files it wrote
+With ``remote.dedup`` on S3, the ranges of a shard that the newest remote checkpoint already holds are copied
+server-side instead of sent (``dedup.py``). Then the same manifest bytes are written last with ``write_atomic``:
+the remote commit, so the remote copy exists only once it is complete. A failed upload removes the files it wrote
 (best effort) and never writes the manifest; the local checkpoint stays committed. Remote retention (``remote.keep_last``)
 runs after each upload. Remote deletions travel through the same queue, so they run
 behind the uploads submitted before them.
