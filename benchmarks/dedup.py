@@ -184,6 +184,9 @@ def run_dedup(workdir: Path, saves: int = 3, layers: int = 6) -> dict[str, Any]:
                         case, layers, saves, work, proxy, count, server, dedup)
                 res["dcp"] = _local_peer(case, layers, saves, work, _dcp_save, "dcp")
                 res["accelerate"] = _local_peer(case, layers, saves, work, _accelerate_save, "acc")
+        from .dedup_local import measure
+
+        out["local"] = measure(work)
     finally:
         server.stop()
         shutil.rmtree(work, ignore_errors=True)
@@ -224,7 +227,9 @@ def dedup_markdown(res: dict[str, Any]) -> list[str]:
            + ", ".join(f"{c} {r['fastckpt_dedup']['fell_back']} B" for c, r in res["cases"].items()) + ".",
            "Reproduce: `python -m benchmarks.dedup` (or `python -m benchmarks.run --only dedup --merge-into "
            "benchmarks/results.json`).", ""]
-    return md
+    from .dedup_local import local_markdown
+
+    return md + local_markdown(res.get("local"))
 
 
 def main(argv: list[str] | None = None) -> int:
