@@ -16,9 +16,13 @@ from typing import Any, Callable
 
 
 def _fstype(path: Path) -> str:
-    from .run import check_workdir
+    """The file system type of the mount that holds ``path``."""
+    import psutil
 
-    return check_workdir(path).get("fstype", "unknown")
+    real = str(path.resolve())
+    mounts = [p for p in psutil.disk_partitions(all=True) if real == p.mountpoint or real.startswith(
+        p.mountpoint.rstrip("/") + "/")]
+    return max(mounts, key=lambda p: len(p.mountpoint)).fstype if mounts else "unknown"
 
 
 def measure(workdir: Path, mib: int = 256, reps: int = 3) -> dict[str, Any]:
