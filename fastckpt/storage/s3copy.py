@@ -28,8 +28,10 @@ __all__ = ["CopyOutcome", "s3_planned_upload"]
 log = logging.getLogger("fastckpt")
 
 _CONCURRENCY = 8  # parts in flight at once (as s3checksum)
-# What a store answers when a copy's source is missing or its range is not there: send the bytes instead
-_SOURCE_GONE = frozenset({"NoSuchKey", "NoSuchBucket", "InvalidRange", "InvalidArgument", "InvalidRequest", "404"})
+# What a store answers when a copy's source is missing or its range is not there, or when it does not do
+# UploadPartCopy at all (or not for these credentials): the bytes are sent instead, never a failed upload
+_SOURCE_GONE = frozenset({"NoSuchKey", "NoSuchBucket", "InvalidRange", "InvalidArgument", "InvalidRequest", "404",
+                          "NotImplemented", "MethodNotAllowed", "AccessDenied", "501", "405", "403"})
 
 
 @dataclass
