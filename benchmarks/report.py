@@ -622,6 +622,10 @@ def markdown(results: dict[str, Any], s: dict[str, Any], chart_rel: str) -> str:
 
         md += restore_markdown(results["restore"])
     md += cli_markdown(results.get("cli"))
+    if results.get("dedup") is not None:
+        from .dedup import dedup_markdown
+
+        md += dedup_markdown(results["dedup"])
     md += [
         "## Methodology",
         "",

@@ -21,10 +21,11 @@ from . import frameworks, gpu_report, peers
 from . import workload as wl
 
 REPO = Path(__file__).resolve().parent.parent
-SECTIONS = ("io", "core", "rss", "lightning", "lightning_load", "accelerate", "busy", "restore", "cli")
+SECTIONS = ("io", "core", "rss", "lightning", "lightning_load", "accelerate", "busy", "restore", "cli", "dedup")
+DEFAULT_SECTIONS = SECTIONS[:-1]  # dedup (benchmarks/dedup.py) needs peft and transformers: only on --only dedup
 # Sections whose report needs nothing from the rest of the run (no shared calibration): a later run may
 # replace them in a saved report with --merge-into, each labelled with the run that measured it.
-MERGEABLE = ("busy", "restore", "cli")
+MERGEABLE = ("busy", "restore", "cli", "dedup")
 
 
 @dataclass
@@ -199,6 +200,11 @@ def run_all(plan: Plan, workdir: Path, isolate: bool, sections: tuple[str, ...],
     fw = dict(shape=shape, root=ck, warmup=plan.warmup, every=plan.fw_every, n_ckpt=plan.fw_n_ckpt)
     if "cli" in sections:
         results["cli"] = _cli_help(5)
+    if "dedup" in sections:
+        from .dedup import run_dedup
+
+        log("dedup: bytes sent per checkpoint, LoRA and frozen embeddings (GPT-2 from a config)")
+        results["dedup"] = run_dedup(workdir)
     for section, configs in (("lightning", frameworks.LIGHTNING_CONFIGS),
                              ("accelerate", frameworks.ACCELERATE_CONFIGS)):
         if section not in sections:
@@ -269,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="raw results (default: benchmarks/results.json next to --out)")
     ap.add_argument("--workdir", default=None,
                     help="checkpoint scratch dir on the disk under test (default: bench_out/ in the repo)")
-    ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma list of sections: {','.join(SECTIONS)}")
+    ap.add_argument("--only", default=",".join(DEFAULT_SECTIONS), help=f"comma list of sections: {','.join(SECTIONS)}")
     ap.add_argument("--peers", default=",".join(peers.ORDER), help="comma list of core-loop peers")
     ap.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                     help="one subprocess per task (default: on, off with --quick)")

@@ -91,7 +91,7 @@ class Checkpointer(Cadenced):
             self._root.claim_together(self._coord)
         if remote_storage is not None and self._leader:  # rank 0 uploads for everyone
             self._uploader = self._tiers.start_uploads(
-                workers=rem.workers, keep_last=rem.keep_last, priorities=self._priorities,
+                workers=rem.workers, keep_last=rem.keep_last, priorities=self._priorities, dedup=rem.dedup,
                 run_in_order=self._after_saves, pending=self.pending_names, on_failed=self._saver.record_error)
         self.cadence = RootCadence(config.cadence, self.storage, self._coord, self._root.claim, self._after_saves)
         self._atexit = _exit_flusher(self)

@@ -158,8 +158,13 @@ class RemoteOptions(_Freezable):
     """Files uploaded at once."""
     keep_last: int | None = None
     """Keep the newest N checkpoints on the remote (null keeps all); ``retention`` governs ``root``."""
+    dedup: bool = True
+    """On S3, copy the byte ranges whose content hash the newest uploaded checkpoint already holds server-side
+    (``UploadPartCopy``) instead of sending them again; each object stays complete and self-contained."""
 
     def validate(self) -> None:
+        if not isinstance(self.dedup, bool):
+            raise ConfigError(f"remote.dedup must be true or false, got {self.dedup!r}")
         if self.url is not None:
             if not isinstance(self.url, str) or not self.url.strip():
                 raise ConfigError(f"remote.url must be an fsspec URL such as s3://bucket/run or null, got {self.url!r}")

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ..errors import IntegrityError
+from .contenthash import FIELD
 from .health import check_health
 from .paths import plain_name
 from .plan import Shard
@@ -79,6 +80,7 @@ class FileRecord:
     name: str
     size: int
     crc32c: int
+    hashes: list[list[Any]] | None = None  # content records (contenthash.py): [offset, length, xxh3-128 hex]
 
 
 def shard_file_name(index: int, uid: str) -> str:
@@ -118,7 +120,8 @@ def build_manifest(name: str, step: int, files: list[FileRecord], meta_file: str
         "created": time.time(),
         "meta": meta_file,
         "nbytes": nbytes,
-        "files": {f.name: {"size": f.size, "crc32c": f.crc32c} for f in files},
+        "files": {f.name: {"size": f.size, "crc32c": f.crc32c, **({FIELD: f.hashes} if f.hashes else {})}
+                  for f in files},
         "user": user or {},
     }
     if health is not None:  # optional: older readers ignore it, older manifests lack it

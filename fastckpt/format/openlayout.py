@@ -16,6 +16,7 @@ from ..errors import FastCkptError, StorageError
 from ..storage.local import aligned_buffer
 from ..storage.protocol import Storage
 from .checksum import combine, crc32c
+from .contenthash import hash_records
 from .layout import (
     MANIFEST, VERSION, CheckpointInfo, FileRecord, build_manifest, parse_manifest, shard_file_name, shard_header)
 from .plan import Shard
@@ -42,6 +43,8 @@ class OpenLayout:
             c = staged[i] if staged is not None else crc32c(data[e.offset: e.offset + e.nbytes])
             tensor_crcs.append(c)
             crc = combine(crc, c, e.nbytes)
+        # content records for the next upload's dedup, hashed here from the staged bytes (an I/O worker)
+        hashes = hash_records(header, data[: shard.nbytes], [e.offset for e in shard.entries])
         name = shard_file_name(shard.index, snap.uid)
         head_mm, head = aligned_buffer(len(header))  # page-aligned so O_DIRECT can take it
         head[:] = header
@@ -50,7 +53,7 @@ class OpenLayout:
         finally:
             head.release()
             head_mm.close()
-        return shard.index, FileRecord(name, len(header) + shard.nbytes, crc), tensor_crcs
+        return shard.index, FileRecord(name, len(header) + shard.nbytes, crc, hashes), tensor_crcs
 
     def commit(self, storage: Storage, snap: Snapshot, results: list[ShardResult], staged: StagedBytes,
                pool: Executor) -> tuple[CheckpointInfo, int]:

@@ -17,6 +17,8 @@ from typing import Any, Callable, Iterator, Sequence
 from ..config import NetworkOptions
 from .deadline import Deadline, describe, in_thread, storage_error
 from .s3checksum import PART_BYTES, ObjectChecksum, s3_multipart, s3_put
+from .partplan import Part
+from .s3copy import CopyOutcome, s3_planned_upload
 from .tempmark import mark_bytes, mark_name, temp_basename
 from ..errors import StorageError
 
@@ -109,6 +111,23 @@ class FsspecStorage:
                     partial(self._stream, self._p(path), parts), t * scale, "fastckpt-net-write"),
                     retry_timeouts=False)
         return None
+
+    @property
+    def copies_ranges(self) -> bool:
+        """Whether ``write_planned`` can copy ranges server-side (S3's ``UploadPartCopy``)."""
+        return self._protocol in ("s3", "s3a")
+
+    def write_planned(self, path: str, view: memoryview, plan: Sequence[Part]) -> CopyOutcome:
+        """Write ``view`` to ``path`` by a dedup part plan (``partplan.py``): its copied parts come from the
+        objects they name (URLs of this storage) server-side, the rest is sent; S3 only (``copies_ranges``)."""
+        from fsspec.asyn import sync
+
+        plan = [p._replace(source=self._p(p.source)) if p.source else p for p in plan]
+        with _backend_errors("uploading", path, "wrap", self._deadline):
+            out = sync(self.fs.loop, s3_planned_upload, self.fs, self._deadline, self._p(path), view, plan)
+        if out.checksum.returned is None:
+            self._note_ignored(path)
+        return out
 
     def _note_ignored(self, path: str) -> None:
         """Count (``checksums_ignored``) and say once that the store returns no checksum: it does not check the

@@ -22,7 +22,7 @@ from .deadline import Deadline, describe
 from ..errors import IntegrityError
 
 __all__ = ["ObjectChecksum", "PART_BYTES", "b64", "composite", "digest_rejected", "expected_like", "part_bytes",
-           "pieces", "s3_multipart", "s3_put"]
+           "pieces", "resending", "s3_multipart", "s3_put"]
 
 log = logging.getLogger("fastckpt")
 
@@ -106,6 +106,9 @@ async def _resending(what: str, deadline: Deadline, send: Callable[[], Awaitable
             log.warning("fastckpt: the store rejected %s as damaged in flight (%s); sending it again (%d of %d)",
                         what, describe(e), n + 1, deadline.retries)
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+resending = _resending  # the one resend loop for damaged bodies, also for the planned uploads of s3copy.py
 
 
 async def s3_put(fs: Any, deadline: Deadline, path: str, data: bytes, crc: int | None = None) -> ObjectChecksum:

@@ -11,8 +11,9 @@ from its mapping to the remote ``Storage.write_file`` on the ``fastckpt-up-<n>``
 (a big file on S3 is one multipart upload whose parts go up concurrently); the sizes
 come from the manifest, nothing is read back. On S3 every PUT and part carries its CRC32C,
 and what the store answers is checked against the manifest (``remotesums.py``, ``checksums``).
-Then the same manifest bytes are written last with ``write_atomic``: the remote commit, so
-the remote copy exists only once it is complete. A failed upload removes the files it wrote
+With ``remote.dedup`` on S3, the ranges of a shard that the newest remote checkpoint already holds are copied
+server-side instead of sent (``dedup.py``). Then the same manifest bytes are written last with ``write_atomic``:
+the remote commit, so the remote copy exists only once it is complete. A failed upload removes the files it wrote
 (best effort) and never writes the manifest; the local checkpoint stays committed. Remote retention (``remote.keep_last``)
 runs after each upload. Remote deletions travel through the same queue, so they run
 behind the uploads submitted before them.
@@ -37,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .catalog import Catalog
+from .dedup import plan_for, previous_records, records_of
 from .remotesums import ChecksumStats
 from ..config import RetentionOptions
 from ..errors import CheckpointTimeoutError, FastCkptError, IntegrityError, StorageError
@@ -48,6 +50,7 @@ from ..engine.handle import SaveHandle
 from ..format.paths import confine
 from ..engine.priority import ThreadPriorities
 from ..storage.fsspec import FsspecStorage
+from ..storage.partplan import Record, SourceRecord
 from ..storage.protocol import Storage
 
 __all__ = ["RemoteTier", "Upload"]
@@ -68,6 +71,7 @@ class Upload:
     manifest: bytes = b""
     files: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (size, crc32c), from the manifest
     maps: dict[str, tuple[Any, memoryview]] = field(default_factory=dict)  # pre-mapped sources
+    records: dict[str, list[Record]] = field(default_factory=dict)  # content records by file (dedup.py)
     reported: bool = False
 
     def release(self) -> None:
@@ -86,7 +90,7 @@ class RemoteTier:
 
     def __init__(self, local: Storage, remote: Storage, catalog: Catalog, *, workers: int, keep_last: int | None,
                  priorities: ThreadPriorities | None = None, on_uploaded: Callable[[Upload, CheckpointInfo], None],
-                 on_failed: Callable[[Upload, FastCkptError], None]) -> None:
+                 on_failed: Callable[[Upload, FastCkptError], None], dedup: bool = True) -> None:
         self.local = local
         self.remote = remote
         self.catalog = catalog
@@ -101,6 +105,7 @@ class RemoteTier:
         self._abort: str | None = None
         self._orphans: dict[str, set[str]] = {}  # remote dir -> files a failed upload could not remove
         self.checksums = ChecksumStats()  # what the store verified of the uploads (remotesums.py)
+        self._dedup = dedup and getattr(remote, "copies_ranges", False)
         n = next(_ids)
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix=f"fastckpt-up-{n}",
                                         initializer=self._priorities.enlist)
@@ -235,6 +240,7 @@ class RemoteTier:
         doc = parse_manifest(up.manifest, mpath)
         up.step = int(doc["step"])
         up.files = {name: (int(rec["size"]), int(rec["crc32c"])) for name, rec in doc["files"].items()}
+        up.records = records_of(doc) if self._dedup else {}
         mapper = getattr(st, "map_file", None)
         if mapper is None:
             return  # a root that cannot be mapped (not a local filesystem): read at upload time
@@ -258,7 +264,8 @@ class RemoteTier:
         # uid) is not sent again, so retrying upload(name) of an uploaded checkpoint never rewrites its files.
         send = [name for name, rec in up.files.items() if old.get(name) != rec]
         t0 = time.perf_counter()
-        futures = [self._pool.submit(self._put, up, name, dst) for name in send]
+        prev = previous_records(rs, self.catalog) if up.records else []
+        futures = [self._pool.submit(self._put, up, name, dst, prev) for name in send]
         wait_futures(futures, return_when=FIRST_EXCEPTION)
         if self._abort is not None or not all(succeeded(f) for f in futures):
             for f in futures:
@@ -286,7 +293,7 @@ class RemoteTier:
                 log.warning("fastckpt: remote retention under %s failed: %s", rs.url, e)
         return info
 
-    def _put(self, up: Upload, name: str, dst: str) -> None:
+    def _put(self, up: Upload, name: str, dst: str, prev: list[SourceRecord]) -> None:
         size = up.files[name][0]
         mapped = up.maps.get(name)
         if mapped is not None:
@@ -298,6 +305,13 @@ class RemoteTier:
             if len(view) != size:
                 raise IntegrityError(f"{self.local.join(up.src, name)} has {len(view)} bytes, its manifest says {size}")
         path = self.remote.join(dst, name)
+        plan = plan_for(size, up.records.get(name), prev)
+        if plan is not None and isinstance(self.remote, FsspecStorage):  # ranges the previous checkpoint holds
+            out = self.remote.write_planned(path, view, plan)
+            self.checksums.dedup.planned(out)
+            self.checksums.record(path, size, up.files[name][1], out.checksum)
+            return
+        self.checksums.dedup.whole(size)
         if not isinstance(self.remote, FsspecStorage):  # a wrapper's write_file may add to it: call that
             self.remote.write_file(path, [view])
             return

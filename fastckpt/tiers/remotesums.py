@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
+from .dedup import DedupStats
 from ..errors import IntegrityError
 from ..format.checksum import combine
 from ..storage.s3checksum import ObjectChecksum
@@ -26,6 +27,7 @@ class ChecksumStats:
     ignored: int = 0  # files the store returned no checksum for: it ignores x-amz-checksum-crc32c
     resent: int = 0  # parts or PUTs the store rejected as damaged in flight, sent again
     objects: dict[str, str] = field(default_factory=dict)  # remote path -> the store's checksum
+    dedup: DedupStats = field(default_factory=DedupStats)  # bytes sent, and copied by the store (dedup.py)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def record(self, path: str, size: int, crc: int, got: ObjectChecksum | None) -> None:

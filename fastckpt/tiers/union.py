@@ -43,7 +43,7 @@ class CatalogUnion:
         self._pending: Callable[[], list[str]] = list
         self._run_in_order: RunInOrder | None = None
 
-    def start_uploads(self, *, workers: int, keep_last: int | None, priorities: ThreadPriorities,
+    def start_uploads(self, *, workers: int, keep_last: int | None, priorities: ThreadPriorities, dedup: bool,
                       run_in_order: RunInOrder, pending: Callable[[], list[str]],
                       on_failed: Callable[[SaveHandle | None, FastCkptError], None]) -> RemoteTier:
         """Called once on rank 0 with a remote tier: start its upload threads. ``pending`` names the saves not yet
@@ -57,7 +57,7 @@ class CatalogUnion:
         self._pending, self._run_in_order = pending, run_in_order
         self.uploader = RemoteTier(self.local.storage, self.remote.storage, self.remote, workers=workers,
                                    keep_last=keep_last, priorities=priorities, on_uploaded=self._uploaded,
-                                   on_failed=failed)
+                                   on_failed=failed, dedup=dedup)
         return self.uploader
 
     def _uploaded(self, up: Upload, info: CheckpointInfo) -> None:
