@@ -98,6 +98,12 @@ class Persister:
         """Called by the copy thread once ``uid``'s record is in place, before ``wait_staged()`` returns."""
         self._send(("staged", slot_dir, uid))
 
+    def priority(self, raised: bool) -> None:
+        """Called when this process's background threads are raised (saves pending, a ``wait()``) or settle: the
+        persister's threads follow, as the thread path's would."""
+        if self.proc is not None:
+            self._send(("raise" if raised else "settle", "", ""))
+
     def drop(self, slot_dir: str, uid: str) -> None:
         self._send(("drop", slot_dir, uid))
 
@@ -200,6 +206,7 @@ class PersistedPipeline(Pipeline):
         shm = self._arena.shm
         assert isinstance(shm, ShmTier)
         shm.on_record = self._on_record
+        self._priorities.on_change = persister.priority
         if min_bytes == 0:
             persister.start()  # "on": warm by the first save
 

@@ -49,8 +49,9 @@ class PersisterServer:
         self.conn = conn
         self.opts = opts
         self.storage = LocalStorage(opts["root"], direct_io=opts["direct_io"], fsync=opts["fsync"])
+        self.priorities = ThreadPriorities(opts["priority"])  # raised and lowered as the parent's are
         self.pipeline = Pipeline(self.storage, HostArena(1, None), opts["workers"], self._committed, self._failed,
-                                 priorities=ThreadPriorities(opts["priority"]))
+                                 priorities=self.priorities)
         self.tier = ShmTier(opts["shm_dir"], self.storage.url, join=self.storage.join)  # opens nothing by itself
         self.staged: dict[str, str] = {}  # uid -> slot folder: told "staged", not yet committed or dropped
         self._send_lock = threading.Lock()
@@ -68,6 +69,10 @@ class PersisterServer:
             kind, slot_dir, uid = msg
             if kind == "staged":
                 self.staged[uid] = slot_dir
+            elif kind == "raise":
+                self.priorities.raise_("the training process waits", behind=False)
+            elif kind == "settle":
+                self.priorities.settle()
             elif kind == "drop":
                 self.staged.pop(uid, None)
             elif kind == "commit":
@@ -82,6 +87,7 @@ class PersisterServer:
         base = os.path.dirname(os.path.dirname(next(iter(self.staged.values()))))
         fd = open_trusted(os.path.join(base, _LOCK), os.O_RDWR | os.O_CREAT, "recovery lock")
         fcntl.flock(fd, fcntl.LOCK_EX)  # a restarted process recovering now would adopt the same snapshots
+        self.priorities.raise_("the training process died", behind=False)  # a restart waits for this lock
         try:
             for uid, slot_dir in self.staged.items():
                 self._submit(slot_dir, uid, verify=True)
