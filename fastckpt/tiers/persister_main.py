@@ -42,6 +42,24 @@ _PR_SET_NAME = 15
 _LOCK = "recovery.lock"  # fastckpt.tiers.shm's lock: held while a restarted process recovers
 
 
+class GatedPipeline(Pipeline):
+    """The thread pipeline, with each job's shards written as soon as they are staged and its commit held until the
+    training process says the seal passed (``open_gate``), as the thread path writes before the seal."""
+
+    def submit_gated(self, job: Job) -> None:
+        job.handle.mark_staged()
+        for shard in job.plan.mine(job.plan.shards):
+            job.writes.append(self._writers().submit(self._write_shard, job, shard))
+        self._commit_q.put(job)
+
+    @staticmethod
+    def open_gate(job: Job, error: BaseException | None = None) -> None:
+        """Commit ``job`` (or, with ``error``, discard its files quietly: the training process refused it)."""
+        if error is not None:
+            job.error, job.retaken = error, True  # retaken: no failure reported, nobody waits for it
+        job.handle.sealed_now()
+
+
 class PersisterServer:
     """The persister's main loop: messages in, commits out, through one thread-path ``Pipeline``."""
 
@@ -50,10 +68,12 @@ class PersisterServer:
         self.opts = opts
         self.storage = LocalStorage(opts["root"], direct_io=opts["direct_io"], fsync=opts["fsync"])
         self.priorities = ThreadPriorities(opts["priority"])  # raised and lowered as the parent's are
-        self.pipeline = Pipeline(self.storage, HostArena(1, None), opts["workers"], self._committed, self._failed,
-                                 priorities=self.priorities)
+        self.pipeline = GatedPipeline(self.storage, HostArena(1, None), opts["workers"], self._committed,
+                                      self._failed, priorities=self.priorities)
         self.tier = ShmTier(opts["shm_dir"], self.storage.url, join=self.storage.join)  # opens nothing by itself
-        self.staged: dict[str, str] = {}  # uid -> slot folder: told "staged", not yet committed or dropped
+        # told "staged", not yet committed or dropped: uid -> its job and record
+        self.jobs: dict[str, tuple[Job, StagedRecord]] = {}
+        self.unreadable: dict[str, str] = {}  # uid -> why its staged snapshot could not be read
         self._send_lock = threading.Lock()
         self._parent_alive = True
 
@@ -68,43 +88,51 @@ class PersisterServer:
                 break
             kind, slot_dir, uid = msg
             if kind == "staged":
-                self.staged[uid] = slot_dir
+                self._staged(slot_dir, uid)
             elif kind == "raise":
                 self.priorities.raise_("the training process waits", behind=False)
             elif kind == "settle":
                 self.priorities.settle()
-            elif kind == "drop":
-                self.staged.pop(uid, None)
-            elif kind == "commit":
-                self.staged.pop(uid, None)
-                self._submit(slot_dir, uid, verify=False)
-        if not self._parent_alive and self.staged:
+            elif kind in ("commit", "drop"):
+                job, _ = self.jobs.pop(uid, (None, None))
+                if job is not None:
+                    self.pipeline.open_gate(job, None if kind == "commit" else FastCkptError("refused"))
+                elif kind == "commit":
+                    self._send(("failed", uid, self.unreadable.pop(uid, f"the persister was never told of {uid}")))
+                self.unreadable.pop(uid, None)
+        if not self._parent_alive and self.jobs:
             self._orphans()
+        for job, _ in self.jobs.values():  # closed with saves pending (close(timeout) expired): not committed
+            self.pipeline.open_gate(job, FastCkptError("closed"))
         self.pipeline.close()
 
     def _orphans(self) -> None:
-        """The training process died: commit what it staged, as a restarted process's recovery would."""
-        base = os.path.dirname(os.path.dirname(next(iter(self.staged.values()))))
+        """The training process died: commit what it staged, checked against its record as a restarted process's
+        recovery would check it, holding the namespace's recovery lock so that no restarted process adopts them."""
+        base = os.path.dirname(os.path.dirname(next(iter(self.jobs.values()))[1].dir))
         fd = open_trusted(os.path.join(base, _LOCK), os.O_RDWR | os.O_CREAT, "recovery lock")
-        fcntl.flock(fd, fcntl.LOCK_EX)  # a restarted process recovering now would adopt the same snapshots
+        fcntl.flock(fd, fcntl.LOCK_EX)
         self.priorities.raise_("the training process died", behind=False)  # a restart waits for this lock
         try:
-            for uid, slot_dir in self.staged.items():
-                self._submit(slot_dir, uid, verify=True)
+            for job, rec in self.jobs.values():
+                try:
+                    self.tier.open_slot(rec, verify=True)  # the bytes still match the checksums taken at staging
+                    self.pipeline.open_gate(job)
+                except (FastCkptError, OSError) as e:
+                    log.error("fastckpt: the persister does NOT commit %s: %s", rec.label, e)
+                    self.pipeline.open_gate(job, e)
+            self.jobs.clear()
             self.pipeline.close()  # every commit done before the lock goes
         finally:
             os.close(fd)
 
-    def _submit(self, slot_dir: str, uid: str, *, verify: bool) -> None:
+    def _staged(self, slot_dir: str, uid: str) -> None:
         try:
             rec = self._record(slot_dir, uid)
-            if rec is None:
-                return  # a restarted process recovered it first (its record is gone)
-            slot = self.tier.open_slot(rec, verify)
+            slot = self.tier.open_slot(rec, verify=False)  # staged a moment ago by the live training process
         except (FastCkptError, OSError) as e:
-            log.error("fastckpt: the persister cannot commit the snapshot staged at %s: %s", slot_dir, e)
-            self._send(("failed", uid, f"the persister process could not read the snapshot staged at {slot_dir}: "
-                                       f"{e}"))
+            log.error("fastckpt: the persister cannot read the snapshot staged at %s: %s", slot_dir, e)
+            self.unreadable[uid] = f"the persister process could not read the snapshot staged at {slot_dir}: {e}"
             return
         handle = SaveHandle(name=rec.name, step=rec.step, path=rec.dirpath,
                             stats=SaveStats(step=rec.step, name=rec.name))
@@ -112,15 +140,14 @@ class PersisterServer:
                   objects=rec.objects, dirpath=rec.dirpath, t0=time.perf_counter(), uid=rec.uid,
                   dtensors=rec.dtensors, staged_crcs=rec.crcs)
         job.health = {} if self.opts["health"] else None
-        self.pipeline.submit_recovered(job)
+        self.jobs[uid] = (job, rec)
+        self.pipeline.submit_gated(job)
 
-    def _record(self, slot_dir: str, uid: str) -> StagedRecord | None:
+    def _record(self, slot_dir: str, uid: str) -> StagedRecord:
         source = os.path.join(slot_dir, RECORD)
         data = read_record(source)
         if data is None:
-            if self._parent_alive:
-                raise FastCkptError(f"{source} is missing: the staged snapshot's record was removed")
-            return None
+            raise FastCkptError(f"{source} is missing: the staged snapshot's record was removed")
         rec = decode_record(data, slot_dir, source, root=self.storage.url, join=self.storage.join,
                             owner=os.path.basename(os.path.dirname(slot_dir)), rank=0, world=1)
         if rec.uid != uid:
