@@ -2,7 +2,7 @@
 
 With ``staging.shm`` the training process only copies each snapshot into its shared-memory slot, takes the
 CRC32C of what it staged and writes the slot's record (``fastckpt.tiers.shm``); the writes, fsyncs and the commit
-run in one long-lived child process (``fastckpt.tiers.persister_main``, named ``fastckpt-persist``), so they no
+run in one long-lived child process (``fastckpt.tiers.persister_main``, named ``ckpt-persister``), so they no
 longer share the training process's GIL. The child is told "staged" before ``wait_staged()`` returns and "commit"
 once the seal passed; if training dies in between, the child commits what was staged anyway.
 
@@ -56,7 +56,8 @@ class Persister:
                      "priority": p.priority, "health": config.health.enabled, "shm_dir": config.staging.shm_dir}
         self.proc: subprocess.Popen | None = None
         self._conn: Connection | None = None
-        self._futures: dict[str, Future] = {}
+        self._futures: dict[str, tuple[str, Future]] = {}  # uid -> (checkpoint name, its commit's future)
+        self.reader: threading.Thread | None = None  # reads the child's answers; ends when the child does
         self._lock = threading.Lock()  # sends (copy thread, committer) and the futures table
         self.dead: str | None = None  # why the child is gone, once it is
         self._closing = False
@@ -88,7 +89,8 @@ class Persister:
                 theirs.close()
             self._conn = Connection(mine.detach())
             os.register_at_fork(after_in_child=functools.partial(_forget_in_child, weakref.ref(self)))
-            threading.Thread(target=self._read_loop, name=f"fastckpt-persister-{next(_ids)}", daemon=True).start()
+            self.reader = threading.Thread(target=self._read_loop, name=f"fastckpt-persister-{next(_ids)}", daemon=True)
+            self.reader.start()
 
     @property
     def pid(self) -> int | None:
@@ -107,11 +109,12 @@ class Persister:
     def drop(self, slot_dir: str, uid: str) -> None:
         self._send(("drop", slot_dir, uid))
 
-    def commit(self, slot_dir: str, uid: str) -> Future:
-        """Called by the committer once the seal passed: resolves to ``(info, written_bytes, health_doc)``."""
+    def commit(self, slot_dir: str, uid: str, name: str) -> Future:
+        """Called by the committer once checkpoint ``name``'s seal passed: resolves to ``(info, written_bytes,
+        health_doc)``, or fails with a ``StorageError``."""
         fut: Future = Future()
         with self._lock:
-            self._futures[uid] = fut
+            self._futures[uid] = (name, fut)
         self._send(("commit", slot_dir, uid))
         return fut
 
@@ -136,7 +139,7 @@ class Persister:
                 break
             kind, uid, *rest = msg
             with self._lock:
-                fut = self._futures.pop(uid, None)
+                _, fut = self._futures.pop(uid, (None, None))
             if fut is None:
                 continue
             if kind == "done":
@@ -147,7 +150,7 @@ class Persister:
         with self._lock:
             if self._closing and code == 0:
                 return
-            self.dead = (f"the persister process fastckpt-persist (pid {self.proc.pid}) died with exit code {code}"
+            self.dead = (f"the persister process ckpt-persister (pid {self.proc.pid}) died with exit code {code}"
                          f"{' (killed by signal ' + str(-code) + ')' if code < 0 else ''}")
             self._fail_all()
         log.warning("fastckpt: %s; the saves it had not committed failed, and later saves are written by this "
@@ -156,10 +159,9 @@ class Persister:
     def _fail_all(self) -> None:
         """With the lock held: every commit still awaited fails, naming the dead child."""
         why = self.dead or "the persister process is closed"
-        for uid, fut in self._futures.items():
-            err = StorageError(f"checkpoint with uid {uid} was not committed: {why}. It stays staged in shared "
-                               "memory only until this process exits; save again to persist the state")
-            fut.set_exception(err)
+        for name, fut in self._futures.values():
+            fut.set_exception(StorageError(f"checkpoint {name!r} was not committed: {why}. Save again: later saves "
+                                           "are written by this process's threads"))
         self._futures.clear()
 
     def close(self, timeout: float | None) -> None:
@@ -248,7 +250,7 @@ class PersistedPipeline(Pipeline):
             raise job.error
         for f in job.writes:
             f.result()
-        self._replies[job] = self.persister.commit(job.slot.dir or "", job.uid).result()
+        self._replies[job] = self.persister.commit(job.slot.dir or "", job.uid, job.handle.name).result()
         return []
 
     def _commit(self, job: Job, results: list[ShardResult]) -> CheckpointInfo:

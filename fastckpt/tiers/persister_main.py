@@ -37,7 +37,7 @@ from .shm_trust import open_trusted, read_record
 
 log = logging.getLogger("fastckpt")
 
-PROCESS_NAME = b"fastckpt-persist"  # what ps, top and /proc/<pid>/comm show (15 bytes at most)
+PROCESS_NAME = b"ckpt-persister"  # what ps, top and /proc/<pid>/comm show (15 bytes at most)
 _PR_SET_NAME = 15
 _LOCK = "recovery.lock"  # fastckpt.tiers.shm's lock: held while a restarted process recovers
 
