@@ -40,6 +40,7 @@ _MODES = ("lazy", "eager")
 _ON_MUTATION = ("raise", "retake")
 _WHEN_BUSY = ("wait", "skip")
 _DIRECT_IO = ("auto", "on", "off")
+_PROCESS = ("off", "on", "auto")  # persist.process: who writes staged snapshots (fastckpt/tiers/persister.py)
 _UNHEALTHY = ("count", "delete", "keep")
 
 # The CPU priorities ``persist.priority`` accepts (engine/priority.py applies them).
@@ -110,7 +111,8 @@ class PersistOptions(_Freezable):
     process: str = "off"
     """Who writes staged snapshots (needs ``staging.shm``): ``off`` this process's threads; ``on`` a long-lived
     persister process (one per ``Checkpointer``) that writes, fsyncs and commits them, and commits a staged snapshot
-    even if training is killed; ``auto`` the process for states of at least 64 MiB, the threads below."""
+    even if training is killed; ``auto`` the process for states of at least 64 MiB on a host with 4 or more usable
+    CPUs, else the threads (measured: docs/DESIGN.md, "The persister process")."""
 
     def validate(self) -> None:
         if isinstance(self.process, bool):  # YAML 1.1 reads a bare on/off as true/false
@@ -126,7 +128,7 @@ class PersistOptions(_Freezable):
             raise ConfigError(f"persist.fsync must be true or false, got {self.fsync!r}")
         _check_choice("persist.", "priority", self.priority, PRIORITIES)
         _check_seconds("persist.", "max_lag_s", self.max_lag_s, 0.0)
-        _check_choice("persist.", "process", self.process, ("off", "on", "auto"))
+        _check_choice("persist.", "process", self.process, _PROCESS)
 
 
 @dataclass(kw_only=True, slots=True)

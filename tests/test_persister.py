@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from fastckpt import CheckpointConfig, Checkpointer, ConfigError, StorageError
-from fastckpt.tiers.persister import AUTO_MIN_BYTES, PersistedPipeline
+from fastckpt.tiers.persister import PersistedPipeline
 from tests import persister_children as kids
 from tests import shm_children
 from tests.helpers import assert_bit_equal, bounded, clone_state
@@ -165,3 +165,37 @@ def test_a_dead_persister_is_named_and_later_saves_use_the_threads(tmp_path) -> 
         ck.save(shm_children.state(m, 3), step=3).wait()  # this process's threads
         assert [i.step for i in ck.list()] == [1, 3]
         assert_bit_equal(shm_children.expected(3), ck.load(step=3))
+
+
+@pytest.mark.parametrize("cpus", [2, 16])
+def test_auto_picks_the_process_for_big_states_on_a_host_with_cores_to_spare(tmp_path, monkeypatch, cpus) -> None:
+    """auto: threads on a host with few CPUs (where the process lost); else the process for big states only."""
+    import fastckpt.tiers.persister as persister_mod
+
+    monkeypatch.setattr(persister_mod, "usable_cpus", lambda: cpus)
+    monkeypatch.setattr(persister_mod, "AUTO_MIN_BYTES", 1 << 20)  # "big" made small: a fast test
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    small, big = {"t": torch.arange(1000.0)}, {"t": torch.arange(float(1 << 18)), "u": torch.ones(10)}
+    with Checkpointer(_config(tmp_path / "root", shm, "auto")) as ck:
+        pipeline = ck._pipeline
+        assert isinstance(pipeline, PersistedPipeline) == (cpus >= persister_mod.AUTO_MIN_CPUS)
+        ck.save(small, step=1).wait()
+        if cpus >= persister_mod.AUTO_MIN_CPUS:
+            assert pipeline.persister.proc is None  # a small state: the threads wrote it, no process was started
+        ck.save(big, step=2).wait()
+        if cpus >= persister_mod.AUTO_MIN_CPUS:
+            assert pipeline.persister.proc is not None and pipeline.persister.alive
+        assert_bit_equal(small, ck.load(step=1))
+        assert_bit_equal(big, ck.load(step=2))
+
+
+def test_config_checks_persist_process() -> None:
+    assert CheckpointConfig(root="/r").persist.process == "off"
+    assert CheckpointConfig.from_dict({"root": "/r", "persist": {"process": True},
+                                       "staging": {"shm": True}}).persist.process == "on"  # YAML's bare on
+    with pytest.raises(ConfigError, match="persist.process must be one of off, on, auto"):
+        CheckpointConfig(root="/r", persist={"process": "always"})
+    with pytest.raises(ConfigError, match="persist.process: on needs staging.shm: true"):
+        CheckpointConfig(root="/r", persist={"process": "on"})
+    CheckpointConfig(root="/r", persist={"process": "auto"})  # auto without shm: the threads, quietly
