@@ -494,7 +494,10 @@ class ByteCheckpoint(Peer):
 PEERS: dict[str, type[Peer]] = {p.name: p for p in (TorchSave, LightningAsync, DcpDefault, DcpStager, TorchSnapshot,
                                                     DlroverFlash, ByteCheckpoint, Fastckpt, FastckptShm,
                                                     FastckptPersister)}
-ORDER = list(PEERS)
+# The fastckpt variants of the persister's comparison (``python -m benchmarks.persister``) run only when named:
+# ``python -m benchmarks.run --peers ...,fastckpt-shm,fastckpt-persister`` (two more full runs per section otherwise).
+VARIANTS = ("fastckpt-shm", "fastckpt-persister")
+ORDER = [name for name in PEERS if name not in VARIANTS]
 LABELS = {name: cls.label for name, cls in PEERS.items()}
 # Peers fastckpt is judged against that this suite cannot run, and why.
 NOT_MEASURED = {

@@ -199,3 +199,18 @@ def test_config_checks_persist_process() -> None:
     with pytest.raises(ConfigError, match="persist.process: on needs staging.shm: true"):
         CheckpointConfig(root="/r", persist={"process": "on"})
     CheckpointConfig(root="/r", persist={"process": "auto"})  # auto without shm: the threads, quietly
+
+
+def test_the_remote_tier_uploads_what_the_persister_committed(tmp_path) -> None:
+    """The uploads stay in the training process, after the persister's commit; the remote copy loads bit for bit."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    remote = f"memory://fastckpt-persister-{uuid.uuid4().hex[:12]}"
+    config = CheckpointConfig(root=str(tmp_path / "root"), staging={"shm": True, "shm_dir": str(shm)},
+                              persist={"fsync": False, "process": "on"}, remote={"url": remote})
+    with Checkpointer(config) as ck:
+        assert isinstance(ck._pipeline, PersistedPipeline)
+        ck.save(_state(4), step=4).wait_uploaded()
+    with Checkpointer(CheckpointConfig(root=remote)) as back:
+        assert [i.step for i in back.list()] == [4]
+        assert_bit_equal(clone_state(_state(4)), back.load(step=4))
