@@ -111,8 +111,8 @@ class PersistOptions(_Freezable):
     process: str = "off"
     """Who writes staged snapshots (needs ``staging.shm``): ``off`` this process's threads; ``on`` a long-lived
     persister process (one per ``Checkpointer``) that writes, fsyncs and commits them, and commits a staged snapshot
-    even if training is killed; ``auto`` the process for states of at least 64 MiB on a host with 4 or more usable
-    CPUs, else the threads (measured: docs/DESIGN.md, "The persister process")."""
+    even if training is killed; ``auto`` the process for states of at least 256 MiB, the threads for smaller ones
+    (measured: docs/DESIGN.md, "The persister process")."""
 
     def validate(self) -> None:
         if isinstance(self.process, bool):  # YAML 1.1 reads a bare on/off as true/false

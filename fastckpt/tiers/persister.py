@@ -36,17 +36,16 @@ from ..storage.local import LocalStorage
 from ..storage.protocol import Storage
 from .shm import ShmTier
 
-__all__ = ["AUTO_MIN_BYTES", "AUTO_MIN_CPUS", "Persister", "PersistedPipeline", "pipeline_for", "usable_cpus"]
+__all__ = ["AUTO_MIN_BYTES", "Persister", "PersistedPipeline", "pipeline_for"]
 
 log = logging.getLogger("fastckpt")
 _ids = itertools.count(1)
 
-# persist.process "auto" (figures: docs/DESIGN.md, "The persister process"; benchmarks/persister.py): the process
-# only pays where it has a core of its own. On the 2-core box it lost to the threads at every size measured (its
-# hops between processes wait for the scheduler), so auto keeps the threads there; with AUTO_MIN_CPUS usable CPUs
-# or more, states of at least AUTO_MIN_BYTES go to the process and smaller ones stay on the threads.
-AUTO_MIN_BYTES = 64 * 1024 * 1024
-AUTO_MIN_CPUS = 4
+# persist.process "auto": states at least this big go to the persister process, smaller ones stay on the threads.
+# Measured (docs/DESIGN.md, "The persister process"; benchmarks/persister.py): the process lost at 1.6 MB and 63 MB
+# (its hops between processes cost more than the work it moves) and won at 328 MB (the writes, fsyncs and health
+# statistics no longer share the training process's GIL).
+AUTO_MIN_BYTES = 256 * 1024 * 1024
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -292,16 +291,7 @@ def pipeline_for(config: CheckpointConfig, storage: Storage, shm: ShmTier | None
             log.warning("fastckpt: persist.process is on, but %s: this Checkpointer's saves are written by its own "
                         "threads", why)
         return Pipeline
-    if mode == "auto" and usable_cpus() < AUTO_MIN_CPUS:
-        return Pipeline
     assert isinstance(storage, LocalStorage)
     return functools.partial(PersistedPipeline, persister=Persister(storage, config),
                              min_bytes=0 if mode == "on" else AUTO_MIN_BYTES)
 
-
-def usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity, which a container's cpuset narrows)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
