@@ -76,6 +76,9 @@ def test_persister_writes_the_same_bytes_as_the_thread_path(tmp_path, monkeypatc
             for step in (1, 2, 3):
                 ck.save(_state(step), step=step).wait()
             assert_bit_equal(clone_state(_state(3)), ck.load(step=3))
+            persister = getattr(ck._pipeline, "persister", None)
+        if persister is not None:  # close() stopped it with its sentinel: a clean exit, not a death
+            assert persister.proc.returncode == 0 and persister.dead is None
         trees[process] = _files(root)
     assert len(trees["on"]) >= 3 * 3 and trees["on"].keys() == trees["off"].keys()
     for name, data in trees["off"].items():
@@ -111,6 +114,9 @@ def _trial(base: Path, trial: int) -> None:
             f"trial {trial}: steps {staged} were staged before the SIGKILL, committed: {steps_on_disk}")
         for s in steps_on_disk:
             assert_bit_equal(shm_children.expected(s), ck.load(step=s))
+    # a restart with shared memory finds them committed (their records renamed): nothing is recovered twice
+    with Checkpointer(CheckpointConfig(root=str(root), staging={"shm": True, "shm_dir": str(shm)})) as ck:
+        assert ck.recovered == [] and [i.step for i in ck.list()] == steps_on_disk
 
 
 def test_training_sigkilled_after_staging_the_persister_still_commits(tmp_path) -> None:
