@@ -1,6 +1,6 @@
 """Training processes for the persister process's SIGKILL trials, run from a forkserver (torch imported once).
 
-Each child saves with ``persist.process: on``, reports its persister's pid, then every step whose
+Each child saves with ``persist.process: on``, reports its persister's pid (once started), then every step whose
 ``wait_staged()`` returned, and is SIGKILLed by the test at a moment the trial picks.
 """
 from __future__ import annotations
@@ -33,12 +33,13 @@ def train(conn: Connection, root: str, shm: str, steps: int, seal_last: bool) ->
     """Save steps 1..steps (each reported once staged, then sealed by the optimizer's step, which commits it in the
     persister), the last one sealed only if ``seal_last``; then wait for the SIGKILL."""
     ck = Checkpointer(config(root, shm))
-    conn.send(ck._pipeline.persister.pid)
     m, opt = model()
     ck.watch(opt)
     for step in range(1, steps + 1):
         set_step(m, step)
         ck.save(state(m, step), step=step).wait_staged()
+        if step == 1:
+            conn.send(ck._pipeline.persister.pid)  # started by the first save
         conn.send(step)
         if step < steps or seal_last:
             opt.zero_grad(set_to_none=True)

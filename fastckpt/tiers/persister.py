@@ -211,8 +211,8 @@ class PersistedPipeline(Pipeline):
         assert isinstance(shm, ShmTier)
         shm.on_record = self._on_record
         self._priorities.on_change = persister.priority
-        if min_bytes == 0:
-            persister.start()  # "on": warm by the first save
+        # Started by the first save routed to it, never before: the integrations' save_file/save_files (the
+        # threads write those) start no process they would never use.
 
     def routed(self, job: Job) -> bool:
         """Whether ``job`` goes to the persister, decided once, on the training thread (``save()``)."""
