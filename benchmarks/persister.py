@@ -74,9 +74,9 @@ def main() -> int:
         for peer in PEERS:
             rs = [r for r in runs if r["shape"] == shape and r["peer"] == peer]
             stalls = [r["stall_ms"] for r in rs]
+            block, flush, step = (statistics.median(r[k] for r in rs) for k in ("block_ms", "flush_ms", "step_ms"))
             print(f"{shape:6} {peer:20} {rs[0]['state_mb']:8.1f} {statistics.median(stalls):26.1f} "
-                  f"{' '.join(f'{s:.0f}' for s in stalls):>30} {statistics.median(r['block_ms'] for r in rs):8.1f} "
-                  f"{statistics.median(r['flush_ms'] for r in rs):8.1f} {statistics.median(r['step_ms'] for r in rs):7.1f}")
+                  f"{' '.join(f'{s:.0f}' for s in stalls):>30} {block:8.1f} {flush:8.1f} {step:7.1f}")
     return 0
 
 
