@@ -244,12 +244,13 @@ class DcpStager(Peer):
 class Fastckpt(Peer):
     name = "fastckpt"
     label = "fastckpt"
+    config: dict[str, Any] = {}  # the variants below change only this
 
     def __init__(self, root: Path) -> None:
         super().__init__(root)
         from fastckpt import CheckpointConfig, Checkpointer
 
-        self.ckpt = Checkpointer(CheckpointConfig(root=os.fspath(self.root)))
+        self.ckpt = Checkpointer(CheckpointConfig(root=os.fspath(self.root), **self.config))
         self.last: Any = None
 
     def attach(self, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
@@ -271,6 +272,22 @@ class Fastckpt(Peer):
 
     def load(self, step: int, template: dict) -> dict:
         return self.ckpt.load(step)
+
+
+class FastckptShm(Fastckpt):
+    """The thread path staging in shared memory: the baseline the persister process is measured against."""
+
+    name = "fastckpt-shm"
+    label = "fastckpt (shm, threads)"
+    config = {"staging": {"shm": True}}
+
+
+class FastckptPersister(Fastckpt):
+    """Staged in shared memory, written, fsynced and committed by the persister process (``persist.process``)."""
+
+    name = "fastckpt-persister"
+    label = "fastckpt (persister process)"
+    config = {"staging": {"shm": True}, "persist": {"process": "on"}}
 
 
 class TorchSnapshot(Peer):
@@ -475,8 +492,12 @@ class ByteCheckpoint(Peer):
 
 
 PEERS: dict[str, type[Peer]] = {p.name: p for p in (TorchSave, LightningAsync, DcpDefault, DcpStager, TorchSnapshot,
-                                                    DlroverFlash, ByteCheckpoint, Fastckpt)}
-ORDER = list(PEERS)
+                                                    DlroverFlash, ByteCheckpoint, Fastckpt, FastckptShm,
+                                                    FastckptPersister)}
+# The fastckpt variants of the persister's comparison (``python -m benchmarks.persister``) run only when named:
+# ``python -m benchmarks.run --peers ...,fastckpt-shm,fastckpt-persister`` (two more full runs per section otherwise).
+VARIANTS = ("fastckpt-shm", "fastckpt-persister")
+ORDER = [name for name in PEERS if name not in VARIANTS]
 LABELS = {name: cls.label for name, cls in PEERS.items()}
 # Peers fastckpt is judged against that this suite cannot run, and why.
 NOT_MEASURED = {

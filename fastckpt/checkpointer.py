@@ -37,6 +37,7 @@ from .tiers.recovery import recover
 from .tiers.remote import RemoteTier
 from .tiers.remotesums import ChecksumStats
 from .tiers.runs import Cadenced, RootCadence
+from .tiers.persister import pipeline_for
 from .tiers.shm import ShmTier
 from .tiers.shm_load import load_from_shm
 from .tiers.union import CatalogUnion
@@ -80,12 +81,12 @@ class Checkpointer(Cadenced):
         self._streams = CopyStreams()  # per-device copy streams, created on the first CUDA save
         self.last_load_stats: LoadStats | None = None  # which tier served the last load, bytes, seconds
         self._priorities = ThreadPriorities(p.priority)  # built here: the training thread's policy is "normal"
-        self._root = RootClaim(self.storage, leader=self._leader, grace_s=config.orphan_grace_s,
-                               in_flight=self.pending_names)
+        self._root = RootClaim(self.storage, leader=self._leader, grace_s=config.orphan_grace_s, in_flight=self.pending_names)
         self.removed_orphans = self._root.removed_orphans  # folders of dead saves removed at the first write
         self._saver = Saver(config, self.storage, planner=self._planner, arena=self._arena, streams=self._streams,
                             priorities=self._priorities, coord=self._coord, claim_root=self._root.claim,
-                            uploads=remote_storage is not None and self._leader, on_commit=self._on_commit)
+                            uploads=remote_storage is not None and self._leader, on_commit=self._on_commit,
+                            pipeline=pipeline_for(config, self.storage, self._shm, self._coord))
         self._pipeline = self._saver.pipeline
         if self._coord is not None:
             self._root.claim_together(self._coord)

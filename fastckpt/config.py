@@ -40,6 +40,7 @@ _MODES = ("lazy", "eager")
 _ON_MUTATION = ("raise", "retake")
 _WHEN_BUSY = ("wait", "skip")
 _DIRECT_IO = ("auto", "on", "off")
+_PROCESS = ("off", "on", "auto")  # persist.process: who writes staged snapshots (fastckpt/tiers/persister.py)
 _UNHEALTHY = ("count", "delete", "keep")
 
 # The CPU priorities ``persist.priority`` accepts (engine/priority.py applies them).
@@ -107,8 +108,15 @@ class PersistOptions(_Freezable):
     """How long a checkpoint may stay not durable before a later ``save()`` warns that persistence is falling
     behind (once per process, on rank 0, naming the measured lag). A save that must wait for a staging slot
     always warns."""
+    process: str = "off"
+    """Who writes staged snapshots (needs ``staging.shm``): ``off`` this process's threads; ``on`` a long-lived
+    persister process (one per ``Checkpointer``) that writes, fsyncs and commits them, and commits a staged snapshot
+    even if training is killed; ``auto`` the process for states of at least 256 MiB, the threads for smaller ones
+    (measured: docs/DESIGN.md, "The persister process")."""
 
     def validate(self) -> None:
+        if isinstance(self.process, bool):  # YAML 1.1 reads a bare on/off as true/false
+            self.process = "on" if self.process else "off"
         if isinstance(self.direct_io, bool):  # YAML 1.1 reads a bare on/off as true/false
             self.direct_io = "on" if self.direct_io else "off"
         _check_int("persist.", "workers", self.workers, 1)
@@ -120,6 +128,7 @@ class PersistOptions(_Freezable):
             raise ConfigError(f"persist.fsync must be true or false, got {self.fsync!r}")
         _check_choice("persist.", "priority", self.priority, PRIORITIES)
         _check_seconds("persist.", "max_lag_s", self.max_lag_s, 0.0)
+        _check_choice("persist.", "process", self.process, _PROCESS)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -290,6 +299,9 @@ class CheckpointConfig(_Freezable):
         if self.remote.url is not None and _same_place(self.remote.url, self.root):
             raise ConfigError(f"remote.url must differ from root (both are {self.root!r}): the remote tier is a "
                               "second copy; set remote.url to another location or null")
+        if self.persist.process == "on" and not self.staging.shm:
+            raise ConfigError("persist.process: on needs staging.shm: true (the persister process reads the staged "
+                              "snapshots from shared memory); set staging.shm: true, or persist.process: off or auto")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "CheckpointConfig":

@@ -106,6 +106,9 @@ class ThreadPriorities:
             log.debug("fastckpt: cannot read thread priorities (%s); persist.priority is ignored", e)
             self._normal = None
         self._low = _lowered(priority, self._normal) if self._normal is not None else None
+        # Told True when the threads are raised and False when they settle, outside the lock: threads of another
+        # process follow this level (the persister process, fastckpt/tiers/persister.py).
+        self.on_change: Callable[[bool], None] | None = None
 
     @property
     def raised(self) -> bool:
@@ -144,6 +147,7 @@ class ThreadPriorities:
         stayed not durable past ``persist.max_lag_s``), and ``reason`` names the measured lag; only then is a
         warning due (once per process, on rank 0). A save that merely finds the previous one pending (``save_last``
         right after another save) or a ``wait()`` raises the threads quietly."""
+        changed = False
         with self._lock:
             if self._low is not None and not self._raised and not self._boost:
                 if self._refused:
@@ -155,7 +159,10 @@ class ThreadPriorities:
                         self._raised = True
                         self._version += 1
                         self.raises += 1
+                        changed = True
             refused_now = self._refused
+        if changed and self.on_change is not None:
+            self.on_change(True)
         if behind:
             self._warn(reason, refused_now)
 
@@ -189,6 +196,8 @@ class ThreadPriorities:
             self._raised = False
             self._version += 1
             self._apply_all(self._low)  # type: ignore[arg-type]
+        if self.on_change is not None:
+            self.on_change(False)
 
     def close(self) -> None:
         """Called by ``Checkpointer.close`` once the threads have stopped: forget their ids (reusable)."""

@@ -68,8 +68,10 @@ class Saver:
 
     def __init__(self, config: CheckpointConfig, storage: Storage, *, planner: Planner, arena: HostArena,
                  streams: CopyStreams, priorities: ThreadPriorities, coord: Coordinator | None, uploads: bool,
-                 claim_root: Callable[[], None], on_commit: Callable[[Job, CheckpointInfo], None]) -> None:
-        """``uploads``: committed saves go to the remote tier (their handles get an upload future).
+                 claim_root: Callable[[], None], on_commit: Callable[[Job, CheckpointInfo], None],
+                 pipeline: Callable[..., Pipeline] = Pipeline) -> None:
+        """``uploads``: committed saves go to the remote tier (their handles get an upload future); ``pipeline``:
+        the class that runs the saves (``Pipeline``, or ``tiers/persister.py``'s with ``persist.process``).
         ``claim_root``: called by ``save()`` after its checks, before anything is written into the root.
         ``on_commit``: called on the committer once a save is committed, before its handle resolves; it must
         call ``settle(handle)``."""
@@ -83,7 +85,7 @@ class Saver:
         self._errors: list[tuple[SaveHandle, FastCkptError]] = []
         self.stats: list[SaveStats] = []
         self.stale = StaleWatch(config.health.enabled, config.health.stale_warning)  # also asks for health
-        self.pipeline = Pipeline(storage, arena, config.persist.workers, on_commit, self._on_failure, coord,
+        self.pipeline = pipeline(storage, arena, config.persist.workers, on_commit, self._on_failure, coord,
                                  priorities=priorities)
         self.pipeline.on_refused = self._on_refused
         self._moved: set[str] = set()  # keys a seal found moved (on_mutation retake): staged eagerly from then on

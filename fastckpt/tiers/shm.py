@@ -88,6 +88,9 @@ class ShmTier:
         self.dir = os.path.join(self.base, self.owner)
         self._count = 0
         self._alive_fd: int | None = None
+        # Called with each job whose record is in place, before wait_staged() returns (the persister process is
+        # told then, so a snapshot staged before a crash is committed by it: fastckpt.tiers.persister).
+        self.on_record: Callable[[Any], None] | None = None
 
     @classmethod
     def for_root(cls, shm_dir: str, storage: Any, coord: Any = None) -> "ShmTier":
@@ -194,6 +197,8 @@ class ShmTier:
                            "wb") as f:
                 f.write(encode_record(job, self.owner, self.rank, self.world))
             os.replace(tmp, os.path.join(slot_dir, RECORD))
+            if self.on_record is not None:
+                self.on_record(job)
         except OSError as e:
             _unlink(tmp)
             raise StorageError(f"cannot write the shared-memory record of checkpoint {job.handle.name!r} in "
@@ -334,12 +339,15 @@ class ShmTier:
         else:
             self.remove(slot_dir)
 
-    def open_slot(self, rec: StagedRecord) -> Slot:
-        """The recovered slot of ``rec``: its existing buffers, checked against the record's checksums."""
+    def open_slot(self, rec: StagedRecord, verify: bool = True) -> Slot:
+        """The recovered slot of ``rec``: its existing buffers, checked against the record's checksums (``verify``
+        False: the persister process, told by a live training process that staged them a moment ago)."""
         slot = Slot(plan=rec.plan, ring=False, pinned=False, dir=rec.dir, recovered=True)
         for shard in rec.plan.mine(rec.plan.shards):
             keep, buf = open_buffer(os.path.join(rec.dir, _buffer_name(shard.index)), shard.nbytes)
             slot.adopt(shard.index, buf, keep)
+            if not verify:
+                continue
             got = staged_crcs(buf, shard)
             for e, want, have in zip(shard.entries, rec.crcs[shard.index], got):
                 if want != have:
