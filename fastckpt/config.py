@@ -71,9 +71,16 @@ class StagingOptions(_Freezable):
     takes it again eagerly at the seal, same name and metadata, holding the values at the seal, copies the keys
     that moved eagerly in every later save, and warns once. With ``distributed=True``, ``retake`` acts as
     ``raise``."""
+    crc_in_copy: bool = False
+    """Take each tensor's CRC32C in the copy thread, chunk by chunk, while the chunk it just staged is in cache,
+    instead of in the I/O workers reading the staged bytes again (plain CPU tensors, the open layout). Off by
+    default: on the measured hosts two streaming passes beat the chunked single pass (BENCHMARKS.md, "Where the
+    stall goes")."""
 
     def validate(self) -> None:
         _check_choice("staging.", "mode", self.mode, _MODES)
+        if not isinstance(self.crc_in_copy, bool):
+            raise ConfigError(f"staging.crc_in_copy must be true or false, got {self.crc_in_copy!r}")
         _check_int("staging.", "slots", self.slots, 1)
         _check_choice("staging.", "when_busy", self.when_busy, _WHEN_BUSY)
         _check_choice("staging.", "on_mutation", self.on_mutation, _ON_MUTATION)
@@ -107,6 +114,10 @@ class PersistOptions(_Freezable):
     """How long a checkpoint may stay not durable before a later ``save()`` warns that persistence is falling
     behind (once per process, on rank 0, naming the measured lag). A save that must wait for a staging slot
     always warns."""
+    pace_writes: bool = False
+    """Pace the I/O workers' shard writes to the write bandwidth measured on earlier writes (a token bucket), so
+    a checkpoint's writes are spread instead of bursting. Off by default: it made no measured difference to the
+    stall with O_DIRECT writes and delays durability (BENCHMARKS.md, "Where the stall goes")."""
 
     def validate(self) -> None:
         if isinstance(self.direct_io, bool):  # YAML 1.1 reads a bare on/off as true/false
@@ -120,6 +131,8 @@ class PersistOptions(_Freezable):
             raise ConfigError(f"persist.fsync must be true or false, got {self.fsync!r}")
         _check_choice("persist.", "priority", self.priority, PRIORITIES)
         _check_seconds("persist.", "max_lag_s", self.max_lag_s, 0.0)
+        if not isinstance(self.pace_writes, bool):
+            raise ConfigError(f"persist.pace_writes must be true or false, got {self.pace_writes!r}")
 
 
 @dataclass(kw_only=True, slots=True)
