@@ -158,7 +158,7 @@ class Runner:
 
 
 def run_all(plan: Plan, workdir: Path, isolate: bool, sections: tuple[str, ...],
-            peer_names: list[str]) -> dict[str, Any]:
+            peer_names: list[str], reps: int = 3) -> dict[str, Any]:
     run = Runner(workdir, isolate, plan.task_timeout)
     shape = plan.shape.to_dict()
     ck = str(workdir / "ckpt")
@@ -174,7 +174,7 @@ def run_all(plan: Plan, workdir: Path, isolate: bool, sections: tuple[str, ...],
     if "breakdown" in sections:
         from .breakdown_run import run_breakdown
 
-        results["breakdown"] = run_breakdown(run, shape, ck, plan.warmup, plan.every, min(plan.n_ckpt, 4))
+        results["breakdown"] = run_breakdown(run, shape, ck, plan.warmup, plan.every, min(plan.n_ckpt, 4), reps)
     if "io" in sections:
         results["io"] = run("io: durable commit + load", "io",
                             dict(shape=shape, root=ck, reps=plan.io_reps, cold=plan.cold_load))
@@ -285,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --only among " + ",".join(MERGEABLE) + ": add this run's sections (each labelled "
                          "with its own command, machine and date) to a saved results.json, then re-render that "
                          "run's report")
+    ap.add_argument("--breakdown-reps", type=int, default=3, help="runs of each configuration in --only breakdown")
     args = ap.parse_args(argv)
 
     from . import report
@@ -327,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"fastckpt benchmarks ({'QUICK smoke run' if args.quick else 'full run'}), checkpoints under "
         f"{workdir} ({disk['fstype']} on {disk['device']}), torch threads for training: {wl.TRAIN_THREADS}")
     t0 = time.perf_counter()
-    results = run_all(plan, workdir, isolate, sections, peer_names)
+    results = run_all(plan, workdir, isolate, sections, peer_names, args.breakdown_reps)
     meta["wall_s"] = time.perf_counter() - t0
     meta["loadavg_end"] = os.getloadavg()
     results["meta"] = meta
