@@ -116,8 +116,8 @@ class PersistOptions(_Freezable):
     always warns."""
     pace_writes: bool = False
     """Pace the I/O workers' shard writes to the write bandwidth measured on earlier writes (a token bucket), so
-    a checkpoint's writes are spread instead of bursting. Off by default: it made no measured difference to the
-    stall with O_DIRECT writes and delays durability (BENCHMARKS.md, "Where the stall goes")."""
+    a checkpoint's writes are spread instead of bursting. Off by default: no measured gain with O_DIRECT writes,
+    which leave no page-cache burst to smooth (BENCHMARKS.md, "Where the stall goes")."""
 
     def validate(self) -> None:
         if isinstance(self.direct_io, bool):  # YAML 1.1 reads a bare on/off as true/false
