@@ -50,6 +50,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "single_pass": {"staging": {"crc_in_copy": True}, "persist": {"pace_writes": False}},
     "single_pass+paced": {"staging": {"crc_in_copy": True}, "persist": {"pace_writes": True}},
     "no_health": {"staging": {"crc_in_copy": True}, "persist": {"pace_writes": False}, "health": {"enabled": False}},
+    # whether the I/O threads' idle priority (SCHED_IDLE) holds the training thread behind a GIL they hold
+    "before,priority normal": {"staging": {"crc_in_copy": False}, "persist": {"pace_writes": False, "priority": "normal"}},
 }
 
 _TICK = os.sysconf("SC_CLK_TCK")
