@@ -26,6 +26,8 @@ DEFAULT_SECTIONS = SECTIONS[:-1]  # dedup (benchmarks/dedup.py) needs peft and t
 # Sections whose report needs nothing from the rest of the run (no shared calibration): a later run may
 # replace them in a saved report with --merge-into, each labelled with the run that measured it.
 MERGEABLE = ("busy", "restore", "cli", "dedup")
+# Run only when named (``--only breakdown``): it writes its own section into the report and leaves the rest.
+OPTIONAL = ("breakdown",)
 
 
 @dataclass
@@ -157,11 +159,11 @@ class Runner:
 
 
 def run_all(plan: Plan, workdir: Path, isolate: bool, sections: tuple[str, ...],
-            peer_names: list[str]) -> dict[str, Any]:
+            peer_names: list[str], reps: int = 3) -> dict[str, Any]:
     run = Runner(workdir, isolate, plan.task_timeout)
     shape = plan.shape.to_dict()
     ck = str(workdir / "ckpt")
-    if {"core", "lightning", "accelerate"} & set(sections) and plan.window_s is not None:
+    if {"core", "lightning", "accelerate", "breakdown"} & set(sections) and plan.window_s is not None:
         cal = run("calibrate: plain-loop step time", "calibrate", dict(shape=shape, warmup=plan.warmup, steps=6))
         if cal["ok"]:
             plan = plan.calibrated(cal["result"]["step_s"])
@@ -170,6 +172,10 @@ def run_all(plan: Plan, workdir: Path, isolate: bool, sections: tuple[str, ...],
         else:
             log(f"calibration failed ({cal['error']}); keeping K={plan.every}, {plan.n_ckpt} windows")
     results: dict[str, Any] = {"plan": plan.to_dict()}
+    if "breakdown" in sections:
+        from .breakdown_run import run_breakdown
+
+        results["breakdown"] = run_breakdown(run, shape, ck, plan.warmup, plan.every, min(plan.n_ckpt, 4), reps)
     if "io" in sections:
         results["io"] = run("io: durable commit + load", "io",
                             dict(shape=shape, root=ck, reps=plan.io_reps, cold=plan.cold_load))
@@ -285,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --only among " + ",".join(MERGEABLE) + ": add this run's sections (each labelled "
                          "with its own command, machine and date) to a saved results.json, then re-render that "
                          "run's report")
+    ap.add_argument("--breakdown-reps", type=int, default=3, help="runs of each configuration in --only breakdown")
     args = ap.parse_args(argv)
 
     from . import report
@@ -310,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = QUICK_PLAN if args.quick else FULL_PLAN
     isolate = (not args.quick) if args.isolate is None else args.isolate
     sections = tuple(s for s in args.only.split(",") if s)
-    bad = [s for s in sections if s not in SECTIONS]
+    bad = [s for s in sections if s not in SECTIONS + OPTIONAL]
     if args.merge_into and (not sections or any(sec not in MERGEABLE for sec in sections)):
         ap.error(f"--merge-into merges only self-contained sections: use it with --only among {','.join(MERGEABLE)}")
     peer_names = [p for p in args.peers.split(",") if p]
@@ -327,10 +334,17 @@ def main(argv: list[str] | None = None) -> int:
     log(f"fastckpt benchmarks ({'QUICK smoke run' if args.quick else 'full run'}), checkpoints under "
         f"{workdir} ({disk['fstype']} on {disk['device']}), torch threads for training: {wl.TRAIN_THREADS}")
     t0 = time.perf_counter()
-    results = run_all(plan, workdir, isolate, sections, peer_names)
+    results = run_all(plan, workdir, isolate, sections, peer_names, args.breakdown_reps)
     meta["wall_s"] = time.perf_counter() - t0
     meta["loadavg_end"] = os.getloadavg()
     results["meta"] = meta
+    if sections == ("breakdown",):  # its own section only: the rest of the report is another run's
+        from . import breakdown_run
+
+        machine = f"{meta.get('cpu', '?')}, {meta.get('logical_cpus')} CPUs, load average at the end {meta['loadavg_end'][0]:.1f}, {meta['started']}"
+        breakdown_run.write(results["breakdown"], out, json_path.with_name("breakdown.json"), meta["command"], machine)
+        log(f"wrote the section {breakdown_run.HEADING!r} into {out} in {meta['wall_s']:.0f}s")
+        return 0
     if args.merge_into:  # the other run's report, plus these sections (each names its own run)
         json_path = Path(args.merge_into)
         merged = json.loads(json_path.read_text())

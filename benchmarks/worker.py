@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 
 def _tasks() -> dict[str, Callable[..., dict[str, Any]]]:
-    from . import busy, frameworks, measure, restore
+    from . import breakdown, busy, frameworks, measure, restore
 
     return {
         "calibrate": measure.task_calibrate,
@@ -20,6 +20,7 @@ def _tasks() -> dict[str, Callable[..., dict[str, Any]]]:
         "io": measure.task_io,
         "rss": measure.task_rss,
         "busy": busy.task_busy,
+        "breakdown": breakdown.task_breakdown,
         "lightning": frameworks.task_lightning,
         "lightning_load": frameworks.task_lightning_load,
         "accelerate": frameworks.task_accelerate,

@@ -72,9 +72,16 @@ class StagingOptions(_Freezable):
     takes it again eagerly at the seal, same name and metadata, holding the values at the seal, copies the keys
     that moved eagerly in every later save, and warns once. With ``distributed=True``, ``retake`` acts as
     ``raise``."""
+    crc_in_copy: bool = False
+    """Take each tensor's CRC32C in the copy thread, chunk by chunk, while the chunk it just staged is in cache,
+    instead of in the I/O workers reading the staged bytes again (plain CPU tensors, the open layout). Off by
+    default: on the measured hosts two streaming passes beat the chunked single pass (BENCHMARKS.md, "Where the
+    stall goes")."""
 
     def validate(self) -> None:
         _check_choice("staging.", "mode", self.mode, _MODES)
+        if not isinstance(self.crc_in_copy, bool):
+            raise ConfigError(f"staging.crc_in_copy must be true or false, got {self.crc_in_copy!r}")
         _check_int("staging.", "slots", self.slots, 1)
         _check_choice("staging.", "when_busy", self.when_busy, _WHEN_BUSY)
         _check_choice("staging.", "on_mutation", self.on_mutation, _ON_MUTATION)
@@ -113,6 +120,10 @@ class PersistOptions(_Freezable):
     persister process (one per ``Checkpointer``) that writes, fsyncs and commits them, and commits a staged snapshot
     even if training is killed; ``auto`` the process for states of at least 256 MiB, the threads for smaller ones
     (measured: docs/DESIGN.md, "The persister process")."""
+    pace_writes: bool = False
+    """Pace the I/O workers' shard writes to the write bandwidth measured on earlier writes (a token bucket), so
+    a checkpoint's writes are spread instead of bursting. Off by default: no measured gain with O_DIRECT writes,
+    which leave no page-cache burst to smooth (BENCHMARKS.md, "Where the stall goes")."""
 
     def validate(self) -> None:
         if isinstance(self.process, bool):  # YAML 1.1 reads a bare on/off as true/false
@@ -129,6 +140,8 @@ class PersistOptions(_Freezable):
         _check_choice("persist.", "priority", self.priority, PRIORITIES)
         _check_seconds("persist.", "max_lag_s", self.max_lag_s, 0.0)
         _check_choice("persist.", "process", self.process, _PROCESS)
+        if not isinstance(self.pace_writes, bool):
+            raise ConfigError(f"persist.pace_writes must be true or false, got {self.pace_writes!r}")
 
 
 @dataclass(kw_only=True, slots=True)

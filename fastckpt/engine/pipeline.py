@@ -39,8 +39,10 @@ from .handle import SaveHandle
 from .seal import Seal
 from .priority import ThreadPriorities
 from .sharedfile import SharedFileWrite
+from .onepass import copy_with_crcs, plain_sources
 from .staging import HostArena, Slot, copy_entries, staged_crcs
 from .streams import CudaCopy, host_wait, record_done, shard_events
+from .writepace import WritePacer
 
 __all__ = ["Job", "Pipeline"]
 
@@ -126,6 +128,8 @@ class Pipeline:
         self._closed = False
         # Called at the seal with a refused snapshot's error (staging.on_mutation "raise"): the owner records it.
         self.on_refused: Callable[[Job, BaseException], None] | None = None
+        self.crc_in_copy = False  # staging.crc_in_copy: the copy thread checksums what it stages (engine/onepass.py)
+        self.pacer: WritePacer | None = None  # persist.pace_writes (engine/writepace.py)
 
     # ---- called by the Checkpointer on the training thread -------------------------
 
@@ -181,6 +185,8 @@ class Pipeline:
         deadline = None if timeout is None else time.monotonic() + timeout
         self._copy_q.put(None)
         self._commit_q.put(None)
+        if self.pacer is not None:
+            self.pacer.close()
         for thread in (self._copier, self._committer):
             thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         drained = not (self._copier.is_alive() or self._committer.is_alive())
@@ -202,8 +208,8 @@ class Pipeline:
                 if job.cuda is not None:
                     job.cuda.begin_lazy()
                 for shard in shards:
-                    self._copy_shard(job, shard, job.cuda.lazy if job.cuda is not None else None)
-                    if job.slot.dir is not None:
+                    self._copy_shard(job, shard, job.cuda.lazy if job.cuda is not None else None, self.crc_in_copy)
+                    if job.slot.dir is not None and shard.index not in job.staged_crcs:
                         self._check_staged(job, shard)
                 # Queued first in save(), so mostly landed by now: the lazy copies above were not held behind them.
                 for shard in job.unchecked:
@@ -258,12 +264,18 @@ class Pipeline:
         keys = moved or [k for k in job.keys if repr(k) in str(job.error)]
         return lambda: (job.cleared.wait(), retake(keys))  # type: ignore[func-returns-value]
 
-    def _copy_shard(self, job: Job, shard: Shard, streams: dict[int, Any] | None) -> None:
+    def _copy_shard(self, job: Job, shard: Shard, streams: dict[int, Any] | None, crc: bool = False) -> None:
         buf = job.slot.buffer(shard)
         # The guard knows only the lazy tensors: eager shards (copied inside save()) pass through unchecked.
         entries = shard.entries if job.guard is None else job.guard.around(shard.entries)
-        for d in copy_entries(buf, entries, job.tensors, streams):
-            job.shard_events[(shard.index, d)] = record_done(streams[d])  # type: ignore[index]
+        # One pass (copy thread only: inside save() it would lengthen the call): the open layout's writer then
+        # takes these CRCs instead of reading the staged bytes again; other formats use other checksums.
+        if crc and job.file_format is OPEN_LAYOUT and plain_sources(shard.entries, job.tensors):
+            crcs = copy_with_crcs(buf, entries, job.tensors)
+            job.staged_crcs[shard.index] = [crcs[e.index] for e in shard.entries]
+        else:
+            for d in copy_entries(buf, entries, job.tensors, streams):
+                job.shard_events[(shard.index, d)] = record_done(streams[d])  # type: ignore[index]
         for e in shard.entries:
             job.tensors[e.index] = None  # queued (record_stream keeps a CUDA source's memory): drop it now
         if job.seal is not None and shard.lazy:
@@ -293,7 +305,13 @@ class Pipeline:
             buf = job.slot.held(shard)
             if job.health is not None:  # measured here, on the staged copy: never on the training thread
                 job.health.update(shard_health(buf, shard.entries, job.keys, lambda e: value_dtype(fmt, e)))
-            return fmt.write_shard(self.storage, job, shard, memoryview(buf.numpy())[: shard.nbytes])
+            if self.pacer is None:
+                return fmt.write_shard(self.storage, job, shard, memoryview(buf.numpy())[: shard.nbytes])
+            self.pacer.take(shard.nbytes)
+            t0 = time.monotonic()
+            result = fmt.write_shard(self.storage, job, shard, memoryview(buf.numpy())[: shard.nbytes])
+            self.pacer.measured(shard.nbytes, time.monotonic() - t0)
+            return result
         except BaseException as e:
             # Ring mode: the copier may be waiting for this very buffer; it must learn the snapshot is lost.
             err = StorageError(f"checkpoint {job.handle.name!r} at {job.handle.path} failed: {e}")

@@ -40,6 +40,7 @@ from .sharedfile import SharedFileWrite, can_share
 from .stale import Hooks, StaleWatch
 from .staging import HostArena, Slot
 from .streams import CopyStreams, CudaCopy, cuda_devices, gpu_wait
+from .writepace import WritePacer
 
 __all__ = ["Saver", "WatchHandle"]
 
@@ -88,6 +89,8 @@ class Saver:
         self.pipeline = pipeline(storage, arena, config.persist.workers, on_commit, self._on_failure, coord,
                                  priorities=priorities)
         self.pipeline.on_refused = self._on_refused
+        self.pipeline.crc_in_copy = config.staging.crc_in_copy
+        self.pipeline.pacer = WritePacer(config.persist.chunk_bytes) if config.persist.pace_writes else None
         self._moved: set[str] = set()  # keys a seal found moved (on_mutation retake): staged eagerly from then on
         self._retaking: SaveHandle | None = None  # set while a refused snapshot is taken again under its handle
 

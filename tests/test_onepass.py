@@ -1,0 +1,189 @@
+"""Issue 27 (stall): the single-pass copy + CRC32C (``staging.crc_in_copy``) and write pacing
+(``persist.pace_writes``).
+
+With ``crc_in_copy`` the copy thread checksums each chunk of the staged copy right after copying it, and the
+I/O workers read the staged bytes only to write them: every tensor's CRC is taken once, on the copy thread, and
+the checkpoint verifies on load and restores bit for bit. Write pacing spreads shard writes at the measured
+bandwidth and never holds a closing pipeline.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import fastckpt.engine.onepass as onepass
+import fastckpt.format.openlayout as openlayout
+from fastckpt import CheckpointConfig, Checkpointer, ConfigError
+from fastckpt.engine.writepace import WritePacer
+from fastckpt.format.checksum import crc32c
+from tests.helpers import assert_bit_equal, clone_state
+
+# One tensor of 1.5 MiB (more than one onepass.CHUNK, so the CRC runs on across chunks), one odd-sized, one empty.
+_SIZES = {"big": 393_216 + 7, "odd": 1001, "empty": 0}
+
+
+def _model() -> nn.ParameterDict:
+    torch.manual_seed(0)
+    return nn.ParameterDict({k: nn.Parameter(torch.randn(n)) for k, n in _SIZES.items()})
+
+
+def _step(model: nn.ParameterDict, opt: torch.optim.Optimizer) -> None:
+    opt.zero_grad()
+    sum(p.pow(2).sum() for p in model.values()).backward()
+    opt.step()
+
+
+def _crc_calls(monkeypatch: pytest.MonkeyPatch) -> Counter:
+    """Count the CRC32C passes over tensor-sized data (not the shard headers), by the calling thread's kind."""
+    sizes = {4 * n for n in _SIZES.values() if n}
+    calls: Counter = Counter()
+
+    def counting(module: Any) -> Any:
+        real = module.crc32c
+
+        def crc(data: Any, value: int = 0) -> int:
+            if len(data) in sizes or module is onepass:
+                calls["-".join(threading.current_thread().name.split("-")[:2]), len(data) in sizes] += 1
+            return real(data, value)
+        return crc
+
+    monkeypatch.setattr(onepass, "crc32c", counting(onepass))
+    monkeypatch.setattr(openlayout, "crc32c", counting(openlayout))
+    return calls
+
+
+@pytest.mark.parametrize("in_copy", [True, False])
+def test_crc_taken_once_on_the_copy_thread(tmp_path, monkeypatch, in_copy: bool) -> None:
+    calls = _crc_calls(monkeypatch)
+    model = _model()
+    opt = torch.optim.Adam(model.parameters())
+    _step(model, opt)
+    ck = Checkpointer(CheckpointConfig(root=str(tmp_path), staging={"crc_in_copy": in_copy},
+                                       persist={"chunk_bytes": 1 << 20}))
+    ck.watch(opt)  # lazy: the copy thread stages the parameters and moments
+    state = {"model": model.state_dict(), "optim": opt.state_dict()}
+    want = clone_state(state)
+    ck.save(state, 1)
+    _step(model, opt)  # the seal: staging completes before this step changes anything
+    ck.wait()
+    io_reads = sum(n for (thread, whole), n in calls.items() if thread == "fastckpt-io" and whole)
+    copy_crcs = sum(n for (thread, _), n in calls.items() if thread == "fastckpt-copy")
+    if in_copy:
+        assert io_reads == 0, f"the I/O workers read the staged bytes again for their CRC: {dict(calls)}"
+        assert copy_crcs > 0, f"no CRC was taken on the copy thread: {dict(calls)}"
+    else:  # the contrast: without it, the writers take them (a second pass)
+        assert io_reads > 0 and copy_crcs == 0, dict(calls)
+    got = ck.load(1)  # persist.verify_on_load: every file's CRC (built from the tensors' CRCs) is checked
+    assert_bit_equal(want, got)
+    ck.close()
+
+
+def test_copy_with_crcs_matches_a_separate_pass() -> None:
+    torch.manual_seed(1)
+    srcs: list[torch.Tensor | None] = [torch.randn(700_001), torch.randn(3), torch.empty(0)]
+    from fastckpt.format.plan import TensorEntry
+
+    entries, offset = [], 0
+    for i, t in enumerate(srcs):
+        nbytes = t.numel() * 4  # type: ignore[union-attr]
+        entries.append(TensorEntry(index=i, dtype=torch.float32, shape=tuple(t.shape), nbytes=nbytes, lazy=True, shard=0,
+                                   offset=offset))
+        offset += nbytes
+    buf = torch.zeros(offset, dtype=torch.uint8)
+    crcs = onepass.copy_with_crcs(buf, entries, srcs)
+    for e, t in zip(entries, srcs):
+        staged = buf[e.offset: e.offset + e.nbytes]
+        assert torch.equal(staged.view(torch.float32), t)  # type: ignore[arg-type]
+        assert crcs[e.index] == crc32c(memoryview(staged.numpy()))
+
+
+@pytest.mark.parametrize("section,field", [("staging", "crc_in_copy"), ("persist", "pace_writes")])
+def test_flags_are_validated(tmp_path, section: str, field: str) -> None:
+    with pytest.raises(ConfigError, match=f"{section}.{field} must be true or false"):
+        CheckpointConfig(root=str(tmp_path), **{section: {field: "yes"}})
+
+
+def test_pacer_spreads_takes_at_the_measured_rate() -> None:
+    pacer = WritePacer(burst_bytes=1000)
+    t0 = time.monotonic()
+    pacer.take(1000)
+    pacer.take(1000)  # nothing measured yet: never paced
+    assert time.monotonic() - t0 < 0.05 and pacer.rate is None
+    pacer.measured(1000, 0.1)  # 10 kB/s
+    assert pacer.rate == pytest.approx(10_000)
+    pacer.take(1000)  # the bucket refilled while idle? it started full and the takes above were free
+    t1 = time.monotonic()
+    pacer.take(1000)  # empty now: 1000 bytes at 10 kB/s
+    assert time.monotonic() - t1 >= 0.09
+    assert pacer.waited_s >= 0.09
+
+
+def test_pacer_close_releases_a_waiting_worker() -> None:
+    pacer = WritePacer(burst_bytes=1000)
+    pacer.measured(1, 1.0)  # 1 byte per second: a full bucket would take minutes
+    pacer.take(1000)
+    started = threading.Event()
+    done = threading.Event()
+
+    def worker() -> None:
+        started.set()
+        pacer.take(1000)
+        done.set()
+
+    t = threading.Thread(target=worker, daemon=True)
+    t.start()
+    assert started.wait(5)
+    pacer.close()
+    assert done.wait(5), "close() left a worker waiting for tokens"
+
+
+def test_paced_writes_restore_bit_exact(tmp_path) -> None:
+    model = _model()
+    opt = torch.optim.Adam(model.parameters())
+    _step(model, opt)
+    ck = Checkpointer(CheckpointConfig(root=str(tmp_path), persist={"pace_writes": True, "chunk_bytes": 1 << 16}))
+    ck.watch(opt)
+    wants = []
+    for step in (1, 2):
+        state = {"model": model.state_dict(), "optim": opt.state_dict()}
+        wants.append(clone_state(state))
+        ck.save(state, step)
+        _step(model, opt)
+        ck.wait()
+    for step, want in zip((1, 2), wants):
+        assert_bit_equal(want, ck.load(step))
+    ck.close()
+
+
+def test_a_write_landing_during_the_single_pass_copy_is_refused(tmp_path, monkeypatch) -> None:
+    """The mutation guard's checks around each entry hold on the single-pass path too: a write that lands right
+    after a tensor was copied and checksummed fails the save, and nothing is committed."""
+    import fastckpt.engine.pipeline as pipeline
+    from fastckpt import SnapshotMutatedError
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    real = pipeline.copy_with_crcs
+
+    def copy_then_write(buf, entries, tensors):  # the "concurrent" write, deterministically placed
+        def each():
+            for e in entries:
+                yield e
+                if tensors[e.index].data_ptr() == model["odd"].data_ptr():
+                    with torch.no_grad():
+                        model["odd"].add_(1.0)  # copied and checksummed: its after-copy check must see this
+        return real(buf, each(), tensors)
+
+    monkeypatch.setattr(pipeline, "copy_with_crcs", copy_then_write)
+    with Checkpointer(CheckpointConfig(root=str(tmp_path), staging={"crc_in_copy": True})) as ck:
+        ck.watch(opt)
+        handle = ck.save({"model": model.state_dict()}, step=1)
+        with pytest.raises(SnapshotMutatedError, match="model/odd"):
+            handle.wait()
+        assert ck.list() == []
