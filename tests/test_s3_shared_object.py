@@ -1,0 +1,137 @@
+"""One torch file on S3 uploaded by every data-parallel rank: the parts of one multipart upload
+(``save_file`` with ``distributed=True`` on ``s3://``, ``fastckpt.engine.sharedobject``), on gloo ranks against the
+test SeaweedFS. The ranks see no common local disk (each its own tmp folder: simulated nodes), only the bucket."""
+from __future__ import annotations
+
+import io
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import traceback
+import zipfile
+from pathlib import Path
+
+import fsspec
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from fastckpt import CheckpointConfig, Checkpointer, StorageError
+from fastckpt.engine.partplan import MIN_PART
+from tests.dist_launcher import rank_report, run_ranks
+from tests.helpers import assert_bit_equal, clone_state
+
+pytestmark = pytest.mark.slow
+NAME = "epoch=0-step=7.ckpt"
+
+
+def _replica(rank: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """Identical parameters and AdamW state on every rank (as DDP keeps them), BatchNorm statistics of its own:
+    about 25 MB of records, so that 4 ranks each hold more than S3's 5 MiB smallest part."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 2048), nn.BatchNorm1d(2048), nn.ReLU(), nn.Linear(2048, 512))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    x = torch.randn(16, 512, generator=torch.Generator().manual_seed(1))
+    opt.zero_grad()
+    model(x).square().mean().backward()
+    opt.step()
+    with torch.no_grad():  # this rank's own batch: BatchNorm's running statistics now differ per rank
+        model(torch.randn(16, 512, generator=torch.Generator().manual_seed(100 + rank)) * (rank + 1))
+    return model, opt
+
+
+def _state(model: nn.Module, opt: torch.optim.Optimizer, rank: int, step: int) -> dict:
+    # The pickled bytes differ per rank (a note of its own length): every record's offset differs too.
+    return {"state_dict": model.state_dict(), "optimizer_states": [opt.state_dict()], "global_step": step,
+            "note": "r" * (997 * rank)}
+
+
+def _config(url: str, options: dict) -> CheckpointConfig:
+    return CheckpointConfig(root=url, storage_options=options, orphan_grace_s=0)
+
+
+def _share(rank: int, world: int, url: str, options: dict, out: str) -> None:
+    os.environ["TMPDIR"] = tempfile.mkdtemp(prefix=f"node{rank}-")  # no local folder in common: simulated nodes
+    model, opt = _replica(rank)
+    with Checkpointer(_config(url, options), distributed=True) as ckpt:
+        ckpt.watch(opt)
+        state = _state(model, opt, rank, 7)
+        ref = clone_state(state)
+        handle = ckpt.save_file(state, NAME, step=7)
+        if rank == 0:  # the very state saved as Lightning's stock save does (into a buffer), before it changes
+            buf = io.BytesIO()
+            torch.save(state, buf)
+            (Path(out) / "stock.ckpt").write_bytes(buf.getvalue())
+        ckpt.wait_staged()
+        with torch.no_grad():  # the snapshot was taken: changing everything now must not reach the object
+            for p in model.parameters():
+                p.add_(1.0)
+        handle.wait()
+        written = [None] * world
+        dist.all_gather_object(written, handle.stats.written_bytes)
+        torch.save({"ref": ref, "written": written, "nbytes": handle.stats.nbytes}, Path(out) / f"rank{rank}.pt")
+
+
+def _fs(options: dict):
+    return fsspec.filesystem("s3", **options)
+
+
+def _uploads(options: dict, url: str) -> list[dict]:
+    fs = _fs(options)
+    bucket, _, prefix = url.removeprefix("s3://").partition("/")
+    out = fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix)
+    return out.get("Uploads", [])
+
+
+def _markers(fs, url: str) -> list[str]:
+    fs.invalidate_cache()
+    return [p for p in fs.find(f"{url}/.fastckpt/uploads") if p.endswith(".json")]  # SeaweedFS keeps the folder
+
+
+def _plain_load(data: bytes, tmp: Path) -> None:
+    """``torch.load`` of the object's bytes in a process that never imports fastckpt."""
+    path = tmp / "plain.ckpt"
+    path.write_bytes(data)
+    check = ("import sys, torch; s = torch.load(sys.argv[1], weights_only=True); "
+             "assert not any(m.startswith('fastckpt') for m in sys.modules); print(s['global_step'])")
+    done = subprocess.run([sys.executable, "-c", check, str(path)], capture_output=True, text=True, timeout=120,
+                          cwd="/")
+    assert done.returncode == 0 and done.stdout.strip() == "7", done.stderr[-3000:]
+
+
+def _same_as_torch_save(data: bytes, stock: bytes) -> None:
+    """The object is the file ``torch.save`` wrote of rank 0's state: the same size, the same records in the same
+    order with the same bytes (the serialization id aside: torch draws a new one per save)."""
+    assert len(data) == len(stock)
+    with zipfile.ZipFile(io.BytesIO(data)) as ours, zipfile.ZipFile(io.BytesIO(stock)) as theirs:
+        assert ours.testzip() is None, "every record's CRC-32 is filled in and right"
+        assert [(i.filename, i.header_offset, i.file_size) for i in ours.infolist()] == \
+            [(i.filename, i.header_offset, i.file_size) for i in theirs.infolist()]
+        for name in ours.namelist():
+            if not name.endswith("serialization_id"):
+                assert ours.read(name) == theirs.read(name), name
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_rank_uploads_its_parts_of_one_object(tmp_path, s3_root, world):
+    run_ranks(_share, world, s3_root.url, s3_root.storage_options, str(tmp_path))
+    fs = _fs(s3_root.storage_options)
+    key = f"{s3_root.url}/{NAME}"
+    data = fs.cat_file(key)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    written = ranks[0]["written"]
+    print(f"{world} ranks uploaded {written} bytes of {len(data)}")
+    assert all(w >= MIN_PART for w in written), f"every rank uploaded parts of the object: {written}"
+    assert sum(written) == len(data) == ranks[0]["nbytes"], "the parts add up to the object, no overlap"
+    loaded = torch.load(io.BytesIO(data), weights_only=True)
+    assert_bit_equal(loaded, ranks[0]["ref"])  # rank 0's pickle, the parameters from whoever uploaded them
+    for buffer in ("1.running_mean", "1.running_var"):  # rank 0's: had rank 1 sent its own, the above would fail
+        assert not torch.equal(loaded["state_dict"][buffer], ranks[1]["ref"]["state_dict"][buffer]), buffer
+    _same_as_torch_save(data, (tmp_path / "stock.ckpt").read_bytes())
+    _plain_load(data, tmp_path)
+    assert _uploads(s3_root.storage_options, s3_root.url) == [], "no multipart upload left in progress"
+    assert _markers(fs, s3_root.url) == [], "every marker removed"
