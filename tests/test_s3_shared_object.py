@@ -31,9 +31,9 @@ NAME = "epoch=0-step=7.ckpt"
 
 def _replica(rank: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     """Identical parameters and AdamW state on every rank (as DDP keeps them), BatchNorm statistics of its own:
-    about 25 MB of records, so that 4 ranks each hold more than S3's 5 MiB smallest part."""
+    about 25 MB of records in 1 MB tensors, so that 4 ranks each hold more than S3's 5 MiB smallest part."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(512, 2048), nn.BatchNorm1d(2048), nn.ReLU(), nn.Linear(2048, 512))
+    model = nn.Sequential(nn.Linear(512, 512), nn.BatchNorm1d(512), *[nn.Linear(512, 512) for _ in range(7)])
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     x = torch.randn(16, 512, generator=torch.Generator().manual_seed(1))
     opt.zero_grad()
