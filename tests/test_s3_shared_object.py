@@ -135,3 +135,91 @@ def test_every_rank_uploads_its_parts_of_one_object(tmp_path, s3_root, world):
     _plain_load(data, tmp_path)
     assert _uploads(s3_root.storage_options, s3_root.url) == [], "no multipart upload left in progress"
     assert _markers(fs, s3_root.url) == [], "every marker removed"
+
+
+# ---- a rank killed mid-upload ------------------------------------------------------------------------------------
+
+
+def _killed_entry(rank: int, world: int, folder: str, victims: tuple[int, ...], url: str, options: dict) -> None:
+    """One rank of a save in which ``victims`` SIGKILL themselves once their first part is up (not through
+    ``run_ranks``, which kills every rank as soon as one dies: here the survivors must abort the upload)."""
+    log = open(os.path.join(folder, f"rank{rank}.log"), "a", buffering=1)
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"file://{folder}/store")
+    if rank in victims:
+        from fastckpt.storage.s3parts import S3Parts
+
+        upload = S3Parts.upload
+
+        def first_part_then_die(self, path, upload_id, parts):
+            out = upload(self, path, upload_id, parts[:1])  # one part of this rank is in the upload...
+            Path(folder, f"part-up-{rank}").write_text(repr(out))
+            os.kill(os.getpid(), signal.SIGKILL)  # ...and the rank dies before the rest
+
+        S3Parts.upload = first_part_then_die
+    model, opt = _replica(rank)
+    try:
+        with Checkpointer(_config(url, options), distributed=True) as ckpt:
+            ckpt.watch(opt)
+            with pytest.raises(StorageError) as raised:
+                ckpt.save_file(_state(model, opt, rank, 8), NAME, step=8).wait()
+            Path(folder, f"error-{rank}").write_text(str(raised.value))
+    except BaseException:
+        traceback.print_exc()
+        raise
+    os._exit(0)  # the group lost a rank: no teardown collective could complete
+
+
+def _run_killed(tmp_path: Path, victims: tuple[int, ...], url: str, options: dict, world: int = 2) -> Path:
+    folder = Path(tempfile.mkdtemp(prefix="fastckpt-killed-", dir=tmp_path))
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_killed_entry, args=(r, world, str(folder), victims, url, options))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(300)
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+    report = rank_report(folder)
+    assert not alive, f"ranks hung after a rank died:{report}"
+    codes = [p.exitcode for p in procs]
+    assert codes == [-signal.SIGKILL if r in victims else 0 for r in range(world)], f"{codes}{report}"
+    for r in victims:
+        assert (folder / f"part-up-{r}").exists(), f"rank {r} died before its first part was up{report}"
+    return folder
+
+
+def _object(options: dict, url: str) -> bytes:
+    fs = _fs(options)
+    fs.invalidate_cache()
+    return fs.cat_file(f"{url}/{NAME}")
+
+
+def test_a_rank_killed_mid_upload_aborts_it_and_leaves_the_previous_object(tmp_path, s3_root):
+    url, options = s3_root.url, s3_root.storage_options
+    run_ranks(_share, 2, url, options, str(tmp_path))
+    before = _object(options, url)
+    folder = _run_killed(tmp_path, (1,), url, options)
+    error = (folder / "error-0").read_text()
+    assert "failed" in error and NAME in error, error
+    assert _object(options, url) == before, "the previous object is intact"
+    assert _uploads(options, url) == [], "rank 0 aborted the upload: no part left billed"
+    assert _markers(_fs(options), url) == [], "and removed its marker"
+
+
+def test_an_upload_whose_ranks_all_died_is_swept_at_the_next_start(tmp_path, s3_root):
+    url, options = s3_root.url, s3_root.storage_options
+    run_ranks(_share, 2, url, options, str(tmp_path))
+    before = _object(options, url)
+    _run_killed(tmp_path, (0, 1), url, options)
+    assert _object(options, url) == before, "the previous object is intact"
+    left = _uploads(options, url)
+    assert len(left) == 1 and left[0]["Key"].endswith(NAME), f"the killed save's upload is left: {left}"
+    assert len(_markers(_fs(options), url)) == 1, "with the marker that proves it fastckpt's"
+    run_ranks(_share, 2, url, options, str(tmp_path))  # the next start: rank 0 sweeps before its first upload
+    assert _uploads(options, url) == [], "the orphaned upload was aborted"
+    assert _markers(_fs(options), url) == []
+    assert torch.load(io.BytesIO(_object(options, url)), weights_only=True)["global_step"] == 7
