@@ -223,3 +223,20 @@ def test_an_upload_whose_ranks_all_died_is_swept_at_the_next_start(tmp_path, s3_
     assert _uploads(options, url) == [], "the orphaned upload was aborted"
     assert _markers(_fs(options), url) == []
     assert torch.load(io.BytesIO(_object(options, url)), weights_only=True)["global_step"] == 7
+
+
+def test_a_part_damaged_in_flight_is_sent_again(tmp_path, s3_fault_proxy, capsys):
+    from tests.test_s3_checksums import FlipOnce
+
+    url = s3_fault_proxy.fresh_url("sharedflip")
+    flip = FlipOnce(8 << 20)  # 8 MiB into the upload stream of both ranks: inside a part's body
+    s3_fault_proxy.proxy.rewrite = flip
+    try:
+        run_ranks(_share, 2, url, s3_fault_proxy.storage_options, str(tmp_path))
+    finally:
+        s3_fault_proxy.proxy.rewrite = None
+    assert flip.flipped.is_set()
+    assert "were sent again (damaged in flight)" in capsys.readouterr().out, "the store rejected the part"
+    data = _object(s3_fault_proxy.server.storage_options, url)
+    _same_as_torch_save(data, (tmp_path / "stock.ckpt").read_bytes())  # the damaged bytes never made it in
+    assert _uploads(s3_fault_proxy.server.storage_options, url) == []
