@@ -159,8 +159,9 @@ class Saver:
         name = file_name(name)
         if self._coord is not None and not (can_share(self.storage) or can_share_object(self.storage)):
             raise ConfigError(f"save_file() with distributed=True needs a file system every rank writes into, or "
-                              f"S3 (each rank uploads parts of one object); {self.storage.url} is neither: save it "
-                              "on rank 0, with a Checkpointer built without distributed=True")
+                              f"S3 (each rank uploads parts of one object); {self.storage.url} is neither (this object store "
+                              "takes one writer per file): save it on rank 0, with a Checkpointer built without "
+                              "distributed=True")
         if self.config.staging.shm:
             raise ConfigError("staging.shm does not apply to single-file torch checkpoints (save_file); "
                               "set staging.shm: false, or use save() for the shared-memory tier")
