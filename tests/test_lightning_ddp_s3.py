@@ -22,7 +22,6 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 STEPS = 2
-WIDTH = 110_000  # about 24 MB of parameters and AdamW state: each rank holds more than S3's 5 MiB smallest part
 
 pytestmark = pytest.mark.slow
 
@@ -36,20 +35,21 @@ def _fit(root: Path, url: str, endpoint: str, devices: int = 2) -> None:
     assert code == 0, f"training exited {code}:\n{report}"
 
 
-def test_ddp_ranks_upload_their_parts_of_each_ckpt_on_s3(tmp_path, s3_root) -> None:
+@pytest.mark.parametrize("devices", [2, 4])
+def test_ddp_ranks_upload_their_parts_of_each_ckpt_on_s3(tmp_path, s3_root, devices) -> None:
     import fsspec
 
     sys.path[:0] = [str(HERE)]
     from helpers import assert_bit_equal
 
     endpoint = s3_root.storage_options["client_kwargs"]["endpoint_url"]
-    _fit(tmp_path, s3_root.url, endpoint)
+    _fit(tmp_path, s3_root.url, endpoint, devices)
     fs = fsspec.filesystem("s3", **s3_root.storage_options)
     name = f"epoch=0-step={STEPS}.ckpt"
     data = fs.cat_file(f"{s3_root.url}/{name}")
     stock = (tmp_path / "stock" / name).read_bytes()
 
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(devices)]
     parts = [r["written"][f"{s3_root.url}/{name}"] for r in ranks]
     print(f"the ranks uploaded {[w for w, _ in parts]} bytes of {len(data)}")
     assert all(w > 0 for w, _ in parts), f"every rank uploaded parts of the object: {parts}"
@@ -85,6 +85,7 @@ def test_ddp_ranks_upload_their_parts_of_each_ckpt_on_s3(tmp_path, s3_root) -> N
 def _main(root: Path, url: str, endpoint: str, devices: int) -> None:
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.plugins.io import TorchCheckpointIO
+    from torch import nn
 
     from fastckpt_lightning import FastCheckpointIO, FastDDPStrategy
     from lightning_support import ResumableBatches, TinyModule, make_trainer, training_state
@@ -98,6 +99,16 @@ def _main(root: Path, url: str, endpoint: str, devices: int) -> None:
         def __init__(self) -> None:
             super().__init__()
             self._batches = [(x + rank, y) for x, y in self._batches]
+
+    class Wide(TinyModule):
+        """About 25 MB of parameters and AdamW state in 1 MB tensors: each of 4 ranks holds more than S3's 5 MiB
+        smallest part."""
+
+        def __init__(self) -> None:
+            super().__init__(batchnorm=True)
+            torch.manual_seed(0)
+            self.net = nn.Sequential(nn.Linear(16, 512), nn.BatchNorm1d(512), nn.Tanh(),
+                                     *[nn.Linear(512, 512) for _ in range(8)], nn.Linear(512, 1))
 
     class WithStock(FastDDPStrategy):
         """Rank 0 also saves each checkpoint with stock Lightning's TorchCheckpointIO, locally: the reference."""
@@ -113,7 +124,7 @@ def _main(root: Path, url: str, endpoint: str, devices: int) -> None:
     plugin = FastCheckpointIO(storage_options=s3_storage_options(endpoint))
     saving = ModelCheckpoint(dirpath=url, every_n_train_steps=STEPS, save_top_k=-1, save_last=False)
     trainer = make_trainer([saving], plugin, devices=devices, strategy=WithStock(), max_steps=STEPS)
-    module = TinyModule(batchnorm=True, width=WIDTH)
+    module = Wide()
     trainer.fit(module, RankBatches())
     written = {s.path: (s.written_bytes, s.nbytes) for s in plugin.stats}
     torch.save({"state": training_state(module), "written": written}, root / f"rank{rank}.pt")

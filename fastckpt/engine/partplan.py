@@ -55,9 +55,11 @@ def limits(size: int, target: int) -> tuple[int, int]:
     return least, max(target, 2 * least)
 
 
-def _runs(size: int, records: Sequence[tuple[int, int, int]]) -> list[list[int]]:
+def _runs(size: int, records: Sequence[tuple[int, int, int]], min_part: int) -> list[list[int]]:
     """[start, end, owner] runs covering ``[0, size)``: records of one writer, the fixed bytes joined to the run
-    before them (the leading ones to the first run; rank 0's where there is no record)."""
+    before them (the leading ones to the first run; rank 0's where there is no record). A short run between two
+    runs of one owner (a buffer only rank 0 writes, amid another rank's stretch) is taken into them: its bytes
+    move, under one part, rather than cut that stretch in two."""
     runs: list[list[int]] = []
     cursor = 0
     for off, n, owner in sorted(r for r in records if r[1] > 0):
@@ -72,12 +74,21 @@ def _runs(size: int, records: Sequence[tuple[int, int, int]]) -> list[list[int]]
     if not runs:
         return [[0, size, 0]] if size else []
     runs[-1][1] = max(cursor, size)
-    return runs
+    merged: list[list[int]] = []
+    for run in runs:
+        merged.append(run)
+        while len(merged) >= 3 and merged[-3][2] == merged[-1][2]:
+            first, middle, last = merged[-3:]
+            short = middle[1] - middle[0]
+            if short >= min_part or short > min(first[1] - first[0], last[1] - last[0]):
+                break  # the middle one is a stretch of its own, or the smaller one to move is a neighbour
+            merged[-3:] = [[first[0], last[1], first[2]]]
+    return merged
 
 
 def part_plan(size: int, records: Sequence[tuple[int, int, int]], min_part: int, max_part: int) -> list[Part]:
     """The parts of the object: ``records`` are (offset, nbytes, writer) of each record in the file."""
-    runs = _runs(size, records)
+    runs = _runs(size, records, min_part)
     cuts: list[list[tuple[int, int, int]]] = []  # each part: (start, end, owner) pieces
     cur: list[tuple[int, int, int]] = []
     n = 0  # bytes in cur
