@@ -4,6 +4,7 @@ test SeaweedFS. The ranks see no common local disk (each its own tmp folder: sim
 from __future__ import annotations
 
 import io
+import json
 import os
 import signal
 import subprocess
@@ -135,6 +136,10 @@ def test_every_rank_uploads_its_parts_of_one_object(tmp_path, s3_root, world):
     _plain_load(data, tmp_path)
     assert _uploads(s3_root.storage_options, s3_root.url) == [], "no multipart upload left in progress"
     assert _markers(fs, s3_root.url) == [], "every marker removed"
+    # Its health record, from every rank's statistics: the sidecar rank 0 writes after the commit.
+    record = json.loads(fs.cat_file(f"{s3_root.url}/.{NAME}.fastckpt-health.json"))
+    assert record["step"] == 7 and record["size"] == len(data)
+    assert record["health"]["healthy"] is True and record["health"]["complete"] is True
 
 
 # ---- a rank killed mid-upload ------------------------------------------------------------------------------------
