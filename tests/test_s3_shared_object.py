@@ -245,3 +245,39 @@ def test_a_part_damaged_in_flight_is_sent_again(tmp_path, s3_fault_proxy, capsys
     data = _object(s3_fault_proxy.server.storage_options, url)
     _same_as_torch_save(data, (tmp_path / "stock.ckpt").read_bytes())  # the damaged bytes never made it in
     assert _uploads(s3_fault_proxy.server.storage_options, url) == []
+
+
+def test_the_sweep_aborts_only_uploads_a_marker_proves_fastckpts(s3_root):
+    """``fastckpt gc`` and the Lightning plugin's first use of a folder (``collect_temp_files``) abort the uploads of
+    dead shared saves: exactly those a marker of another process names, for an object of this very folder."""
+    from fastckpt.storage.protocol import open_storage
+    from fastckpt.tiers.gc import collect_temp_files
+
+    url, options = s3_root.url, s3_root.storage_options
+    storage = open_storage(url, options)
+    parts = storage.multipart()
+
+    def marker(uid: str, path: str, upload_id: str, process: str = "a-process-that-died") -> str:
+        doc = {"fastckpt": "multipart upload", "key": path, "upload_id": upload_id, "process": process}
+        mpath = f"{url}/.fastckpt/uploads/{uid}.json"
+        storage.write_atomic(mpath, json.dumps(doc).encode())
+        return mpath
+
+    dead = parts.create(f"{url}/dead.ckpt")  # a save killed after create: its marker names it
+    dead_marker = marker("a1", f"{url}/dead.ckpt", dead)
+    foreign = parts.create(f"{url}/theirs.ckpt")  # someone else's upload, no marker: never touched
+    elsewhere = parts.create(f"{url}/sub/deep.ckpt")  # a marker naming an object outside this folder proves nothing
+    marker("a2", f"{url}/sub/deep.ckpt", elsewhere)
+    live = parts.create(f"{url}/live.ckpt")  # this process's own upload may be in flight: never swept by it
+    marker("a3", f"{url}/live.ckpt", live, process=json.loads(parts.marker_bytes("x", "y"))["process"])
+    assert collect_temp_files(storage, 0, dry_run=True) == [dead_marker]
+    assert dead in parts.in_progress(f"{url}/dead.ckpt"), "a dry run aborts nothing"
+    assert collect_temp_files(storage, 0) == [dead_marker]
+    assert parts.in_progress(f"{url}/dead.ckpt") == []
+    assert parts.in_progress(f"{url}/theirs.ckpt") == [foreign]
+    assert parts.in_progress(f"{url}/sub/deep.ckpt") == [elsewhere]
+    assert parts.in_progress(f"{url}/live.ckpt") == [live]
+    assert collect_temp_files(storage, 3600) == [], "a marker younger than the grace is left alone"
+    for path, upload_id in ((f"{url}/theirs.ckpt", foreign), (f"{url}/sub/deep.ckpt", elsewhere),
+                            (f"{url}/live.ckpt", live)):
+        assert parts.abort(path, upload_id)

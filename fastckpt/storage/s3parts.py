@@ -152,10 +152,11 @@ def parse_marker(data: bytes, folder: str) -> tuple[str, str, str] | None:
     return path, upload_id, process
 
 
-def sweep(storage: Any, parts: S3Parts, grace_s: float | None) -> list[str]:
+def sweep(storage: Any, parts: S3Parts, grace_s: float | None, dry_run: bool = False) -> list[str]:
     """Abort the multipart uploads that markers in ``storage.url`` prove fastckpt's, left by another process (a
     save killed between create and complete), once the marker is ``grace_s`` old; remove those markers. Returns
-    the upload ids aborted. Problems are logged, never raised: housekeeping must not fail a save."""
+    the markers removed (or that would be, with ``dry_run``). Problems are logged, never raised: housekeeping must
+    not fail a save."""
     if grace_s is None:
         return []
     folder = storage.url
@@ -176,12 +177,15 @@ def sweep(storage: Any, parts: S3Parts, grace_s: float | None) -> list[str]:
             if found is None or found[2] == _PROCESS:
                 continue  # not a marker of ours; or this process's own upload, which may be in flight
             path, upload_id, _ = found
+            if dry_run:
+                aborted.append(mpath)
+                continue
             if upload_id in parts.in_progress(path):  # the store confirms it: abort exactly that one
                 if not parts.abort(path, upload_id):
                     continue  # the marker stays for the next sweep
-                aborted.append(upload_id)
                 log.warning("fastckpt: aborted the multipart upload of %s left by a save that died", path)
             storage.delete(mpath)
+            aborted.append(mpath)
         except Exception as e:  # noqa: BLE001 - logged: housekeeping
             log.info("fastckpt: cannot sweep the multipart upload of marker %s: %s", mpath, e)
     return aborted
