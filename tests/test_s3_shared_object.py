@@ -30,11 +30,11 @@ pytestmark = pytest.mark.slow
 NAME = "epoch=0-step=7.ckpt"
 
 
-def _replica(rank: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+def _replica(rank: int, layers: int = 7) -> tuple[nn.Module, torch.optim.Optimizer]:
     """Identical parameters and AdamW state on every rank (as DDP keeps them), BatchNorm statistics of its own:
     about 25 MB of records in 1 MB tensors, so that 4 ranks each hold more than S3's 5 MiB smallest part."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(512, 512), nn.BatchNorm1d(512), *[nn.Linear(512, 512) for _ in range(7)])
+    model = nn.Sequential(nn.Linear(512, 512), nn.BatchNorm1d(512), *[nn.Linear(512, 512) for _ in range(layers)])
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     x = torch.randn(16, 512, generator=torch.Generator().manual_seed(1))
     opt.zero_grad()
@@ -55,9 +55,9 @@ def _config(url: str, options: dict) -> CheckpointConfig:
     return CheckpointConfig(root=url, storage_options=options, orphan_grace_s=0)
 
 
-def _share(rank: int, world: int, url: str, options: dict, out: str) -> None:
+def _share(rank: int, world: int, url: str, options: dict, out: str, layers: int = 7) -> None:
     os.environ["TMPDIR"] = tempfile.mkdtemp(prefix=f"node{rank}-")  # no local folder in common: simulated nodes
-    model, opt = _replica(rank)
+    model, opt = _replica(rank, layers)
     with Checkpointer(_config(url, options), distributed=True) as ckpt:
         ckpt.watch(opt)
         state = _state(model, opt, rank, 7)
@@ -140,6 +140,16 @@ def test_every_rank_uploads_its_parts_of_one_object(tmp_path, s3_root, world):
     record = json.loads(fs.cat_file(f"{s3_root.url}/.{NAME}.fastckpt-health.json"))
     assert record["step"] == 7 and record["size"] == len(data)
     assert record["health"]["healthy"] is True and record["health"]["complete"] is True
+
+
+def test_a_file_smaller_than_a_part_goes_up_as_one_part_from_one_rank(tmp_path, s3_root):
+    # 3 MB: one part (S3's smallest but the last is 5 MiB); the other rank's records reach its owner over gloo.
+    run_ranks(_share, 2, s3_root.url, s3_root.storage_options, str(tmp_path), 0)
+    data = _object(s3_root.storage_options, s3_root.url)
+    written = torch.load(tmp_path / "rank0.pt", weights_only=False)["written"]
+    assert sorted(written) == [0, len(data)] and len(data) < MIN_PART, written
+    _same_as_torch_save(data, (tmp_path / "stock.ckpt").read_bytes())
+    assert _uploads(s3_root.storage_options, s3_root.url) == []
 
 
 # ---- a rank killed mid-upload ------------------------------------------------------------------------------------
