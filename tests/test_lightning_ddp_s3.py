@@ -26,13 +26,13 @@ STEPS = 2
 pytestmark = pytest.mark.slow
 
 
-def _fit(root: Path, url: str, endpoint: str, devices: int = 2) -> None:
+def _fit(root: Path, url: str, endpoint: str, devices: int = 2, phase: str = "train") -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
     from rank_logs import run_phase
 
-    code, _, report = run_phase([sys.executable, __file__, str(root), url, endpoint, str(devices)], env,
+    code, _, report = run_phase([sys.executable, __file__, str(root), url, endpoint, str(devices), phase], env,
                                 root / "logs", 400)
-    assert code == 0, f"training exited {code}:\n{report}"
+    assert (code == 0) == (phase == "train"), f"training exited {code}:\n{report}"
 
 
 @pytest.mark.parametrize("devices", [2, 4])
@@ -82,7 +82,23 @@ def test_ddp_ranks_upload_their_parts_of_each_ckpt_on_s3(tmp_path, s3_root, devi
     assert fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix).get("Uploads", []) == []
 
 
-def _main(root: Path, url: str, endpoint: str, devices: int) -> None:
+def test_rank_1_killed_mid_upload_leaves_no_object_and_the_previous_ones_intact(tmp_path, s3_root) -> None:
+    import fsspec
+
+    endpoint = s3_root.storage_options["client_kwargs"]["endpoint_url"]
+    _fit(tmp_path, s3_root.url, endpoint, 2, "kill")
+    assert (tmp_path / "killed-mid-upload").exists(), "rank 1 died somewhere else"
+    fs = fsspec.filesystem("s3", **s3_root.storage_options)
+    names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(s3_root.url.removeprefix("s3://")) if p.endswith(".ckpt"))
+    assert names == ["epoch=0-step=1.ckpt", "last.ckpt"], names  # no object for step 2
+    for name in names:
+        assert torch.load(io.BytesIO(fs.cat_file(f"{s3_root.url}/{name}")), weights_only=True)["global_step"] == 1
+    bucket, _, prefix = s3_root.url.removeprefix("s3://").partition("/")
+    assert fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix).get("Uploads", []) == [], \
+        "rank 0 aborted the upload rank 1 died in"
+
+
+def _main(root: Path, url: str, endpoint: str, devices: int, phase: str) -> None:
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.plugins.io import TorchCheckpointIO
     from torch import nn
@@ -121,8 +137,22 @@ def _main(root: Path, url: str, endpoint: str, devices: int) -> None:
     import fsspec
 
     fsspec.config.conf["s3"] = s3_storage_options(endpoint)  # ModelCheckpoint lists dirpath through fsspec itself
+    if phase == "kill" and rank == 1:
+        from fastckpt.storage.s3parts import S3Parts
+
+        upload = S3Parts.upload
+
+        def first_part_then_die(self: Any, path: str, upload_id: str, parts: Any) -> Any:
+            if "step=2" not in path:
+                return upload(self, path, upload_id, parts)
+            upload(self, path, upload_id, parts[:1])  # one part of rank 1 is in the upload, then it dies
+            (root / "killed-mid-upload").touch()
+            os.kill(os.getpid(), 9)
+
+        S3Parts.upload = first_part_then_die
     plugin = FastCheckpointIO(storage_options=s3_storage_options(endpoint))
-    saving = ModelCheckpoint(dirpath=url, every_n_train_steps=STEPS, save_top_k=-1, save_last=False)
+    kill = phase == "kill"
+    saving = ModelCheckpoint(dirpath=url, every_n_train_steps=1 if kill else STEPS, save_top_k=-1, save_last=kill)
     trainer = make_trainer([saving], plugin, devices=devices, strategy=WithStock(), max_steps=STEPS)
     module = Wide()
     trainer.fit(module, RankBatches())
@@ -134,4 +164,4 @@ if __name__ == "__main__":
     from rank_logs import split_rank_output
 
     split_rank_output()
-    _main(Path(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    _main(Path(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5])
