@@ -258,7 +258,8 @@ class FastCheckpointIO(CheckpointIO):
         commits it once every rank's part is durable. Collective: every rank calls it, in the same order."""
         self.attach(trainer)
         folder, name = split_path(path)
-        os.makedirs(folder, exist_ok=True)  # as in save_checkpoint: Lightning may use the folder right away
+        if "://" not in folder:  # as in save_checkpoint: Lightning may use the folder right away
+            os.makedirs(folder, exist_ok=True)
         checkpointer = self._folder(folder, distributed=True)
         if self._lazy and not self._optimizers:
             self._warn_eager()

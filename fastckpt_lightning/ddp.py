@@ -4,7 +4,8 @@ Lightning calls ``CheckpointIO.save_checkpoint`` on global rank 0 only and then 
 plugin cannot bring the other ranks into a save: a collective started on rank 0 would wait for ranks sitting in the
 barrier. ``Trainer.save_checkpoint`` runs on every rank, though (``dump_checkpoint``, then
 ``strategy.save_checkpoint``, then the barrier), so this subclass enters the save on every rank, with the path,
-before the barrier. Each rank then writes its share of the one torch file (``fastckpt.engine.sharedfile``): the
+before the barrier. Each rank then writes its share of the one torch file (``fastckpt.engine.sharedfile``; on
+``s3://`` its parts of one multipart upload, ``fastckpt.engine.sharedobject``): the
 parameters and optimizer state, which DDP keeps identical on every rank, split by bytes; everything else (buffers
 such as BatchNorm's running statistics, which differ per rank, and the pickled loop and callback state) is rank 0's,
 as in a stock save. Rank 0 commits the file once every rank's part is durable.
@@ -31,10 +32,11 @@ class FastDDPStrategy(FastIOOwner, DDPStrategy):
     """``Trainer(strategy=FastDDPStrategy(), plugins=[FastCheckpointIO(...)])``; the arguments of ``DDPStrategy``
     plus ``shared_writes``:
 
-    - ``None`` (auto): the ranks share the writes when they all run on one node and the checkpoint path is local;
-      otherwise rank 0 writes the file alone, as with ``DDPStrategy``;
+    - ``None`` (auto): the ranks share the writes when the checkpoint path is ``s3://`` (each rank uploads its parts
+      of one multipart upload, on any node), or local with every rank on one node; otherwise rank 0 writes the file
+      alone, as with ``DDPStrategy``;
     - ``True``: share them for every local path, also across nodes (the folder must be one shared POSIX file
-      system every rank writes into); an ``s3://`` path raises ``ConfigError``;
+      system every rank writes into), and on ``s3://``; another remote path (``gs://``...) raises ``ConfigError``;
     - ``False``: rank 0 writes alone, as with ``DDPStrategy`` and the plugin.
 
     Without a ``FastCheckpointIO`` plugin, one with default settings is used.
@@ -50,13 +52,16 @@ class FastDDPStrategy(FastIOOwner, DDPStrategy):
         """Whether the ranks share the writes of the file ``path`` (the same answer on every rank)."""
         if self.world_size < 2 or self.shared_writes is False:
             return False
+        if path.startswith(("s3://", "s3a://")):  # every rank uploads its parts of one object, on any node
+            return True
         remote = "://" in path and not path.startswith("file://")
         if remote:
             if self.shared_writes:
                 raise ConfigError(
-                    f"FastDDPStrategy(shared_writes=True) cannot share the writes of {path!r}: an object store takes "
-                    "one writer per file. Use shared_writes=None (rank 0 uploads it alone) or a local dirpath")
-            return False  # several ranks' parts would need one multipart upload, completed by rank 0: not done
+                    f"FastDDPStrategy(shared_writes=True) cannot share the writes of {path!r}: only S3 takes the "
+                    "parts of one object from several writers. Use shared_writes=None (rank 0 uploads it alone), an "
+                    "s3:// path or a local dirpath")
+            return False
         return bool(self.shared_writes) or self.num_nodes == 1
 
     def save_checkpoint(

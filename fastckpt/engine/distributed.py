@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from ..errors import ConfigError, StateMismatchError, StorageError
 from ..format.plan import Plan, TensorEntry
+from .partplan import contiguous_owners
 
 __all__ = ["Coordinator", "balance", "shard_owners"]
 
@@ -175,11 +176,15 @@ class Coordinator:
         more = f"; and {len(found_any) - 3} more ranks" if len(found_any) > 3 else ""
         return "; ".join(found_any[:3]) + more
 
-    def assign_file(self, plan: Plan) -> list[int]:
+    def assign_file(self, plan: Plan, contiguous: bool = False) -> list[int]:
         """Give ``plan`` (one torch file shared by the ranks) its owned shards; return the rank that writes each
         entry. No collective here, as the ranks' plans may differ: the commit protocol compares what this returns
-        (``fastckpt.engine.sharedfile``)."""
-        owners = shard_owners(plan, self.world, self._group_rank, spread_eager=True)
+        (``fastckpt.engine.sharedfile``). ``contiguous``: each rank one stretch of the file (one S3 object's
+        parts, ``fastckpt.engine.sharedobject``), rather than a balance of scattered shards."""
+        if contiguous:
+            owners = contiguous_owners(plan.shards, self.world, self._group_rank)
+        else:
+            owners = shard_owners(plan, self.world, self._group_rank, spread_eager=True)
         plan.owned = {index for index, r in owners.items() if r == self.rank}
         return [owners[e.shard] for e in plan.entries]
 

@@ -36,7 +36,8 @@ from .handle import SaveHandle, SaveStats
 from .pipeline import Job, Pipeline
 from .pace import keep_pace, slot_wait_reason, warn_all_eager, warn_retake
 from .priority import ThreadPriorities
-from .sharedfile import SharedFileWrite, can_share
+from .sharedfile import can_share
+from .sharedobject import can_share_object, shared_write
 from .stale import Hooks, StaleWatch
 from .staging import HostArena, Slot
 from .streams import CopyStreams, CudaCopy, cuda_devices, gpu_wait
@@ -157,13 +158,15 @@ class Saver:
         ranks share the writes of the one file (``fastckpt.engine.sharedfile``): the parameters and optimizer state
         of the watched optimizers (kept identical by DDP) are split between the ranks by bytes; everything else
         (buffers such as BatchNorm's running statistics, plain values, the pickle) is rank 0's. The root must be a
-        file system every rank sees (one node, or a shared POSIX file system)."""
+        file system every rank sees (one node, or a shared POSIX file system), or S3: then every rank uploads its
+        parts of one multipart upload, which rank 0 completes (``fastckpt.engine.sharedobject``)."""
         t0 = time.perf_counter()
         name = file_name(name)
-        if self._coord is not None and not can_share(self.storage):
-            raise ConfigError(f"save_file() with distributed=True needs a file system every rank writes into; "
-                              f"{self.storage.url} is not one (an object store takes one writer per file): save it "
-                              "on rank 0, with a Checkpointer built without distributed=True")
+        if self._coord is not None and not (can_share(self.storage) or can_share_object(self.storage)):
+            raise ConfigError(f"save_file() with distributed=True needs a file system every rank writes into, or "
+                              f"S3 (each rank uploads parts of one object); {self.storage.url} is neither (this object store "
+                              "takes one writer per file): save it on rank 0, with a Checkpointer built without "
+                              "distributed=True")
         if self.config.staging.shm:
             raise ConfigError("staging.shm does not apply to single-file torch checkpoints (save_file); "
                               "set staging.shm: false, or use save() for the shared-memory tier")
@@ -266,7 +269,7 @@ class Saver:
         plan = self._planner.plan(flat, lambda t: address(t) in lazy_ptrs, chunk_bytes)
         writers = None
         if self._coord is not None and shared_file is not None:
-            writers = self._coord.assign_file(plan)
+            writers = self._coord.assign_file(plan, contiguous=can_share_object(self.storage))
         elif self._coord is not None and self._coord.agreed(plan):
             self._coord.assign(plan, flat.keys)
         elif self._coord is not None:
@@ -309,7 +312,8 @@ class Saver:
         elif retake is not None and self.config.staging.on_mutation == "retake":
             job.retake = lambda keys: self._retake(handle, keys, retake)
         if writers is not None and shared_file is not None and self._coord is not None:
-            job.shared = SharedFileWrite(self._coord, self.storage, shared_file, job.uid, writers, name)
+            job.shared = shared_write(self._coord, self.storage, shared_file, job.uid, writers, name, step, flat.keys,
+                                      self.config.orphan_grace_s)
         if cuda is not None:
             job.cuda = cuda
             job.devices = [str(t.device) for t in flat.tensors]  # the saved locations map_location's dict keys name

@@ -19,8 +19,8 @@ committer threads, over the Coordinator's private gloo group, once per save and 
 
 A rank whose storages differ from rank 0's fails the checkpoint on every rank (``StateMismatchError``): there is
 no fallback to rank 0 alone, which would need rank 0 to have staged the other ranks' records.
-The ranks must see one file: one node, or a shared POSIX file system. Object stores are refused by
-``save_file`` (several ranks' parts would need one multipart upload, completed by rank 0).
+The ranks must see one file: one node, or a shared POSIX file system. On S3 the ranks upload the parts of
+one multipart upload instead (``sharedobject.py``).
 """
 from __future__ import annotations
 

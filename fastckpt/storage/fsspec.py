@@ -138,6 +138,15 @@ class FsspecStorage:
                         "so it does not check the bytes it receives (writes go on; the manifest's CRC32C still checks "
                         "every read)", self.url, path)
 
+    def multipart(self) -> Any:
+        """The multipart requests of this ``s3://`` storage, one at a time (``s3parts.S3Parts``: several ranks
+        upload the parts of one object), or None on another store."""
+        if self._protocol not in ("s3", "s3a"):
+            return None
+        from .s3parts import S3Parts
+
+        return S3Parts(self.fs, self._deadline, self._p)
+
     def object_checksum(self, path: str) -> str | None:
         """The CRC32C the store keeps for the object ``path`` (S3's form, ``s3checksum.py``), or None (another
         store, or an object uploaded without one): what a verified read compares the bytes with."""

@@ -40,9 +40,10 @@ from ..format.layout import MANIFEST
 from ..format.paths import is_plain_name
 from ..storage.local import LocalStorage
 from ..storage.protocol import Storage
+from ..storage.s3parts import sweep
 from ..storage.tempmark import MAX_MARK_BYTES, is_mark_name, is_temp_name, mark_bytes, mark_name
 
-__all__ = ["collect", "collect_quietly", "collect_temp_files", "is_save_folder", "is_temp_file"]
+__all__ = ["collect", "collect_quietly", "collect_temp_files", "collect_uploads", "is_save_folder", "is_temp_file"]
 
 log = logging.getLogger("fastckpt")
 
@@ -66,7 +67,8 @@ def collect_temp_files(storage: Storage, grace_s: float | None, *, dry_run: bool
 
     A save killed before its rename leaves ``.NAME.fastckpt-tmp-UID`` and its marker next to the checkpoints; a live
     one keeps writing it until it is renamed, so age is the proof of death here too (``None``: never collect), and
-    the marker is the proof of authorship. Problems are logged, never raised: housekeeping must not fail a save."""
+    the marker is the proof of authorship. Problems are logged, never raised: housekeeping must not fail a save.
+    On S3, also the multipart uploads of shared saves that died (``collect_uploads``)."""
     modified = getattr(storage, "modified", None)
     if grace_s is None or modified is None or getattr(storage, "read_plain", None) is None:
         return []
@@ -85,7 +87,16 @@ def collect_temp_files(storage: Storage, grace_s: float | None, *, dry_run: bool
             removed += _collect_temp(storage, temp, temp in names, grace_s, now, dry_run)
         except (OSError, FastCkptError) as e:
             log.info("fastckpt: cannot collect %s: %s", storage.join(storage.url, temp), e)
-    return removed
+    return removed + collect_uploads(storage, grace_s, dry_run=dry_run)
+
+
+def collect_uploads(storage: Storage, grace_s: float | None, *, dry_run: bool = False) -> list[str]:
+    """On S3, the object store's temporary files: abort the multipart uploads of shared saves that died (their
+    markers ``.fastckpt/uploads/UID.json``, unchanged for ``grace_s`` seconds, name them) and remove the markers;
+    return the markers removed (``storage/s3parts.py``). Elsewhere nothing."""
+    multipart = getattr(storage, "multipart", None)
+    parts = multipart() if callable(multipart) else None
+    return [] if parts is None else sweep(storage, parts, grace_s, dry_run)
 
 
 def _collect_temp(storage: Any, temp: str, with_temp: bool, grace_s: float, now: float, dry_run: bool) -> list[str]:
