@@ -8,9 +8,10 @@ readahead is at least as fast. So the ceiling a cold loader is held to is the be
 - ``parallel``: ``THREADS`` threads of buffered ``preadv`` in ``PIECE`` pieces;
 - ``direct``: the same with O_DIRECT (page-aligned lengths; the sub-page tail of a file is left out).
 
-Each reads every byte of the files into memory already faulted in (as a model's is: no first-touch cost), with
-no checksum, the files' pages dropped from the page cache before every read; the best of ``reps`` is kept per
-reader, every run reported.
+Each reads every byte of the files, with no checksum, the files' pages dropped from the page cache before every
+read, into memory already faulted in (a model's, what ``load_into`` fills) or into fresh memory (what a loader
+that returns new tensors fills, paying the first touch of every page); the best of ``reps`` is kept per reader,
+every run reported.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -60,36 +61,42 @@ def _parallel(files: list[str], bufs: list[memoryview], flags: int) -> None:
             os.close(fd)
 
 
-def raw_read(files: list[str], reps: int = 3) -> dict[str, Any]:
+def raw_read(files: list[str], reps: int = 3, fresh: bool = False) -> dict[str, Any]:
     """Each reader of ``READERS`` run ``reps`` times, cold, in turns (so that a noisy spell hits them alike):
-    ``{"bytes", "reps", "readers": {name: {"runs": [s...], "seconds": best, "GBps"}}, "best": name}``."""
+    ``{"bytes", "reps", "fresh", "readers": {name: {"runs": [s...], "seconds": best, "GBps"}}, "best": name}``.
+    ``fresh``: into newly mapped memory, faulted in by the reads themselves (what a loader that returns new tensors
+    must do, ``load()`` and torch.load); else into memory faulted in before the clock starts (``load_into``'s model)."""
     sizes = [os.path.getsize(f) - os.path.getsize(f) % 4096 for f in files]  # whole pages: O_DIRECT needs them
-    maps = [mmap.mmap(-1, max(n, 1)) for n in sizes]
-    for m in maps:
-        torch.frombuffer(m, dtype=torch.uint8).fill_(0)  # faulted in, as a model's memory is
-    bufs = [memoryview(m)[:n] for m, n in zip(maps, sizes)]
-    runs: dict[str, Callable[[], None]] = {
-        "sequential": lambda: _sequential(files, bufs),
-        "parallel": lambda: _parallel(files, bufs, 0),
-        "direct": lambda: _parallel(files, bufs, getattr(os, "O_DIRECT", 0)),
-    }
     times: dict[str, list[float]] = {name: [] for name in READERS}
-    try:
-        for _ in range(reps):
-            for name in READERS:
+    for _ in range(reps):
+        for name in READERS:
+            maps = [mmap.mmap(-1, max(n, 1)) for n in sizes]
+            if not fresh:
+                for m in maps:
+                    torch.frombuffer(m, dtype=torch.uint8).fill_(0)  # faulted in, as a model's memory is
+            bufs = [memoryview(m)[:n] for m, n in zip(maps, sizes)]
+            try:
                 for f in files:
                     drop_file_cache(f)
                 t0 = time.perf_counter()
-                runs[name]()
+                _run(name, files, bufs)
                 times[name].append(time.perf_counter() - t0)
-    finally:
-        for b in bufs:
-            b.release()
-        for m in maps:
-            m.close()
+            finally:
+                for b in bufs:
+                    b.release()
+                for m in maps:
+                    m.close()
     total = sum(sizes)
     readers = {name: {"runs": t, "seconds": min(t), "GBps": total / min(t) / 1e9} for name, t in times.items()}
-    return {"bytes": total, "reps": reps, "readers": readers, "best": min(readers, key=lambda n: readers[n]["seconds"])}
+    return {"bytes": total, "reps": reps, "fresh": fresh, "readers": readers,
+            "best": min(readers, key=lambda n: readers[n]["seconds"])}
+
+
+def _run(name: str, files: list[str], bufs: list[memoryview]) -> None:
+    if name == "sequential":
+        _sequential(files, bufs)
+    else:
+        _parallel(files, bufs, getattr(os, "O_DIRECT", 0) if name == "direct" else 0)
 
 
 def shard_files(folder: Path) -> list[str]:

@@ -5,9 +5,9 @@ it is used. A CRC mismatch is localised with the per-tensor checksums so the
 error names the tensor as well as the file.
 
 ``load()`` on a local root maps a shard that sits in the page cache (the tensors view the cache: a
-warm 1.48 GB load takes ~0.08 s) and reads one that does not (``fastckpt.read.pagecache``) with O_DIRECT,
-all such shards in one batch of ``READS_IN_FLIGHT`` concurrent 8 MiB reads into one fresh page-aligned
-buffer per shard, each piece's CRC32C taken as it lands; the tensors are views of those buffers (no
+warm 1.48 GB load takes ~0.08 s) and reads one that does not (``fastckpt.read.pagecache``) as the device
+reads fastest (``fastckpt.read.strategy``: O_DIRECT, parallel or sequential buffered), all such shards in one
+batch into one fresh page-aligned buffer per shard, each piece's CRC32C taken as it lands; the tensors are views of those buffers (no
 second copy). Mapping a cold shard instead leaves tensors that copy each 4 KiB page on the first write
 of training (copy-on-write of a file mapping), so only loads whose tensors stay on the CPU read.
 
@@ -87,13 +87,10 @@ class CheckpointReader:
     """Reads one committed checkpoint directory."""
 
     def __init__(self, storage: Storage, dirpath: str, *, verify: bool = True, workers: int = 2,
-                 allowed_classes: Iterable[str] = (), coord: Any = None, strategy: str = "auto",
-                 remember: bool = False) -> None:
+                 allowed_classes: Iterable[str] = (), coord: Any = None, strategy: str = "auto", remember: bool = False) -> None:
         self.storage = storage
-        self.strategy = strategy  # read.strategy: how cold local files are read (fastckpt.read.strategy)
-        # A Checkpointer's reader keeps the probed verdict under its root (storage.url); a lone reader's storage
-        # is the checkpoint folder itself, which holds only listed files: its verdict stays in memory.
-        self.verdict_root: str | None = getattr(storage, "url", None) if remember else None
+        self.strategy = strategy  # read.strategy (fastckpt.read.strategy); a Checkpointer's reader keeps its verdict
+        self.verdict_root = getattr(storage, "url", None) if remember else None  # in its root, a lone one in memory
         self.coord = coord  # distributed: each file is read by one rank and broadcast
         self.dirpath = dirpath
         self.verify = verify

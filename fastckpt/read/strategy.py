@@ -8,7 +8,8 @@ reader, into a small scratch buffer), and the fastest serves the load and every 
 verdict is kept in memory per device (``st_dev``) and, for a ``Checkpointer``'s root, in ``VERDICT_NAME`` there, so
 a restarted process does not probe again. A load whose files sit mostly in the page cache never probes (the
 timings would measure memory copies, not the device) and reads in ``parallel``: memory copies on several threads.
-A probe costs ~3 x ``PROBE_BYTES`` of reads, some of which the load then finds in the page cache.
+A probe reads 2 x 3 x ``PROBE_BYTES`` (the strategies in turns, twice: a noisy spell hits them alike), most of
+which the load then finds in the page cache.
 
 The verdict only picks among strategies that all read the same verified bytes, so a damaged or planted verdict
 file can cost speed, never correctness: it is read bounded, a non-regular file or a symlink is ignored, and a
@@ -35,6 +36,7 @@ log = logging.getLogger("fastckpt")
 
 CHOICES = ("auto",) + STRATEGIES  # what ``read.strategy`` accepts
 PROBE_BYTES = 32 << 20  # per strategy: several of each reader's pieces, a few tens of ms on a ~1.5 GB/s disk
+_ROUNDS = 2  # each strategy timed this many times, in turns, on regions of its own
 _PROBE_BELOW = 8  # a load of fewer than this many PROBE_BYTES (cold) is too small to pay for a probe
 _WARM = 0.5  # at least this fraction of the files in the page cache: warm, read in parallel, never probed
 VERDICT_NAME = ".fastckpt-read.json"  # a leading dot: never a checkpoint name, never collected
@@ -112,15 +114,18 @@ def choose(storage: object, files: Sequence[tuple[str, int]], setting: str, work
 
 
 def _probe(storage: LocalStorage, files: Sequence[tuple[str, int]], workers: int) -> str | None:
-    """Time every strategy on a cold region of its own (the last ones of the load: read again later, from the
-    page cache or the disk); the fastest, or None if no region is cold or a read fails (the load reports it)."""
-    regions = _regions(files, len(STRATEGIES))
+    """Time every strategy ``_ROUNDS`` times, each on a cold region of its own (the last ones of the load: read again
+    later, from the page cache or the disk); the fastest, or None if no region is cold or a read fails (the load
+    reports it)."""
+    regions = _regions(files, len(STRATEGIES) * _ROUNDS)
     if regions is None:
         return None
     timings: dict[str, float] = {}
-    try:
-        for strategy, (path, offset) in zip(STRATEGIES, regions):
-            timings[strategy] = measure_read(storage, path, offset, PROBE_BYTES, strategy, workers)
+    try:  # in turns (a noisy spell hits every strategy alike), each strategy's best
+        for k, (path, offset) in enumerate(regions):
+            strategy = STRATEGIES[k % len(STRATEGIES)]
+            seconds = measure_read(storage, path, offset, PROBE_BYTES, strategy, workers)
+            timings[strategy] = min(seconds, timings.get(strategy, seconds))
     except Exception as e:  # noqa: BLE001 - the load itself reads these files and raises what is wrong, named
         log.debug("read strategy probe failed: %s", e)
         return None
