@@ -172,7 +172,7 @@ def task_restore_load(shape: dict, root: str, loader: str, cold: bool, shm_dir: 
     stats = getattr(closer, "last_load_stats", None)
     if stats is not None:
         out.update(tier=stats.tier, method=stats.method, nbytes=stats.nbytes, verified=stats.verified)
-    out["strategy"] = _verdict(r / folder) if folder else None
+    out["strategy"] = _verdict(r / folder) if folder and loader.startswith("fastckpt") else None
     if check:
         diff = first_difference(_state(shape, flat)[1], got)
         out["bit_exact"] = diff is None
@@ -186,12 +186,11 @@ def task_restore_load(shape: dict, root: str, loader: str, cold: bool, shm_dir: 
 
 def _verdict(where: Path) -> list[str] | None:
     """The read strategy probed on this device (``read.strategy: auto``: a cold load's choice), from the verdict
-    file fastckpt keeps in a Checkpointer's root or beside a torch file (docs/FORMAT.md)."""
+    file a Checkpointer keeps in its root (docs/FORMAT.md)."""
     import json
 
     try:
-        return [json.loads((where if where.is_dir() else where.parent).joinpath(".fastckpt-read.json")
-                           .read_text())["strategy"]]
+        return [json.loads((where / ".fastckpt-read.json").read_text())["strategy"]]
     except (OSError, ValueError, KeyError, TypeError):
         return None
 

@@ -282,3 +282,11 @@ def test_the_real_probe_times_every_strategy_and_picks_one(tmp_path, monkeypatch
     best = min(timed, key=lambda st: st[1])[0]  # the fastest of all six timings
     assert list(strategy.verdicts().values()) == [best]
     ck.close()
+
+
+def test_a_bad_strategy_given_to_a_reader_is_a_config_error(tmp_path) -> None:
+    path = tmp_path / "model.ckpt"
+    torch.save(_state(), path)
+    _cold([path])
+    with pytest.raises(ConfigError, match=r"read\.strategy must be one of auto, sequential, parallel, direct; got 'mmap'"):
+        load_torch_file(str(path), strategy="mmap")

@@ -27,6 +27,7 @@ from typing import Sequence
 
 import torch
 
+from ..errors import ConfigError
 from ..storage.local import LocalStorage, aligned_buffer
 from .pagecache import resident_fraction
 from .readers import STRATEGIES, Range, read_ranges
@@ -83,6 +84,8 @@ def choose(storage: object, files: Sequence[tuple[str, int]], setting: str, work
     ``auto``: the device's verdict (this process's, else the one saved under ``root``), else a probe when the
     files are cold and big enough, else ``DEFAULT``; ``parallel`` whenever the files are warm. Any storage but a
     local one: ``DEFAULT`` (it ignores the strategy)."""
+    if setting not in CHOICES:
+        raise ConfigError(f"read.strategy must be one of {', '.join(CHOICES)}; got {setting!r}")
     if setting != "auto":
         return setting
     files = [(p, n) for p, n in files if n > 0]

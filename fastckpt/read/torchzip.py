@@ -52,14 +52,14 @@ except ImportError:  # pragma: no cover - depends on the environment
 def load_torch_file(path: str, *, map_location: Any = None, workers: int = 2, verify: bool = True,
                     strategy: str = "auto") -> Any:
     """``torch.load(path, map_location=map_location, weights_only=True)``, its records CRC-checked in parallel;
-    ``strategy``: how a cold file is read (``read.strategy``; ``auto``: the device's verdict, kept in memory and, once
-    a cold file big enough to probe was read, in ``.fastckpt-read.json`` beside the file)."""
+    ``strategy``: how a cold file is read (``read.strategy``; ``auto``: the device's verdict, kept in this process's
+    memory only: a Lightning ``dirpath`` holds nothing but Lightning's files)."""
     size = os.path.getsize(path)
     storage = LocalStorage(os.path.dirname(path) or ".")
     if size and resident_fraction(path, size) < 0.5:  # cold: parallel reads into fresh memory
         keep, view = aligned_buffer(size)
         read_ranges(storage, [Range(path, 0, view, direct=True)], workers,
-                    strategy=choose(storage, [(path, size)], strategy, workers, root=storage.url))
+                    strategy=choose(storage, [(path, size)], strategy, workers))
     else:  # cached: view the page cache
         keep, view = storage.map_file(path, size) if size else (None, memoryview(b""))
     spans = record_spans(path, view)  # the zip directory, from memory; every record, data.pkl included
