@@ -153,7 +153,7 @@ def _auto(monkeypatch, timings: dict[str, float]) -> list[str]:
     monkeypatch.setattr(strategy, "PROBE_BYTES", 64 << 10)
     measured: list[str] = []
 
-    def measure(storage, path, offset, length, how, workers):  # type: ignore[no-untyped-def]
+    def measure(storage, path, offset, length, how, workers, out=None):  # type: ignore[no-untyped-def]
         assert length == 64 << 10 and offset % 4096 == 0 and offset + length <= os.path.getsize(path)
         measured.append(how)
         return timings[how]
@@ -290,3 +290,40 @@ def test_a_bad_strategy_given_to_a_reader_is_a_config_error(tmp_path) -> None:
     _cold([path])
     with pytest.raises(ConfigError, match=r"read\.strategy must be one of auto, sequential, parallel, direct; got 'mmap'"):
         load_torch_file(str(path), strategy="mmap")
+
+
+def test_the_torch_zip_probe_reads_into_the_load_and_nothing_twice(tmp_path, monkeypatch) -> None:
+    from fastckpt.read import torchzip
+
+    monkeypatch.setattr(strategy, "PROBE_BYTES", 64 << 10)
+    timed: list[str] = []
+    real = strategy.measure_read
+
+    def measure(*a):  # type: ignore[no-untyped-def]
+        assert a[6] is not None  # into the load's own buffer
+        timed.append(a[4])
+        return real(*a)
+
+    monkeypatch.setattr(strategy, "measure_read", measure)
+    state = _state()
+    path = tmp_path / "model.ckpt"
+    torch.save(state, path)
+    _cold([path])
+    got_bytes: list[int] = []
+    real_read = torchzip.read_ranges
+
+    def read(storage, ranges, *a, **kw):  # type: ignore[no-untyped-def]
+        got_bytes.append(sum(len(r.out) for r in ranges))
+        return real_read(storage, ranges, *a, **kw)
+
+    monkeypatch.setattr(torchzip, "read_ranges", read)
+    got = load_torch_file(str(path))
+    assert len(timed) == 6 and got_bytes == [path.stat().st_size - 6 * (64 << 10)]  # the rest, once
+    assert_bit_equal(torch.load(path, weights_only=True), got)
+    assert not (tmp_path / strategy.VERDICT_NAME).exists()  # the folder keeps only its own files
+
+
+def test_unread_is_the_complement_of_the_probed_regions() -> None:
+    assert strategy.unread(100, []) == [(0, 100)]
+    assert strategy.unread(100, [(80, 10), (10, 20)]) == [(0, 10), (30, 80), (90, 100)]
+    assert strategy.unread(100, [(0, 50), (50, 50)]) == []

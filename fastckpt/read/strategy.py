@@ -23,7 +23,7 @@ import os
 import stat
 import threading
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -32,7 +32,7 @@ from ..storage.local import LocalStorage, aligned_buffer
 from .pagecache import resident_fraction
 from .readers import STRATEGIES, Range, read_ranges
 
-__all__ = ["CHOICES", "PROBE_BYTES", "VERDICT_NAME", "choose", "measure_read", "forget", "verdicts"]
+__all__ = ["CHOICES", "PROBE_BYTES", "VERDICT_NAME", "choose", "measure_read", "forget", "unread", "verdicts"]
 log = logging.getLogger("fastckpt")
 
 CHOICES = ("auto",) + STRATEGIES  # what ``read.strategy`` accepts
@@ -49,20 +49,37 @@ _lock = threading.Lock()
 _verdicts: dict[int, str] = {}  # st_dev -> the strategy probed fastest there, for this process
 
 
-def measure_read(storage: LocalStorage, path: str, offset: int, length: int, strategy: str, workers: int) -> float:
+def measure_read(storage: LocalStorage, path: str, offset: int, length: int, strategy: str, workers: int,
+                 out: memoryview | None = None) -> float:
     """Seconds to read ``length`` bytes of ``path`` at ``offset`` with ``strategy`` (the probe's one measurement;
-    tests replace it to inject timings). The bytes land ``_SCRATCH`` bytes at a time in one page-aligned scratch
-    buffer, faulted in before the clock starts: the probe adds little to a load's peak memory (``load_into``'s is
-    the model plus a few MiB), and what it times is the device and the copy, alike for every strategy."""
-    keep, view = aligned_buffer(_SCRATCH)
-    torch.frombuffer(keep, dtype=torch.uint8).fill_(0)  # faulted in: page faults are no part of the comparison
-    ranges = [Range(path, at, view[:min(_SCRATCH, offset + length - at)], direct=True)
-              for at in range(offset, offset + length, _SCRATCH)]  # every range lands in the same scratch
+    tests replace it to inject timings), into ``out`` (page-aligned: where the load wants these bytes) or else
+    ``_SCRATCH`` bytes at a time into one page-aligned scratch buffer, faulted in before the clock starts: the probe
+    adds little to a load's peak memory (``load_into``'s is the model plus a few MiB)."""
+    keep = None
+    if out is not None:
+        ranges = [Range(path, offset, out[:length], direct=True)]
+    else:
+        keep, view = aligned_buffer(_SCRATCH)
+        torch.frombuffer(keep, dtype=torch.uint8).fill_(0)  # faulted in: page faults are no part of the comparison
+        ranges = [Range(path, at, view[:min(_SCRATCH, offset + length - at)], direct=True)
+                  for at in range(offset, offset + length, _SCRATCH)]  # every range lands in the same scratch
     t0 = time.perf_counter()
     read_ranges(storage, ranges, workers, strategy=strategy)
     seconds = time.perf_counter() - t0
-    del ranges, view, keep
+    del ranges, keep
     return seconds
+
+
+def unread(size: int, probed: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The ``(start, end)`` spans of ``[0, size)`` outside the ``(offset, length)`` regions a probe already read."""
+    spans, at = [], 0
+    for offset, length in sorted(probed):
+        if offset > at:
+            spans.append((at, offset))
+        at = max(at, offset + length)
+    if at < size:
+        spans.append((at, size))
+    return spans
 
 
 def verdicts() -> dict[int, str]:
@@ -78,12 +95,15 @@ def forget() -> None:
 
 
 def choose(storage: object, files: Sequence[tuple[str, int]], setting: str, workers: int,
-           root: str | None = None) -> str:
+           root: str | None = None, into: Callable[[str, int, int], memoryview] | None = None,
+           probed: list[tuple[int, int]] | None = None) -> str:
     """The strategy that reads ``files`` (``(path, size)``, the whole load) under ``setting`` (``read.strategy``).
 
     ``auto``: the device's verdict (this process's, else the one saved under ``root``), else a probe when the
     files are cold and big enough, else ``DEFAULT``; ``parallel`` whenever the files are warm. Any storage but a
-    local one: ``DEFAULT`` (it ignores the strategy)."""
+    local one: ``DEFAULT`` (it ignores the strategy). With ``into(path, offset, length)`` (page-aligned memory where
+    the load wants those bytes) the probe reads into it and appends each region it read to ``probed``
+    (``(offset, length)``; one file): the load then reads only the rest (``unread``), so the probe costs nothing."""
     if setting not in CHOICES:
         raise ConfigError(f"read.strategy must be one of {', '.join(CHOICES)}; got {setting!r}")
     if setting != "auto":
@@ -106,7 +126,7 @@ def choose(storage: object, files: Sequence[tuple[str, int]], setting: str, work
     if known is None:
         if total - cached < _PROBE_BELOW * PROBE_BYTES:
             return DEFAULT
-        known = _probe(storage, files, workers)
+        known = _probe(storage, files, workers, into, probed)
         if known is None:
             return DEFAULT
         if root is not None:
@@ -116,10 +136,11 @@ def choose(storage: object, files: Sequence[tuple[str, int]], setting: str, work
     return known
 
 
-def _probe(storage: LocalStorage, files: Sequence[tuple[str, int]], workers: int) -> str | None:
+def _probe(storage: LocalStorage, files: Sequence[tuple[str, int]], workers: int,
+           into: Callable[[str, int, int], memoryview] | None, probed: list[tuple[int, int]] | None) -> str | None:
     """Time every strategy ``_ROUNDS`` times, each on a cold region of its own (the last ones of the load: read again
-    later, from the page cache or the disk); the fastest, or None if no region is cold or a read fails (the load
-    reports it)."""
+    later, from the page cache or the disk, unless they were read ``into`` the load's memory); the fastest, or None
+    if no region is cold or a read fails (the load reports it)."""
     regions = _regions(files, len(STRATEGIES) * _ROUNDS)
     if regions is None:
         return None
@@ -127,8 +148,11 @@ def _probe(storage: LocalStorage, files: Sequence[tuple[str, int]], workers: int
     try:  # in turns (a noisy spell hits every strategy alike), each strategy's best
         for k, (path, offset) in enumerate(regions):
             strategy = STRATEGIES[k % len(STRATEGIES)]
-            seconds = measure_read(storage, path, offset, PROBE_BYTES, strategy, workers)
+            out = into(path, offset, PROBE_BYTES) if into is not None else None
+            seconds = measure_read(storage, path, offset, PROBE_BYTES, strategy, workers, out)
             timings[strategy] = min(seconds, timings.get(strategy, seconds))
+            if out is not None and probed is not None:
+                probed.append((offset, PROBE_BYTES))
     except Exception as e:  # noqa: BLE001 - the load itself reads these files and raises what is wrong, named
         log.debug("read strategy probe failed: %s", e)
         return None
