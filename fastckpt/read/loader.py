@@ -6,9 +6,9 @@ error names the tensor as well as the file.
 
 ``load()`` on a local root maps a shard that sits in the page cache (the tensors view the cache: a
 warm 1.48 GB load takes ~0.08 s) and reads one that does not (``fastckpt.read.pagecache``) as the device
-reads fastest (``fastckpt.read.strategy``: O_DIRECT, parallel or sequential buffered), all such shards in one
-batch into one fresh page-aligned buffer per shard, each piece's CRC32C taken as it lands; the tensors are views of those buffers (no
-second copy). Mapping a cold shard instead leaves tensors that copy each 4 KiB page on the first write
+reads fastest (``fastckpt.read.strategy``: O_DIRECT, parallel or sequential buffered), all such shards in
+one batch into one fresh page-aligned buffer per shard, each piece's CRC32C taken as it lands; the
+tensors are views of those buffers (no second copy). Mapping a cold shard instead leaves tensors that copy each 4 KiB page on the first write
 of training (copy-on-write of a file mapping), so only loads whose tensors stay on the CPU read.
 
 Measured (1.48 GB GPT-2-small + AdamW state, one fresh process per load as benchmarks/restore.py does,

@@ -40,7 +40,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..format.checksum import combine, crc32c
-from ..errors import IntegrityError, StorageError
+from ..errors import ConfigError, IntegrityError, StorageError
 from ..storage.local import LocalStorage, open_regular
 from ..storage.protocol import Storage
 
@@ -139,7 +139,8 @@ def read_ranges(storage: Storage, ranges: Sequence[Range], workers: int,
     ``what`` on a checksum mismatch, ``StorageError`` naming the file on a read failure.
     """
     if strategy not in STRATEGIES:
-        raise ValueError(f"unknown read strategy {strategy!r}; one of {', '.join(STRATEGIES)}")
+        raise ConfigError(f"read strategy {strategy!r} is not one of {', '.join(STRATEGIES)} (read_ranges: "
+                          "fastckpt.read.strategy.choose resolves read.strategy: auto to one of them)")
     job = _Job(storage, on_done, strategy)
     piece = PIECE_BYTES
     if job.local and strategy == "sequential":
