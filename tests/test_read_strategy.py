@@ -16,6 +16,7 @@ from fastckpt.read.torchzip import load_torch_file
 from tests.helpers import assert_bit_equal, drop_page_cache, run_child
 
 STRATEGIES = ("sequential", "parallel", "direct")
+_probing: list[bool] = []  # non-empty while an injected probe reads: the spy records the load's own reads only
 
 
 @pytest.fixture(autouse=True)
@@ -60,11 +61,13 @@ def _spy(monkeypatch, module) -> tuple[list[str], list[int]]:
     real_read, real_open = module.read_ranges, readers.open_regular
 
     def read(*a, **kw):  # type: ignore[no-untyped-def]
-        used.append(kw.get("strategy", "direct"))
+        if not _probing:
+            used.append(kw.get("strategy", "direct"))
         return real_read(*a, **kw)
 
     def opened(path, fl=0):  # type: ignore[no-untyped-def]
-        flags.append(fl)
+        if not _probing:
+            flags.append(fl)
         return real_open(path, fl)
 
     monkeypatch.setattr(module, "read_ranges", read)
@@ -82,7 +85,7 @@ def test_each_strategy_loads_bit_exact(tmp_path, monkeypatch, how) -> None:
     torch.save(state, tmp_path / "ref.pt")
     ref = torch.load(tmp_path / "ref.pt", weights_only=True)
     _cold(_shards(ck))
-    used, flags = _spy(monkeypatch, loader)
+    used, flags = _spy(monkeypatch, strategy)
     got = ck.load()
     assert used == [how] and ck.last_load_stats.method == "read"
     assert _o_direct(flags) == (how == "direct")  # only ``direct`` opens O_DIRECT
@@ -115,7 +118,7 @@ def test_each_strategy_reads_a_torch_file_bit_exact(tmp_path, monkeypatch, how) 
     path = tmp_path / "model.ckpt"
     torch.save(state, path)
     _cold([path])
-    used, _ = _spy(monkeypatch, torchzip)
+    used, _ = _spy(monkeypatch, strategy)
     got = load_torch_file(str(path), strategy=how)
     assert used == [how]
     assert_bit_equal(torch.load(path, weights_only=True), got)
@@ -153,10 +156,17 @@ def _auto(monkeypatch, timings: dict[str, float]) -> list[str]:
     monkeypatch.setattr(strategy, "PROBE_BYTES", 64 << 10)
     measured: list[str] = []
 
+    real = strategy.measure_read
+
     def measure(storage, path, offset, length, how, workers, out=None):  # type: ignore[no-untyped-def]
         assert length == 64 << 10 and offset % 4096 == 0 and offset + length <= os.path.getsize(path)
         measured.append(how)
-        return timings[how]
+        _probing.append(True)
+        try:
+            real(storage, path, offset, length, how, workers, out)  # the bytes land where the load wants them
+        finally:
+            _probing.pop()
+        return timings[how]  # the timing injected
 
     monkeypatch.setattr(strategy, "measure_read", measure)
     return measured
@@ -166,7 +176,7 @@ def test_auto_probes_once_per_device_and_keeps_the_verdict(tmp_path, monkeypatch
     measured = _auto(monkeypatch, {"sequential": 0.01, "parallel": 0.02, "direct": 0.03})
     ck, state = _saved(tmp_path, "auto")
     _cold(_shards(ck))
-    used, flags = _spy(monkeypatch, loader)
+    used, flags = _spy(monkeypatch, strategy)
     assert_bit_equal(state, ck.load())
     assert sorted(measured) == sorted(STRATEGIES * 2) and used == ["sequential"] and not _o_direct(flags)
     rec = json.loads((tmp_path / "root" / strategy.VERDICT_NAME).read_text())
@@ -188,7 +198,7 @@ def test_auto_probes_again_when_the_verdict_file_is_foreign_or_planted(tmp_path,
     verdict = tmp_path / "root" / strategy.VERDICT_NAME
     verdict.write_text(json.dumps({"device": -1, "strategy": "direct"}))  # another device's
     _cold(_shards(ck))
-    used, _ = _spy(monkeypatch, loader)
+    used, _ = _spy(monkeypatch, strategy)
     assert_bit_equal(state, ck.load())
     assert used == ["parallel"] and len(measured) == 6
     assert json.loads(verdict.read_text())["strategy"] == "parallel"
@@ -218,7 +228,8 @@ def test_a_fifo_at_the_verdict_path_neither_hangs_nor_decides(tmp_path) -> None:
         "from fastckpt import Checkpointer, CheckpointConfig\n"
         "from fastckpt.read import strategy\n"
         "strategy.PROBE_BYTES = 64 << 10\n"
-        "strategy.measure_read = lambda *a: {'sequential': 3, 'parallel': 2, 'direct': 1}[a[4]]\n"
+        "real = strategy.measure_read\n"
+        "strategy.measure_read = lambda *a: real(*a) * 0 + {'sequential': 3, 'parallel': 2, 'direct': 1}[a[4]]\n"
         "with Checkpointer(CheckpointConfig(root=sys.argv[1])) as ck:\n"
         "    got = ck.load()\n"
         "    print(sorted(strategy.verdicts().values()), float(got['w'].double().sum()))\n", str(tmp_path / "root"))
@@ -248,7 +259,7 @@ def test_a_small_cold_load_is_not_worth_a_probe(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(strategy, "PROBE_BYTES", 1 << 20)  # 8 MiB of cold files needed: this state is ~2.5 MB
     ck, state = _saved(tmp_path, "auto")
     _cold(_shards(ck))
-    used, _ = _spy(monkeypatch, loader)
+    used, _ = _spy(monkeypatch, strategy)
     assert_bit_equal(state, ck.load())
     assert measured == [] and used == [strategy.DEFAULT]
     ck.close()
@@ -295,8 +306,6 @@ def test_a_bad_strategy_given_to_a_reader_is_a_config_error(tmp_path) -> None:
 
 
 def test_the_torch_zip_probe_reads_into_the_load_and_nothing_twice(tmp_path, monkeypatch) -> None:
-    from fastckpt.read import torchzip
-
     monkeypatch.setattr(strategy, "PROBE_BYTES", 64 << 10)
     timed: list[str] = []
     real = strategy.measure_read
@@ -312,15 +321,15 @@ def test_the_torch_zip_probe_reads_into_the_load_and_nothing_twice(tmp_path, mon
     torch.save(state, path)
     _cold([path])
     got_bytes: list[int] = []
-    real_read = torchzip.read_ranges
+    real_read = strategy.read_ranges
 
     def read(storage, ranges, *a, **kw):  # type: ignore[no-untyped-def]
         got_bytes.append(sum(len(r.out) for r in ranges))
         return real_read(storage, ranges, *a, **kw)
 
-    monkeypatch.setattr(torchzip, "read_ranges", read)
+    monkeypatch.setattr(strategy, "read_ranges", read)  # the probe's reads and the load's
     got = load_torch_file(str(path))
-    assert len(timed) == 6 and got_bytes == [path.stat().st_size - 6 * (64 << 10)]  # the rest, once
+    assert len(timed) == 6 and got_bytes == [64 << 10] * 6 + [path.stat().st_size - 6 * (64 << 10)]  # each byte once
     assert_bit_equal(torch.load(path, weights_only=True), got)
     assert not (tmp_path / strategy.VERDICT_NAME).exists()  # the folder keeps only its own files
 
@@ -335,7 +344,33 @@ def test_a_probe_within_its_noise_keeps_the_default(tmp_path, monkeypatch) -> No
     measured = _auto(monkeypatch, {"sequential": 0.0095, "parallel": 0.0099, "direct": 0.0100})
     ck, state = _saved(tmp_path, "auto")
     _cold(_shards(ck))
-    used, _ = _spy(monkeypatch, loader)
+    used, _ = _spy(monkeypatch, strategy)
     assert_bit_equal(state, ck.load())
     assert len(measured) == 6 and used == [strategy.DEFAULT] == ["direct"]  # 5% faster is no verdict
+    ck.close()
+
+
+def test_load_probes_into_its_own_buffers_and_still_verifies_every_byte(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(strategy, "PROBE_BYTES", 64 << 10)
+    got_bytes: list[int] = []
+    real_read = strategy.read_ranges
+
+    def read(storage, ranges, *a, **kw):  # type: ignore[no-untyped-def]
+        got_bytes.append(sum(len(r.out) for r in ranges))
+        return real_read(storage, ranges, *a, **kw)
+
+    monkeypatch.setattr(strategy, "read_ranges", read)
+    ck, state = _saved(tmp_path, "auto")
+    shards = _shards(ck)
+    _cold(shards)
+    assert_bit_equal(state, ck.load())
+    assert got_bytes == [64 << 10] * 6 + [sum(s.stat().st_size for s in shards) - 6 * (64 << 10)]  # each byte once
+
+    strategy.forget()
+    (tmp_path / "root" / strategy.VERDICT_NAME).unlink()
+    last = shards[-1]
+    _flip(last, last.stat().st_size - 100)  # inside the probe's last region (the load's last bytes)
+    _cold(shards)
+    with pytest.raises(IntegrityError, match=rf"{last.name}: checksum mismatch in tensor"):
+        ck.load()
     ck.close()

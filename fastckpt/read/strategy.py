@@ -4,12 +4,15 @@ A cold load is bound by how the device likes to be read, and devices differ: the
 served 8 parallel O_DIRECT requests fastest, and later one buffered stream with the kernel's readahead at least as
 fast (issue 27). So with ``read.strategy: auto`` the first cold load on a device times each strategy of
 ``readers.STRATEGIES`` on ``PROBE_BYTES`` of its own files (a different cold region each, read with the real
-reader, into a small scratch buffer), and the fastest serves the load and every later one. The
+reader), and the fastest serves the load and every later one. The
 verdict is kept in memory per device (``st_dev``) and, for a ``Checkpointer``'s root, in ``VERDICT_NAME`` there, so
 a restarted process does not probe again. A load whose files sit mostly in the page cache never probes (the
 timings would measure memory copies, not the device) and reads in ``parallel``: memory copies on several threads.
-A probe reads 2 x 3 x ``PROBE_BYTES`` (the strategies in turns, twice: a noisy spell hits them alike), most of
-which the load then finds in the page cache.
+A probe reads 2 x 3 x ``PROBE_BYTES`` (the strategies in turns, twice: a noisy spell hits them alike) and keeps
+``direct`` unless another strategy is ``_MARGIN`` faster. ``load()`` and the torch zip reader probe straight into
+the memory the load fills (``read_whole``: nothing is read twice; a file the probe touched is verified by one
+CRC32C pass once complete); ``load_into`` probes into a small scratch buffer (its targets are not page-aligned) and
+finds the buffered regions in the page cache afterwards.
 
 The verdict only picks among strategies that all read the same verified bytes, so a damaged or planted verdict
 file can cost speed, never correctness: it is read bounded, a non-regular file or a symlink is ignored, and a
@@ -27,12 +30,14 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, IntegrityError
+from ..format.checksum import crc32c
 from ..storage.local import LocalStorage, aligned_buffer
 from .pagecache import resident_fraction
 from .readers import STRATEGIES, Range, read_ranges
 
-__all__ = ["CHOICES", "PROBE_BYTES", "VERDICT_NAME", "choose", "measure_read", "forget", "unread", "verdicts"]
+__all__ = ["CHOICES", "PROBE_BYTES", "VERDICT_NAME", "choose", "measure_read", "forget", "read_whole", "unread",
+           "verdicts"]
 log = logging.getLogger("fastckpt")
 
 CHOICES = ("auto",) + STRATEGIES  # what ``read.strategy`` accepts
@@ -73,7 +78,7 @@ def measure_read(storage: LocalStorage, path: str, offset: int, length: int, str
     return seconds
 
 
-def unread(size: int, probed: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+def unread(size: int, probed: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:  # (offset, length) of one file
     """The ``(start, end)`` spans of ``[0, size)`` outside the ``(offset, length)`` regions a probe already read."""
     spans, at = [], 0
     for offset, length in sorted(probed):
@@ -83,6 +88,29 @@ def unread(size: int, probed: Sequence[tuple[int, int]]) -> list[tuple[int, int]
     if at < size:
         spans.append((at, size))
     return spans
+
+
+def read_whole(storage: object, ranges: Sequence[Range], setting: str, workers: int, root: str | None = None) -> str:
+    """Read ``ranges`` (each a whole file, offset 0, into page-aligned memory: ``load()``'s shards, a torch file) as
+    ``choose`` says; return the strategy. A probe reads its regions straight into the ranges' memory, the rest is
+    read after it, and a file the probe touched is verified by one CRC32C pass over it once complete (the pieces
+    of the others as they land), with the same ``IntegrityError`` naming the file and ``culprit``."""
+    by_path = {r.path: r for r in ranges}
+    probed: list[tuple[str, int, int]] = []
+    how = choose(storage, [(r.path, len(r.out)) for r in ranges], setting, workers, root,
+                 into=lambda path, at, n: by_path[path].out[at:at + n], probed=probed)
+    done: dict[str, list[tuple[int, int]]] = {}
+    for path, at, n in probed:
+        done.setdefault(path, []).append((at, n))
+    rest = [Range(r.path, r.offset + a, r.out[a:b], direct=r.direct) for r in ranges if r.path in done
+            for a, b in unread(len(r.out), done[r.path])]
+    read_ranges(storage, [r for r in ranges if r.path not in done] + rest, workers, strategy=how)
+    for r in ranges:
+        if r.path in done and r.crc is not None and crc32c(r.out) != r.crc:
+            what = r.culprit(r.out) if r.culprit is not None else r.what
+            raise IntegrityError(f"{r.path}: checksum mismatch{what} (CRC32C {crc32c(r.out):#010x}, expected "
+                                 f"{r.crc:#010x}); the file is corrupt. Load an earlier checkpoint (Checkpointer.list()).")
+    return how
 
 
 def verdicts() -> dict[int, str]:
@@ -99,14 +127,14 @@ def forget() -> None:
 
 def choose(storage: object, files: Sequence[tuple[str, int]], setting: str, workers: int,
            root: str | None = None, into: Callable[[str, int, int], memoryview] | None = None,
-           probed: list[tuple[int, int]] | None = None) -> str:
+           probed: list[tuple[str, int, int]] | None = None) -> str:
     """The strategy that reads ``files`` (``(path, size)``, the whole load) under ``setting`` (``read.strategy``).
 
     ``auto``: the device's verdict (this process's, else the one saved under ``root``), else a probe when the
     files are cold and big enough, else ``DEFAULT``; ``parallel`` whenever the files are warm. Any storage but a
     local one: ``DEFAULT`` (it ignores the strategy). With ``into(path, offset, length)`` (page-aligned memory where
     the load wants those bytes) the probe reads into it and appends each region it read to ``probed``
-    (``(offset, length)``; one file): the load then reads only the rest (``unread``), so the probe costs nothing."""
+    (``(path, offset, length)``): the load then reads only the rest (``read_whole``), so the probe costs nothing."""
     if setting not in CHOICES:
         raise ConfigError(f"read.strategy must be one of {', '.join(CHOICES)}; got {setting!r}")
     if setting != "auto":
@@ -140,7 +168,7 @@ def choose(storage: object, files: Sequence[tuple[str, int]], setting: str, work
 
 
 def _probe(storage: LocalStorage, files: Sequence[tuple[str, int]], workers: int,
-           into: Callable[[str, int, int], memoryview] | None, probed: list[tuple[int, int]] | None) -> str | None:
+           into: Callable[[str, int, int], memoryview] | None, probed: list[tuple[str, int, int]] | None) -> str | None:
     """Time every strategy ``_ROUNDS`` times, each on a cold region of its own (the last ones of the load: read again
     later, from the page cache or the disk, unless they were read ``into`` the load's memory); the fastest, or None
     if no region is cold or a read fails (the load reports it)."""
@@ -155,7 +183,7 @@ def _probe(storage: LocalStorage, files: Sequence[tuple[str, int]], workers: int
             seconds = measure_read(storage, path, offset, PROBE_BYTES, strategy, workers, out)
             timings[strategy] = min(seconds, timings.get(strategy, seconds))
             if out is not None and probed is not None:
-                probed.append((offset, PROBE_BYTES))
+                probed.append((path, offset, PROBE_BYTES))
     except Exception as e:  # noqa: BLE001 - the load itself reads these files and raises what is wrong, named
         log.debug("read strategy probe failed: %s", e)
         return None

@@ -35,8 +35,8 @@ import torch
 
 from ..errors import IntegrityError
 from .pagecache import resident_fraction
-from .readers import Range, read_ranges
-from .strategy import choose, unread
+from .readers import Range
+from .strategy import read_whole
 from ..storage.local import LocalStorage, aligned_buffer
 from ..format.zipdir import crc_less, record_spans
 
@@ -58,10 +58,7 @@ def load_torch_file(path: str, *, map_location: Any = None, workers: int = 2, ve
     storage = LocalStorage(os.path.dirname(path) or ".")
     if size and resident_fraction(path, size) < 0.5:  # cold: parallel reads into fresh memory
         keep, view = aligned_buffer(size)
-        probed: list[tuple[int, int]] = []  # a probe (read.strategy: auto) reads its regions into ``view``
-        how = choose(storage, [(path, size)], strategy, workers, into=lambda _, at, n: view[at:at + n], probed=probed)
-        read_ranges(storage, [Range(path, a, view[a:b], direct=True) for a, b in unread(size, probed)], workers,
-                    strategy=how)
+        read_whole(storage, [Range(path, 0, view, direct=True)], strategy, workers)  # a probe reads into ``view``
     else:  # cached: view the page cache
         keep, view = storage.map_file(path, size) if size else (None, memoryview(b""))
     spans = record_spans(path, view)  # the zip directory, from memory; every record, data.pkl included
