@@ -47,7 +47,11 @@ LOADERS: dict[str, tuple[str, str, bool]] = {
 _SKIP_PEERS = ("torch_save", "dcp_default", "dcp_stager", "fastckpt", "lightning_async")  # measured above
 
 
-def _state(shape: dict) -> tuple[Trainer, dict]:
+def _state(shape: dict, flat: int = 0) -> tuple[Trainer | None, dict]:
+    if flat:  # the cold-load case of issue 27: ``flat`` tensors of 4 MiB (restore_cold.py)
+        from .restore_cold import flat_state
+
+        return None, flat_state(flat)
     tr = Trainer(wl.Shape(**shape))
     tr.step()  # AdamW's state exists after one step, as at any resume
     return tr, tr.state(1)
@@ -144,14 +148,14 @@ def _loader(loader: str, root: Path, shm_dir: str, s3: dict | None, template: An
 
 
 def task_restore_load(shape: dict, root: str, loader: str, cold: bool, shm_dir: str = "/dev/shm",
-                      s3: dict | None = None, check: bool = True) -> dict[str, Any]:
+                      s3: dict | None = None, check: bool = True, flat: int = 0) -> dict[str, Any]:
     """One timed load in this (fresh) process: seconds, peak RSS above the start, the tier that served it."""
     r = Path(root)
     in_place = LOADERS.get(loader, ("", "", True))[2]
     # The state to compare with is rebuilt after the timed load: holding a second copy during it would make
     # this process unlike a restarted trainer (its fresh allocations would come from memory no process had
     # touched, slower to fault in on this VM than the memory the reference copies use).
-    template = zeroed_like(_state(shape)[1]) if in_place else None
+    template = zeroed_like(_state(shape, flat)[1]) if in_place else None
     gc.collect()
     call, closer = _loader(loader, r, shm_dir, s3, template)
     folder = LOADERS.get(loader, ("", loader, False))[1]
@@ -168,8 +172,9 @@ def task_restore_load(shape: dict, root: str, loader: str, cold: bool, shm_dir: 
     stats = getattr(closer, "last_load_stats", None)
     if stats is not None:
         out.update(tier=stats.tier, method=stats.method, nbytes=stats.nbytes, verified=stats.verified)
+    out["strategy"] = _verdict(r / folder) if folder and loader.startswith("fastckpt") else None
     if check:
-        diff = first_difference(_state(shape)[1], got)
+        diff = first_difference(_state(shape, flat)[1], got)
         out["bit_exact"] = diff is None
         if diff:
             out["diff"] = diff
@@ -177,6 +182,17 @@ def task_restore_load(shape: dict, root: str, loader: str, cold: bool, shm_dir: 
     if closer is not None:
         closer.close()
     return out
+
+
+def _verdict(where: Path) -> list[str] | None:
+    """The read strategy probed on this device (``read.strategy: auto``: a cold load's choice), from the verdict
+    file a Checkpointer keeps in its root (docs/FORMAT.md)."""
+    import json
+
+    try:
+        return [json.loads((where / ".fastckpt-read.json").read_text())["strategy"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _first_write(obj: Any) -> float:
@@ -202,38 +218,14 @@ def task_restore_s3_whole(s3: dict) -> dict[str, Any]:
 
 
 def task_restore_raw_read(root: str, reps: int = 3) -> dict[str, Any]:
-    """The device's ceiling for a cold load: the bytes of fastckpt's shard files read with O_DIRECT, 8 MiB
-    pieces on 8 threads, into memory already faulted in (no checksum, no tensors); the page cache dropped
-    before each of ``reps`` reads, the best kept. A cold loader at this time is bound by the disk."""
-    import mmap as _mmap
-    from concurrent.futures import ThreadPoolExecutor
+    """The device's ceiling for a cold load: the best of several raw readers (benchmarks/rawread.py) of
+    fastckpt's shard files into faulted-in and into fresh memory, and of the torch file into fresh memory."""
+    from .rawread import raw_read, shard_files
 
-    from fastckpt.read.readers import pread_all
-
-    files = sorted(str(p) for p in (Path(root) / "fc").rglob("shard-*.safetensors"))
-    sizes = [os.path.getsize(f) - os.path.getsize(f) % 4096 for f in files]  # O_DIRECT: whole pages
-    bufs = [_mmap.mmap(-1, max(n, 1)) for n in sizes]
-    for b in bufs:
-        torch.frombuffer(b, dtype=torch.uint8).fill_(0)  # faulted in, as a model's memory is
-    pieces = [(k, at, min(8 << 20, n - at)) for k, n in enumerate(sizes) for at in range(0, n, 8 << 20)]
-    best = float("inf")
-    for _ in range(reps):
-        drop_cache(Path(root) / "fc")
-        fds = [os.open(f, os.O_RDONLY | getattr(os, "O_DIRECT", 0)) for f in files]
-
-        def one(piece: tuple[int, int, int], fds: list[int] = fds) -> None:
-            k, at, n = piece
-            pread_all(fds[k], memoryview(bufs[k])[at: at + n], at)
-
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(8) as pool:
-            list(pool.map(one, pieces))
-        best = min(best, time.perf_counter() - t0)
-        for fd in fds:
-            os.close(fd)
-    for b in bufs:
-        b.close()
-    return {"bytes": sum(sizes), "seconds": best, "GBps": sum(sizes) / best / 1e9, "reps": reps}
+    out = raw_read(shard_files(Path(root) / "fc"), reps)  # into faulted-in memory: the ceiling of load_into
+    out["fresh"] = raw_read(shard_files(Path(root) / "fc"), reps, fresh=True)  # of load()
+    out["torch_file"] = raw_read([str(Path(root) / "torch.pt")], reps, fresh=True)  # of torch.load, the zip reader
+    return out
 
 
 def _fill_shm(path: str, nbytes: int) -> None:

@@ -8,6 +8,7 @@ from typing import Any
 
 from .labels import own_run_label
 from .restore import LOADERS
+from .restore_cold import cold_markdown, run_cold
 
 
 def _s3_server(workdir: Path) -> tuple[Any, dict | None, str | None]:
@@ -51,8 +52,8 @@ def run_restore(run: Any, shape: dict, workdir: Path, peer_names: list[str], col
                           dict(shape=shape, root=str(root), loader=name, cold=temp == "cold", shm_dir=shm_dir, s3=s3))
                 out["loads"].append(res)
         if cold:
-            out["raw_read"] = run("restore: raw O_DIRECT read of the shards (disk ceiling)", "restore_raw_read",
-                                  dict(root=str(root)))
+            out["cold"] = run_cold(run, shape, root)  # its workload case reads the raw ceiling of these files
+            out["raw_read"] = out["cold"]["cases"]["workload"]["raw"]
         out["memcpy"] = run("restore: memcpy reference (shm)", "restore_memcpy",
                             dict(nbytes=saved["result"]["state_bytes"], shm_dir=shm_dir))
         if s3 is not None:
@@ -103,17 +104,19 @@ def restore_markdown(res: dict[str, Any]) -> list[str]:
         if not r.get("ok"):
             md.append(f"- failed: {r.get('error', '')[:300]}")
     raw = res.get("raw_read")
-    if raw and raw.get("ok"):
+    if raw and raw.get("ok") and "readers" in raw["result"]:
         w = raw["result"]
+        ceil = w["readers"][w["best"]]["seconds"]
         cold = {r["loader"]: r["seconds"] for r in rows if r["cold"]}
-        at = ", ".join(f"{name} {w['seconds'] / cold[key]:.0%}" for key, name in
+        at = ", ".join(f"{name} {ceil / cold[key]:.0%}" for key, name in
                        (("torch_load", "torch.load"), ("fastckpt_load", "fastckpt `load()`"),
                         ("fastckpt_load_into", "`load_into()`")) if key in cold)
-        md.append(f"- disk ceiling: the shard files' {w['bytes'] / 1e9:.2f} GB read raw (O_DIRECT, 8 MiB pieces on 8 "
-                  f"threads, into faulted-in memory, no checksum; best of {w['reps']}) take {w['seconds']:.3f} s = "
-                  f"{w['GBps']:.2f} GB/s. Cold loads reach this fraction of it: {at}. A loader near 100% is bound "
-                  "by the disk; a ratio to torch.load then says how far torch.load is from the disk, not how "
-                  "fast a loader can be.")
+        each = ", ".join(f"{n} {r['seconds']:.3f} s" for n, r in w["readers"].items())
+        md.append(f"- disk ceiling: the shard files' {w['bytes'] / 1e9:.2f} GB read raw by the best of several readers "
+                  f"(into faulted-in memory, no checksum; best of {w['reps']} each, cold: {each}): **{w['best']}**, "
+                  f"{ceil:.3f} s = {w['bytes'] / ceil / 1e9:.2f} GB/s. Cold loads above reach this fraction of it: "
+                  f"{at}. A loader near 100% is bound by the disk; a ratio to torch.load then says how far torch.load "
+                  "is from the disk, not how fast a loader can be.")
     mc = res.get("memcpy")
     if mc and mc.get("ok"):
         m = mc["result"]
@@ -142,4 +145,6 @@ def restore_markdown(res: dict[str, Any]) -> list[str]:
             if fc else ""
         md.append(f"- S3 reference: {w['objects']} shard objects fetched whole by concurrent s3fs GETs "
                   f"(`fs.cat`): {w['bytes'] / 1e9:.2f} GB in {w['seconds']:.2f} s = {w['GBps']:.2f} GB/s{ratio}.")
+    if res.get("cold"):
+        md += [""] + (cold_markdown(res["cold"]["result"] if "result" in res["cold"] else res["cold"]))
     return md + [""]

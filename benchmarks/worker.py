@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 
 def _tasks() -> dict[str, Callable[..., dict[str, Any]]]:
-    from . import breakdown, busy, frameworks, measure, restore
+    from . import breakdown, busy, frameworks, measure, restore, restore_cold
 
     return {
         "calibrate": measure.task_calibrate,
@@ -30,6 +30,7 @@ def _tasks() -> dict[str, Callable[..., dict[str, Any]]]:
         "restore_memcpy": restore.task_restore_memcpy,
         "restore_raw_read": restore.task_restore_raw_read,
         "restore_s3_whole": restore.task_restore_s3_whole,
+        "restore_cold_save": restore_cold.task_restore_cold_save,
     }
 
 

@@ -221,7 +221,7 @@ class Checkpointer(Cadenced):
             self._saver.drain()
         return CheckpointReader(storage, dirpath, verify=self.config.persist.verify_on_load,
                                 workers=self.config.persist.workers, allowed_classes=self.config.allowed_classes,
-                                coord=self._coord)
+                                coord=self._coord, strategy=self.config.read.strategy, remember=True)
 
     def _read(self, step: int | None, name: str | None, use: Callable[[CheckpointReader], Any],
               shm: Callable[[CheckpointReader], Any] | None = None, healthy: bool = False) -> Any:

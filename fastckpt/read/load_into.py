@@ -139,7 +139,8 @@ def read_into(reader: "CheckpointReader", target: Any) -> tuple[Any, int] | None
     objects = reader.objects()
     out: list[Any] = [None] * len(reader.entries)
     targets = _Targets()
-    for f in reader.read_plan():  # the same checks (listed file, size, confinement) as load()
+    plan = reader.read_plan()
+    for f in plan:  # the same checks (listed file, size, confinement) as load()
         for e in f.entries:
             dst = wanted.get(e.key)
             if dst is None:
@@ -151,12 +152,14 @@ def read_into(reader: "CheckpointReader", target: Any) -> tuple[Any, int] | None
         if out[e.index] is None:
             t = torch.empty(e.shape, dtype=e.dtype)
             out[e.index] = t.numpy() if e.numpy else t
-    prefetch(reader.storage, sorted({r.path for r in targets.ranges} | {b[0] for b in targets.buffered}))
+    paths = sorted({r.path for r in targets.ranges} | {b[0] for b in targets.buffered})
+    how = reader.read_strategy([(f.path, f.size) for f in plan if f.path in paths])
+    prefetch(reader.storage, paths)
     targets.prepare_cuda()
     try:
-        nbytes = read_ranges(reader.storage, targets.ranges, reader.workers, targets.done)
+        nbytes = read_ranges(reader.storage, targets.ranges, reader.workers, targets.done, strategy=how)
         for batch in targets.batches():
-            nbytes += read_ranges(reader.storage, batch, reader.workers, targets.done)
+            nbytes += read_ranges(reader.storage, batch, reader.workers, targets.done, strategy=how)
     except IntegrityError as e:
         raise IntegrityError(f"{e}. load_into() had already written part of the target, which now mixes old "
                              "and checkpoint values: load again before training on") from e

@@ -5,10 +5,10 @@ it is used. A CRC mismatch is localised with the per-tensor checksums so the
 error names the tensor as well as the file.
 
 ``load()`` on a local root maps a shard that sits in the page cache (the tensors view the cache: a
-warm 1.48 GB load takes ~0.08 s) and reads one that does not (``fastckpt.read.pagecache``) with O_DIRECT,
-all such shards in one batch of ``READS_IN_FLIGHT`` concurrent 8 MiB reads into one fresh page-aligned
-buffer per shard, each piece's CRC32C taken as it lands; the tensors are views of those buffers (no
-second copy). Mapping a cold shard instead leaves tensors that copy each 4 KiB page on the first write
+warm 1.48 GB load takes ~0.08 s) and reads one that does not (``fastckpt.read.pagecache``) as the device
+reads fastest (``fastckpt.read.strategy``: O_DIRECT, parallel or sequential buffered), all such shards in
+one batch into one fresh page-aligned buffer per shard, each piece's CRC32C taken as it lands; the
+tensors are views of those buffers (no second copy). Mapping a cold shard instead leaves tensors that copy each 4 KiB page on the first write
 of training (copy-on-write of a file mapping), so only loads whose tensors stay on the CPU read.
 
 Measured (1.48 GB GPT-2-small + AdamW state, one fresh process per load as benchmarks/restore.py does,
@@ -48,7 +48,8 @@ from .loadstats import LoadStats
 from .maplocation import placer, saved_location
 from .pagecache import resident_fraction
 from ..format.paths import confine
-from .readers import Range, prefetch, read_ranges
+from .readers import Range, prefetch
+from .strategy import choose, read_whole
 from ..storage.local import LocalStorage, aligned_buffer
 from ..storage.protocol import Storage
 from ..format.table import TableEntry, numel, parse_dtype, parse_table
@@ -86,8 +87,10 @@ class CheckpointReader:
     """Reads one committed checkpoint directory."""
 
     def __init__(self, storage: Storage, dirpath: str, *, verify: bool = True, workers: int = 2,
-                 allowed_classes: Iterable[str] = (), coord: Any = None) -> None:
+                 allowed_classes: Iterable[str] = (), coord: Any = None, strategy: str = "auto", remember: bool = False) -> None:
         self.storage = storage
+        self.strategy = strategy  # read.strategy (fastckpt.read.strategy); a Checkpointer's reader keeps its verdict
+        self.verdict_root = getattr(storage, "url", None) if remember else None  # in its root, a lone one in memory
         self.coord = coord  # distributed: each file is read by one rank and broadcast
         self.dirpath = dirpath
         self.verify = verify
@@ -224,10 +227,14 @@ class CheckpointReader:
         (MAP_POPULATE, on two threads) measured 1.6-1.9 s against 1.0-1.3 s, and transparent huge pages
         2.2-4.6 s (compaction) for a cold 1.48 GB load."""
         got = {f.name: aligned_buffer(f.size) for f in files}
-        read_ranges(self.storage, [Range(f.path, 0, got[f.name][1], f.crc if self.verify else None, direct=True,
-                                         culprit=functools.partial(self._culprit, f.name)) for f in files],
-                    self.workers)
+        read_whole(self.storage, [Range(f.path, 0, got[f.name][1], f.crc if self.verify else None, direct=True,
+                                        culprit=functools.partial(self._culprit, f.name)) for f in files],
+                   self.strategy, self.workers, self.verdict_root)  # a probe (read.strategy: auto) reads into them
         return {f.name: self._wrap(f, *got[f.name]) for f in files}
+
+    def read_strategy(self, files: list[tuple[str, int]]) -> str:
+        """How this load reads ``files`` (``(path, size)``): ``read.strategy``, or the device's probed verdict."""
+        return choose(self.storage, files, self.strategy, self.workers, self.verdict_root) if files else "direct"
 
     def _wrap(self, f: ShardFile, keep: Any, view: memoryview) -> torch.Tensor:
         buf = torch.frombuffer(keep, dtype=torch.uint8)

@@ -40,18 +40,28 @@ from typing import Callable, Sequence
 import torch
 
 from ..format.checksum import combine, crc32c
-from ..errors import IntegrityError, StorageError
+from ..errors import ConfigError, IntegrityError, StorageError
 from ..storage.local import LocalStorage, open_regular
 from ..storage.protocol import Storage
 
-__all__ = ["PIECE_BYTES", "LOCAL_PIECE_BYTES", "READS_IN_FLIGHT", "COPY_STEP", "Piece", "Range", "read_ranges",
-           "tensor_bytes", "split", "prefetch", "pread_all"]
+__all__ = ["PIECE_BYTES", "LOCAL_PIECE_BYTES", "READS_IN_FLIGHT", "COPY_STEP", "SEQUENTIAL_PIECE_BYTES",
+           "SEQUENTIAL_THREADS", "STRATEGIES", "Piece", "Range", "read_ranges", "tensor_bytes", "split", "prefetch",
+           "pread_all"]
 
 PIECE_BYTES = 16 << 20  # the remote tier's ranged-GET size too: big enough to amortise a request
 # Raw cold O_DIRECT reads of the 1.48 GB shards on 8 threads (one process, medians of 3 on the shared VM):
 # 0.58 s in 8 MiB pieces, 0.61 s in 4 MiB, 0.81 s in 16 MiB; 2 threads of 16 MiB: 1.06 s.
 LOCAL_PIECE_BYTES = 8 << 20
 READS_IN_FLIGHT = 8  # local reads queued at once (threads), whatever ``workers`` says: they wait on the disk
+# How local files are read (``read.strategy``; ``fastckpt.read.strategy`` picks one per device): ``direct``
+# (the above, O_DIRECT for the ranges marked ``direct``), ``parallel`` (the same pieces and threads, never
+# O_DIRECT) or ``sequential`` (buffered, in file order, POSIX_FADV_SEQUENTIAL: the kernel's readahead keeps
+# the disk busy ahead of the reads, which some virtual disks serve at least as fast as many queued requests).
+STRATEGIES = ("sequential", "parallel", "direct")
+SEQUENTIAL_PIECE_BYTES = 16 << 20
+# Two threads taking the pieces in file order: while one checksums its piece (and faults in fresh memory),
+# the other reads the next, so the CRC never stalls the stream; the readahead still sees one sequential reader.
+SEQUENTIAL_THREADS = 2
 COPY_STEP = 1 << 20  # memory-backed storages: copy this much, then CRC it while it is in the CPU cache
 _ALIGN = 4096  # O_DIRECT: file offset, length and memory address
 
@@ -119,18 +129,25 @@ def prefetch(storage: Storage, paths: Sequence[str]) -> None:
 
 
 def read_ranges(storage: Storage, ranges: Sequence[Range], workers: int,
-                on_done: Callable[[Range], None] | None = None) -> int:
+                on_done: Callable[[Range], None] | None = None, strategy: str = "direct") -> int:
     """Read every range on ``workers`` threads (local files: at least ``READS_IN_FLIGHT``), verifying each as
-    its last piece arrives; return the bytes read.
+    its last piece arrives; return the bytes read. ``strategy`` (one of ``STRATEGIES``) says how local files
+    are read; other storages ignore it.
 
     ``on_done(range)`` runs on the reading thread once a range is complete and verified (a CUDA copy,
     say). The first failure stops the rest and is raised once: ``IntegrityError`` naming the file and
     ``what`` on a checksum mismatch, ``StorageError`` naming the file on a read failure.
     """
-    job = _Job(storage, on_done)
-    if job.local:
-        workers = max(workers, READS_IN_FLIGHT)
-    pieces = [p for r in ranges for p in split(r, LOCAL_PIECE_BYTES if job.local else PIECE_BYTES)]
+    if strategy not in STRATEGIES:
+        raise ConfigError(f"read strategy {strategy!r} is not one of {', '.join(STRATEGIES)} (read_ranges: "
+                          "fastckpt.read.strategy.choose resolves read.strategy: auto to one of them)")
+    job = _Job(storage, on_done, strategy)
+    piece = PIECE_BYTES
+    if job.local and strategy == "sequential":
+        workers, piece = SEQUENTIAL_THREADS, SEQUENTIAL_PIECE_BYTES
+    elif job.local:
+        workers, piece = max(workers, READS_IN_FLIGHT), LOCAL_PIECE_BYTES
+    pieces = [p for r in ranges for p in split(r, piece)]
     pieces.sort(key=lambda p: (p.range.path, p.range.offset + p.start))  # sequential per file: readahead helps
     try:
         if workers <= 1 or len(pieces) <= 1:
@@ -148,8 +165,10 @@ def read_ranges(storage: Storage, ranges: Sequence[Range], workers: int,
 class _Job:
     """The shared state of one ``read_ranges`` call: open descriptors, the per-range countdown, the stop flag."""
 
-    def __init__(self, storage: Storage, on_done: Callable[[Range], None] | None) -> None:
+    def __init__(self, storage: Storage, on_done: Callable[[Range], None] | None, strategy: str) -> None:
         self.storage = storage
+        self.direct = strategy == "direct"  # the others never open O_DIRECT
+        self.sequential = strategy == "sequential"
         self.local = isinstance(storage, LocalStorage)
         self.in_memory = bool(getattr(storage, "in_memory", False))
         self.on_done = on_done
@@ -194,7 +213,7 @@ class _Job:
 
     def _read_local(self, r: Range, out: memoryview, offset: int) -> None:
         cut = len(out) - len(out) % _ALIGN
-        if r.direct and cut and r.path not in self.direct_refused:
+        if r.direct and self.direct and cut and r.path not in self.direct_refused:
             fd = self._fd(r.path, direct=True)
             if fd is not None:
                 try:
@@ -220,6 +239,8 @@ class _Job:
                         self.direct_refused.add(path)
                         return None
                     raise StorageError(f"cannot open {path!r} for reading: {e}") from e
+                if self.sequential and hasattr(os, "posix_fadvise"):  # a larger readahead window, at once
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
             return fd
 
     def _arrived(self, p: Piece, value: int) -> None:

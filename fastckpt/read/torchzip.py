@@ -35,7 +35,8 @@ import torch
 
 from ..errors import IntegrityError
 from .pagecache import resident_fraction
-from .readers import Range, read_ranges
+from .readers import Range
+from .strategy import read_whole
 from ..storage.local import LocalStorage, aligned_buffer
 from ..format.zipdir import crc_less, record_spans
 
@@ -48,13 +49,16 @@ except ImportError:  # pragma: no cover - depends on the environment
     _crc32 = zlib.crc32
 
 
-def load_torch_file(path: str, *, map_location: Any = None, workers: int = 2, verify: bool = True) -> Any:
-    """``torch.load(path, map_location=map_location, weights_only=True)``, its records CRC-checked in parallel."""
+def load_torch_file(path: str, *, map_location: Any = None, workers: int = 2, verify: bool = True,
+                    strategy: str = "auto") -> Any:
+    """``torch.load(path, map_location=map_location, weights_only=True)``, its records CRC-checked in parallel;
+    ``strategy``: how a cold file is read (``read.strategy``; ``auto``: the device's verdict, kept in this process's
+    memory only: a Lightning ``dirpath`` holds nothing but Lightning's files)."""
     size = os.path.getsize(path)
     storage = LocalStorage(os.path.dirname(path) or ".")
-    if size and resident_fraction(path, size) < 0.5:  # cold: parallel O_DIRECT reads into fresh memory
+    if size and resident_fraction(path, size) < 0.5:  # cold: parallel reads into fresh memory
         keep, view = aligned_buffer(size)
-        read_ranges(storage, [Range(path, 0, view, direct=True)], workers)
+        read_whole(storage, [Range(path, 0, view, direct=True)], strategy, workers)  # a probe reads into ``view``
     else:  # cached: view the page cache
         keep, view = storage.map_file(path, size) if size else (None, memoryview(b""))
     spans = record_spans(path, view)  # the zip directory, from memory; every record, data.pkl included

@@ -1,0 +1,104 @@
+"""The disk ceiling of a cold load (issue 27): the best of several raw readers of the same files.
+
+On one virtual disk many parallel O_DIRECT requests win; on another one buffered stream with the kernel's
+readahead is at least as fast. So the ceiling a cold loader is held to is the best of:
+
+- ``sequential``: one thread, each file opened buffered with ``POSIX_FADV_SEQUENTIAL``, ``readinto`` of
+  ``SEQ_PIECE`` bytes at a time (the kernel's readahead keeps the disk busy ahead of the thread);
+- ``parallel``: ``THREADS`` threads of buffered ``preadv`` in ``PIECE`` pieces;
+- ``direct``: the same with O_DIRECT (page-aligned lengths; the sub-page tail of a file is left out).
+
+Each reads every byte of the files, with no checksum, the files' pages dropped from the page cache before every
+read, into memory already faulted in (a model's, what ``load_into`` fills) or into fresh memory (what a loader
+that returns new tensors fills, paying the first touch of every page); the best of ``reps`` is kept per reader,
+every run reported.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fastckpt.read.readers import pread_all
+
+from .measure import drop_file_cache
+
+SEQ_PIECE = 16 << 20
+PIECE = 8 << 20
+THREADS = 8
+READERS = ("sequential", "parallel", "direct")
+
+
+def _sequential(files: list[str], bufs: list[memoryview]) -> None:
+    for path, buf in zip(files, bufs):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            for at in range(0, len(buf), SEQ_PIECE):
+                pread_all(fd, buf[at: at + SEQ_PIECE], at)
+        finally:
+            os.close(fd)
+
+
+def _parallel(files: list[str], bufs: list[memoryview], flags: int) -> None:
+    fds = [os.open(f, os.O_RDONLY | flags) for f in files]
+    pieces = [(k, at) for k, b in enumerate(bufs) for at in range(0, len(b), PIECE)]
+
+    def one(piece: tuple[int, int]) -> None:
+        k, at = piece
+        pread_all(fds[k], bufs[k][at: at + PIECE], at)
+
+    try:
+        with ThreadPoolExecutor(THREADS) as pool:
+            list(pool.map(one, pieces))
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def raw_read(files: list[str], reps: int = 3, fresh: bool = False) -> dict[str, Any]:
+    """Each reader of ``READERS`` run ``reps`` times, cold, in turns (so that a noisy spell hits them alike):
+    ``{"bytes", "reps", "fresh", "readers": {name: {"runs": [s...], "seconds": best, "GBps"}}, "best": name}``.
+    ``fresh``: into newly mapped memory, faulted in by the reads themselves (what a loader that returns new tensors
+    must do, ``load()`` and torch.load); else into memory faulted in before the clock starts (``load_into``'s model)."""
+    sizes = [os.path.getsize(f) - os.path.getsize(f) % 4096 for f in files]  # whole pages: O_DIRECT needs them
+    times: dict[str, list[float]] = {name: [] for name in READERS}
+    for _ in range(reps):
+        for name in READERS:
+            maps = [mmap.mmap(-1, max(n, 1)) for n in sizes]
+            if not fresh:
+                for m in maps:
+                    torch.frombuffer(m, dtype=torch.uint8).fill_(0)  # faulted in, as a model's memory is
+            bufs = [memoryview(m)[:n] for m, n in zip(maps, sizes)]
+            try:
+                for f in files:
+                    drop_file_cache(f)
+                t0 = time.perf_counter()
+                _run(name, files, bufs)
+                times[name].append(time.perf_counter() - t0)
+            finally:
+                for b in bufs:
+                    b.release()
+                for m in maps:
+                    m.close()
+    total = sum(sizes)
+    readers = {name: {"runs": t, "seconds": min(t), "GBps": total / min(t) / 1e9} for name, t in times.items()}
+    return {"bytes": total, "reps": reps, "fresh": fresh, "readers": readers,
+            "best": min(readers, key=lambda n: readers[n]["seconds"])}
+
+
+def _run(name: str, files: list[str], bufs: list[memoryview]) -> None:
+    if name == "sequential":
+        _sequential(files, bufs)
+    else:
+        _parallel(files, bufs, getattr(os, "O_DIRECT", 0) if name == "direct" else 0)
+
+
+def shard_files(folder: Path) -> list[str]:
+    """The tensor files of the fastckpt checkpoint(s) under ``folder``."""
+    return sorted(str(p) for p in Path(folder).rglob("shard-*.safetensors"))

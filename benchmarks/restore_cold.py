@@ -1,0 +1,150 @@
+"""Cold loads against torch.load and the disk ceiling (issue 27), part of the restore section.
+
+Two states: the workload's (model + AdamW, ~1.48 GB, the files the restore section already saved) and
+``FLAT_TENSORS`` tensors of 4 MiB (~0.63 GB). For each, ``ROUNDS`` rounds of cold loads, each in a fresh process
+(the files' pages dropped first, every byte of the result compared with the saved state afterwards), loaders in
+turns so that a noisy spell hits them alike: ``torch.load(weights_only=True)``, the torch zip reader (the
+Lightning plugin's load), fastckpt ``load()`` and ``load_into()`` (read strategy ``auto``: the first cold load
+on the device probes, every run is reported). Then the raw readers of benchmarks/rawread.py over the same files;
+the ceiling is the best of them. Verdicts: each loader's best cold time <= torch.load's best (1.00x) and <= 1.10x
+the best raw reader's.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+FLAT_TENSORS = 150
+FLAT_NUMEL = 1 << 20  # fp32: 4 MiB each
+ROUNDS = 3
+LOADERS = {  # loader -> label (benchmarks/restore.py's loaders)
+    "torch_load": "torch.load",
+    "torchzip": "torch zip reader (Lightning plugin load)",
+    "fastckpt_load": "fastckpt load()",
+    "fastckpt_load_into": "fastckpt load_into()",
+}
+# The ceiling each loader is held to: the raw readers of the same files into the same kind of memory (None: the
+# shard files into faulted-in memory, as load_into fills a model's; "fresh": into new memory, as load() returns).
+_CEILING = {"torch_load": "torch_file", "torchzip": "torch_file", "fastckpt_load": "fresh", "fastckpt_load_into": None}
+VS_TORCH = 1.00  # at most torch.load's best cold time
+VS_RAW = 1.10  # at most 10% above the best raw reader's
+
+
+def flat_state(n: int = FLAT_TENSORS) -> dict[str, torch.Tensor]:
+    """``n`` fp32 tensors of 4 MiB, the same bits in every process (the bit-exact check rebuilds them)."""
+    g = torch.Generator().manual_seed(27)
+    return {f"layer{i:03d}.weight": torch.randn(FLAT_NUMEL, generator=g) for i in range(n)}
+
+
+def task_restore_cold_save(root: str, n: int = FLAT_TENSORS) -> dict[str, Any]:
+    """Save the flat state with torch.save and fastckpt under ``root``; its size."""
+    from fastckpt import CheckpointConfig, Checkpointer
+
+    r = Path(root)
+    r.mkdir(parents=True, exist_ok=True)
+    state = flat_state(n)
+    torch.save(state, r / "torch.pt")
+    with Checkpointer(CheckpointConfig(root=str(r / "fc"), staging={"mode": "eager"})) as ck:
+        ck.save(state, 1).wait()
+    os.sync()
+    return {"state_bytes": sum(t.numel() * t.element_size() for t in state.values())}
+
+
+Runner = Callable[[str, str, dict[str, Any]], dict[str, Any]]
+
+
+def run_cold(run: Runner, shape: dict, root: Path) -> dict[str, Any]:
+    """Both cases: ``{"cases": {name: {"state_bytes", "loads": [...], "raw": {...}}}}``; ``root`` holds the
+    workload's saves (torch.pt, fc/) already."""
+    cases: dict[str, Any] = {}
+    flat_root = root / "flat"
+    saved = run("restore cold: save the flat state", "restore_cold_save", dict(root=str(flat_root)))
+    todo = [("workload", root, 0, None)]
+    if saved.get("ok"):
+        todo.insert(0, (f"{FLAT_TENSORS} x 4 MiB", flat_root, FLAT_TENSORS, saved["result"]["state_bytes"]))
+    else:
+        cases[f"{FLAT_TENSORS} x 4 MiB"] = {"error": saved.get("error")}
+    for name, where, flat, nbytes in todo:
+        loads = []
+        for k in range(ROUNDS):
+            for loader in LOADERS:
+                loads.append(run(f"restore cold ({name}): {loader}, round {k + 1}", "restore_load",
+                                 dict(shape=shape, root=str(where), loader=loader, cold=True, flat=flat)))
+        raw = run(f"restore cold ({name}): raw readers (disk ceiling)", "restore_raw_read", dict(root=str(where)))
+        cases[name] = {"state_bytes": nbytes, "loads": loads, "raw": raw}
+    return {"cases": cases, "rounds": ROUNDS}
+
+
+def _ms(xs: list[float]) -> str:
+    return ", ".join(f"{x:.3f}" for x in xs)
+
+
+def _raw_line(raw: dict[str, Any], what: str) -> str:
+    readers = raw["readers"]
+    parts = [f"{name} {r['seconds']:.3f} s ({r['GBps']:.2f} GB/s; runs {_ms(r['runs'])})" for name, r in readers.items()]
+    return (f"- {what}, {raw['bytes'] / 1e9:.2f} GB, best of {raw['reps']} cold: " + "; ".join(parts)
+            + f". Ceiling: **{raw['best']}**, {readers[raw['best']]['seconds']:.3f} s.")
+
+
+def cold_markdown(res: dict[str, Any]) -> list[str]:
+    """The report's cold-load verdicts: per case, each loader's runs and best, against torch.load and the ceiling."""
+    md = ["### Cold load vs torch.load and the disk ceiling (issue 27)", "",
+          f"Each loader cold (pages dropped) in a fresh process, {res.get('rounds', ROUNDS)} rounds in turns, every "
+          "byte compared with the saved state. Raw readers (benchmarks/rawread.py): `sequential` = one thread, "
+          "buffered 16 MiB `preadv` with POSIX_FADV_SEQUENTIAL; `parallel` = 8 threads of buffered 8 MiB; `direct` = "
+          "the same with O_DIRECT; no checksum; the ceiling is the best of them. Each loader is held to the raw "
+          "readers of its own files into its own kind of memory: `load_into()` fills a model's memory, faulted in "
+          "before (the shard files into faulted-in memory); `load()` returns new tensors, whose pages the reads fault "
+          "in (the shard files into fresh memory); torch.load and the torch zip reader read the torch file into "
+          "fresh memory. Verdict: best "
+          f"cold time <= {VS_TORCH:.2f}x torch.load's best and <= {VS_RAW:.2f}x that ceiling. fastckpt reads with "
+          "`read.strategy: auto`: the first cold load on the device times each strategy once (its run included "
+          "below), later ones reuse the verdict.", ""]
+    for name, case in res.get("cases", {}).items():
+        if "error" in case:
+            md += [f"- {name}: n/a ({str(case['error'])[:200]})", ""]
+            continue
+        rows = [r["result"] for r in case["loads"] if r.get("ok")]
+        raw = case["raw"]["result"] if case["raw"].get("ok") else None
+        runs: dict[str, list[float]] = {}
+        exact: dict[str, bool] = {}
+        served: dict[str, set[str]] = {}
+        for r in rows:
+            runs.setdefault(r["loader"], []).append(r["seconds"])
+            exact[r["loader"]] = exact.get(r["loader"], True) and r.get("bit_exact", False)
+            if r["loader"] != "torch_load":
+                served.setdefault(r["loader"], set()).update(r.get("strategy") or ())
+        nbytes = case.get("state_bytes") or (raw["bytes"] if raw else 0)
+        md += [f"**{name}** ({nbytes / 1e9:.2f} GB of tensors)", "",
+               "| loader | cold runs (s) | best (s) | vs torch.load | vs ceiling | strategy | bit-exact | verdict |",
+               "|---|---|---|---|---|---|---|---|"]
+        ref = min(runs["torch_load"]) if runs.get("torch_load") else None
+        for loader, label in LOADERS.items():
+            if loader not in runs:
+                md.append(f"| {label} | failed | | | | | | |")
+                continue
+            best = min(runs[loader])
+            ceil = None
+            if raw:
+                src = raw[_CEILING[loader]] if _CEILING[loader] else raw
+                ceil = src["readers"][src["best"]]["seconds"]
+            vt = best / ref if ref else None
+            vr = best / ceil if ceil else None
+            ok = loader == "torch_load" or (vt is not None and vt <= VS_TORCH and vr is not None and vr <= VS_RAW)
+            md.append(f"| {label} | {_ms(runs[loader])} | {best:.3f} | {'n/a' if vt is None else f'{vt:.2f}x'} | "
+                      f"{'n/a' if vr is None else f'{vr:.2f}x'} | {', '.join(sorted(served.get(loader, ()))) or '-'} | "
+                      f"{exact[loader]} | {'-' if loader == 'torch_load' else 'PASS' if ok else 'FAIL'} |")
+        md.append("")
+        if raw:
+            md += [_raw_line(raw, "raw readers of the shard files into faulted-in memory (ceiling of load_into())"),
+                   _raw_line(raw["fresh"], "of the shard files into fresh memory (ceiling of load())"),
+                   _raw_line(raw["torch_file"], "of the torch file into fresh memory (ceiling of torch.load and "
+                                                "the torch zip reader)")]
+        for r in case["loads"] + [case["raw"]]:
+            if not r.get("ok"):
+                md.append(f"- failed: {str(r.get('error', ''))[:300]}")
+        md.append("")
+    return md

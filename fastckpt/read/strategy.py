@@ -1,0 +1,258 @@
+"""Which reading strategy serves a cold local load (``read.strategy``): probed once per device, then remembered.
+
+A cold load is bound by how the device likes to be read, and devices differ: the benchmark VM's virtual disk once
+served 8 parallel O_DIRECT requests fastest, and later one buffered stream with the kernel's readahead at least as
+fast (issue 27). So with ``read.strategy: auto`` the first cold load on a device times each strategy of
+``readers.STRATEGIES`` on ``PROBE_BYTES`` of its own files (a different cold region each, read with the real
+reader), and the fastest serves the load and every later one. The
+verdict is kept in memory per device (``st_dev``) and, for a ``Checkpointer``'s root, in ``VERDICT_NAME`` there, so
+a restarted process does not probe again. A load whose files sit mostly in the page cache never probes (the
+timings would measure memory copies, not the device) and reads in ``parallel``: memory copies on several threads.
+A probe reads 2 x 3 x ``PROBE_BYTES`` (the strategies in turns, twice: a noisy spell hits them alike) and keeps
+``direct`` unless another strategy is ``_MARGIN`` faster. ``load()`` and the torch zip reader probe straight into
+the memory the load fills (``read_whole``: nothing is read twice; a file the probe touched is verified by one
+CRC32C pass once complete); ``load_into`` probes into a small scratch buffer (its targets are not page-aligned) and
+finds the buffered regions in the page cache afterwards.
+
+The verdict only picks among strategies that all read the same verified bytes, so a damaged or planted verdict
+file can cost speed, never correctness: it is read bounded, a non-regular file or a symlink is ignored, and a
+verdict for another device or an unknown strategy is probed again and replaced.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import stat
+import threading
+import time
+from typing import Callable, Sequence
+
+import torch
+
+from ..errors import ConfigError, IntegrityError
+from ..format.checksum import crc32c
+from ..storage.local import LocalStorage, aligned_buffer
+from .pagecache import resident_fraction
+from .readers import STRATEGIES, Range, read_ranges
+
+__all__ = ["CHOICES", "PROBE_BYTES", "VERDICT_NAME", "choose", "measure_read", "forget", "read_whole", "unread",
+           "verdicts"]
+log = logging.getLogger("fastckpt")
+
+CHOICES = ("auto",) + STRATEGIES  # what ``read.strategy`` accepts
+PROBE_BYTES = 32 << 20  # per strategy: several of each reader's pieces, a few tens of ms on a ~1.5 GB/s disk
+_ROUNDS = 2  # each strategy timed this many times, in turns, on regions of its own
+# Another strategy replaces DEFAULT only if the probe found it this much faster: ~30 ms probes on a shared VM
+# (load average 10 on 2 cores) once chose ``sequential``, which then read 1.8x slower than O_DIRECT.
+_MARGIN = 0.10
+_PROBE_BELOW = 8  # a load of fewer than this many PROBE_BYTES (cold) is too small to pay for a probe
+_WARM = 0.5  # at least this fraction of the files in the page cache: warm, read in parallel, never probed
+VERDICT_NAME = ".fastckpt-read.json"  # a leading dot: never a checkpoint name, never collected
+_VERDICT_MAX = 4096
+_SCRATCH = 16 << 20  # the probe's buffer: one sequential piece, two parallel ones
+DEFAULT = "direct"  # before a verdict (a small cold load): the reader's long-standing choice
+
+_lock = threading.Lock()
+_verdicts: dict[int, str] = {}  # st_dev -> the strategy probed fastest there, for this process
+
+
+def measure_read(storage: LocalStorage, path: str, offset: int, length: int, strategy: str, workers: int,
+                 out: memoryview | None = None) -> float:
+    """Seconds to read ``length`` bytes of ``path`` at ``offset`` with ``strategy`` (the probe's one measurement;
+    tests replace it to inject timings), into ``out`` (page-aligned: where the load wants these bytes) or else
+    ``_SCRATCH`` bytes at a time into one page-aligned scratch buffer, faulted in before the clock starts: the probe
+    adds little to a load's peak memory (``load_into``'s is the model plus a few MiB)."""
+    keep = None
+    if out is not None:
+        ranges = [Range(path, offset, out[:length], direct=True)]
+    else:
+        keep, view = aligned_buffer(_SCRATCH)
+        torch.frombuffer(keep, dtype=torch.uint8).fill_(0)  # faulted in: page faults are no part of the comparison
+        ranges = [Range(path, at, view[:min(_SCRATCH, offset + length - at)], direct=True)
+                  for at in range(offset, offset + length, _SCRATCH)]  # every range lands in the same scratch
+    t0 = time.perf_counter()
+    read_ranges(storage, ranges, workers, strategy=strategy)
+    seconds = time.perf_counter() - t0
+    del ranges, keep
+    return seconds
+
+
+def unread(size: int, probed: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:  # (offset, length) of one file
+    """The ``(start, end)`` spans of ``[0, size)`` outside the ``(offset, length)`` regions a probe already read."""
+    spans, at = [], 0
+    for offset, length in sorted(probed):
+        if offset > at:
+            spans.append((at, offset))
+        at = max(at, offset + length)
+    if at < size:
+        spans.append((at, size))
+    return spans
+
+
+def read_whole(storage: object, ranges: Sequence[Range], setting: str, workers: int, root: str | None = None) -> str:
+    """Read ``ranges`` (each a whole file, offset 0, into page-aligned memory: ``load()``'s shards, a torch file) as
+    ``choose`` says; return the strategy. A probe reads its regions straight into the ranges' memory, the rest is
+    read after it, and a file the probe touched is verified by one CRC32C pass over it once complete (the pieces
+    of the others as they land), with the same ``IntegrityError`` naming the file and ``culprit``."""
+    by_path = {r.path: r for r in ranges}
+    probed: list[tuple[str, int, int]] = []
+    how = choose(storage, [(r.path, len(r.out)) for r in ranges], setting, workers, root,
+                 into=lambda path, at, n: by_path[path].out[at:at + n], probed=probed)
+    done: dict[str, list[tuple[int, int]]] = {}
+    for path, at, n in probed:
+        done.setdefault(path, []).append((at, n))
+    rest = [Range(r.path, r.offset + a, r.out[a:b], direct=r.direct) for r in ranges if r.path in done
+            for a, b in unread(len(r.out), done[r.path])]
+    read_ranges(storage, [r for r in ranges if r.path not in done] + rest, workers, strategy=how)
+    for r in ranges:
+        if r.path in done and r.crc is not None and crc32c(r.out) != r.crc:
+            what = r.culprit(r.out) if r.culprit is not None else r.what
+            raise IntegrityError(f"{r.path}: checksum mismatch{what} (CRC32C {crc32c(r.out):#010x}, expected "
+                                 f"{r.crc:#010x}); the file is corrupt. Load an earlier checkpoint (Checkpointer.list()).")
+    return how
+
+
+def verdicts() -> dict[int, str]:
+    """This process's verdicts: device (``st_dev``) -> strategy."""
+    with _lock:
+        return dict(_verdicts)
+
+
+def forget() -> None:
+    """Drop this process's verdicts (the files under the roots stay): the next cold load probes or reads them."""
+    with _lock:
+        _verdicts.clear()
+
+
+def choose(storage: object, files: Sequence[tuple[str, int]], setting: str, workers: int,
+           root: str | None = None, into: Callable[[str, int, int], memoryview] | None = None,
+           probed: list[tuple[str, int, int]] | None = None) -> str:
+    """The strategy that reads ``files`` (``(path, size)``, the whole load) under ``setting`` (``read.strategy``).
+
+    ``auto``: the device's verdict (this process's, else the one saved under ``root``), else a probe when the
+    files are cold and big enough, else ``DEFAULT``; ``parallel`` whenever the files are warm. Any storage but a
+    local one: ``DEFAULT`` (it ignores the strategy). With ``into(path, offset, length)`` (page-aligned memory where
+    the load wants those bytes) the probe reads into it and appends each region it read to ``probed``
+    (``(path, offset, length)``): the load then reads only the rest (``read_whole``), so the probe costs nothing."""
+    if setting not in CHOICES:
+        raise ConfigError(f"read.strategy must be one of {', '.join(CHOICES)}; got {setting!r}")
+    if setting != "auto":
+        return setting
+    files = [(p, n) for p, n in files if n > 0]
+    if not isinstance(storage, LocalStorage) or not files:
+        return DEFAULT
+    total = sum(n for _, n in files)
+    cached = sum(n * resident_fraction(p, n) for p, n in files)
+    if cached >= _WARM * total:
+        return "parallel"  # page-cache copies: several threads, no probe (its timings would not be the disk's)
+    try:
+        device = os.stat(files[0][0]).st_dev
+    except OSError:
+        return DEFAULT  # the read itself reports the missing file, naming it
+    with _lock:
+        known = _verdicts.get(device)
+    if known is None and root is not None:
+        known = _load_verdict(root, device)
+    if known is None:
+        if total - cached < _PROBE_BELOW * PROBE_BYTES:
+            return DEFAULT
+        known = _probe(storage, files, workers, into, probed)
+        if known is None:
+            return DEFAULT
+        if root is not None:
+            _save_verdict(root, device, known)
+    with _lock:
+        _verdicts[device] = known
+    return known
+
+
+def _probe(storage: LocalStorage, files: Sequence[tuple[str, int]], workers: int,
+           into: Callable[[str, int, int], memoryview] | None, probed: list[tuple[str, int, int]] | None) -> str | None:
+    """Time every strategy ``_ROUNDS`` times, each on a cold region of its own (the last ones of the load: read again
+    later, from the page cache or the disk, unless they were read ``into`` the load's memory); the fastest, or None
+    if no region is cold or a read fails (the load reports it)."""
+    regions = _regions(files, len(STRATEGIES) * _ROUNDS)
+    if regions is None:
+        return None
+    timings: dict[str, float] = {}
+    try:  # in turns (a noisy spell hits every strategy alike), each strategy's best
+        for k, (path, offset) in enumerate(regions):
+            strategy = STRATEGIES[k % len(STRATEGIES)]
+            out = into(path, offset, PROBE_BYTES) if into is not None else None
+            seconds = measure_read(storage, path, offset, PROBE_BYTES, strategy, workers, out)
+            timings[strategy] = min(seconds, timings.get(strategy, seconds))
+            if out is not None and probed is not None:
+                probed.append((path, offset, PROBE_BYTES))
+    except Exception as e:  # noqa: BLE001 - the load itself reads these files and raises what is wrong, named
+        log.debug("read strategy probe failed: %s", e)
+        return None
+    best = min(timings, key=lambda s: timings[s])
+    if timings[DEFAULT] <= timings[best] * (1 + _MARGIN):
+        best = DEFAULT  # within the probe's noise of the fastest: O_DIRECT costs the least CPU and no page cache
+    log.info("fastckpt: cold reads on this device are fastest with the %r strategy (probe of %d MiB each: %s)",
+             best, PROBE_BYTES >> 20, ", ".join(f"{s} {t * 1e3:.0f} ms" for s, t in timings.items()))
+    return best
+
+
+def _regions(files: Sequence[tuple[str, int]], count: int) -> list[tuple[str, int]] | None:
+    """``count`` disjoint page-aligned ``PROBE_BYTES`` regions, from the end of the load backwards, none cached."""
+    out: list[tuple[str, int]] = []
+    for path, size in reversed(files):
+        at = (size - PROBE_BYTES) // 4096 * 4096
+        while at >= 0 and len(out) < count:
+            out.append((path, at))
+            at -= PROBE_BYTES
+    if len(out) < count or any(_cached(p, at) for p, at in out):
+        return None
+    return out
+
+
+def _cached(path: str, offset: int) -> bool:
+    # resident_fraction looks at a file's first bytes: a region counts as cached when its file is mostly
+    return resident_fraction(path, offset + PROBE_BYTES) > _WARM
+
+
+def _load_verdict(root: str, device: int) -> str | None:
+    """The verdict saved under ``root`` for ``device``; None if absent, unreadable, foreign or malformed."""
+    path = os.path.join(root, VERDICT_NAME)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None  # a FIFO or a device planted there: never read
+        raw = os.read(fd, _VERDICT_MAX + 1)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    try:
+        rec = json.loads(raw) if len(raw) <= _VERDICT_MAX else None
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(rec, dict) or rec.get("device") != device or rec.get("strategy") not in STRATEGIES:
+        return None
+    return rec["strategy"]
+
+
+def _save_verdict(root: str, device: int, strategy: str) -> None:
+    """Write the verdict under ``root`` by rename (readers see the old one or the new one); a read-only root
+    keeps it in memory only."""
+    path = os.path.join(root, VERDICT_NAME)
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        try:
+            os.write(fd, json.dumps({"device": device, "strategy": strategy, "probed_at": time.time()}).encode())
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError as e:
+        log.debug("could not save the read strategy verdict under %s: %s", root, e)
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+

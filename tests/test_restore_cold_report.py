@@ -1,0 +1,44 @@
+"""The cold-load harness of the restore benchmark (issue 27): the raw readers and the verdict rows."""
+from __future__ import annotations
+
+import os
+
+from benchmarks.rawread import READERS, raw_read
+from benchmarks.restore_cold import cold_markdown
+
+
+def test_raw_readers_read_every_byte_cold_with_each_reader(tmp_path) -> None:
+    files = []
+    for i, n in enumerate((3 << 20, (1 << 20) + 100)):  # the second has a sub-page tail O_DIRECT leaves out
+        p = tmp_path / f"shard-{i}.safetensors"
+        p.write_bytes(os.urandom(n))
+        files.append(str(p))
+    for fresh in (False, True):
+        res = raw_read(files, reps=2, fresh=fresh)
+        assert res["bytes"] == (3 << 20) + (1 << 20) and res["fresh"] is fresh and res["best"] in READERS
+        assert set(res["readers"]) == set(READERS)
+        for r in res["readers"].values():
+            assert len(r["runs"]) == 2 and r["seconds"] == min(r["runs"]) > 0
+
+
+def _raw(best: float) -> dict:
+    readers = {"sequential": best, "parallel": best * 1.5, "direct": best * 2}
+    return {"bytes": 10 ** 9, "reps": 3, "best": "sequential",
+            "readers": {k: {"runs": [v], "seconds": v, "GBps": 1 / v} for k, v in readers.items()}}
+
+
+def test_verdicts_hold_each_loader_to_torch_load_and_its_own_ceiling() -> None:
+    def load(loader: str, s: float) -> dict:
+        served = ["direct"] if loader.startswith("fastckpt") else None  # as task_restore_load reports it
+        return {"ok": True, "result": {"loader": loader, "seconds": s, "bit_exact": True, "strategy": served}}
+
+    raw = dict(_raw(0.80), fresh=_raw(0.85), torch_file=_raw(0.50))
+    case = {"state_bytes": 10 ** 9, "raw": {"ok": True, "result": raw},
+            "loads": [load("torch_load", 1.0), load("torch_load", 1.3), load("torchzip", 0.52),
+                      load("fastckpt_load", 0.95), load("fastckpt_load", 0.90), load("fastckpt_load_into", 1.2)]}
+    md = "\n".join(cold_markdown({"cases": {"150 x 4 MiB": case}, "rounds": 2}))
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in md.splitlines() if line.startswith("| ")}
+    assert "| 0.900 | 0.90x | 1.06x | direct | True | PASS |" in rows["fastckpt load()"]  # vs the fresh-memory ceiling
+    assert "1.04x | - | True | PASS |" in rows["torch zip reader (Lightning plugin load)"]  # vs the torch file's
+    assert "| 1.200 | 1.20x | 1.50x |" in rows["fastckpt load_into()"] and rows["fastckpt load_into()"].endswith("FAIL |")
+    assert "Ceiling: **sequential**, 0.800 s." in md
