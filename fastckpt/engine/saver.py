@@ -30,6 +30,7 @@ from ..format.protocol import FileFormat
 from ..format.shm_record import StagedRecord
 from ..format.torchfile import TorchFileFormat
 from ..storage.protocol import Storage
+from .dedupwrite import DirectDedup
 from .distributed import Coordinator
 from .futures import settle
 from .handle import SaveHandle, SaveStats
@@ -83,8 +84,9 @@ class Saver:
         self._errors: list[tuple[SaveHandle, FastCkptError]] = []
         self.stats: list[SaveStats] = []
         self.stale = StaleWatch(config.health.enabled, config.health.stale_warning)  # also asks for health
-        self.pipeline = Pipeline(storage, arena, config.persist.workers, on_commit, self._on_failure, coord,
-                                 priorities=priorities)
+        self.dedup = DirectDedup(storage, config.remote.dedup and coord is None)  # a direct s3:// root's source
+        self.pipeline = Pipeline(storage, arena, config.persist.workers, self.dedup.watching(on_commit),
+                                 self._on_failure, coord, priorities=priorities)
         self.pipeline.on_refused = self._on_refused
         self._moved: set[str] = set()  # keys a seal found moved (on_mutation retake): staged eagerly from then on
         self._retaking: SaveHandle | None = None  # set while a refused snapshot is taken again under its handle
@@ -297,7 +299,7 @@ class Saver:
             handle.expect_upload()
         job = Job(handle=handle, plan=plan, slot=slot, tensors=flat.tensors, keys=flat.keys, numpy=flat.numpy,
                   tree=flat.tree, objects=objects, dirpath=dirpath, t0=t0, dtensors=dtensors or [],
-                  file_format=file_format, version_src=version_src)
+                  file_format=file_format, version_src=version_src, dedup=self.dedup.source())
         self.stale.prepare(job, self._optimizer_ptrs(params=False), version_src or flat.lazy_src)
         if self._coord is not None:
             job.uid = self._coord.next_uid()
