@@ -222,3 +222,22 @@ def test_save_file_with_a_malformed_sidecar_sends_everything(tmp_path, counted):
         _check_file(tmp_path, fs.cat_file(side.replace(".a.ckpt.fastckpt-records", "b.ckpt")))
     finally:
         ck.close()
+
+
+def test_save_file_replacing_the_same_name_copies_from_its_older_self(tmp_path, counted):
+    """last.ckpt saved again: the copy source is the object being replaced (S3 copies from it until the new upload
+    completes), and the sidecar left afterwards is the new file's."""
+    proxied, counter = counted
+    url = proxied.fresh_url("same")
+    ck = _ck(url, proxied.storage_options)
+    try:
+        ck.save_file(_file_state(1), "b.ckpt").wait()
+        counter.up = 0
+        ck.save_file(_file_state(2), "b.ckpt").wait()
+        assert counter.up <= FROZEN * MIN_PART + SLACK and ck._saver.dedup.fell_back == 0
+        fs = _fs(proxied)
+        b = f"{url.removeprefix('s3://')}/b.ckpt"
+        _check_file(tmp_path, fs.cat_file(b))
+        assert json.loads(fs.cat_file(records_path(b)))["size"] == fs.size(b)
+    finally:
+        ck.close()
