@@ -25,7 +25,8 @@ from ..storage.partplan import Record, SourceRecord
 from .contenthash import FIELD, file_records
 from .objectdedup import plan_object
 
-__all__ = ["RECORDS_SUFFIX", "hash_staged", "records_path", "write_with_records"]
+__all__ = ["RECORDS_SUFFIX", "folder_source", "hash_staged", "parse_records", "records_path", "tiling",
+           "write_with_records"]
 
 log = logging.getLogger("fastckpt")
 
@@ -55,8 +56,8 @@ def write_with_records(storage: Any, fmt: Any, views: dict[int, memoryview], crc
     fixed = fmt.fixed(crcs)
     parts = _parts(fmt, fixed, views)
     size = fmt.layout.size
-    records = _tiling(fmt, fixed, hashed, size) if source is not None else None
-    previous = _previous(storage, fmt.path) if records else []
+    records = tiling(fmt, fixed, hashed, size) if source is not None else None
+    previous = folder_source(storage, fmt.path) if records else []
     side = records_path(fmt.path)
     storage.delete(side)  # the old file's records go before this file takes the name (a crash: no records)
     plan = plan_object(size, records, previous)
@@ -81,9 +82,10 @@ def _parts(fmt: Any, fixed: list[tuple[int, bytearray]], views: dict[int, memory
     return [p for p in out if len(p)]
 
 
-def _tiling(fmt: Any, fixed: list[tuple[int, bytearray]], hashed: dict[int, str], size: int) -> list[Record] | None:
-    """Records tiling the file: each gap of fixed bytes, each staged record (hashed by the I/O workers). None when
-    a record was not hashed (then the file is sent whole)."""
+def tiling(fmt: Any, fixed: list[tuple[int, bytearray]], hashed: dict[int, str], size: int) -> list[Record] | None:
+    """Records tiling the torch file ``fmt``: each gap of fixed bytes (``fmt.fixed``), each staged record (``hashed``:
+    table index -> hex, by the I/O workers). None when a record was not hashed (then the file is sent whole). With
+    ``folder_source`` and ``objectdedup.plan_object``, what ranks sharing one object's upload plan with."""
     out = [Record(off, len(gap), xxhash.xxh3_128_hexdigest(gap)) for off, gap in fixed if len(gap)]
     for i, r in enumerate(fmt.layout.records):
         if r.nbytes:
@@ -114,7 +116,7 @@ def _write_sidecar(storage: Any, path: str, size: int, records: list[Record]) ->
         log.warning("fastckpt: could not write the records sidecar of %s (%s): the next file is sent whole", path, e)
 
 
-def _previous(storage: Any, path: str) -> list[SourceRecord]:
+def folder_source(storage: Any, path: str) -> list[SourceRecord]:
     """The records of the folder's newest torch file with a records sidecar (this very name's older file
     included), checked against the object; empty when there is none or it does not match."""
     folder = path.rpartition("/")[0]
@@ -125,10 +127,10 @@ def _previous(storage: Any, path: str) -> list[SourceRecord]:
         newest = max(sides, key=lambda n: (storage.modified(storage.join(folder, n)), n))
         side = storage.join(folder, newest)
         obj = storage.join(folder, newest[1:-len(RECORDS_SUFFIX)])
+        if storage.size(side) > _MAX_SIDECAR:  # planted: never read a huge object into memory
+            raise IntegrityError(f"{side}: over {_MAX_SIDECAR} bytes, not a fastckpt records sidecar; delete it")
         data = storage.read_bytes(side)
-        if len(data) > _MAX_SIDECAR:
-            raise IntegrityError(f"{side}: {len(data)} bytes, not a fastckpt records sidecar")
-        recs = _parse(data, side)
+        recs = parse_records(data, side)
         if storage.size(obj) != recs[0] or storage.object_checksum(obj) != recs[1]:
             log.info("fastckpt: %s no longer matches %s (replaced?): it is sent whole", side, obj)
             return []
@@ -138,7 +140,7 @@ def _previous(storage: Any, path: str) -> list[SourceRecord]:
     return [SourceRecord(obj, r.offset, r.length, r.digest) for r in recs[2]]
 
 
-def _parse(data: bytes, source: str) -> tuple[int, str, list[Record]]:
+def parse_records(data: bytes, source: str) -> tuple[int, str, list[Record]]:
     """(size, stored checksum, records) of a sidecar; IntegrityError when it is not a well-formed one."""
     try:
         doc = json.loads(data)
