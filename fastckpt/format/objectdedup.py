@@ -63,7 +63,10 @@ def write_deduped(storage: Any, path: str, parts: Sequence[memoryview], records:
     if plan is None:
         source.done(size, None)
         return False
-    source.done(size, storage.write_planned(path, Joined(parts), plan))
+    out = storage.write_planned(path, Joined(parts), plan)
+    source.done(size, out)
+    log.info("fastckpt: wrote %s: %.1f MB sent, %.1f MB copied server-side (%.1f MB fell back to sending)", path,
+             out.sent / 1e6, out.copied / 1e6, out.fell_back / 1e6)
     return True
 
 

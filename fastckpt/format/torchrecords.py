@@ -66,7 +66,10 @@ def write_with_records(storage: Any, fmt: Any, views: dict[int, memoryview], crc
         if source is not None:
             source.done(size, None)
     else:
-        source.done(size, storage.write_planned(fmt.path, Joined(parts), plan))
+        out = storage.write_planned(fmt.path, Joined(parts), plan)
+        source.done(size, out)
+        log.info("fastckpt: wrote %s: %.1f MB sent, %.1f MB copied server-side (%.1f MB fell back to sending)",
+                 fmt.path, out.sent / 1e6, out.copied / 1e6, out.fell_back / 1e6)
     if records:
         _write_sidecar(storage, fmt.path, size, records)
     return size
