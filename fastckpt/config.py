@@ -184,7 +184,9 @@ class RemoteOptions(_Freezable):
     """Keep the newest N checkpoints on the remote (null keeps all); ``retention`` governs ``root``."""
     dedup: bool = True
     """On S3, copy the byte ranges whose content hash the newest uploaded checkpoint already holds server-side
-    (``UploadPartCopy``) instead of sending them again; each object stays complete and self-contained."""
+    (``UploadPartCopy``) instead of sending them again; each object stays complete and self-contained. Also
+    governs a ``root`` on S3 itself: its shards against the root's newest checkpoint, and ``save_file``'s torch
+    files (Lightning's ``.ckpt``) against the folder's newest one."""
 
     def validate(self) -> None:
         if not isinstance(self.dedup, bool):

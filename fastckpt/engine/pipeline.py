@@ -89,6 +89,7 @@ class Job:
     health: dict[str, Any] | None = None  # health.enabled: each staged tensor's statistics by key (I/O workers)
     health_doc: dict[str, Any] | None = None  # their summary (format/health.py), set by the committer
     stale_mark: Any = None  # engine/stale.py: optimizer steps before this save, and its parameter keys
+    dedup: Any = None  # engine/dedupwrite.py: a direct object-store root's copy source (single writer), or None
 
     # what a FileFormat reads of a save (format/protocol.py's Snapshot)
     @property

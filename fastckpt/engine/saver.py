@@ -30,6 +30,7 @@ from ..format.protocol import FileFormat
 from ..format.shm_record import StagedRecord
 from ..format.torchfile import TorchFileFormat
 from ..storage.protocol import Storage
+from .dedupwrite import DirectDedup
 from .distributed import Coordinator
 from .futures import settle
 from .handle import SaveHandle, SaveStats
@@ -87,8 +88,9 @@ class Saver:
         self._errors: list[tuple[SaveHandle, FastCkptError]] = []
         self.stats: list[SaveStats] = []
         self.stale = StaleWatch(config.health.enabled, config.health.stale_warning)  # also asks for health
-        self.pipeline = pipeline(storage, arena, config.persist.workers, on_commit, self._on_failure, coord,
-                                 priorities=priorities)
+        self.dedup = DirectDedup(storage, config.remote.dedup and coord is None)  # a direct s3:// root's source
+        self.pipeline = pipeline(storage, arena, config.persist.workers, self.dedup.watching(on_commit),
+                                 self._on_failure, coord, priorities=priorities)
         self.pipeline.on_refused = self._on_refused
         self.pipeline.crc_in_copy = config.staging.crc_in_copy
         self.pipeline.pacer = WritePacer(config.persist.chunk_bytes) if config.persist.pace_writes else None
@@ -305,7 +307,7 @@ class Saver:
             handle.expect_upload()
         job = Job(handle=handle, plan=plan, slot=slot, tensors=flat.tensors, keys=flat.keys, numpy=flat.numpy,
                   tree=flat.tree, objects=objects, dirpath=dirpath, t0=t0, dtensors=dtensors or [],
-                  file_format=file_format, version_src=version_src)
+                  file_format=file_format, version_src=version_src, dedup=self.dedup.source())
         self.stale.prepare(job, self._optimizer_ptrs(params=False), version_src or flat.lazy_src)
         if self._coord is not None:
             job.uid = self._coord.next_uid()

@@ -17,6 +17,7 @@ import torch
 import xxhash
 
 from ..errors import IntegrityError
+from .torchrecords import records_path
 
 __all__ = ["tensor_health", "summarize", "check_health", "healthy_of", "sidecar_path", "sidecar_bytes", "uses_sidecar", "delete_with_record",
            "parse_sidecar", "SIDECAR_SUFFIX", "fingerprints", "sidecar_health", "shard_health", "value_dtype",
@@ -167,10 +168,11 @@ def uses_sidecar(storage: Any) -> bool:
 
 def delete_with_record(storage: Any, path: str) -> None:
     """Delete the torch file at ``path`` and its health record: gone with the file where it is an attribute; the
-    sidecar only where sidecars are written, so a user's file that merely has the sidecar's name stays."""
+    sidecars (health, content records) only where sidecars are written, so a user's file that merely has the sidecar's name stays."""
     storage.delete(path)
     if uses_sidecar(storage):
         storage.delete(sidecar_path(path))
+        storage.delete(records_path(path))  # its content records (torchrecords.py), the next upload's copy source
 
 
 def sidecar_bytes(health: dict[str, Any], step: int, size: int) -> bytes:

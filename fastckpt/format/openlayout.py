@@ -19,6 +19,7 @@ from .checksum import combine, crc32c
 from .contenthash import hash_records
 from .layout import (
     MANIFEST, VERSION, CheckpointInfo, FileRecord, build_manifest, parse_manifest, shard_file_name, shard_header)
+from .objectdedup import as_records, write_deduped
 from .plan import Shard
 from .protocol import ShardResult, Snapshot, StagedBytes
 
@@ -49,7 +50,10 @@ class OpenLayout:
         head_mm, head = aligned_buffer(len(header))  # page-aligned so O_DIRECT can take it
         head[:] = header
         try:
-            storage.write_file(storage.join(snap.dirpath, name), [head, data])
+            path = storage.join(snap.dirpath, name)
+            # on an object store, the ranges the newest committed checkpoint holds are copied server-side
+            if not write_deduped(storage, path, [head, data], as_records(hashes), getattr(snap, "dedup", None)):
+                storage.write_file(path, [head, data])
         finally:
             head.release()
             head_mm.close()

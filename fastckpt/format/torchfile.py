@@ -29,6 +29,7 @@ from ..errors import IntegrityError
 from ..storage.xattr import attrs_for
 from .health import HEALTH_ATTR, attr_bytes, sidecar_bytes, sidecar_path, storage_dtype, uses_sidecar
 from .layout import CheckpointInfo, FileRecord
+from .torchrecords import hash_staged, write_with_records
 # the reading side lives in zipdir; its public checks are re-exported here, where integrations have always found them
 from .zipdir import (DESC_SIG, Sparse, central_entries, crc_less, data_offset, is_zip, record_spans,
                      verify_torch_bytes, verify_torch_file)
@@ -211,7 +212,9 @@ class TorchFileFormat:
     def write_shard(self, storage: Any, snap: Any, shard: Any, data: memoryview) -> tuple[int, Any, list[int]]:
         """``FileFormat``: called by an I/O worker once a shard is staged; checksums it (the commit writes it)."""
         crcs = self.checksum(data, shard.entries)
-        return shard.index, FileRecord("", 0, 0), [crcs[e.index] for e in shard.entries]
+        # on an object store with dedup, each record's content hash too (torchrecords.py), here on the I/O worker
+        hashes = hash_staged(data, shard.entries) if getattr(snap, "dedup", None) is not None else None
+        return shard.index, FileRecord("", 0, 0, hashes), [crcs[e.index] for e in shard.entries]
 
     def commit(self, storage: Any, snap: Any, results: Any, staged: Any, pool: Any) -> tuple[CheckpointInfo, int]:
         """``FileFormat``: called by the committer; writes the file under a temporary name, then renames it (the
@@ -220,11 +223,14 @@ class TorchFileFormat:
         health = snap.health_doc
         if health is not None and not uses_sidecar(storage):
             size = self._write_with_attr(storage, views, crcs, attr_bytes(health, snap.step, self.layout.size))
-        elif health is not None:  # an object store: no attributes, a hidden sidecar beside the file
+        elif uses_sidecar(storage):  # an object store: no attributes, hidden sidecars beside the file
             sidecar = sidecar_path(self.path)
-            storage.delete(sidecar)  # an older file's: gone before this file takes the name (a crash: no record)
-            size = self.write(storage, views, crcs)
-            storage.write_atomic(sidecar, sidecar_bytes(health, snap.step, size))
+            if health is not None:
+                storage.delete(sidecar)  # an older file's: gone before this file takes the name (a crash: no record)
+            # the ranges the folder's newest file holds are copied server-side; then the records sidecar
+            size = write_with_records(storage, self, views, crcs, results, getattr(snap, "dedup", None))
+            if health is not None:
+                storage.write_atomic(sidecar, sidecar_bytes(health, snap.step, size))
         else:
             size = self.write(storage, views, crcs)
         return CheckpointInfo(snap.name, snap.step, self.path, size, healthy=None if health is None

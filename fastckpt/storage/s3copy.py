@@ -20,6 +20,7 @@ from typing import Any, Sequence
 import crc32c as _crc32c
 
 from .deadline import Deadline, describe
+from .joined import Joined
 from .partplan import Part
 from .s3checksum import ObjectChecksum, b64, composite, resending
 
@@ -57,12 +58,12 @@ def _source_gone(e: BaseException) -> bool:
     return False
 
 
-async def s3_planned_upload(fs: Any, deadline: Deadline, path: str, view: memoryview,
+async def s3_planned_upload(fs: Any, deadline: Deadline, path: str, view: memoryview | Joined,
                             plan: Sequence[Part]) -> CopyOutcome:
     """Upload ``view`` (the whole new object) to ``path`` by ``plan``; copy sources are ``bucket/key`` paths.
     Aborted on any failure but a copy that can be sent instead."""
     bucket, key, _ = fs.split_path(path)
-    view = memoryview(view).cast("B")
+    view = view if isinstance(view, Joined) else memoryview(view).cast("B")  # a file written as parts: not joined
 
     def s3(method: str, **kw: Any) -> Any:
         return lambda: fs._call_s3(method, Bucket=bucket, Key=key, **kw)
