@@ -14,6 +14,7 @@ import resource
 import signal
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -66,8 +67,8 @@ class _BlockAfterSignal:
     """A storage whose data writes block once the final checkpoint began (a storage that stalls at the worst
     moment): only the shared-memory copy of the final snapshot exists when SIGKILL comes."""
 
-    def __init__(self, inner: Any, conn: Any) -> None:
-        self.inner, self.url, self.conn = inner, inner.url, conn
+    def __init__(self, inner: Any, conn: Any, shm_dir: str) -> None:
+        self.inner, self.url, self.conn, self.shm_dir = inner, inner.url, conn, shm_dir
         self.blocked = False
 
     def __getattr__(self, name: str) -> Any:
@@ -80,12 +81,33 @@ class _BlockAfterSignal:
         # Only the final snapshot's writes stall: an earlier save committing at the same moment (its commit waits for
         # its seal, at this very step's pre-hook) must not send "stalled" before the final snapshot is staged.
         if self.blocked and "-preempt" in path:
+            # A shard is written as soon as it is staged, which can be before the snapshot's shared-memory record
+            # is in place (written once the whole snapshot is staged): SIGKILL only once it is recoverable.
+            _until_recorded(self.shm_dir, "-preempt")
             self.conn.send(("stalled", None))
             threading.Event().wait()  # until SIGKILL
         self.inner.write_file(path, parts)
 
     def write_atomic(self, path: str, data: bytes) -> None:
         self.inner.write_atomic(path, data)
+
+
+def _until_recorded(shm_dir: str, marker: str, timeout_s: float = 60.0) -> None:
+    """Wait until a shared-memory record (``staged.json``) of a snapshot whose name holds ``marker`` exists under
+    ``shm_dir``: the record is renamed into place whole, so a process started after a SIGKILL recovers it."""
+    from fastckpt.format.shm_record import RECORD
+
+    deadline = time.monotonic() + timeout_s
+    tick = threading.Event()
+    while time.monotonic() < deadline:
+        for rec in Path(shm_dir).rglob(RECORD):
+            try:
+                if marker in rec.read_text():
+                    return
+            except OSError:
+                continue  # renamed or removed meanwhile
+        tick.wait(0.005)
+    raise RuntimeError(f"no shared-memory record of a {marker!r} snapshot under {shm_dir} within {timeout_s}s")
 
 
 def plain_child(root: str, grace_s: float, shm_dir: str | None, conn: Any) -> None:
@@ -97,7 +119,7 @@ def plain_child(root: str, grace_s: float, shm_dir: str | None, conn: Any) -> No
     path = Path(root)
     storage = None
     if shm_dir:
-        storage = _BlockAfterSignal(open_storage(str(path), {}, fsync=False), conn)
+        storage = _BlockAfterSignal(open_storage(str(path), {}, fsync=False), conn, shm_dir)
     ckpt = Checkpointer(_config(path, grace_s, shm_dir), storage=storage)
     model, opt = _model()
     ckpt.watch(opt)
