@@ -16,6 +16,7 @@ from ..errors import FastCkptError, StorageError
 from ..storage.local import aligned_buffer
 from ..storage.protocol import Storage
 from .checksum import combine, crc32c
+from .clonewrite import write_cloned
 from .contenthash import hash_records
 from .layout import (
     MANIFEST, VERSION, CheckpointInfo, FileRecord, build_manifest, parse_manifest, shard_file_name, shard_header)
@@ -51,8 +52,11 @@ class OpenLayout:
         head[:] = header
         try:
             path = storage.join(snap.dirpath, name)
-            # on an object store, the ranges the newest committed checkpoint holds are copied server-side
-            if not write_deduped(storage, path, [head, data], as_records(hashes), getattr(snap, "dedup", None)):
+            # on an object store, the ranges the newest committed checkpoint holds are copied server-side; on a
+            # local file system with reflinks, an unchanged shard is a clone of the newest checkpoint's
+            source, recs = getattr(snap, "dedup", None), as_records(hashes)
+            if not (write_deduped(storage, path, [head, data], recs, source)
+                    or write_cloned(path, head, len(header) + shard.nbytes, recs, source)):
                 storage.write_file(path, [head, data])
         finally:
             head.release()
