@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import array
 import fcntl
+import json
 import os
 import shutil
 import struct
@@ -48,7 +49,7 @@ def shared_bytes(path: Path) -> int:
 
 @pytest.fixture(scope="module")
 def btrfs(tmp_path_factory) -> Iterator[Path]:
-    """A 300 MB btrfs loop mount (needs root, mkfs.btrfs from btrfs-progs and loop devices)."""
+    """A 1 GiB btrfs loop mount (needs root, mkfs.btrfs from btrfs-progs and loop devices)."""
     if os.geteuid() != 0:
         pytest.skip("mounting a btrfs loop image needs root")
     if shutil.which("mkfs.btrfs") is None:
@@ -57,7 +58,7 @@ def btrfs(tmp_path_factory) -> Iterator[Path]:
     img, mnt = base / "img", base / "mnt"
     mnt.mkdir()
     with open(img, "wb") as f:
-        f.truncate(300 * MiB)
+        f.truncate(1024 * MiB)  # sparse: only what the tests write takes disk space
     made = subprocess.run(["mkfs.btrfs", "-q", str(img)], capture_output=True, text=True, timeout=60)
     if made.returncode != 0:
         pytest.skip(f"mkfs.btrfs failed: {made.stderr.strip()}")
@@ -122,6 +123,53 @@ def test_frozen_shard_is_a_reflink_clone_and_survives_the_older_checkpoint(btrfs
         assert_bit_equal(reader.load(step=2), _state(2))
     finally:
         reader.close()
+
+
+def _resumed_second_save(root: Path, between) -> int:
+    """Step 1 by one Checkpointer, ``between(folder)``, then step 2 by a new one (a resumed run); bytes cloned."""
+    ck = _ck(root)
+    try:
+        ck.save(_state(1), step=1)
+        ck.wait()
+    finally:
+        ck.close()
+    (first,) = [p.parent for p in root.glob("*/manifest.json")]
+    between(first)
+    ck = _ck(root)
+    try:
+        ck.save(_state(2), step=2)
+        ck.wait()
+        cloned = ck._saver.dedup.cloned_bytes
+        assert_bit_equal(ck.load(step=2), _state(2))
+    finally:
+        ck.close()
+    return cloned
+
+
+def test_a_resumed_run_clones_from_the_newest_checkpoint(btrfs):
+    assert _resumed_second_save(btrfs / "resumed", lambda first: None) >= FROZEN
+
+
+def test_a_source_whose_listed_crc_disagrees_is_not_cloned(btrfs):
+    """Records that match but a manifest CRC that does not: the records are not trusted, the shard is written."""
+    def tamper(first: Path) -> None:
+        mpath = first / "manifest.json"
+        doc = json.loads(mpath.read_text())
+        doc["files"][_frozen_shard(first).name]["crc32c"] ^= 1
+        mpath.write_text(json.dumps(doc))
+    assert _resumed_second_save(btrfs / "tampered", tamper) == 0
+
+
+def test_a_source_replaced_by_a_symlink_is_not_followed(btrfs):
+    victim = btrfs / "link-target"
+
+    def plant(first: Path) -> None:
+        shard = _frozen_shard(first)
+        shutil.copyfile(shard, victim)
+        shard.unlink()
+        shard.symlink_to(victim)
+    assert _resumed_second_save(btrfs / "linked", plant) == 0
+    assert shared_bytes(victim) == 0
 
 
 def test_reflink_off_writes_every_shard(btrfs):

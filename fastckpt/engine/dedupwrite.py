@@ -43,6 +43,7 @@ class DirectDedup:
         self._clones: bool | None = None if self._reflink else False
         self.fsync = fsync
         self.cloned_bytes = 0  # bytes of shards made by a clone (shared with the previous checkpoint's files)
+        self._crcs: dict[str, int] = {}  # path -> CRC32C its manifest lists, for the files of ``_cached``
         self._lock = threading.Lock()
         self._newest: str | None = None  # the folder of the newest committed checkpoint, once known
         self._looked = False  # the root was searched for one (a resumed run's first save)
@@ -87,9 +88,15 @@ class DirectDedup:
                 return []
             if cached is not None and cached[0] == newest:
                 return cached[1]
+            self._crcs = {}
             recs = self._records(newest)
             self._cached = (newest, recs)
             return recs
+
+    def listed_crc(self, path: str) -> int | None:
+        """The CRC32C the copy source's manifest lists for its file ``path`` (after ``previous()``), or None."""
+        with self._lock:
+            return self._crcs.get(path)
 
     def done(self, size: int, outcome: CopyOutcome | None) -> None:
         with self._lock:
@@ -115,6 +122,7 @@ class DirectDedup:
             return []
         out = []
         for name, rec in doc["files"].items():
+            self._crcs[st.join(folder, name)] = int(rec["crc32c"])
             for r in file_records(rec, int(rec["size"])) or []:
                 out.append(SourceRecord(st.join(folder, name), r.offset, r.length, r.digest))
         return out

@@ -8,9 +8,11 @@ clone is an independent file: deleting the older checkpoint changes nothing in t
 
 Only whole shards are cloned: a shard with any changed tensor is written in full (ranges are not cloned).
 The records compared are the ones the I/O worker hashed from the staged bytes and the ones the older manifest
-lists; the file record of the clone (size, CRC32C) is computed from the staged bytes as for a written shard,
-so a clone of a source whose bytes rotted on disk after its commit fails the CRC check on load, never a silent
-wrong answer (btrfs also checksums its data blocks).
+lists; then the older file's CRC32C and size as its manifest lists them must be those of its header (read back:
+one page) followed by the staged bytes. The source's tensor bytes are not read back (that would cost what the
+clone saves): the clone's file record (size, CRC32C) is computed from the staged bytes as for a written shard, so
+a source whose bytes changed on disk after its commit fails the CRC check on load, never a silent wrong answer
+(btrfs also checksums its data blocks).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from typing import Any, Protocol, Sequence
 
 from ..storage.partplan import Record, SourceRecord
 from ..storage.reflink import clone_with_head
+from .checksum import combine, crc32c
 
 __all__ = ["CloneSource", "clone_source_of", "write_cloned"]
 
@@ -33,6 +36,9 @@ class CloneSource(Protocol):
 
     def previous(self) -> list[SourceRecord]:
         """The records of the copy source, each naming its file's path; empty when there is none."""
+
+    def listed_crc(self, path: str) -> int | None:
+        """The CRC32C the copy source's manifest lists for its file ``path``, or None."""
 
     def cloned(self, size: int, written: int) -> None:
         """One shard of ``size`` bytes made by a clone, of which ``written`` bytes (its header) were written."""
@@ -53,14 +59,26 @@ def clone_source_of(records: Sequence[Record], previous: Sequence[SourceRecord])
     return None
 
 
-def write_cloned(path: str, head: bytes | memoryview, size: int, records: Sequence[Record] | None,
+def write_cloned(path: str, head: bytes | memoryview, data: tuple[int, int], records: Sequence[Record] | None,
                  source: Any) -> bool:
-    """Write the shard at ``path`` as a clone of the previous checkpoint's identical shard, then ``head`` over
-    its header; False when there is none or it cannot be cloned (the caller writes the shard as usual)."""
+    """Write the shard at ``path`` (``head``, then ``data``: the staged bytes' length and CRC32C) as a clone of
+    the previous checkpoint's identical shard, then ``head`` over its header; False when there is none or it
+    cannot be cloned (the caller writes the shard as usual)."""
     if source is None or not getattr(source, "clones", False) or not records:
         return False
     src = clone_source_of(records, source.previous())
-    if src is None or not clone_with_head(src, path, head, size, source.fsync):
+    if src is None:
+        return False
+    data_len, data_crc = data
+    listed = source.listed_crc(src)
+
+    def same_bytes(old_head: bytes) -> bool:
+        # the CRC32C its manifest lists for the source file must be that of its header followed by our staged
+        # bytes: a second, independent check of the xxh3 records (hostile or mistaken records are not trusted)
+        return listed is not None and combine(crc32c(old_head), data_crc, data_len) == listed
+
+    size = len(head) + data_len
+    if not clone_with_head(src, path, head, size, source.fsync, same_bytes):
         return False
     source.cloned(size, len(head))
     log.debug("fastckpt: %s cloned from %s (%d bytes shared, header written)", path, src, size - len(head))

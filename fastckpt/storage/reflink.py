@@ -18,6 +18,7 @@ import logging
 import os
 import stat
 import threading
+from typing import Callable
 
 __all__ = ["FICLONE", "PROBE_PREFIX", "clone_with_head", "probe_names", "supports_reflink"]
 
@@ -83,11 +84,13 @@ def _probe(root: str) -> bool:
                 pass
 
 
-def clone_with_head(src: str, dst: str, head: bytes | memoryview, size: int, fsync: bool) -> bool:
+def clone_with_head(src: str, dst: str, head: bytes | memoryview, size: int, fsync: bool,
+                    check: Callable[[bytes], bool]) -> bool:
     """Make ``dst`` (new) a clone of the regular file ``src`` (``size`` bytes) with its first ``len(head)`` bytes
-    replaced by ``head``: only those blocks are written. False when ``src`` is gone, not a regular file, not
-    ``size`` bytes or cannot be cloned (the caller writes ``dst`` as usual; nothing is left at ``dst``); other
-    ``OSError``s propagate."""
+    replaced by ``head``: only those blocks are written. ``check`` gets ``src``'s first ``len(head)`` bytes (its
+    old header) and says whether ``src`` is the file the caller means. False when ``src`` is gone, not a regular
+    file, not ``size`` bytes, refused by ``check`` or cannot be cloned (the caller writes ``dst`` as usual;
+    nothing is left at ``dst``); other ``OSError``s propagate."""
     try:
         sfd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:  # gone (retention, a user), or a planted link
@@ -98,6 +101,10 @@ def clone_with_head(src: str, dst: str, head: bytes | memoryview, size: int, fsy
         if not stat.S_ISREG(st.st_mode) or st.st_size != size:
             log.info("fastckpt: reflink source %s is not the %d-byte file its manifest lists: the shard is written",
                      src, size)
+            return False
+        if not check(os.pread(sfd, len(head), 0)):
+            log.warning("fastckpt: %s does not match the checksum its manifest lists for the bytes being saved: "
+                        "the shard is written, not cloned", src)
             return False
         try:
             dfd = os.open(dst, os.O_RDWR | _CREATE, 0o644)
