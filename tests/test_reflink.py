@@ -172,6 +172,20 @@ def test_a_source_replaced_by_a_symlink_is_not_followed(btrfs):
     assert shared_bytes(victim) == 0
 
 
+def test_a_checkpoint_of_only_frozen_shards_is_cloned_into_its_new_folder(btrfs):
+    """The first shard of a save cloned: its folder does not exist yet (no shard of it was written)."""
+    root = btrfs / "only-frozen"
+    ck = _ck(root)
+    try:
+        for step in (1, 2):
+            ck.save({"frozen": _state(step)["model"]["frozen"], "step": step}, step=step)
+            ck.wait()
+        assert ck._saver.dedup.cloned_bytes >= FROZEN
+        assert_bit_equal(ck.load(step=2), {"frozen": _state(2)["model"]["frozen"], "step": 2})
+    finally:
+        ck.close()
+
+
 def test_reflink_off_writes_every_shard(btrfs):
     root = btrfs / "off"
     _, second, cloned = _two_saves(root, reflink="off")

@@ -20,6 +20,8 @@ import stat
 import threading
 from typing import Callable
 
+from .deadline import storage_error
+
 __all__ = ["FICLONE", "PROBE_PREFIX", "clone_with_head", "probe_names", "supports_reflink"]
 
 log = logging.getLogger("fastckpt")
@@ -90,7 +92,15 @@ def clone_with_head(src: str, dst: str, head: bytes | memoryview, size: int, fsy
     replaced by ``head``: only those blocks are written. ``check`` gets ``src``'s first ``len(head)`` bytes (its
     old header) and says whether ``src`` is the file the caller means. False when ``src`` is gone, not a regular
     file, not ``size`` bytes, refused by ``check`` or cannot be cloned (the caller writes ``dst`` as usual;
-    nothing is left at ``dst``); other ``OSError``s propagate."""
+    nothing is left at ``dst``); other failures raise ``StorageError`` naming ``dst``."""
+    try:
+        return _clone(src, dst, head, size, fsync, check)
+    except OSError as e:
+        raise storage_error(f"cloning {src!r} (reflink) to", dst, e) from e
+
+
+def _clone(src: str, dst: str, head: bytes | memoryview, size: int, fsync: bool,
+           check: Callable[[bytes], bool]) -> bool:
     try:
         sfd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:  # gone (retention, a user), or a planted link
@@ -106,6 +116,7 @@ def clone_with_head(src: str, dst: str, head: bytes | memoryview, size: int, fsy
             log.warning("fastckpt: %s does not match the checksum its manifest lists for the bytes being saved: "
                         "the shard is written, not cloned", src)
             return False
+        os.makedirs(os.path.dirname(dst), exist_ok=True)  # the save's folder, if no shard of it was written yet
         try:
             dfd = os.open(dst, os.O_RDWR | _CREATE, 0o644)
         except FileExistsError:  # an earlier attempt of this save (uid-named): never another save's file
