@@ -48,7 +48,8 @@ def _state(mib: int, step: int) -> dict[str, Any]:
 
 def one(root: Path, dev: str, mib: int, reflink: str) -> tuple[float, int]:
     """Seconds and device bytes of the second save (the first one is the clone source)."""
-    ck = Checkpointer(CheckpointConfig(root=str(root), persist={"reflink": reflink, "chunk_bytes": 64 * MiB}))
+    ck = Checkpointer(CheckpointConfig(root=str(root), persist={"reflink": reflink, "chunk_bytes": 64 * MiB},
+                                       staging={"mode": "eager"}))
     try:
         ck.save(_state(mib, 1), step=1)
         ck.wait()
