@@ -124,9 +124,10 @@ class PersistOptions(_Freezable):
     even if training is killed; ``auto`` the process for states of at least 256 MiB, the threads for smaller ones
     (measured: docs/DESIGN.md, "The persister process")."""
     reflink: str = "auto"
-    """Local roots: ``auto`` writes a shard whose tensor bytes all equal a shard of the newest committed checkpoint
-    of the root as a reflink clone of that file (no data written; only where the file system has reflinks, such as
-    btrfs or XFS, probed once; the clone stays valid when the older checkpoint is deleted); ``off`` always writes."""
+    """Local roots: ``auto`` makes a shard laid out as a shard of the newest committed checkpoint of the root, at
+    least half its bytes unchanged, as a reflink clone of that file with only its header and changed tensors written
+    (where the file system has reflinks, such as btrfs or XFS, probed once; the clone stays valid when the older
+    checkpoint is deleted); ``off`` always writes."""
     pace_writes: bool = False
     """Pace the I/O workers' shard writes to the write bandwidth measured on earlier writes (a token bucket), so
     a checkpoint's writes are spread instead of bursting. Off by default: no measured gain with O_DIRECT writes,

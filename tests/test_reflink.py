@@ -186,6 +186,47 @@ def test_a_checkpoint_of_only_frozen_shards_is_cloned_into_its_new_folder(btrfs)
         ck.close()
 
 
+def _one_shard_saves(root: Path, frozen_mib: int, head_mib: int) -> tuple[Path, Path, int]:
+    """Two saves of one shard holding a frozen tensor and one that changes; returns both folders and bytes cloned."""
+    g = torch.Generator().manual_seed(5)
+    frozen = torch.randn(frozen_mib * MiB // 4, generator=g)
+    ck = Checkpointer(CheckpointConfig(root=str(root), persist={"chunk_bytes": 256 * MiB},
+                                       staging={"mode": "eager"}))
+    try:
+        for step in (1, 2):
+            ck.save({"a_frozen": frozen, "b_head": torch.full((head_mib * MiB // 4,), float(step))}, step=step)
+            ck.wait()
+        cloned = ck._saver.dedup.cloned_bytes
+    finally:
+        ck.close()
+    first, second = sorted(p.parent for p in root.glob("*/manifest.json"))
+    return first, second, cloned
+
+
+def test_a_shard_with_a_changed_tensor_clones_the_unchanged_ones(btrfs):
+    """One shard, frozen 40 MiB + a changed 1 MiB tensor: the clone is patched with the header and the change."""
+    root = btrfs / "patched"
+    first, second, cloned = _one_shard_saves(root, 40, 1)
+    (new,) = second.glob("shard-*")
+    assert FROZEN - 4096 <= cloned <= FROZEN  # the changed tensor and the header were written, the rest shared
+    assert shared_bytes(new) >= FROZEN - 8192  # whole blocks under the frozen tensor, edges written
+    expect = {"a_frozen": torch.randn(FROZEN // 4, generator=torch.Generator().manual_seed(5)),
+              "b_head": torch.full((MiB // 4,), 2.0)}
+    reader = _ck(root)
+    try:
+        assert_bit_equal(reader.load(step=2), expect)
+        shutil.rmtree(first)
+        assert_bit_equal(reader.load(step=2), expect)
+    finally:
+        reader.close()
+
+
+def test_a_mostly_changed_shard_is_written(btrfs):
+    _, second, cloned = _one_shard_saves(btrfs / "mostly", 4, 20)
+    (new,) = second.glob("shard-*")
+    assert cloned == 0 and shared_bytes(new) == 0
+
+
 def test_reflink_off_writes_every_shard(btrfs):
     root = btrfs / "off"
     _, second, cloned = _two_saves(root, reflink="off")

@@ -1,18 +1,19 @@
 """Shards of a local root written as reflink clones of the previous checkpoint's (``persist.reflink``).
 
-A shard whose tensor bytes are all unchanged since the newest committed checkpoint of the root (a frozen part of
-the model: same length, same xxh3-128 content records after the header) is cloned from that checkpoint's shard
-(``storage/reflink.py``: the file system shares its extents, no data is written), then its header is written over
-the clone's (the header carries the step, so it always differs) and the file is fsynced like any shard. The
-clone is an independent file: deleting the older checkpoint changes nothing in this one.
+A shard with the same layout as a shard of the newest committed checkpoint of the root (same record offsets and
+lengths: the same tensors, shapes and dtypes) and at least half its bytes unchanged (same xxh3-128 content record:
+a frozen part of the model) is cloned from that file (``storage/reflink.py``: ``FICLONE``, the file system shares
+its extents, no data is written), then its header (it carries the step, so it always differs) and its changed
+tensors are written over the clone (copy on write: only those blocks are new) and the file is fsynced like any
+shard. The clone is an independent file: deleting the older checkpoint changes nothing in this one. A shard whose
+layout changed, or mostly changed, is written in full.
 
-Only whole shards are cloned: a shard with any changed tensor is written in full (ranges are not cloned).
 The records compared are the ones the I/O worker hashed from the staged bytes and the ones the older manifest
-lists; then the older file's CRC32C and size as its manifest lists them must be those of its header (read back:
-one page) followed by the staged bytes. The source's tensor bytes are not read back (that would cost what the
-clone saves): the clone's file record (size, CRC32C) is computed from the staged bytes as for a written shard, so
-a source whose bytes changed on disk after its commit fails the CRC check on load, never a silent wrong answer
-(btrfs also checksums its data blocks).
+lists. When every tensor is unchanged, the older file's CRC32C as its manifest lists it must also be that of its
+header (read back: one page) followed by the staged bytes. The source's tensor bytes are not read back (that
+would cost what the clone saves): the clone's file record (size, CRC32C) is computed from the staged bytes as for
+a written shard, so a source whose bytes changed on disk after its commit fails the CRC check on load, never a
+silent wrong answer (btrfs also checksums its data blocks).
 """
 from __future__ import annotations
 
@@ -20,10 +21,10 @@ import logging
 from typing import Any, Protocol, Sequence
 
 from ..storage.partplan import Record, SourceRecord
-from ..storage.reflink import clone_with_head
+from ..storage.reflink import clone_patched
 from .checksum import combine, crc32c
 
-__all__ = ["CloneSource", "clone_source_of", "write_cloned"]
+__all__ = ["CloneSource", "clone_plan", "write_cloned"]
 
 log = logging.getLogger("fastckpt")
 
@@ -41,45 +42,59 @@ class CloneSource(Protocol):
         """The CRC32C the copy source's manifest lists for its file ``path``, or None."""
 
     def cloned(self, size: int, written: int) -> None:
-        """One shard of ``size`` bytes made by a clone, of which ``written`` bytes (its header) were written."""
+        """One shard of ``size`` bytes made by a clone, of which ``written`` bytes (header, changes) were written."""
 
 
-def clone_source_of(records: Sequence[Record], previous: Sequence[SourceRecord]) -> str | None:
-    """The path of a previous file whose records equal ``records`` after the header (the first record), with a
-    header of the same length; None when no file matches. Pure."""
+def clone_plan(records: Sequence[Record], previous: Sequence[SourceRecord]) -> tuple[str, list[Record]] | None:
+    """The previous file to clone for a file of ``records``: one with the same layout (record offsets and lengths)
+    holding at least half its bytes unchanged (same hash), and the records to write over the clone (the header,
+    then the changed ones); None when no file qualifies (then writing the staged bytes is as good). Pure."""
     if len(records) < 2:
         return None
-    want = [(r.offset, r.length, r.digest) for r in records]
-    by_file: dict[str, list[tuple[int, int, str]]] = {}
+    layout = [(r.offset, r.length) for r in records]
+    size = sum(r.length for r in records)
+    by_file: dict[str, list[SourceRecord]] = {}
     for s in previous:
-        by_file.setdefault(s.key, []).append((s.offset, s.length, s.digest))
+        by_file.setdefault(s.key, []).append(s)
+    best: tuple[int, str, list[Record]] | None = None
     for key, recs in by_file.items():
-        if len(recs) == len(want) and recs[0][:2] == want[0][:2] and recs[1:] == want[1:]:
-            return key
-    return None
+        if [(s.offset, s.length) for s in recs] != layout:
+            continue
+        changed = [records[0]] + [r for r, old in zip(records[1:], recs[1:]) if r.digest != old.digest]
+        shared = size - sum(r.length for r in changed)
+        if 2 * shared >= size and (best is None or shared > best[0]):
+            best = (shared, key, changed)
+    return None if best is None else (best[1], best[2])
 
 
-def write_cloned(path: str, head: bytes | memoryview, data: tuple[int, int], records: Sequence[Record] | None,
-                 source: Any) -> bool:
-    """Write the shard at ``path`` (``head``, then ``data``: the staged bytes' length and CRC32C) as a clone of
-    the previous checkpoint's identical shard, then ``head`` over its header; False when there is none or it
-    cannot be cloned (the caller writes the shard as usual)."""
+def write_cloned(path: str, head: bytes | memoryview, data: memoryview, data_crc: int,
+                 records: Sequence[Record] | None, source: Any) -> bool:
+    """Write the shard at ``path`` (``head``, then the staged ``data`` whose CRC32C is ``data_crc``) as a clone of
+    a previous checkpoint's shard with the same layout, then its header and changed ranges over it; False when
+    there is none or it cannot be cloned (the caller writes the shard as usual)."""
     if source is None or not getattr(source, "clones", False) or not records:
         return False
-    src = clone_source_of(records, source.previous())
-    if src is None:
+    plan = clone_plan(records, source.previous())
+    if plan is None:
         return False
-    data_len, data_crc = data
+    src, changed = plan
     listed = source.listed_crc(src)
 
     def same_bytes(old_head: bytes) -> bool:
-        # the CRC32C its manifest lists for the source file must be that of its header followed by our staged
-        # bytes: a second, independent check of the xxh3 records (hostile or mistaken records are not trusted)
-        return listed is not None and combine(crc32c(old_head), data_crc, data_len) == listed
+        # all tensors unchanged: the CRC32C its manifest lists for the source file must be that of its header
+        # followed by our staged bytes, a second, independent check of the xxh3 records (hostile or mistaken
+        # records are not trusted). Some changed: the old bytes of those are unknown here, the records decide.
+        if len(changed) > 1:
+            return True
+        return listed is not None and combine(crc32c(old_head), data_crc, len(data)) == listed
 
-    size = len(head) + data_len
-    if not clone_with_head(src, path, head, size, source.fsync, same_bytes):
+    hlen = len(head)
+    patches = [(0, memoryview(head))] + [(r.offset, data[r.offset - hlen: r.offset - hlen + r.length])
+                                         for r in changed[1:]]
+    size = hlen + len(data)
+    if not clone_patched(src, path, patches, size, source.fsync, same_bytes):
         return False
-    source.cloned(size, len(head))
-    log.debug("fastckpt: %s cloned from %s (%d bytes shared, header written)", path, src, size - len(head))
+    written = sum(len(p) for _, p in patches)
+    source.cloned(size, written)
+    log.debug("fastckpt: %s cloned from %s (%d bytes shared, %d written)", path, src, size - written, written)
     return True

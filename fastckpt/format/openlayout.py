@@ -58,7 +58,7 @@ class OpenLayout:
             # local file system with reflinks, an unchanged shard is a clone of the newest checkpoint's
             source, recs = getattr(snap, "dedup", None), as_records(hashes)
             if not (write_deduped(storage, path, [head, data], recs, source)
-                    or write_cloned(path, head, (shard.nbytes, data_crc), recs, source)):
+                    or write_cloned(path, head, data[: shard.nbytes], data_crc, recs, source)):
                 storage.write_file(path, [head, data])
         finally:
             head.release()

@@ -18,11 +18,11 @@ import logging
 import os
 import stat
 import threading
-from typing import Callable
+from typing import Callable, Sequence
 
 from .deadline import storage_error
 
-__all__ = ["FICLONE", "PROBE_PREFIX", "clone_with_head", "probe_names", "supports_reflink"]
+__all__ = ["FICLONE", "PROBE_PREFIX", "clone_patched", "probe_names", "supports_reflink"]
 
 log = logging.getLogger("fastckpt")
 
@@ -86,20 +86,21 @@ def _probe(root: str) -> bool:
                 pass
 
 
-def clone_with_head(src: str, dst: str, head: bytes | memoryview, size: int, fsync: bool,
-                    check: Callable[[bytes], bool]) -> bool:
-    """Make ``dst`` (new) a clone of the regular file ``src`` (``size`` bytes) with its first ``len(head)`` bytes
-    replaced by ``head``: only those blocks are written. ``check`` gets ``src``'s first ``len(head)`` bytes (its
-    old header) and says whether ``src`` is the file the caller means. False when ``src`` is gone, not a regular
+def clone_patched(src: str, dst: str, patches: Sequence[tuple[int, memoryview]], size: int, fsync: bool,
+                  check: Callable[[bytes], bool]) -> bool:
+    """Make ``dst`` (new) a clone of the regular file ``src`` (``size`` bytes), then write each ``(offset, bytes)``
+    of ``patches`` over it: only those blocks are written (copy on write). The first patch is the header, at offset
+    0: ``check`` gets ``src``'s bytes under it (its old header) and says whether ``src`` is the file the caller
+    means. False when ``src`` is gone, not a regular
     file, not ``size`` bytes, refused by ``check`` or cannot be cloned (the caller writes ``dst`` as usual;
     nothing is left at ``dst``); other failures raise ``StorageError`` naming ``dst``."""
     try:
-        return _clone(src, dst, head, size, fsync, check)
+        return _clone(src, dst, patches, size, fsync, check)
     except OSError as e:
         raise storage_error(f"cloning {src!r} (reflink) to", dst, e) from e
 
 
-def _clone(src: str, dst: str, head: bytes | memoryview, size: int, fsync: bool,
+def _clone(src: str, dst: str, patches: Sequence[tuple[int, memoryview]], size: int, fsync: bool,
            check: Callable[[bytes], bool]) -> bool:
     try:
         sfd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -112,7 +113,7 @@ def _clone(src: str, dst: str, head: bytes | memoryview, size: int, fsync: bool,
             log.info("fastckpt: reflink source %s is not the %d-byte file its manifest lists: the shard is written",
                      src, size)
             return False
-        if not check(os.pread(sfd, len(head), 0)):
+        if not check(os.pread(sfd, len(patches[0][1]), 0)):
             log.warning("fastckpt: %s does not match the checksum its manifest lists for the bytes being saved: "
                         "the shard is written, not cloned", src)
             return False
@@ -131,10 +132,10 @@ def _clone(src: str, dst: str, head: bytes | memoryview, size: int, fsync: bool,
                 log.info("fastckpt: cannot clone %s (%s): the shard is written", src, e)
                 os.unlink(dst)
                 return False
-            view = memoryview(head)
-            at = 0
-            while at < len(view):
-                at += os.pwrite(dfd, view[at:], at)
+            for offset, view in patches:
+                done = 0
+                while done < len(view):
+                    done += os.pwrite(dfd, view[done:], offset + done)
             got = os.fstat(dfd).st_size
             if got != size:  # never a shard of the wrong length: written instead
                 os.unlink(dst)
