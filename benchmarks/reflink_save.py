@@ -46,9 +46,9 @@ def _state(mib: int, step: int) -> dict[str, Any]:
     return {"model": {**frozen, "head": torch.full((MiB // 4,), float(step))}}
 
 
-def one(root: Path, dev: str, mib: int, reflink: str) -> tuple[float, int]:
+def one(root: Path, dev: str, mib: int, reflink: str, chunk_mib: int = 64) -> tuple[float, int]:
     """Seconds and device bytes of the second save (the first one is the clone source)."""
-    ck = Checkpointer(CheckpointConfig(root=str(root), persist={"reflink": reflink, "chunk_bytes": 64 * MiB},
+    ck = Checkpointer(CheckpointConfig(root=str(root), persist={"reflink": reflink, "chunk_bytes": chunk_mib * MiB},
                                        staging={"mode": "eager"}))
     try:
         ck.save(_state(mib, 1), step=1)
@@ -66,13 +66,13 @@ def one(root: Path, dev: str, mib: int, reflink: str) -> tuple[float, int]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def measure(workdir: Path, mib: int = 256, reps: int = 3) -> dict[str, Any]:
+def measure(workdir: Path, mib: int = 256, reps: int = 3, chunk_mib: int = 64) -> dict[str, Any]:
     dev = _device_of(workdir)
     got: dict[str, list[tuple[float, int]]] = {"auto": [], "off": []}
     for r in range(reps):
         for mode in ("auto", "off") if r % 2 == 0 else ("off", "auto"):
-            got[mode].append(one(workdir / f"reflink-bench-{mode}", dev, mib, mode))
-    return {"device": dev, "mib": mib, "reps": reps, **{
+            got[mode].append(one(workdir / f"reflink-bench-{mode}", dev, mib, mode, chunk_mib))
+    return {"device": dev, "mib": mib, "reps": reps, "chunk_mib": chunk_mib, **{
         k: {"wall_s": statistics.median(x[0] for x in v), "written_mib": statistics.median(x[1] for x in v) / MiB,
             "runs": v} for k, v in got.items()}}
 
@@ -82,11 +82,14 @@ def main() -> int:
     ap.add_argument("dir")
     ap.add_argument("--mib", type=int, default=256)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--chunk-mib", type=int, default=64,
+                    help="persist.chunk_bytes in MiB; above --mib the changed tensor shares the frozen ones' shard")
     args = ap.parse_args()
-    res = measure(Path(args.dir), args.mib, args.reps)
+    res = measure(Path(args.dir), args.mib, args.reps, args.chunk_mib)
     print(res)
     a, o = res["auto"], res["off"]
-    print(f"second save of a {args.mib} MiB frozen + 1 MiB changed state, median of {args.reps}: reflink auto "
+    print(f"second save of a {args.mib} MiB frozen + 1 MiB changed state ({args.chunk_mib} MiB shards), median of "
+          f"{args.reps}: reflink auto "
           f"{a['wall_s']:.3f} s, {a['written_mib']:.1f} MiB written to {res['device']}; off {o['wall_s']:.3f} s, "
           f"{o['written_mib']:.1f} MiB")
     return 0
