@@ -41,6 +41,7 @@ _MODES = ("lazy", "eager")
 _ON_MUTATION = ("raise", "retake")
 _WHEN_BUSY = ("wait", "skip")
 _DIRECT_IO = ("auto", "on", "off")
+_REFLINK = ("auto", "off")  # persist.reflink: clone unchanged shards on a local root (fastckpt/storage/reflink.py)
 _PROCESS = ("off", "on", "auto")  # persist.process: who writes staged snapshots (fastckpt/tiers/persister.py)
 _UNHEALTHY = ("count", "delete", "keep")
 _READ_STRATEGIES = ("auto", "sequential", "parallel", "direct")  # fastckpt/read/strategy.py's CHOICES
@@ -122,6 +123,11 @@ class PersistOptions(_Freezable):
     persister process (one per ``Checkpointer``) that writes, fsyncs and commits them, and commits a staged snapshot
     even if training is killed; ``auto`` the process for states of at least 256 MiB, the threads for smaller ones
     (measured: docs/DESIGN.md, "The persister process")."""
+    reflink: str = "auto"
+    """Local roots: ``auto`` makes a shard laid out as a shard of the newest committed checkpoint of the root, at
+    least half its bytes unchanged, as a reflink clone of that file with only its header and changed tensors written
+    (where the file system has reflinks, such as btrfs or XFS, probed once; the clone stays valid when the older
+    checkpoint is deleted); ``off`` always writes."""
     pace_writes: bool = False
     """Pace the I/O workers' shard writes to the write bandwidth measured on earlier writes (a token bucket), so
     a checkpoint's writes are spread instead of bursting. Off by default: no measured gain with O_DIRECT writes,
@@ -142,6 +148,9 @@ class PersistOptions(_Freezable):
         _check_choice("persist.", "priority", self.priority, PRIORITIES)
         _check_seconds("persist.", "max_lag_s", self.max_lag_s, 0.0)
         _check_choice("persist.", "process", self.process, _PROCESS)
+        if isinstance(self.reflink, bool):  # YAML 1.1 reads a bare off as false
+            self.reflink = "auto" if self.reflink else "off"
+        _check_choice("persist.", "reflink", self.reflink, _REFLINK)
         if not isinstance(self.pace_writes, bool):
             raise ConfigError(f"persist.pace_writes must be true or false, got {self.pace_writes!r}")
 

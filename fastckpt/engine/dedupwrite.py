@@ -19,7 +19,9 @@ from ..format.contenthash import file_records
 from ..format.layout import MANIFEST, parse_manifest
 from ..format.objectdedup import copies_ranges
 from ..storage.partplan import SourceRecord
+from ..storage.local import LocalStorage
 from ..storage.protocol import Storage
+from ..storage.reflink import supports_reflink
 from ..storage.s3copy import CopyOutcome
 
 __all__ = ["DirectDedup"]
@@ -32,9 +34,16 @@ _RESUME_TRIES = 4  # folders looked at, newest name first, for the copy source o
 class DirectDedup:
     """One per ``Saver``: the copy source of its root's shards, and what the planned writes did."""
 
-    def __init__(self, storage: Storage, enabled: bool) -> None:
+    def __init__(self, storage: Storage, enabled: bool, reflink: bool = False, fsync: bool = True) -> None:
         self.storage = storage
         self.enabled = enabled and copies_ranges(storage)
+        # a local root: unchanged shards are clones (format/clonewrite.py) where its file system has reflinks,
+        # probed at the first save (storage/reflink.py); ``clones`` says whether it has
+        self._reflink = reflink and isinstance(storage, LocalStorage)
+        self._clones: bool | None = None if self._reflink else False
+        self.fsync = fsync
+        self.cloned_bytes = 0  # bytes of shards made by a clone (shared with the previous checkpoint's files)
+        self._crcs: dict[str, int] = {}  # path -> CRC32C its manifest lists, for the files of ``_cached``
         self._lock = threading.Lock()
         self._newest: str | None = None  # the folder of the newest committed checkpoint, once known
         self._looked = False  # the root was searched for one (a resumed run's first save)
@@ -43,10 +52,23 @@ class DirectDedup:
         self.copied = 0  # bytes the store copied from the previous checkpoint instead
         self.fell_back = 0  # bytes planned as copies but sent (source gone, refused, or checksum mismatch)
 
+    @classmethod
+    def of(cls, config: Any, storage: Storage, single_writer: bool) -> "DirectDedup":
+        """The saver's: with ``distributed=True`` (not a single writer) the ranks do not see the commits."""
+        return cls(storage, config.remote.dedup and single_writer, config.persist.reflink == "auto" and single_writer,
+                   config.persist.fsync)
+
+    @property
+    def clones(self) -> bool:
+        """Whether this local root's shards may be cloned (the file system probed once, at the first ask)."""
+        if self._clones is None:
+            self._clones = supports_reflink(self.storage.url)
+        return self._clones
+
     def watching(self, on_commit: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
         """``on_commit`` that first notes a committed checkpoint of the root as the next copy source."""
         def committed(job: Any, info: Any) -> None:
-            if self.enabled and job.file_format.catalogued:
+            if (self.enabled or self._reflink) and job.file_format.catalogued:
                 with self._lock:
                     self._newest, self._looked = info.path, True
             on_commit(job, info)
@@ -54,7 +76,7 @@ class DirectDedup:
 
     def source(self) -> "DirectDedup | None":
         """What a save's job carries (``Job.dedup``): this, or None when nothing can be copied."""
-        return self if self.enabled else None
+        return self if self.enabled or self.clones else None
 
     def previous(self) -> list[SourceRecord]:
         """Called by an I/O worker: the records of the newest committed checkpoint (empty: none, or unreadable)."""
@@ -66,9 +88,15 @@ class DirectDedup:
                 return []
             if cached is not None and cached[0] == newest:
                 return cached[1]
+            self._crcs = {}
             recs = self._records(newest)
             self._cached = (newest, recs)
             return recs
+
+    def listed_crc(self, path: str) -> int | None:
+        """The CRC32C the copy source's manifest lists for its file ``path`` (after ``previous()``), or None."""
+        with self._lock:
+            return self._crcs.get(path)
 
     def done(self, size: int, outcome: CopyOutcome | None) -> None:
         with self._lock:
@@ -78,6 +106,11 @@ class DirectDedup:
                 self.sent += outcome.sent
                 self.copied += outcome.copied
                 self.fell_back += outcome.fell_back
+
+    def cloned(self, size: int, written: int) -> None:
+        with self._lock:
+            self.cloned_bytes += size - written
+            self.sent += written
 
     def _records(self, folder: str) -> list[SourceRecord]:
         st = self.storage
@@ -89,6 +122,7 @@ class DirectDedup:
             return []
         out = []
         for name, rec in doc["files"].items():
+            self._crcs[st.join(folder, name)] = int(rec["crc32c"])
             for r in file_records(rec, int(rec["size"])) or []:
                 out.append(SourceRecord(st.join(folder, name), r.offset, r.length, r.digest))
         return out

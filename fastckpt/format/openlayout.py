@@ -16,6 +16,7 @@ from ..errors import FastCkptError, StorageError
 from ..storage.local import aligned_buffer
 from ..storage.protocol import Storage
 from .checksum import combine, crc32c
+from .clonewrite import write_cloned
 from .contenthash import hash_records
 from .layout import (
     MANIFEST, VERSION, CheckpointInfo, FileRecord, build_manifest, parse_manifest, shard_file_name, shard_header)
@@ -39,11 +40,13 @@ class OpenLayout:
         header = shard_header(shard, snap.step, snap.keys)
         crc = crc32c(header)
         tensor_crcs = []
+        data_crc = 0  # of the staged bytes alone (CRC32C of nothing is 0): a clone's check (clonewrite.py)
         staged = snap.staged_crcs.get(shard.index)  # computed once, when the bytes were staged
         for i, e in enumerate(shard.entries):
             c = staged[i] if staged is not None else crc32c(data[e.offset: e.offset + e.nbytes])
             tensor_crcs.append(c)
             crc = combine(crc, c, e.nbytes)
+            data_crc = combine(data_crc, c, e.nbytes)
         # content records for the next upload's dedup, hashed here from the staged bytes (an I/O worker)
         hashes = hash_records(header, data[: shard.nbytes], [e.offset for e in shard.entries])
         name = shard_file_name(shard.index, snap.uid)
@@ -51,8 +54,11 @@ class OpenLayout:
         head[:] = header
         try:
             path = storage.join(snap.dirpath, name)
-            # on an object store, the ranges the newest committed checkpoint holds are copied server-side
-            if not write_deduped(storage, path, [head, data], as_records(hashes), getattr(snap, "dedup", None)):
+            # on an object store, the ranges the newest committed checkpoint holds are copied server-side; on a
+            # local file system with reflinks, an unchanged shard is a clone of the newest checkpoint's
+            source, recs = getattr(snap, "dedup", None), as_records(hashes)
+            if not (write_deduped(storage, path, [head, data], recs, source)
+                    or write_cloned(path, head, data[: shard.nbytes], data_crc, recs, source)):
                 storage.write_file(path, [head, data])
         finally:
             head.release()
