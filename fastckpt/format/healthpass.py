@@ -1,0 +1,156 @@
+"""One blocked pass over a staged shard: each tensor's CRC32C and its health statistics, block by block in cache.
+
+Before, an I/O worker read every staged byte from DRAM once per statistic (aminmax, the float32 norms, the NaN
+count when needed) and once more for the CRC32C of the open layout's writer. Here each block of a tensor (a few
+hundred KiB: it stays in the core's cache) is checksummed, then reduced twice while it is still there: per group
+of ``GROUP`` values, its L2 norm and its max-abs norm (``ord=inf``). A NaN or an Inf makes its group's L2 norm
+non-finite, so the NaN/Inf test costs no pass of its own: only the flagged groups (rare) are counted and measured
+again, value by value. The statistics are format/health.py's (docs/FORMAT.md, "Health"): ``n``, ``nan``, ``inf``
+and ``absmax`` exact, ``l2`` within 1e-6 relative, ``fp`` (``fingerprint``) byte for byte.
+
+Threads: torch reductions fan out over every core (intra-op threads, a process-wide setting) once one call sees
+more than ``GRAIN`` (torch's ``at::internal::GRAIN_SIZE``) values. An I/O worker runs at idle priority beside the
+training thread, so no reduction here ever sees more: a block holds at most ``GRAIN`` values, and stays serial.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Sequence
+
+import torch
+import xxhash
+
+from .checksum import crc32c
+
+__all__ = ["tensor_pass", "shard_pass", "fingerprint", "GROUP", "GRAIN"]
+
+GROUP = 512  # values normed together in float32; the groups' squares are summed in float64
+GRAIN = 32768  # torch's GRAIN_SIZE: a reduction over more values may run on every core
+_CHUNK = 1 << 22  # values measured at once when squares overflow float32 (rare): bounds float64 temporaries
+_WINDOWS = 64  # sampled windows of the fingerprint...
+_WINDOW = 64  # ...of this many bytes each: 4 KiB read per tensor, whatever its size
+_NARROW = (torch.float16, torch.bfloat16, torch.float32)  # normed in float32 without any conversion
+
+
+def fingerprint(data: Any, nbytes: int) -> str:
+    """xxh3-64 of ``nbytes`` and of 64 evenly spread 64-byte windows of ``data`` (all of it up to 4 KiB)."""
+    h = xxhash.xxh3_64()
+    h.update(nbytes.to_bytes(8, "little"))
+    mv = memoryview(data)
+    if nbytes <= _WINDOWS * _WINDOW:
+        h.update(mv)
+    else:
+        last = nbytes - _WINDOW
+        for k in range(_WINDOWS):
+            at = k * last // (_WINDOWS - 1)
+            h.update(mv[at:at + _WINDOW])
+    return h.hexdigest()
+
+
+class _Values:
+    """How a tensor's bytes become values the reductions take: native (float16/bfloat16/float32/float64 at their
+    alignment), or converted block by block (float8 -> float32; integers, bool and odd byte counts -> float64,
+    exact up to 2**53; a record staged off its dtype's alignment -> copied to an aligned scratch first)."""
+
+    def __init__(self, raw: torch.Tensor, dtype: torch.dtype) -> None:
+        size = torch.empty(0, dtype=dtype).element_size()
+        if raw.numel() % size:
+            dtype, size = torch.uint8, 1  # not a whole number of values: measured as bytes
+        self.dtype, self.size = dtype, size
+        self.per_elem = 2 if dtype.is_complex else 1  # a complex value is measured as its two real parts
+        self.aligned = raw.storage_offset() % size == 0
+        real = torch.empty(0, dtype=dtype)
+        real = torch.view_as_real(real) if dtype.is_complex else real
+        self.wide = real.dtype == torch.float64 or not real.is_floating_point()
+        self.convert = None if real.dtype in _NARROW or real.dtype == torch.float64 else (
+            torch.float32 if real.is_floating_point() else torch.float64)
+        self.norm_dtype = torch.float64 if self.wide else torch.float32
+        self.count = raw.numel() // size * self.per_elem  # values measured
+
+    def of(self, raw: torch.Tensor) -> torch.Tensor:
+        """The flat values of ``raw`` (whole elements)."""
+        t = (raw if self.aligned else raw.clone()).view(self.dtype)
+        if self.per_elem == 2:
+            t = torch.view_as_real(t).reshape(-1)
+        return t if self.convert is None else t.to(self.convert)
+
+
+def tensor_pass(raw: torch.Tensor, dtype: torch.dtype, crc: bool = False) -> tuple[dict[str, Any], int | None]:
+    """One staged tensor's statistics (format/health.py's ``tensor_health``) and, with ``crc``, the CRC32C of its
+    bytes, taken in one pass: ``raw`` is a flat uint8 CPU tensor, ``dtype`` its values' dtype."""
+    kind = _Values(raw, dtype)
+    nbytes, count = raw.numel(), kind.count
+    groups = count // GROUP
+    norms = torch.empty(groups, dtype=kind.norm_dtype)
+    peaks = torch.empty(groups, dtype=kind.norm_dtype)
+    per_block = max(1, GRAIN // GROUP)  # groups per block: a whole number of groups, at most GRAIN values
+    step = per_block * GROUP // kind.per_elem * kind.size  # bytes per block
+    data = raw.numpy() if nbytes else b""
+    value = 0
+    grouped = groups * GROUP // kind.per_elem * kind.size  # bytes of the whole groups; the rest is the tail
+    for g, at in enumerate(range(0, grouped, step)):
+        block = raw[at:min(at + step, grouped)]
+        if crc:
+            value = crc32c(data[at:at + block.numel()], value)
+        vals = kind.of(block).view(-1, GROUP)
+        lo, hi = g * per_block, g * per_block + vals.shape[0]
+        torch.linalg.vector_norm(vals, 2, dim=1, dtype=kind.norm_dtype, out=norms[lo:hi])
+        torch.linalg.vector_norm(vals, math.inf, dim=1, dtype=kind.norm_dtype, out=peaks[lo:hi])
+    if crc and grouped < nbytes:
+        value = crc32c(data[grouped:nbytes], value)
+    nan = inf = 0
+    absmax, squares = 0.0, 0.0
+    tails: list[torch.Tensor] = []
+    if groups:
+        bad = ~torch.isfinite(norms)
+        if bool(bad.any()):  # rare: a NaN, an Inf, or squares beyond float32 in these groups only
+            for i in bad.nonzero().flatten().tolist():
+                at = i * GROUP // kind.per_elem * kind.size
+                tails.append(kind.of(raw[at:at + GROUP // kind.per_elem * kind.size]))
+            good = ~bad
+            norms, peaks = norms[good], peaks[good]
+        if peaks.numel():
+            absmax = float(peaks.max())
+        squares = float(norms.to(torch.float64).square().sum())
+    if grouped < nbytes:
+        tails.append(kind.of(raw[grouped:nbytes]))
+    overflow = False
+    for vals in tails:  # flagged groups and the tail: counted and measured value by value, in float64
+        finite_mask = torch.isfinite(vals)
+        if not bool(finite_mask.all()):
+            nan, inf = nan + int(torch.isnan(vals).sum()), inf + int(torch.isinf(vals).sum())
+            vals = vals[finite_mask]
+        if vals.numel():
+            absmax = max(absmax, float(torch.linalg.vector_norm(vals, math.inf, dtype=torch.float64)))
+            squares += float(torch.linalg.vector_norm(vals, dtype=torch.float64)) ** 2
+            overflow = overflow or (not kind.wide and not math.isfinite(float(
+                torch.linalg.vector_norm(vals, dtype=torch.float32))))
+    if overflow:  # squares beyond float32 somewhere: the whole tensor's in float64, as format/health.py did
+        squares = _wide_squares(raw, kind)
+    l2 = math.sqrt(squares)
+    stats = {"n": count, "nan": nan, "inf": inf, "absmax": absmax if math.isfinite(absmax) else None,
+             "l2": l2 if math.isfinite(l2) else None, "fp": fingerprint(data, nbytes)}
+    return stats, (value if crc else None)
+
+
+def _wide_squares(raw: torch.Tensor, kind: _Values) -> float:
+    """The sum of squares of the finite values of ``raw`` in float64, ``_CHUNK`` values at a time."""
+    out = 0.0
+    step = _CHUNK // kind.per_elem * kind.size
+    for at in range(0, raw.numel() // kind.size * kind.size, step):
+        vals = kind.of(raw[at:at + step])
+        out += float(torch.linalg.vector_norm(vals[torch.isfinite(vals)], dtype=torch.float64)) ** 2
+    return out
+
+
+def shard_pass(raw: torch.Tensor, entries: Sequence[Any], keys: list[str], dtypes: Callable[[Any], torch.dtype],
+               crc: bool) -> tuple[dict[str, Any], list[int] | None]:
+    """An I/O worker's one pass over a staged shard (``raw``: its uint8 buffer): each tensor's statistics by key
+    and, with ``crc``, each tensor's CRC32C in ``entries`` order (what the open layout's writer records)."""
+    stats: dict[str, Any] = {}
+    crcs: list[int] = []
+    for e in entries:
+        s, c = tensor_pass(raw[e.offset:e.offset + e.nbytes], dtypes(e), crc)
+        stats[keys[e.index]] = s
+        crcs.append(c or 0)
+    return stats, (crcs if crc else None)
