@@ -131,21 +131,23 @@ def test_reductions_stay_on_the_calling_thread() -> None:
     """No reduction of the pass sees more than torch's grain size, so none fans out on torch's intra-op threads
     (a process-wide setting the I/O workers must not use): every call is seen with at most GRAIN values."""
     seen: list[int] = []
-    real = torch.linalg.vector_norm
 
-    def norm(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        seen.append(x.numel())
-        return real(x, *args, **kwargs)
+    def seeing(real: Any) -> Any:
+        def reduce(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            seen.append(x.numel())
+            return real(x, *args, **kwargs)
+        return reduce
 
     raw = _staged(torch.randn(10 * GRAIN + 3), 0)
     want = _reference(raw, torch.float32)
     mp = pytest.MonkeyPatch()
-    mp.setattr(torch.linalg, "vector_norm", norm)
+    mp.setattr(torch.linalg, "vector_norm", seeing(torch.linalg.vector_norm))
+    mp.setattr(torch, "aminmax", seeing(torch.aminmax))
     try:
         got, crc = tensor_pass(raw, torch.float32, crc=True)
     finally:
         mp.undo()
-    assert len(seen) >= 2 * 10 and max(seen) <= GRAIN, max(seen)
+    assert len(seen) >= 2 * 10 and max(seen) <= GRAIN, max(seen)  # two reductions per block
     assert crc == want["crc"] and got["absmax"] == want["absmax"]
 
 
