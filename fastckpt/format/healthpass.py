@@ -106,46 +106,57 @@ def tensor_pass(raw: torch.Tensor, dtype: torch.dtype, crc: bool = False) -> tup
         value = crc32c(data[grouped:nbytes], value)
     nan = inf = 0
     absmax, squares = 0.0, 0.0
-    tails: list[torch.Tensor] = []  # values measured one by one: flagged groups, blocks, and the tail
+    gbytes = GROUP // kind.per_elem * kind.size
+    flagged: list[torch.Tensor] = []
     if groups:
         assert los is not None and his is not None
-        sound = torch.isfinite(los) & torch.isfinite(his)
-        if not bool(sound.all()):  # rare: a NaN or an Inf in these blocks: their finite values' extremes
-            for b in (~sound).nonzero().flatten().tolist():
-                vals = kind.of(raw[b * step:min(b * step + step, grouped)])
-                finite = vals[torch.isfinite(vals)]
-                if finite.numel():
-                    lo, hi = torch.aminmax(finite)
-                    absmax = max(absmax, -float(lo), float(hi))
-            los, his = los[sound], his[sound]
-        if los.numel():
-            absmax = max(absmax, -float(los.min()), float(his.max()))
-        bad = ~torch.isfinite(norms)
-        if bool(bad.any()):  # rare: a NaN, an Inf, or squares beyond float32 in these groups only
-            for i in bad.nonzero().flatten().tolist():
-                at = i * GROUP // kind.per_elem * kind.size
-                tails.append(kind.of(raw[at:at + GROUP // kind.per_elem * kind.size]))
-            norms = norms[~bad]
+        absmax = _extremes(raw, kind, los, his, step, grouped)
         squares = float(norms.to(torch.float64).square().sum())
-    if grouped < nbytes:
-        tails.append(kind.of(raw[grouped:nbytes]))
+        if not math.isfinite(squares):  # rare: a NaN, an Inf or squares beyond float32 in some groups
+            bad = ~torch.isfinite(norms)
+            flagged = [kind.of(raw[at:at + gbytes]) for at in (bad.nonzero().flatten() * gbytes).tolist()]
+            squares = float(norms[~bad].to(torch.float64).square().sum())
+    tail = [kind.of(raw[grouped:nbytes])] if grouped < nbytes else []
     overflow = False
-    for vals in tails:  # flagged groups and the tail: counted and measured value by value, in float64
-        finite_mask = torch.isfinite(vals)
-        if not bool(finite_mask.all()):
+    for k, vals in enumerate(flagged + tail):  # measured value by value in float64: few values
+        part = float(torch.linalg.vector_norm(vals, dtype=torch.float64))
+        if not math.isfinite(part):  # a NaN or an Inf here: counted, and the finite values measured
             nan, inf = nan + int(torch.isnan(vals).sum()), inf + int(torch.isinf(vals).sum())
-            vals = vals[finite_mask]
+            vals = vals[torch.isfinite(vals)]
+            part = float(torch.linalg.vector_norm(vals, dtype=torch.float64))
         if vals.numel():
-            absmax = max(absmax, float(torch.linalg.vector_norm(vals, math.inf, dtype=torch.float64)))
-            squares += float(torch.linalg.vector_norm(vals, dtype=torch.float64)) ** 2
-            overflow = overflow or (not kind.wide and not math.isfinite(float(
-                torch.linalg.vector_norm(vals, dtype=torch.float32))))
+            lo, hi = torch.aminmax(vals)
+            absmax = max(absmax, -float(lo), float(hi))
+        squares += part ** 2
+        if k < len(flagged) and not kind.wide:  # flagged for its squares alone? then they overflow float32
+            overflow = overflow or not math.isfinite(float(torch.linalg.vector_norm(vals, dtype=torch.float32)))
     if overflow:  # squares beyond float32 somewhere: the whole tensor's in float64, as format/health.py did
         squares = _wide_squares(raw, kind)
     l2 = math.sqrt(squares)
     stats = {"n": count, "nan": nan, "inf": inf, "absmax": absmax if math.isfinite(absmax) else None,
              "l2": l2 if math.isfinite(l2) else None, "fp": fingerprint(data, nbytes)}
     return stats, (value if crc else None)
+
+
+def _extremes(raw: torch.Tensor, kind: _Values, los: torch.Tensor, his: torch.Tensor, step: int,
+              grouped: int) -> float:
+    """The absolute max of the finite values in the whole groups, from each block's min and max (``los``,
+    ``his``); a block whose extremes are not finite (a NaN or an Inf in it: rare) is measured again, finite values
+    only."""
+    lo, hi = float(los.min()), float(his.max())  # a NaN propagates: one test for every block
+    if math.isfinite(lo) and math.isfinite(hi):
+        return max(0.0, -lo, hi)
+    sound = torch.isfinite(los) & torch.isfinite(his)
+    absmax = 0.0
+    for b in (~sound).nonzero().flatten().tolist():
+        vals = kind.of(raw[b * step:min(b * step + step, grouped)])
+        finite = vals[torch.isfinite(vals)]
+        if finite.numel():
+            lo_t, hi_t = torch.aminmax(finite)
+            absmax = max(absmax, -float(lo_t), float(hi_t))
+    if bool(sound.any()):
+        absmax = max(absmax, -float(los[sound].min()), float(his[sound].max()))
+    return absmax
 
 
 def _wide_squares(raw: torch.Tensor, kind: _Values) -> float:
