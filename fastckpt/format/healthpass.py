@@ -111,11 +111,11 @@ def tensor_pass(raw: torch.Tensor, dtype: torch.dtype, crc: bool = False) -> tup
     if groups:
         assert los is not None and his is not None
         absmax = _extremes(raw, kind, los, his, step, grouped)
-        squares = float(norms.to(torch.float64).square().sum())
+        squares = _sum_squares(norms)
         if not math.isfinite(squares):  # rare: a NaN, an Inf or squares beyond float32 in some groups
             bad = ~torch.isfinite(norms)
             flagged = [kind.of(raw[at:at + gbytes]) for at in (bad.nonzero().flatten() * gbytes).tolist()]
-            squares = float(norms[~bad].to(torch.float64).square().sum())
+            squares = _sum_squares(norms[~bad])
     tail = [kind.of(raw[grouped:nbytes])] if grouped < nbytes else []
     overflow = False
     for k, vals in enumerate(flagged + tail):  # measured value by value in float64: few values
@@ -136,6 +136,11 @@ def tensor_pass(raw: torch.Tensor, dtype: torch.dtype, crc: bool = False) -> tup
     stats = {"n": count, "nan": nan, "inf": inf, "absmax": absmax if math.isfinite(absmax) else None,
              "l2": l2 if math.isfinite(l2) else None, "fp": fingerprint(data, nbytes)}
     return stats, (value if crc else None)
+
+
+def _sum_squares(norms: torch.Tensor) -> float:
+    """The sum of the squares of the groups' norms, in float64, at most GRAIN of them per call (serial)."""
+    return sum(float(norms[at:at + GRAIN].to(torch.float64).square().sum()) for at in range(0, norms.numel(), GRAIN))
 
 
 def _extremes(raw: torch.Tensor, kind: _Values, los: torch.Tensor, his: torch.Tensor, step: int,
