@@ -9,9 +9,8 @@ open layout and a framework's folder) or, for a torch file, into its extended at
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable
 
 import torch
 import xxhash
