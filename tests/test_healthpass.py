@@ -188,3 +188,35 @@ def test_io_worker_reads_each_tensor_once_for_crc_and_health(tmp_path: Path, mon
         assert_bit_equal(want, ck.load(1))  # persist.verify_on_load: the files' CRCs come from the pass
     finally:
         ck.close()
+
+
+def test_torch_file_crc32_comes_from_the_pass(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A torch file (Lightning's ``.ckpt``): each record's CRC-32 (the zip needs it) is taken by the health pass,
+    never by the format's own second read; the file passes the zip's CRC checks and loads bit for bit."""
+    import zipfile
+
+    from fastckpt.format.torchfile import TorchFileFormat, verify_torch_file
+
+    own: list[int] = []
+    real = TorchFileFormat.checksum
+
+    def counted(self: Any, data: Any, entries: Any) -> Any:
+        own.append(len(entries))
+        return real(self, data, entries)
+
+    monkeypatch.setattr(TorchFileFormat, "checksum", counted)
+    torch.manual_seed(4)
+    state = {"w": torch.randn(3 * GRAIN + 7), "h": torch.randn(9, 5).to(torch.float16), "step": torch.tensor(3),
+             "e": torch.empty(0)}
+    want = clone_state(state)
+    ck = Checkpointer(CheckpointConfig(root=str(tmp_path), persist={"chunk_bytes": 1 << 16}))
+    try:
+        ck.save_file(state, "a.ckpt", step=1).wait()
+    finally:
+        ck.close()
+    assert own == [], own
+    path = tmp_path / "a.ckpt"
+    with zipfile.ZipFile(path) as z:
+        assert z.testzip() is None  # every record's CRC-32 is right
+    assert verify_torch_file(str(path)) == []
+    assert_bit_equal(want, torch.load(path, weights_only=True))

@@ -170,12 +170,14 @@ def sidecar_health(storage: Any, path: str) -> dict[str, Any] | None:
 
 def shard_health(job: Any, shard: Any, raw: torch.Tensor, fmt: Any) -> dict[str, Any]:
     """Called by an I/O worker: the statistics of each tensor of one staged shard (``raw``: its uint8 buffer),
-    by key. For the open layout (``fmt.crc32c_per_tensor``), the same pass takes each tensor's CRC32C into
-    ``job.staged_crcs`` (unless the copy already did), so its writer never reads the bytes again to checksum them."""
-    crc = getattr(fmt, "crc32c_per_tensor", False) and shard.index not in job.staged_crcs
+    by key. The same pass takes the checksums the format's writer needs, so that it never reads the bytes again:
+    the open layout's CRC32C (``fmt.crc32c_per_tensor``) into ``job.staged_crcs`` (unless the copy already took
+    them), a torch file's CRC-32 (``fmt.pass_checksum``) into ``fmt.pass_crcs``."""
+    checksum = getattr(fmt, "pass_checksum", None)
+    crc = checksum or (getattr(fmt, "crc32c_per_tensor", False) and shard.index not in job.staged_crcs)
     stats, crcs = shard_pass(raw, shard.entries, job.keys, lambda e: value_dtype(fmt, e), crc)
     if crcs is not None:
-        job.staged_crcs[shard.index] = crcs
+        (fmt.pass_crcs if checksum is not None else job.staged_crcs)[shard.index] = crcs
     return stats
 
 

@@ -29,6 +29,7 @@ GRAIN = 32768  # torch's GRAIN_SIZE: a reduction over more values may run on eve
 _CHUNK = 1 << 22  # values measured at once when squares overflow float32 (rare): bounds float64 temporaries
 _WINDOWS = 64  # sampled windows of the fingerprint...
 _WINDOW = 64  # ...of this many bytes each: 4 KiB read per tensor, whatever its size
+Checksum = Callable[[Any, int], int]  # continues a checksum over more bytes: crc32c, zlib's crc32
 _NARROW = (torch.float16, torch.bfloat16, torch.float32)  # normed in float32 without any conversion
 
 
@@ -75,9 +76,12 @@ class _Values:
         return t if self.convert is None else t.to(self.convert)
 
 
-def tensor_pass(raw: torch.Tensor, dtype: torch.dtype, crc: bool = False) -> tuple[dict[str, Any], int | None]:
-    """One staged tensor's statistics (format/health.py's ``tensor_health``) and, with ``crc``, the CRC32C of its
-    bytes, taken in one pass: ``raw`` is a flat uint8 CPU tensor, ``dtype`` its values' dtype."""
+def tensor_pass(raw: torch.Tensor, dtype: torch.dtype,
+                crc: bool | Checksum = False) -> tuple[dict[str, Any], int | None]:
+    """One staged tensor's statistics (format/health.py's ``tensor_health``) and, with ``crc``, the checksum of its
+    bytes (True: CRC32C; or a function ``(data, value) -> value`` that continues, zlib's ``crc32`` say), taken in
+    one pass: ``raw`` is a flat uint8 CPU tensor, ``dtype`` its values' dtype."""
+    checksum = crc32c if crc is True else crc or None
     kind = _Values(raw, dtype)
     nbytes, count = raw.numel(), kind.count
     groups = count // GROUP
@@ -91,8 +95,8 @@ def tensor_pass(raw: torch.Tensor, dtype: torch.dtype, crc: bool = False) -> tup
     los = his = None
     for b, at in enumerate(range(0, grouped, step)):
         block = raw[at:min(at + step, grouped)]
-        if crc:
-            value = crc32c(data[at:at + block.numel()], value)
+        if checksum is not None:
+            value = checksum(data[at:at + block.numel()], value)
         vals = kind.of(block)
         if los is None:
             los, his = torch.empty(blocks, dtype=vals.dtype), torch.empty(blocks, dtype=vals.dtype)
@@ -102,8 +106,8 @@ def tensor_pass(raw: torch.Tensor, dtype: torch.dtype, crc: bool = False) -> tup
         torch.linalg.vector_norm(vals.view(-1, GROUP), 2, dim=1, dtype=kind.norm_dtype,
                                  out=norms[b * per_block:b * per_block + block.numel() * kind.per_elem
                                            // kind.size // GROUP])
-    if crc and grouped < nbytes:
-        value = crc32c(data[grouped:nbytes], value)
+    if checksum is not None and grouped < nbytes:
+        value = checksum(data[grouped:nbytes], value)
     nan = inf = 0
     absmax, squares = 0.0, 0.0
     gbytes = GROUP // kind.per_elem * kind.size
@@ -135,7 +139,7 @@ def tensor_pass(raw: torch.Tensor, dtype: torch.dtype, crc: bool = False) -> tup
     l2 = math.sqrt(squares)
     stats = {"n": count, "nan": nan, "inf": inf, "absmax": absmax if math.isfinite(absmax) else None,
              "l2": l2 if math.isfinite(l2) else None, "fp": fingerprint(data, nbytes)}
-    return stats, (value if crc else None)
+    return stats, (value & 0xFFFFFFFF if checksum is not None else None)
 
 
 def _sum_squares(norms: torch.Tensor) -> float:
@@ -175,9 +179,9 @@ def _wide_squares(raw: torch.Tensor, kind: _Values) -> float:
 
 
 def shard_pass(raw: torch.Tensor, entries: Sequence[Any], keys: list[str], dtypes: Callable[[Any], torch.dtype],
-               crc: bool) -> tuple[dict[str, Any], list[int] | None]:
+               crc: bool | Checksum) -> tuple[dict[str, Any], list[int] | None]:
     """An I/O worker's one pass over a staged shard (``raw``: its uint8 buffer): each tensor's statistics by key
-    and, with ``crc``, each tensor's CRC32C in ``entries`` order (what the open layout's writer records)."""
+    and, with ``crc`` (``tensor_pass``), each tensor's checksum in ``entries`` order (what the writer records)."""
     stats: dict[str, Any] = {}
     crcs: list[int] = []
     for e in entries:
