@@ -1,7 +1,8 @@
 """One blocked pass over a staged shard: each tensor's CRC32C and its health statistics, block by block in cache.
 
 Before, an I/O worker read every staged byte from DRAM once per statistic (aminmax, the float32 norms, the NaN
-count when needed) and once more for the CRC32C of the open layout's writer. Here each block of a tensor (a few
+count when needed) and once more for the writer's checksums (the open layout's CRC32C, a torch file's CRC-32).
+Here each block of a tensor (a few
 hundred KiB: it stays in the core's cache) is checksummed, then reduced twice while it is still there: per group
 of ``GROUP`` values, its L2 norm and its max-abs norm (``ord=inf``). A NaN or an Inf makes its group's L2 norm
 non-finite, so the NaN/Inf test costs no pass of its own: only the flagged groups (rare) are counted and measured
