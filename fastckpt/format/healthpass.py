@@ -2,12 +2,13 @@
 
 Before, an I/O worker read every staged byte from DRAM once per statistic (aminmax, the float32 norms, the NaN
 count when needed) and once more for the writer's checksums (the open layout's CRC32C, a torch file's CRC-32).
-Here each block of a tensor (a few
-hundred KiB: it stays in the core's cache) is checksummed, then reduced twice while it is still there: per group
-of ``GROUP`` values, its L2 norm and its max-abs norm (``ord=inf``). A NaN or an Inf makes its group's L2 norm
-non-finite, so the NaN/Inf test costs no pass of its own: only the flagged groups (rare) are counted and measured
-again, value by value. The statistics are format/health.py's (docs/FORMAT.md, "Health"): ``n``, ``nan``, ``inf``
-and ``absmax`` exact, ``l2`` within 1e-6 relative, ``fp`` (``fingerprint``) byte for byte.
+Here each block of a tensor (at most ``GRAIN`` values, 128 KiB of float32: it stays in the core's cache) is
+checksummed, then reduced twice while it is still there: its min and max (one ``aminmax``: along a dimension torch's
+min/max are ~100x slower), and the float32 L2 norm of each group of ``GROUP`` values. A NaN or an Inf makes its
+block's extremes and its group's norm non-finite, so the common case's NaN/Inf test is one sum of the groups'
+squares and one min/max of the blocks' extremes, no pass of its own: only flagged groups and blocks (rare) are
+counted and measured again, value by value. The statistics are format/health.py's (docs/FORMAT.md, "Health"):
+``n``, ``nan``, ``inf`` and ``absmax`` exact, ``l2`` within 1e-6 relative, ``fp`` (``fingerprint``) byte for byte.
 
 Threads: torch reductions fan out over every core (intra-op threads, a process-wide setting) once one call sees
 more than ``GRAIN`` (torch's ``at::internal::GRAIN_SIZE``) values. An I/O worker runs at idle priority beside the
