@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import fastckpt.format.health as health_mod
+import fastckpt.format.healthpass as healthpass
 from fastckpt import CheckpointConfig, Checkpointer, CheckpointNotFoundError
 from fastckpt.format.health import HEALTH_ATTR, SIDECAR_SUFFIX, tensor_health
 from helpers import assert_bit_equal, clone_state
@@ -91,13 +91,13 @@ def test_statistics_are_exact_and_measured_on_the_staged_copy() -> None:
 
 def test_statistics_run_on_fastckpt_worker_threads_never_the_training_thread(tmp_path: Path, monkeypatch) -> None:
     threads: list[str] = []
-    real = health_mod.tensor_health
+    real = healthpass.tensor_pass  # the I/O worker's one pass (statistics + CRC32C), format/healthpass.py
 
-    def recording(raw, dtype):
+    def recording(raw, dtype, crc=False):
         threads.append(threading.current_thread().name)
-        return real(raw, dtype)
+        return real(raw, dtype, crc)
 
-    monkeypatch.setattr(health_mod, "tensor_health", recording)
+    monkeypatch.setattr(healthpass, "tensor_pass", recording)
     ckpt, _ = _run(tmp_path, 2, nan_at=None)
     ckpt.close()
     assert threads and threading.current_thread().name not in threads

@@ -68,6 +68,8 @@ SURFACE: dict[str, frozenset[str] | str] = {
     # a torch file's health record (NaN/Inf, norms; Lightning's .ckpt): its extended attribute on local storage,
     # a sidecar beside it on an object store (removed with the file)
     "fastckpt.format.health": frozenset({"delete_with_record", "file_health"}),
+    # the I/O workers' one pass (health statistics + CRC32C), timed alone by benchmarks/health_micro.py
+    "fastckpt.format.healthpass": frozenset({"tensor_pass"}),
     # safetensors' name of a torch dtype, to check a model file's header
     "fastckpt.format.safetensorsfile": frozenset({"st_dtype"}),
     # parallel, verified ranged reads, for the loads an integration drives itself

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 import fastckpt.engine.onepass as onepass
+import fastckpt.format.healthpass as healthpass
 import fastckpt.format.openlayout as openlayout
 from fastckpt import CheckpointConfig, Checkpointer, ConfigError
 from fastckpt.engine.writepace import WritePacer
@@ -48,13 +49,15 @@ def _crc_calls(monkeypatch: pytest.MonkeyPatch) -> Counter:
         real = module.crc32c
 
         def crc(data: Any, value: int = 0) -> int:
-            if len(data) in sizes or module is onepass:
-                calls["-".join(threading.current_thread().name.split("-")[:2]), len(data) in sizes] += 1
+            if len(data) in sizes or module in (onepass, healthpass):  # healthpass: tensors block by block
+                calls["-".join(threading.current_thread().name.split("-")[:2]),
+                      len(data) in sizes or module is healthpass] += 1
             return real(data, value)
         return crc
 
     monkeypatch.setattr(onepass, "crc32c", counting(onepass))
     monkeypatch.setattr(openlayout, "crc32c", counting(openlayout))
+    monkeypatch.setattr(healthpass, "crc32c", counting(healthpass))
     return calls
 
 
@@ -77,7 +80,7 @@ def test_crc_taken_once_on_the_copy_thread(tmp_path, monkeypatch, in_copy: bool)
     if in_copy:
         assert io_reads == 0, f"the I/O workers read the staged bytes again for their CRC: {dict(calls)}"
         assert copy_crcs > 0, f"no CRC was taken on the copy thread: {dict(calls)}"
-    else:  # the contrast: without it, the writers take them (a second pass)
+    else:  # the contrast: without it, the I/O workers take them (in the health pass, format/healthpass.py)
         assert io_reads > 0 and copy_crcs == 0, dict(calls)
     got = ck.load(1)  # persist.verify_on_load: every file's CRC (built from the tensors' CRCs) is checked
     assert_bit_equal(want, got)

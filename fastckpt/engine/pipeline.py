@@ -305,7 +305,7 @@ class Pipeline:
                 job.copied_at[shard.index] = time.perf_counter()
             buf = job.slot.held(shard)
             if job.health is not None:  # measured here, on the staged copy: never on the training thread
-                job.health.update(shard_health(buf, shard.entries, job.keys, lambda e: value_dtype(fmt, e)))
+                job.health.update(shard_health(job, shard, buf, fmt))  # + CRC32C, one pass (healthpass.py)
             if self.pacer is None:
                 return fmt.write_shard(self.storage, job, shard, memoryview(buf.numpy())[: shard.nbytes])
             self.pacer.take(shard.nbytes)

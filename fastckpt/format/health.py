@@ -9,14 +9,14 @@ open layout and a framework's folder) or, for a torch file, into its extended at
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable
 
 import torch
 import xxhash
 
 from ..errors import IntegrityError
+from .healthpass import shard_pass, tensor_pass
 from .torchrecords import records_path
 
 __all__ = ["tensor_health", "summarize", "check_health", "healthy_of", "sidecar_path", "sidecar_bytes", "uses_sidecar", "delete_with_record",
@@ -25,88 +25,19 @@ __all__ = ["tensor_health", "summarize", "check_health", "healthy_of", "sidecar_
 
 SIDECAR_SUFFIX = ".fastckpt-health.json"
 HEALTH_ATTR = "user.fastckpt.health"  # a local torch file's record: an extended attribute of the file itself
-_CHUNK = 1 << 22  # elements measured at once: bounds the float64 temporaries of a large tensor to 32 MiB
-_BLOCK = 512  # values normed together in float32 before the float64 sum (``_squares``)
-_WINDOWS = 64  # sampled windows of the fingerprint...
-_WINDOW = 64  # ...of this many bytes each: 4 KiB read per tensor, whatever its size
 _COUNT_FIELDS = ("nan", "inf")
 
 
 def tensor_health(raw: torch.Tensor, dtype: torch.dtype) -> dict[str, Any]:
     """Statistics of one staged tensor: ``raw`` holds its bytes (a flat uint8 CPU tensor), ``dtype`` its values'.
 
-    ``n`` values, NaN and Inf counts, the absolute max and the L2 norm of the finite values (squares summed in
-    float64: ``_squares``), and
-    ``fp``: an xxh3-64 of the size and of 64 evenly spread 64-byte windows (the whole tensor up to 4 KiB), cheap
-    enough for every tensor and enough to tell whether a tensor changed between two checkpoints.
+    ``n`` values, NaN and Inf counts, the absolute max and the L2 norm of the finite values (groups of 512 values
+    normed in float32, their squares summed in float64: relative error below 1e-6; all in float64 when squares
+    overflow float32), and ``fp``: an xxh3-64 of the size and of 64 evenly spread 64-byte windows (the whole
+    tensor up to 4 KiB), cheap enough for every tensor and enough to tell whether a tensor changed between two
+    checkpoints. Measured in one blocked pass (format/healthpass.py), which can take the CRC32C too.
     """
-    nbytes = raw.numel()
-    nan = inf = 0
-    absmax = 0.0
-    squares = 0.0
-    values = _values(raw, dtype)
-    for start in range(0, values.numel(), _CHUNK):
-        chunk = values[start:start + _CHUNK]
-        if not chunk.is_floating_point():
-            chunk = chunk.to(torch.float64)  # integers: exact up to 2**53, and int64's minimum has an abs()
-        lo, hi = torch.aminmax(chunk)  # one pass; a NaN or an Inf anywhere shows here (NaN propagates)
-        if not (math.isfinite(float(lo)) and math.isfinite(float(hi))):  # rare: count them, measure the rest
-            nan, inf = nan + int(torch.isnan(chunk).sum()), inf + int(torch.isinf(chunk).sum())
-            chunk = chunk[torch.isfinite(chunk)]
-            if not chunk.numel():
-                continue
-            lo, hi = torch.aminmax(chunk)
-        absmax = max(absmax, -float(lo), float(hi))
-        squares += _squares(chunk)
-    l2 = math.sqrt(squares)
-    return {"n": values.numel(), "nan": nan, "inf": inf, "absmax": absmax if math.isfinite(absmax) else None,
-            "l2": l2 if math.isfinite(l2) else None, "fp": _fingerprint(raw.numpy(), nbytes)}
-
-
-def _squares(values: torch.Tensor) -> float:
-    """The sum of squares of finite ``values``: blocks of 512 values normed by torch in float32 (10x faster than
-    converting every value to float64), the blocks' squares summed in float64 (relative error below 1e-6, ~1e-9 on
-    random values); all in float64 when a block overflows float32 (values beyond ~1e19)."""
-    wide = values.dtype == torch.float64
-    n = values.numel() - values.numel() % _BLOCK
-    parts = []
-    if n:
-        parts.append(torch.linalg.vector_norm(values[:n].view(-1, _BLOCK), dim=1,
-                                              dtype=None if wide else torch.float32))
-    if n < values.numel():
-        parts.append(torch.linalg.vector_norm(values[n:], dtype=torch.float64).reshape(1))
-    norms = torch.cat([p.to(torch.float64) for p in parts])
-    if not wide and not bool(torch.isfinite(norms).all()):
-        return float(torch.linalg.vector_norm(values, dtype=torch.float64)) ** 2
-    return float(norms.square().sum())
-
-
-def _values(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``raw``'s bytes as flat values the statistics can run on (float32 for the float8 kinds)."""
-    size = torch.empty(0, dtype=dtype).element_size()
-    if raw.numel() % size:
-        return raw  # not a whole number of values: measured as bytes
-    # a torch file's records are staged back to back as bytes: one may start off its dtype's alignment
-    t = (raw if raw.storage_offset() % size == 0 else raw.clone()).view(dtype)
-    if t.is_complex():
-        return torch.view_as_real(t).reshape(-1)
-    if t.is_floating_point() and t.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
-        return t.to(torch.float32)  # float8 kinds: no reductions of their own
-    return t
-
-
-def _fingerprint(data: Any, nbytes: int) -> str:
-    h = xxhash.xxh3_64()
-    h.update(nbytes.to_bytes(8, "little"))
-    mv = memoryview(data)
-    if nbytes <= _WINDOWS * _WINDOW:
-        h.update(mv)
-    else:
-        last = nbytes - _WINDOW
-        for k in range(_WINDOWS):
-            at = k * last // (_WINDOWS - 1)
-            h.update(mv[at:at + _WINDOW])
-    return h.hexdigest()
+    return tensor_pass(raw, dtype)[0]
 
 
 def summarize(per_tensor: dict[str, dict[str, Any]], complete: bool = True) -> dict[str, Any]:
@@ -237,10 +168,17 @@ def sidecar_health(storage: Any, path: str) -> dict[str, Any] | None:
     return parse_sidecar(data, size, side)
 
 
-def shard_health(raw: torch.Tensor, entries: Sequence[Any], keys: list[str], dtypes: Any) -> dict[str, Any]:
+def shard_health(job: Any, shard: Any, raw: torch.Tensor, fmt: Any) -> dict[str, Any]:
     """Called by an I/O worker: the statistics of each tensor of one staged shard (``raw``: its uint8 buffer),
-    by key; ``dtypes(entry)``: the dtype of an entry's values."""
-    return {keys[e.index]: tensor_health(raw[e.offset:e.offset + e.nbytes], dtypes(e)) for e in entries}
+    by key. The same pass takes the checksums the format's writer needs, so that it never reads the bytes again:
+    the open layout's CRC32C (``fmt.crc32c_per_tensor``) into ``job.staged_crcs`` (unless the copy already took
+    them), a torch file's CRC-32 (``fmt.pass_checksum``) into ``fmt.pass_crcs``."""
+    checksum = getattr(fmt, "pass_checksum", None)
+    crc = checksum or (getattr(fmt, "crc32c_per_tensor", False) and shard.index not in job.staged_crcs)
+    stats, crcs = shard_pass(raw, shard.entries, job.keys, lambda e: value_dtype(fmt, e), crc)
+    if crcs is not None:
+        (fmt.pass_crcs if checksum is not None else job.staged_crcs)[shard.index] = crcs
+    return stats
 
 
 def value_dtype(fmt: Any, entry: Any) -> torch.dtype:

@@ -34,6 +34,7 @@ class OpenLayout:
 
     catalogued = True
     keeps_shards = False
+    crc32c_per_tensor = True  # write_shard takes Snapshot.staged_crcs: the health pass may fill them (healthpass.py)
 
     def write_shard(self, storage: Storage, snap: Snapshot, shard: Shard, data: memoryview) -> ShardResult:
         """Called by an I/O worker: write the shard's file (header, then the staged bytes)."""

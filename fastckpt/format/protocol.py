@@ -44,7 +44,7 @@ class Snapshot(Protocol):
     tree: Any
     objects: bytes | None
     dtensors: list[dict[str, Any]]
-    staged_crcs: dict[int, list[int]]  # per shard, each tensor's CRC32C when it was staged (shm), else empty
+    staged_crcs: dict[int, list[int]]  # per shard, each tensor's CRC32C once taken (shm, copy or health pass)
     health_doc: dict[str, Any] | None  # the health record to commit (format/health.py); None: not measured
     dedup: Any  # objectdedup.DedupSource of a direct object-store root (its shards' copy source), or None
 

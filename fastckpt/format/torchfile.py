@@ -20,7 +20,7 @@ import struct
 import types
 import warnings
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -185,6 +185,9 @@ class TorchFileFormat:
 
     layout: TorchFileLayout
     path: str
+    # each record's CRC-32 by shard, when the I/O worker's health pass took it (healthpass.py): no second read
+    pass_crcs: dict[int, list[int]] = field(default_factory=dict)
+    pass_checksum = staticmethod(_crc32)  # the checksum that pass takes: zlib's CRC-32, which the zip fields need
     catalogued = False  # a framework's file (Lightning's): not listed, retained or uploaded by fastckpt
     keeps_shards = True  # the records are written back to back at the commit, from the slot
 
@@ -211,7 +214,9 @@ class TorchFileFormat:
 
     def write_shard(self, storage: Any, snap: Any, shard: Any, data: memoryview) -> tuple[int, Any, list[int]]:
         """``FileFormat``: called by an I/O worker once a shard is staged; checksums it (the commit writes it)."""
-        crcs = self.checksum(data, shard.entries)
+        taken = self.pass_crcs.pop(shard.index, None)
+        crcs = (dict(zip((e.index for e in shard.entries), taken)) if taken is not None
+                else self.checksum(data, shard.entries))
         # on an object store with dedup, each record's content hash too (torchrecords.py), here on the I/O worker
         hashes = hash_staged(data, shard.entries) if getattr(snap, "dedup", None) is not None else None
         return shard.index, FileRecord("", 0, 0, hashes), [crcs[e.index] for e in shard.entries]
