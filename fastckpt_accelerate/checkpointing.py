@@ -51,6 +51,7 @@ from .loadstats import LoadStateStats
 from .folder import CORE, FILES, inspect_folder, local_folder, unlisted_files
 from .foreign import load_accelerate_folder, save_loaders
 from .native import rng_file_state, stock_files
+from .sharedobjects import SharedObjects, shares_objects, without_health
 from .state import META_KEY, read_meta, restore_process_state, restore_state
 from .stats import StatsLogger
 from .watcher import OptimizerWatcher, close_all
@@ -97,9 +98,11 @@ class FastAccelerateCheckpointing:
                 "several processes (torch.distributed initialized), and a root every process can write for rank 0 "
                 "to commit (an s3:// URL, or a local path with every process on one node); pass shared_writes=None"
             )
-        # Accepted for compatibility; in the native format the main process writes every file (a split of the
-        # files between the processes is not implemented yet).
         self.shared_writes = possible if shared_writes is None else bool(shared_writes)
+        self._shared = None  # on S3, shared: every process uploads its parts of the big files (sharedobjects.py)
+        if shares_objects(self.root, self.shared_writes):
+            self.config = without_health(config)
+            self._shared = SharedObjects(self.config, storage, self._checkpointers, self._watchers)
         if config.staging.shm:  # resolve_config drops it from a YAML; a config built by hand gets this error
             raise ConfigError("staging.shm does not apply to Accelerate's native folders; set staging.shm: false")
         self._closed = False
@@ -150,13 +153,17 @@ class FastAccelerateCheckpointing:
         )
         checked.raise_shared(gathered[0]["error"])
         iteration = self._accelerator.project_configuration.iteration
+        rngs, shared = [g["rng"] for g in gathered], None
+        if self._shared is not None and target.root == self.root:  # every process: its parts of the big files
+            shared = self._shared.save(self._accelerator, stock_files(self._accelerator, target.url,
+                                                                      safe_serialization, rngs), target.name, iteration)
         if self._accelerator.is_main_process:
             # The folder must always show its latest save_state: an earlier save of it still pending would publish
             # its manifest (and drop the marker) after this call returned. Rare (one folder saved twice in a row).
             _wait_for_saves_of(naming.normalize(target.url))
             checkpointer = self._checkpointer_for(target.root)
             self._watchers[target.root].sync(self._accelerator._optimizers, self._accelerator._models)
-            files = stock_files(self._accelerator, target.url, safe_serialization, [g["rng"] for g in gathered])
+            files = shared or stock_files(self._accelerator, target.url, safe_serialization, rngs)
             meta = {"format": NATIVE_FORMAT, "iteration": iteration, "step": self._accelerator.step,
                     "num_processes": self._accelerator.num_processes}
             # Each torch file is unpickled on the committer as load_state will read it, before the commit: a state
