@@ -5,6 +5,7 @@ byte for byte, and stock ``load_state`` (no fastckpt) restores it bit-exact."""
 from __future__ import annotations
 
 import io
+import json
 import os
 from pathlib import Path
 
@@ -89,6 +90,10 @@ def _download(fs, url: str, dest: Path) -> dict[str, bytes]:
     return files
 
 
+def _markers(fs, url: str) -> list[str]:
+    return [p for p in fs.find(f"{url}/.fastckpt/uploads") if p.endswith(".json")]  # SeaweedFS keeps the folder
+
+
 def _same(a, b) -> bool:
     if isinstance(a, torch.Tensor):
         return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
@@ -139,11 +144,25 @@ def test_a_process_killed_mid_upload_commits_nothing_and_leaves_no_upload(tmp_pa
     assert "manifest.json" not in names and not set(BIG) & names, names
     previous = _download(fs, f"{s3_root.url}/checkpoint_0", tmp_path / "previous")
     assert set(BIG) <= set(previous) and "manifest.json" in previous
-    import fastckpt_accelerate.folder  # noqa: F401 - the manifest's records checked below, as load_state does
     from fastckpt.format.checksum import crc32c
-    import json
 
-    records = json.loads(previous["manifest.json"])["files"]
+    records = json.loads(previous["manifest.json"])["files"]  # intact: every file as its manifest lists it
     for name, rec in records.items():
         assert (len(previous[name]), crc32c(previous[name])) == (rec["size"], rec["crc32c"]), name
-    assert _uploads(fs, s3_root.url) == []  # process 0 aborted it when it lost process 1
+    # The launcher killed process 0 too, before it could abort: the upload is left, with its marker in the root.
+    assert [u["Key"].rsplit("/", 2)[-2:] for u in _uploads(fs, s3_root.url)] == [["checkpoint_1", "model.safetensors"]]
+    assert len(_markers(fs, s3_root.url)) == 1  # the proof that it is fastckpt's
+    run_ranks(_next_start, 2, s3_root.url, s3_root.storage_options)  # its first shared upload sweeps the root
+    assert _uploads(fs, s3_root.url) == []
+    assert fs.exists(f"{s3_root.url}/checkpoint_2/manifest.json")
+    assert _markers(fs, s3_root.url) == []  # and its marker
+
+
+def _next_start(rank: int, world: int, url: str, options: dict) -> None:
+    import fastckpt_accelerate
+
+    acc, model, opt = _accelerator(rank, world)
+    fast = fastckpt_accelerate.enable(acc, {"root": url, "storage_options": options, "orphan_grace_s": 0})
+    _train(acc, model, opt, rank)
+    acc.save_state(f"{url}/checkpoint_2")
+    fast.close()
