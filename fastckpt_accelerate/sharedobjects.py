@@ -30,9 +30,11 @@ from accelerate import Accelerator
 from fastckpt import CheckpointConfig, Checkpointer, RemoteOptions
 from fastckpt.format.bundle import EXTERNAL
 
+from .naming import CheckpointTarget, normalize
+from .native import stock_files
 from .watcher import OptimizerWatcher
 
-__all__ = ["BIG_FILE", "SharedObjects", "shares_objects", "without_health"]
+__all__ = ["BIG_FILE", "SharedObjects", "shared_objects", "shares_objects", "without_health"]
 
 # stock's model and optimizer files (model_1.safetensors, optimizer_1.bin, ... for further models/optimizers)
 BIG_FILE = re.compile(r"^(model(_\d+)?\.safetensors|pytorch_model(_\d+)?\.bin|optimizer(_\d+)?\.bin)$")
@@ -49,6 +51,17 @@ def without_health(config: CheckpointConfig) -> CheckpointConfig:
     return replace(config, health=replace(config.health, enabled=False))
 
 
+def shared_objects(root: str, shared_writes: bool, config: CheckpointConfig, storage: Any,
+                   checkpointers: dict[str, Any], watchers: dict[str, Any]) -> tuple["SharedObjects | None",
+                                                                                    CheckpointConfig]:
+    """The owner's ``SharedObjects`` (None where the main process writes every file) and the config its own
+    Checkpointers take."""
+    if not shares_objects(root, shared_writes):
+        return None, config
+    config = without_health(config)
+    return SharedObjects(config, storage, checkpointers, watchers), config
+
+
 class SharedObjects:
     """Every process: the distributed Checkpointer of the root whose ``save_file`` uploads this process's parts."""
 
@@ -56,7 +69,7 @@ class SharedObjects:
 
     def __init__(self, config: CheckpointConfig, storage: Any, checkpointers: dict[str, Any],
                  watchers: dict[str, Any]) -> None:
-        self.root = config.root
+        self.root = normalize(config.root)
         self.key = f"{config.root}{self.KEY_SUFFIX}"
         self._config, self._storage = config, storage
         self._checkpointers, self._watchers = checkpointers, watchers
@@ -76,11 +89,15 @@ class SharedObjects:
             self._watchers[self.key] = OptimizerWatcher(ckpt)
         return self._checkpointers[self.key]
 
-    def save(self, accelerator: Accelerator, files: dict[str, tuple[str, Any]], folder: str,
-             step: int) -> dict[str, tuple[str, Any]]:
-        """Every process, in file order: start the shared save of each big file of ``files`` (the folder
-        ``folder`` under the root); returns ``files`` with those as external members for the main process's
-        bundle (each waits for its file's commit and gives its size and CRC32C)."""
+    def save(self, accelerator: Accelerator, target: CheckpointTarget, safe_serialization: bool,
+             rngs: list[dict[str, Any]], step: int) -> dict[str, tuple[str, Any]] | None:
+        """Every process, in file order: start the shared save of each big file of stock's files of ``target``;
+        returns the files with those as external members for the main process's bundle (each waits for its file's
+        commit and gives its size and CRC32C). None for a folder outside the root (the main process writes it)."""
+        if target.root != self.root:
+            return None
+        files = stock_files(accelerator, target.url, safe_serialization, rngs)  # every process: the same big files
+        folder = target.name
         ckpt = self.checkpointer()
         self._watchers[self.key].sync(accelerator._optimizers, accelerator._models)  # their tensors copied lazily
         out: dict[str, tuple[str, Any]] = {}
