@@ -20,16 +20,19 @@ pytestmark = pytest.mark.slow
 BIG = ("model.safetensors", "optimizer.bin")
 
 
-def _accelerator(rank: int, world: int):
+def _accelerator(rank: int, world: int, nodes: bool = False, saved_by: int | None = None):
     from accelerate import Accelerator
     from torch import nn
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    # nodes: each process alone on its "node" (torchrun's LOCAL_* as on separate machines, its own local disk)
+    local = dict(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1") if nodes else dict(LOCAL_RANK=str(rank),
+                                                                            LOCAL_WORLD_SIZE=str(world))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="1", **local)
     acc = Accelerator(cpu=True)
     torch.manual_seed(0)
-    # about 21 MB of parameters and 42 MB of Adam state: each of 2 processes holds more than S3's 5 MiB part
-    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(5)], nn.BatchNorm1d(1024))
+    # 4 MiB per layer: each process holds more than S3's 5 MiB part of the model (21 MB over 2, 33.6 MB over 4)
+    # and of the Adam state (twice that)
+    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(5 if (saved_by or world) <= 2 else 8)], nn.BatchNorm1d(1024))
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     model, opt = acc.prepare(model, opt)
     return acc, model, opt
@@ -42,16 +45,16 @@ def _train(acc, model, opt, rank: int) -> None:
     opt.zero_grad()
 
 
-def _save(rank: int, world: int, url: str, options: dict, out: str, phase: str) -> None:
+def _save(rank: int, world: int, url: str, options: dict, out: str, phase: str, nodes: bool = False) -> None:
     import fastckpt_accelerate
 
-    acc, model, opt = _accelerator(rank, world)
+    acc, model, opt = _accelerator(rank, world, nodes)
     fast = fastckpt_accelerate.enable(acc, {"root": url, "storage_options": options})
     _train(acc, model, opt, rank)
     acc.save_state(f"{url}/checkpoint_0")
     acc.wait_for_everyone()
     _train(acc, model, opt, rank)
-    if phase == "kill" and rank == 1:
+    if phase == "kill":
         from fastckpt.storage.s3parts import S3Parts
 
         upload = S3Parts.upload
@@ -61,9 +64,18 @@ def _save(rank: int, world: int, url: str, options: dict, out: str, phase: str) 
             Path(out, "killed").touch()
             os.kill(os.getpid(), 9)
 
-        S3Parts.upload = one_part_then_die
+        def die(self, path, upload_id):
+            # Process 0 dies too, before its abort: the launcher ends the job when a process dies, and whether
+            # process 0's abort wins that race is luck; here it always loses, so the next start must clean up.
+            os.kill(os.getpid(), 9)
+
+        if rank == 1:
+            S3Parts.upload = one_part_then_die
+        else:
+            S3Parts.abort = die
     acc.save_state(f"{url}/checkpoint_1")
-    type(acc).save_state(acc, f"{out}/stock")  # the same state by stock save_state, locally: the reference
+    # the same state by stock save_state, locally (on this process's own disk with nodes): the reference
+    type(acc).save_state(acc, f"{out}/stock{rank if nodes else ''}")
     acc.wait_for_everyone()
     written = {s.name: s.written_bytes for s in fast.stats}
     torch.save({"model": {k: v.clone() for k, v in acc.unwrap_model(model).state_dict().items()},
@@ -71,10 +83,10 @@ def _save(rank: int, world: int, url: str, options: dict, out: str, phase: str) 
     fast.close()  # not end_training(): that destroys the launcher's process group
 
 
-def _stock_load(rank: int, world: int, folder: str, out: str) -> None:
+def _stock_load(rank: int, world: int, folder: str, out: str, saved_by: int) -> None:
     import sys
 
-    acc, model, opt = _accelerator(rank, world)
+    acc, model, opt = _accelerator(rank, world, saved_by=saved_by)
     acc.load_state(folder)
     assert "fastckpt_accelerate" not in sys.modules and "fastckpt" not in sys.modules
     torch.save({k: v.clone() for k, v in acc.unwrap_model(model).state_dict().items()}, f"{out}/loaded.pt")
@@ -111,24 +123,25 @@ def _uploads(fs, url: str) -> list:
     return fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix).get("Uploads", [])
 
 
-def test_every_process_uploads_its_parts_and_the_folder_is_stock_accelerates(tmp_path, s3_root) -> None:
-    run_ranks(_save, 2, s3_root.url, s3_root.storage_options, str(tmp_path), "save")
+@pytest.mark.parametrize("world, nodes", [(2, False), (2, True), (4, False)], ids=["2", "2-nodes", "4"])
+def test_every_process_uploads_its_parts_and_the_folder_is_stock_accelerates(tmp_path, s3_root, world, nodes) -> None:
+    run_ranks(_save, world, s3_root.url, s3_root.storage_options, str(tmp_path), "save", nodes)
     fs = fsspec.filesystem("s3", **s3_root.storage_options)
     got = _download(fs, f"{s3_root.url}/checkpoint_1", tmp_path / "got")
-    stock = {p.name: p.read_bytes() for p in (tmp_path / "stock").iterdir()}
+    stock = {p.name: p.read_bytes() for p in tmp_path.glob("stock*/*")}  # with nodes: every process's own disk
     assert set(got) == set(stock) | {"manifest.json"}  # fastckpt's commit point; nothing else of ours is left
     assert got["model.safetensors"] == stock["model.safetensors"]  # its parts from every process: stock's bytes
     for name in set(stock) - {"model.safetensors"}:  # torch files: the same values. Not the same bytes: fastckpt's
         # zip archive folder is torch's "archive/" (as before this change), stock's the file's stem (index 30 on)
         mine, theirs = (torch.load(io.BytesIO(d), weights_only=False) for d in (got[name], stock[name]))
         assert _same(mine, theirs), name
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(world)]
     for name in BIG:  # every process uploaded parts of each big object, and together all of it
         shares = [r["written"][f"checkpoint_1/{name}"] for r in ranks]
         assert all(s > 5 * 2**20 for s in shares), (name, shares)
         assert sum(shares) == len(got[name]), (name, shares)
     assert _uploads(fs, s3_root.url) == []
-    run_ranks(_stock_load, 1, str(tmp_path / "got"), str(tmp_path))
+    run_ranks(_stock_load, 1, str(tmp_path / "got"), str(tmp_path), world)
     loaded = torch.load(tmp_path / "loaded.pt", weights_only=True)
     for key, value in ranks[0]["model"].items():
         assert torch.equal(loaded[key], value), key
@@ -149,7 +162,7 @@ def test_a_process_killed_mid_upload_commits_nothing_and_leaves_no_upload(tmp_pa
     records = json.loads(previous["manifest.json"])["files"]  # intact: every file as its manifest lists it
     for name, rec in records.items():
         assert (len(previous[name]), crc32c(previous[name])) == (rec["size"], rec["crc32c"]), name
-    # The launcher killed process 0 too, before it could abort: the upload is left, with its marker in the root.
+    # Process 0 was killed too, before it could abort: the upload is left, with its marker in the root.
     assert [u["Key"].rsplit("/", 2)[-2:] for u in _uploads(fs, s3_root.url)] == [["checkpoint_1", "model.safetensors"]]
     assert len(_markers(fs, s3_root.url)) == 1  # the proof that it is fastckpt's
     run_ranks(_next_start, 2, s3_root.url, s3_root.storage_options)  # its first shared upload sweeps the root
