@@ -14,6 +14,10 @@ Any process's failure aborts the upload on every process (the earlier folders un
 fails and no manifest is written; an upload whose processes were all killed is aborted by the next start's sweep
 (process 0's first shared upload under the root: markers in ``<root>/.fastckpt/uploads/``).
 
+A lazy shared file commits once sealed on the training thread (the next ``optimizer.step()``, ``save_state``,
+``wait_for_everyone``, ``end_training``): the main process's ``last_handle.wait()`` alone, with no step after the
+save, would wait for that seal; wait with ``wait_for_everyone()``, as every process must.
+
 Health is not measured in this mode (no process holds every tensor): ``load_state(healthy=True)`` finds no
 measured folder and says so.
 """
@@ -99,6 +103,11 @@ class SharedObjects:
         files = stock_files(accelerator, target.url, safe_serialization, rngs)  # every process: the same big files
         folder = target.name
         ckpt = self.checkpointer()
+        if any(n.startswith(f"{folder}/") for n in ckpt.pending_names()):
+            # The same folder saved again while its last save is pending: the main process waits for that save's
+            # commit before this one, which needs its shared files sealed (here, on the training thread, on every
+            # process) or it would wait forever.
+            ckpt.wait_staged()
         self._watchers[self.key].sync(accelerator._optimizers, accelerator._models)  # their tensors copied lazily
         out: dict[str, tuple[str, Any]] = {}
         for name, (kind, obj) in files.items():

@@ -52,6 +52,7 @@ def _save(rank: int, world: int, url: str, options: dict, out: str, phase: str, 
     fast = fastckpt_accelerate.enable(acc, {"root": url, "storage_options": options})
     _train(acc, model, opt, rank)
     acc.save_state(f"{url}/checkpoint_0")
+    acc.save_state(f"{url}/checkpoint_0")  # the same folder again, the first save maybe pending: it commits first
     acc.wait_for_everyone()
     _train(acc, model, opt, rank)
     if phase == "kill":
