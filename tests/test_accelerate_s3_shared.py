@@ -180,3 +180,41 @@ def _next_start(rank: int, world: int, url: str, options: dict) -> None:
     _train(acc, model, opt, rank)
     acc.save_state(f"{url}/checkpoint_2")
     fast.close()
+
+
+def _fail(rank: int, world: int, url: str, options: dict, out: str) -> None:
+    import fastckpt_accelerate
+    from fastckpt.errors import FastCkptError, StorageError
+    from fastckpt.storage.s3parts import S3Parts
+
+    acc, model, opt = _accelerator(rank, world)
+    fast = fastckpt_accelerate.enable(acc, {"root": url, "storage_options": options})
+    _train(acc, model, opt, rank)
+    acc.save_state(f"{url}/checkpoint_0")
+    acc.wait_for_everyone()
+    if rank == 1:
+        def refused(self, path, upload_id, parts):
+            raise StorageError(f"the store refused the parts of {path} (injected on process 1)")
+
+        S3Parts.upload = refused
+    _train(acc, model, opt, rank)
+    acc.save_state(f"{url}/checkpoint_1")
+    errors = []
+    for finish in (acc.wait_for_everyone, fast.close):  # each error raised once: the shared files' (every
+        try:  # process), then on the main process its folder's, which waited for them
+            finish()
+        except FastCkptError as e:
+            errors.append(str(e))
+    Path(out, f"error{rank}").write_text("\n".join(errors))
+
+
+def test_a_process_whose_upload_fails_fails_the_folder_on_every_process(tmp_path, s3_root) -> None:
+    run_ranks(_fail, 2, s3_root.url, s3_root.storage_options, str(tmp_path))
+    for rank in range(2):  # the same verdict on each process, naming the failing one and the file
+        text = (tmp_path / f"error{rank}").read_text()
+        assert "injected on process 1" in text and "checkpoint_1/model.safetensors" in text, text
+    fs = fsspec.filesystem("s3", **s3_root.storage_options)
+    assert not fs.exists(f"{s3_root.url}/checkpoint_1/manifest.json")
+    assert not fs.exists(f"{s3_root.url}/checkpoint_1/model.safetensors")
+    assert fs.exists(f"{s3_root.url}/checkpoint_0/manifest.json")
+    assert _uploads(fs, s3_root.url) == [] and _markers(fs, s3_root.url) == []  # process 0 aborted them
