@@ -120,14 +120,14 @@ class Checkpointer(Cadenced):
         self._check_open()
         return self._saver.save(state, step, name=name, eager=eager, lazy=lazy)
 
-    def save_file(self, state: Any, name: str, *, step: int = 0) -> SaveHandle:
-        """Snapshot ``state`` as one torch checkpoint file ``root/name``: the file ``torch.save(state, ...)``
-        writes (its zip CRC-32 fields filled in), read back by plain ``torch.load``. Returns once the eager
+    def save_file(self, state: Any, name: str, *, step: int = 0, kind: str = "torch") -> SaveHandle:
+        """Snapshot ``state`` as one torch checkpoint file ``root/name`` (or ``root/folder/name``): the file
+        ``torch.save`` writes (``kind="safetensors"``: ``safetensors.torch.save_file``'s). Returns once the eager
         storages are copied; the file appears under its name only once complete and durable. Retention does not
         apply: the caller (a framework such as Lightning) decides which files to keep. With ``distributed=True``
         the ranks share the writes of the one file: see ``Saver.save_file``."""
         self._check_open()
-        return self._saver.save_file(state, name, step=step)
+        return self._saver.save_file(state, name, step=step, kind=kind)
 
     def save_files(self, files: dict[str, tuple[str, Any]], name: str, *, step: int = 0, user: dict | None = None,
                    made: bool = False, loaders: dict[str, Any] | None = None) -> SaveHandle:

@@ -1,25 +1,22 @@
 """``FastAccelerateCheckpointing``: what ``accelerator.save_state``/``load_state`` do once fastckpt is enabled.
 
-Save (every process calls ``save_state``, as Accelerate requires):
+Save (every process calls ``save_state``, as Accelerate requires): 1. pick the target (``checkpoint_{iteration}``
+under the root, or ``output_dir``); the main process refuses a reused automatic name and creates the folder, as
+Accelerate does; 2. gather every process's RNG states (one small collective); 3. the main process hands the files
+stock ``save_state`` writes (``native.stock_files``) to ``Checkpointer.save_files``, which returns in milliseconds:
+tensors are copied in the background (the watched optimizers' ``step()`` waits until they are), each torch file's
+pickle is unpickled as ``load_state`` will (``foreign.save_loaders``: a refusal fails the save, naming the keys),
+each file is written in its stock format, ``manifest.json`` last; retention (``total_limit``) then removes the
+oldest folders. On S3 with several processes every process first uploads its parts of the model and optimizer
+files (``sharedobjects.py``), which the main process's bundle waits for; 4. ``iteration`` advances, as in Accelerate.
 
-1. pick the target (``checkpoint_{iteration}`` under the root, or the given ``output_dir``); the main process
-   refuses a reused automatic name and creates the folder, as Accelerate does;
-2. gather every process's RNG states to the main process (one small collective);
-3. the main process hands the files stock ``save_state`` writes (``native.stock_files``) to
-   ``Checkpointer.save_files``, which returns in milliseconds: tensors are copied in the background (the
-   watched optimizers' ``step()`` waits until they are), each torch file's pickle is unpickled as ``load_state``
-   will read it (``foreign.save_loaders``: a file it would refuse fails the save, naming the keys), each file is
-   written in its stock format, and ``manifest.json`` last. Retention (``total_limit``) removes the oldest committed folders after a commit;
-4. ``project_configuration.iteration`` advances, as in Accelerate.
-
-Load: the main process picks the folder (after pending saves of it, from any Accelerator in the process,
-commit) and reads its manifest; then every process runs Accelerate's own ``load_state`` on it
+Load: the main process picks the folder (after pending saves of it, from any Accelerator in the process, commit)
+and reads its manifest; then every process runs Accelerate's own ``load_state`` on it
 (``foreign.load_accelerate_folder``: nothing unpickled without restriction), its reads routed through
 ``fastload.FolderReader``: the model's safetensors straight into its tensors, the torch files read whole and
 unpickled over those bytes, each file checked against the manifest as it is read, an error on one process raised
-on all. Folders in the core
-layout of fastckpt <= 0.2 load through ``state.py``; folders written by stock Accelerate load through the same
-reader (their torch files checked against their zip CRC-32).
+on all. Folders in the core layout of fastckpt <= 0.2 load through ``state.py``; folders written by stock
+Accelerate load through the same reader (their torch files checked against their zip CRC-32).
 """
 
 from __future__ import annotations
@@ -51,6 +48,7 @@ from .loadstats import LoadStateStats
 from .folder import CORE, FILES, inspect_folder, local_folder, unlisted_files
 from .foreign import load_accelerate_folder, save_loaders
 from .native import rng_file_state, stock_files
+from .sharedobjects import shared_objects
 from .state import META_KEY, read_meta, restore_process_state, restore_state
 from .stats import StatsLogger
 from .watcher import OptimizerWatcher, close_all
@@ -97,9 +95,9 @@ class FastAccelerateCheckpointing:
                 "several processes (torch.distributed initialized), and a root every process can write for rank 0 "
                 "to commit (an s3:// URL, or a local path with every process on one node); pass shared_writes=None"
             )
-        # Accepted for compatibility; in the native format the main process writes every file (a split of the
-        # files between the processes is not implemented yet).
         self.shared_writes = possible if shared_writes is None else bool(shared_writes)
+        self._shared, self.config = shared_objects(self.root, self.shared_writes, config, storage, self._checkpointers,
+                                                   self._watchers)  # S3: each process uploads parts of the big files
         if config.staging.shm:  # resolve_config drops it from a YAML; a config built by hand gets this error
             raise ConfigError("staging.shm does not apply to Accelerate's native folders; set staging.shm: false")
         self._closed = False
@@ -150,13 +148,15 @@ class FastAccelerateCheckpointing:
         )
         checked.raise_shared(gathered[0]["error"])
         iteration = self._accelerator.project_configuration.iteration
+        rngs = [g["rng"] for g in gathered]
+        shared = self._shared and self._shared.save(self._accelerator, target, safe_serialization, rngs, iteration)
         if self._accelerator.is_main_process:
             # The folder must always show its latest save_state: an earlier save of it still pending would publish
             # its manifest (and drop the marker) after this call returned. Rare (one folder saved twice in a row).
             _wait_for_saves_of(naming.normalize(target.url))
             checkpointer = self._checkpointer_for(target.root)
             self._watchers[target.root].sync(self._accelerator._optimizers, self._accelerator._models)
-            files = stock_files(self._accelerator, target.url, safe_serialization, [g["rng"] for g in gathered])
+            files = shared or stock_files(self._accelerator, target.url, safe_serialization, rngs)
             meta = {"format": NATIVE_FORMAT, "iteration": iteration, "step": self._accelerator.step,
                     "num_processes": self._accelerator.num_processes}
             # Each torch file is unpickled on the committer as load_state will read it, before the commit: a state

@@ -43,8 +43,9 @@ def enable(
     ``config`` is a fastckpt YAML path, a dict, a ``CheckpointConfig``, or None; a missing ``root`` means
     ``{project_dir}/checkpoints``. ``storage`` injects a ``fastckpt.Storage`` (tests). With ``log_stats``
     each save's stats go to ``accelerator.log`` at the next save, ``wait()`` or ``end_training()``.
-    ``shared_writes``: accepted and validated (``True`` raises where the processes could not share the
-    root), but in Accelerate's native format the main process writes every file, as Accelerate does.
+    ``shared_writes`` (default: where possible; ``True`` raises where the processes could not share the root): on
+    ``s3://`` with several processes every process uploads its parts of the model and optimizer files
+    (``sharedobjects.py``); elsewhere the main process writes every file, as Accelerate does.
     ``allow_unsafe_pickle``: ``load_state`` of a folder written by Accelerate itself may unpickle its
     ``custom_checkpoint_*.pkl`` (and, with ``load_kwargs={"weights_only": False}``, other files) without
     restriction, as Accelerate does; off by default (such files load with ``weights_only=True``, anything

@@ -63,8 +63,9 @@ SURFACE: dict[str, frozenset[str] | str] = {
     # whether a torch file's pickle loads under the loader that will read it; numpy's safe globals (Accelerate's
     # registered objects, checked at save time and loaded with them)
     "fastckpt.format.picklecheck": frozenset({"PickleLoader", "allowing", "numpy_safe_globals", "resolve_globals"}),
-    # a bundle's in-progress marker and its file kinds (Accelerate's save folders)
-    "fastckpt.format.bundle": frozenset({"PENDING", "SAFETENSORS", "TORCH"}),
+    # a bundle's in-progress marker and its file kinds (Accelerate's save folders; EXTERNAL: a file every process
+    # uploads parts of, which the bundle waits for)
+    "fastckpt.format.bundle": frozenset({"PENDING", "SAFETENSORS", "TORCH", "EXTERNAL"}),
     # a torch file's health record (NaN/Inf, norms; Lightning's .ckpt): its extended attribute on local storage,
     # a sidecar beside it on an object store (removed with the file)
     "fastckpt.format.health": frozenset({"delete_with_record", "file_health"}),

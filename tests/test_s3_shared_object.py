@@ -259,7 +259,8 @@ def test_a_part_damaged_in_flight_is_sent_again(tmp_path, s3_fault_proxy, capsys
 
 def test_the_sweep_aborts_only_uploads_a_marker_proves_fastckpts(s3_root):
     """``fastckpt gc`` and the Lightning plugin's first use of a folder (``collect_temp_files``) abort the uploads of
-    dead shared saves: exactly those a marker of another process names, for an object of this very folder."""
+    dead shared saves: exactly those a marker of another process names, for an object of this folder or of one
+    folder in it."""
     from fastckpt.storage.protocol import open_storage
     from fastckpt.tiers.gc import collect_temp_files
 
@@ -276,18 +277,22 @@ def test_the_sweep_aborts_only_uploads_a_marker_proves_fastckpts(s3_root):
     dead = parts.create(f"{url}/dead.ckpt")  # a save killed after create: its marker names it
     dead_marker = marker("a1", f"{url}/dead.ckpt", dead)
     foreign = parts.create(f"{url}/theirs.ckpt")  # someone else's upload, no marker: never touched
-    elsewhere = parts.create(f"{url}/sub/deep.ckpt")  # a marker naming an object outside this folder proves nothing
-    marker("a2", f"{url}/sub/deep.ckpt", elsewhere)
+    # a marker naming an object outside this folder and its folders (Accelerate's checkpoint_N/) proves nothing
+    elsewhere = parts.create(f"{url}/sub/deeper/deep.ckpt")
+    marker("a2", f"{url}/sub/deeper/deep.ckpt", elsewhere)
+    nested = parts.create(f"{url}/checkpoint_3/model.safetensors")  # one folder down: Accelerate's shared files
+    nested_marker = marker("a4", f"{url}/checkpoint_3/model.safetensors", nested)
     live = parts.create(f"{url}/live.ckpt")  # this process's own upload may be in flight: never swept by it
     marker("a3", f"{url}/live.ckpt", live, process=json.loads(parts.marker_bytes("x", "y"))["process"])
-    assert collect_temp_files(storage, 0, dry_run=True) == [dead_marker]
+    assert collect_temp_files(storage, 0, dry_run=True) == [dead_marker, nested_marker]
     assert dead in parts.in_progress(f"{url}/dead.ckpt"), "a dry run aborts nothing"
-    assert collect_temp_files(storage, 0) == [dead_marker]
+    assert collect_temp_files(storage, 0) == [dead_marker, nested_marker]
     assert parts.in_progress(f"{url}/dead.ckpt") == []
+    assert parts.in_progress(f"{url}/checkpoint_3/model.safetensors") == []
     assert parts.in_progress(f"{url}/theirs.ckpt") == [foreign]
-    assert parts.in_progress(f"{url}/sub/deep.ckpt") == [elsewhere]
+    assert parts.in_progress(f"{url}/sub/deeper/deep.ckpt") == [elsewhere]
     assert parts.in_progress(f"{url}/live.ckpt") == [live]
     assert collect_temp_files(storage, 3600) == [], "a marker younger than the grace is left alone"
-    for path, upload_id in ((f"{url}/theirs.ckpt", foreign), (f"{url}/sub/deep.ckpt", elsewhere),
+    for path, upload_id in ((f"{url}/theirs.ckpt", foreign), (f"{url}/sub/deeper/deep.ckpt", elsewhere),
                             (f"{url}/live.ckpt", live)):
         assert parts.abort(path, upload_id)

@@ -456,7 +456,7 @@ class Pipeline:
         size = write.run(views, crcs, error, self._writers(), job.health, record)  # <- rank 0 commits; all learn
         job.handle.stats.nbytes = size
         job.handle.stats.written_bytes = write.written
-        return CheckpointInfo(job.handle.name, job.handle.step, write.fmt.path, size)
+        return CheckpointInfo(job.handle.name, job.handle.step, write.fmt.path, size, crc32c=write.crc32c)
 
     def _staged_views(self, job: Job, results: list[ShardResult]) -> tuple[dict[int, memoryview], dict[int, int]]:
         """Each staged record's bytes (held in the slot until the commit) and CRC-32, by table index."""

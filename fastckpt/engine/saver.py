@@ -24,10 +24,11 @@ from ..format.codec import dumps_objects
 from ..format.identity import address, named_addresses
 from ..format.layout import CheckpointInfo
 from ..format.openlayout import OPEN_LAYOUT
-from ..format.paths import checkpoint_name, file_name
+from ..format.paths import checkpoint_name, file_name, file_path
 from ..format.plan import FlatState, Planner, flatten
 from ..format.protocol import FileFormat
 from ..format.shm_record import StagedRecord
+from ..format.safetensorsobject import plan_file
 from ..format.torchfile import TorchFileFormat
 from ..storage.protocol import Storage
 from .dedupwrite import DirectDedup
@@ -153,8 +154,8 @@ class Saver:
                             dtensors=[rec.as_json() for rec in flat.dtensors],
                             retake=lambda: self.save(state, step, name=name, eager=eager, lazy=lazy))
 
-    def save_file(self, state: Any, name: str, *, step: int = 0) -> SaveHandle:
-        """``Checkpointer.save_file``: one torch file ``root/name``.
+    def save_file(self, state: Any, name: str, *, step: int = 0, kind: str = "torch") -> SaveHandle:
+        """``Checkpointer.save_file``: one torch file ``root/name`` (``kind="safetensors"``: a safetensors file).
 
         With ``distributed=True``, every rank calls this with its own copy of the same data-parallel state and the
         ranks share the writes of the one file (``fastckpt.engine.sharedfile``): the parameters and optimizer state
@@ -163,22 +164,23 @@ class Saver:
         file system every rank sees (one node, or a shared POSIX file system), or S3: then every rank uploads its
         parts of one multipart upload, which rank 0 completes (``fastckpt.engine.sharedobject``)."""
         t0 = time.perf_counter()
-        name = file_name(name)
+        name = file_path(name)
         if self._coord is not None and not (can_share(self.storage) or can_share_object(self.storage)):
             raise ConfigError(f"save_file() with distributed=True needs a file system every rank writes into, or "
                               f"S3 (each rank uploads parts of one object); {self.storage.url} is neither (this object store "
                               "takes one writer per file): save it on rank 0, with a Checkpointer built without "
                               "distributed=True")
         if self.config.staging.shm:
-            raise ConfigError("staging.shm does not apply to single-file torch checkpoints (save_file); "
-                              "set staging.shm: false, or use save() for the shared-memory tier")
+            raise ConfigError("staging.shm does not apply to save_file; set staging.shm: false, or use save()")
         if self._retaking is None:  # a retake runs inside a seal: the other errors wait for the caller
             self.seal_all(block=False)  # the staged ones: waiting here for a copy would cost the overlap
             self.raise_pending()
         path = self.storage.join(self.storage.url, name)
         try:
-            fmt, tensors, keys, sources = TorchFileFormat.plan(state, path)
-        except (TypeError, AttributeError, RuntimeError, pickle.PicklingError) as e:
+            fmt, tensors, keys, sources = plan_file(kind, state, path)
+        except ConfigError:  # an unknown kind: the call is wrong, not the state
+            raise
+        except (TypeError, ValueError, AttributeError, RuntimeError, pickle.PicklingError) as e:
             raise StateMismatchError(f"cannot save this state as a torch file {path!r}: {e}") from e
         owners = [-1] * len(tensors)
         chunk = None
@@ -194,7 +196,7 @@ class Saver:
         # file appears by rename only once complete, so a killed save leaves no folder to collect.
         return self._submit(flat, step, name, path, t0, self._lazy_ptrs(set(), set()), file_format=fmt,
                             version_src=sources, chunk_bytes=chunk, shared_file=fmt if self._coord is not None else None,
-                            retake=lambda: self.save_file(state, name, step=step))
+                            retake=lambda: self.save_file(state, name, step=step, kind=kind))
 
     def save_files(self, files: dict[str, tuple[str, Any]], name: str, *, step: int = 0,
                    user: dict[str, Any] | None = None, made: bool = False,

@@ -62,6 +62,7 @@ class SharedFileWrite:
         self.writers = writers  # the rank that writes each record, as this rank planned it
         self.written = 0  # bytes this rank wrote (its records; rank 0 also the fixed bytes)
         self.marked = False  # rank 0: whether it created the temporary file's marker (storage/tempmark.py)
+        self.crc32c: int | None = None  # rank 0, where the protocol learns it: the whole file's CRC32C
 
     def run(self, views: dict[int, memoryview], crcs: dict[int, int], error: BaseException | None,
             pool: Executor | None = None, health: dict[str, Any] | None = None,

@@ -34,6 +34,7 @@ from .distributed import Coordinator
 from .partplan import Fragment, Part, fragments, limits, part_plan
 from .sharedfile import SharedFileWrite
 from ..errors import FastCkptError, StorageError
+from ..format.checksum import combine
 from ..format.health import HealthPart, sidecar_bytes, sidecar_path, summarize
 from ..format.torchfile import TorchFileFormat
 from ..storage.s3checksum import part_bytes
@@ -70,7 +71,7 @@ class SharedObjectWrite(SharedFileWrite):
                  name: str, step: int, keys: list[str], grace_s: float | None) -> None:
         super().__init__(coord, storage, fmt, uid, writers, name)
         self.parts: S3Parts = storage.multipart()
-        self.marker = marker_path(fmt.path.rsplit("/", 1)[0], uid)
+        self.marker = marker_path(storage.url, uid)  # in the root, which the sweep reads, for a subfolder's object too
         self.step, self.keys, self.grace_s = step, keys, grace_s
         self.upload_id: str | None = None
         self.mine: list[int] = []  # the part numbers this rank uploaded
@@ -160,7 +161,8 @@ class SharedObjectWrite(SharedFileWrite):
         missing = [i for i, r in enumerate(self.fmt.layout.records) if r.nbytes and i not in crcs]
         if missing:
             return None, f"rank 0 commit: no rank staged record data/{missing[0]} ({len(missing)} missing)"
-        return [(off, bytes(b)) for off, b in self.fmt.fixed(crcs) if len(b)], None
+        fixed = self.fmt.fixed(crcs)  # the tail is kept even when empty (a safetensors file): it ends the file
+        return [(off, bytes(b)) for k, (off, b) in enumerate(fixed) if len(b) or k == len(fixed) - 1], None
 
     def _finish(self, merged: list[Any], failed: str | None, measured: bool) -> str | None:
         """Complete the upload (the commit point) with every rank's parts, or abort it; then the marker goes."""
@@ -170,6 +172,7 @@ class SharedObjectWrite(SharedFileWrite):
                 if measured:  # an older file's record: gone before this file takes the name (a crash: no record)
                     self.storage.delete(sidecar_path(self.fmt.path))
                 self.parts.complete(self.fmt.path, str(self.upload_id), done)  # <- the commit point
+                self.crc32c = whole_crc32c(done)
             except BaseException as e:  # noqa: BLE001 - broadcast as the verdict
                 failed = f"rank 0 commit: {e}"
             else:
@@ -282,6 +285,15 @@ def shared_write(coord: Coordinator, storage: Any, fmt: TorchFileFormat, uid: st
     if can_share_object(storage):
         return SharedObjectWrite(coord, storage, fmt, uid, writers, name, step, keys, grace_s)
     return SharedFileWrite(coord, storage, fmt, uid, writers, name)
+
+
+def whole_crc32c(done: list[Any]) -> int:
+    """The whole object's CRC32C from its parts' ((number, ETag, CRC32C, length)): what a framework's manifest records
+    (``format/bundle.py``), without reading the object back."""
+    crc = 0
+    for _, _, part_crc, length in sorted(done):
+        crc = combine(crc, part_crc, length)
+    return crc
 
 
 class _LostRanks(StorageError):

@@ -38,6 +38,7 @@ from typing import Any, Union
 import torch
 
 from .checksum import crc32c
+from .external import EXTERNAL, ExternalFile
 from ..errors import FolderRemovedError, UnsafeCheckpointError
 from .layout import FORMAT, LAYOUT_FILES, MANIFEST, CheckpointInfo, FileRecord
 from .paths import plain_name
@@ -48,11 +49,11 @@ from ..storage.local import LocalStorage
 from ..storage.protocol import Storage
 from .torchfile import TorchFileFormat, plan_torch_file
 
-__all__ = ["FileBundle", "PENDING", "SAFETENSORS", "TORCH"]
+__all__ = ["EXTERNAL", "FileBundle", "PENDING", "SAFETENSORS", "TORCH"]
 
 PENDING = ".fastckpt-pending"
 SAFETENSORS, TORCH = "safetensors", "torch"
-Member = Union[SafetensorsFileFormat, TorchFileFormat]
+Member = Union[SafetensorsFileFormat, TorchFileFormat, ExternalFile]
 
 
 @dataclass(eq=False)
@@ -95,7 +96,9 @@ class FileBundle:
             plain_name(fname, "bundle file", dirpath)
             path = storage.join(dirpath, fname)
             starts.append(len(tensors))
-            if kind == SAFETENSORS:
+            if kind == EXTERNAL:  # written by another save (every rank's parts): waited for at the commit
+                members.append(ExternalFile(path, obj))
+            elif kind == SAFETENSORS:
                 fmt, ts, ks = SafetensorsFileFormat.plan(obj, path, metadata={"format": "pt"})
                 members.append(fmt)
                 tensors += ts
@@ -196,7 +199,8 @@ class FileBundle:
         try:
             if not self.marked:  # a made folder was marked inside the save call: writing again would race a removal
                 self.mark(storage)
-            if self.made and self.identities and isinstance(storage, LocalStorage):
+            if self.made and self.identities and isinstance(storage, LocalStorage) and not any(
+                    isinstance(m, ExternalFile) for m in self.members):  # linking would write an external one empty
                 records = self._write_then_link(storage, views, crcs, pool)
             else:
                 records = _every(pool, functools.partial(self._write_member, storage, views, crcs),
@@ -257,6 +261,8 @@ class FileBundle:
     def _write_member(self, storage: Storage, views: dict[int, memoryview], crcs: dict[int, int],
                       k: int) -> FileRecord:
         parts, record = self._member_parts(views, crcs, k)
+        if isinstance(self.members[k], ExternalFile):
+            return record  # its own save wrote it
         self._check_folder(storage)
         self._publish(storage, self.names[k], parts)
         return record
@@ -264,6 +270,8 @@ class FileBundle:
     def _member_parts(self, views: dict[int, memoryview], crcs: dict[int, int],
                       k: int) -> tuple[list[memoryview], FileRecord]:
         """Member ``k``'s bytes (views of the slot) and its record (size, CRC32C)."""
+        if isinstance(self.members[k], ExternalFile):
+            return [], self.members[k].record(self.names[k])
         start, end = self.starts[k], self.starts[k + 1] if k + 1 < len(self.starts) else None
         mine = [i for i in views if i >= start and (end is None or i < end)]
         local_crcs = {i - start: crcs[i] for i in mine if i in crcs}
@@ -398,4 +406,4 @@ def _identities(dirpath: str) -> tuple[tuple[str, int, int], ...]:
 
 
 def _size(member: Member) -> int:
-    return member.size if isinstance(member, SafetensorsFileFormat) else member.layout.size
+    return member.size if isinstance(member, (SafetensorsFileFormat, ExternalFile)) else member.layout.size

@@ -60,6 +60,7 @@ class CheckpointInfo:
     path: str
     nbytes: int
     healthy: bool | None = None  # its health record's verdict (format/health.py); None: not measured
+    crc32c: int | None = None  # a file shared by the ranks, on rank 0 where known: its CRC32C (engine/sharedobject.py)
 
 FORMAT = "fastckpt"
 VERSION = 2  # the newest this code writes (only with DTensor blocks; see build_manifest) and reads

@@ -15,7 +15,7 @@ import re
 
 from ..errors import ConfigError, UnsafeCheckpointError
 
-__all__ = ["plain_name", "confine", "is_plain_name", "checkpoint_name", "file_name"]
+__all__ = ["plain_name", "confine", "is_plain_name", "checkpoint_name", "file_name", "file_path"]
 
 _FORBIDDEN = ("/", "\\", "\x00")
 _NAME_RE = re.compile(r"^[^/\\\x00]+$")
@@ -68,4 +68,15 @@ def file_name(name: object) -> str:
     not one of the temporary names ``write_file_atomic`` uses; else ``ConfigError``."""
     if not is_plain_name(name) or ".fastckpt-tmp-" in name:  # type: ignore[operator]
         raise ConfigError(f"file name {name!r} must be one plain file name (no '/', not '.' or '..')")
+    return name  # type: ignore[return-value]
+
+
+def file_path(name: object) -> str:
+    """A framework's file name (``save_file``), or one inside a folder of the root (``checkpoint_3/model.safetensors``:
+    Accelerate's folders, whose big files the ranks share): each part as ``file_name``; else ``ConfigError``."""
+    parts = name.split("/") if isinstance(name, str) else [name]
+    if len(parts) > 2:
+        raise ConfigError(f"file name {name!r} must be a file name or 'folder/file' (one folder of the root)")
+    for part in parts:
+        file_name(part)
     return name  # type: ignore[return-value]

@@ -147,7 +147,9 @@ def parse_marker(data: bytes, folder: str) -> tuple[str, str, str] | None:
     if not all(isinstance(v, str) and v for v in (path, upload_id, process)):
         return None
     prefix = folder.rstrip("/") + "/"
-    if not path.startswith(prefix) or "/" in path[len(prefix):]:  # only an object of this very folder
+    rest = path[len(prefix):].split("/")
+    # only an object of this very folder, or of one folder in it (Accelerate's checkpoint_N/model.safetensors)
+    if not path.startswith(prefix) or len(rest) > 2 or any(p in ("", ".", "..") for p in rest):
         return None
     return path, upload_id, process
 

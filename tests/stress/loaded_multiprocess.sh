@@ -15,7 +15,7 @@ FILES=(
   tests/test_shared_file.py tests/test_lifecycle_safety.py tests/test_remote_tier.py tests/test_shm_crash_trials.py
   tests/test_accelerate_collectives.py tests/test_accelerate_resume.py tests/test_examples.py
   tests/test_lightning_ddp.py tests/test_lightning_ddp_shared.py tests/test_lightning_sharded.py
-  tests/test_s3_shared_object.py tests/test_lightning_ddp_s3.py
+  tests/test_s3_shared_object.py tests/test_lightning_ddp_s3.py tests/test_accelerate_s3_shared.py
 )
 touch "$RESULTS"
 BURNERS=()
