@@ -13,7 +13,7 @@ __version__ = "0.1.0"
 # public name -> the module that defines it
 _EXPORTS = {
     "Checkpointer": ".checkpointer",
-    "WatchHandle": ".engine.saver",
+    "WatchHandle": ".engine.watch",
     "CheckpointConfig": ".config",
     "StagingOptions": ".config",
     "PersistOptions": ".config",
@@ -75,7 +75,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # type checkers and IDEs see the eager imports
     from .checkpointer import Checkpointer
-    from .engine.saver import WatchHandle
+    from .engine.watch import WatchHandle
     from .config import (CadenceOptions, CheckpointConfig, HealthOptions, NetworkOptions, PersistOptions,
                          PreemptionOptions, RemoteOptions, RetentionOptions, StagingOptions)
     from .engine.cadence import Cadence, CadenceStats, young_daly

@@ -43,28 +43,12 @@ from .sharedobject import can_share_object, shared_write
 from .stale import Hooks, StaleWatch
 from .staging import HostArena, Slot
 from .streams import CopyStreams, CudaCopy, cuda_devices, gpu_wait
+from .watch import WatchHandle
 from .writepace import WritePacer
 
 __all__ = ["Saver", "WatchHandle"]
 
 log = logging.getLogger("fastckpt")
-
-
-class WatchHandle:
-    """Returned by ``watch``; ``remove()`` stops watching the optimizer."""
-
-    def __init__(self, owner: "Saver", optimizer: Any, hook: Any) -> None:
-        self._owner = weakref.ref(owner)
-        self._optimizer = weakref.ref(optimizer)
-        self._hook = hook
-
-    def remove(self) -> None:
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
-        owner, opt = self._owner(), self._optimizer()
-        if owner is not None and opt is not None:
-            owner.unwatch(opt)
 
 
 class Saver:
@@ -166,10 +150,9 @@ class Saver:
         t0 = time.perf_counter()
         name = file_path(name)
         if self._coord is not None and not (can_share(self.storage) or can_share_object(self.storage)):
-            raise ConfigError(f"save_file() with distributed=True needs a file system every rank writes into, or "
-                              f"S3 (each rank uploads parts of one object); {self.storage.url} is neither (this object store "
-                              "takes one writer per file): save it on rank 0, with a Checkpointer built without "
-                              "distributed=True")
+            raise ConfigError(f"save_file() with distributed=True needs a file system every rank writes into, or S3 "
+                              f"(each rank uploads parts of one object); {self.storage.url} is neither (this object store "
+                              "takes one writer per file): save it on rank 0, with a Checkpointer without distributed=True")
         if self.config.staging.shm:
             raise ConfigError("staging.shm does not apply to save_file; set staging.shm: false, or use save()")
         if self._retaking is None:  # a retake runs inside a seal: the other errors wait for the caller

@@ -41,7 +41,7 @@ class SafetensorsAsTorchFile(TorchFileFormat):
                                     descriptor_crc=-1, central_crc=-1, dtype=str(t.dtype))
                         for k, off, t in zip(keys, st.offsets, tensors))
         layout = TorchFileLayout(size=st.size, segments=((0, st.header),), records=records)
-        return cls(layout, path, tuple(t.dtype for t in tensors)), tensors, keys, list(tensors)
+        return cls(layout, path, dtypes=tuple(t.dtype for t in tensors)), tensors, keys, list(tensors)
 
     def value_dtype(self, entry: Any) -> torch.dtype:
         """The staged tensor's own dtype (its health statistics)."""
