@@ -21,8 +21,8 @@ import crc32c as _crc32c
 from .deadline import Deadline, describe
 from ..errors import IntegrityError
 
-__all__ = ["ObjectChecksum", "PART_BYTES", "b64", "composite", "digest_rejected", "expected_like", "part_bytes",
-           "pieces", "resending", "s3_multipart", "s3_put"]
+__all__ = ["ObjectChecksum", "PART_BYTES", "b64", "complete_or_abort", "composite", "digest_rejected", "expected_like",
+           "part_bytes", "pieces", "resending", "s3_multipart", "s3_put"]
 
 log = logging.getLogger("fastckpt")
 
@@ -147,18 +147,9 @@ async def s3_multipart(fs: Any, deadline: Deadline, path: str, parts: Sequence[m
                 ChecksumCRC32C=b64(crc)), resent)
         return {"PartNumber": number, "ETag": out["ETag"], "ChecksumCRC32C": b64(crc)}, crc, len(body)
 
-    try:
-        size = part_bytes(sum(len(p) for p in parts))
-        done = await asyncio.gather(*[one(i + 1, p) for i, p in enumerate(pieces(parts, size))])
-        out = await deadline.acall(f"complete_multipart_upload of {path}", s3(
-            "complete_multipart_upload", UploadId=upload_id, MultipartUpload={"Parts": [d[0] for d in done]}))
-    except BaseException:
-        try:  # no orphaned parts billed forever (best effort: the endpoint may be what failed)
-            await deadline.acall(f"abort_multipart_upload of {path}", s3("abort_multipart_upload",
-                                                                         UploadId=upload_id))
-        except Exception as e:  # noqa: BLE001 - the upload's own error is the one to raise
-            log.warning("fastckpt: could not abort the multipart upload of %s: %s", path, describe(e))
-        raise
+    size = part_bytes(sum(len(p) for p in parts))
+    done, out = await complete_or_abort(deadline, s3, path, upload_id,
+                                        asyncio.gather(*[one(i + 1, p) for i, p in enumerate(pieces(parts, size))]))
     fs.invalidate_cache(path)
     return ObjectChecksum(composite([d[1] for d in done]), out.get("ChecksumCRC32C"),
                           [(d[1], d[2]) for d in done], resent[0])
@@ -187,3 +178,21 @@ def pieces(parts: Sequence[memoryview], size: int) -> list[memoryview]:
 
 
 resending = _resending  # public for storage/s3parts.py: a shared upload's parts are resent alike
+
+
+async def complete_or_abort(deadline: Deadline, s3: Callable[..., Awaitable[Any]], path: str, upload_id: str,
+                            parts: Awaitable[list[Any]]) -> tuple[list[Any], dict[str, Any]]:
+    """Await ``parts`` (each ``(part entry, ...)``), then complete the multipart upload ``upload_id`` of ``path``
+    with their entries; on any failure (a part's, the complete's, a cancel) abort it first, then raise."""
+    try:
+        done = await parts
+        out = await deadline.acall(f"complete_multipart_upload of {path}", s3(
+            "complete_multipart_upload", UploadId=upload_id, MultipartUpload={"Parts": [d[0] for d in done]}))
+    except BaseException:
+        try:  # no orphaned parts billed forever (best effort: the endpoint may be what failed)
+            await deadline.acall(f"abort_multipart_upload of {path}", s3("abort_multipart_upload",
+                                                                         UploadId=upload_id))
+        except Exception as e:  # noqa: BLE001 - the upload's own error is the one to raise
+            log.warning("fastckpt: could not abort the multipart upload of %s: %s", path, describe(e))
+        raise
+    return done, out

@@ -22,7 +22,7 @@ import crc32c as _crc32c
 from .deadline import Deadline, describe
 from .joined import Joined
 from .partplan import Part
-from .s3checksum import ObjectChecksum, b64, composite, resending
+from .s3checksum import ObjectChecksum, b64, complete_or_abort, composite, resending
 
 __all__ = ["CopyOutcome", "s3_planned_upload"]
 
@@ -114,17 +114,8 @@ async def s3_planned_upload(fs: Any, deadline: Deadline, path: str, view: memory
             done, crc = await (send(number, p) if p.kind == "send" else copy(number, p))
         return done, crc, p.length
 
-    try:
-        done = await asyncio.gather(*[one(i + 1, p) for i, p in enumerate(plan)])
-        res = await deadline.acall(f"complete_multipart_upload of {path}", s3(
-            "complete_multipart_upload", UploadId=upload_id, MultipartUpload={"Parts": [d[0] for d in done]}))
-    except BaseException:
-        try:  # no orphaned parts billed forever (best effort: the endpoint may be what failed)
-            await deadline.acall(f"abort_multipart_upload of {path}", s3("abort_multipart_upload",
-                                                                         UploadId=upload_id))
-        except Exception as e:  # noqa: BLE001 - the upload's own error is the one to raise
-            log.warning("fastckpt: could not abort the multipart upload of %s: %s", path, describe(e))
-        raise
+    done, res = await complete_or_abort(deadline, s3, path, upload_id,
+                                        asyncio.gather(*[one(i + 1, p) for i, p in enumerate(plan)]))
     fs.invalidate_cache(path)
     out.checksum = ObjectChecksum(composite([d[1] for d in done]), res.get("ChecksumCRC32C"),
                                   [(d[1], d[2]) for d in done], resent[0])
