@@ -22,7 +22,7 @@ from .deadline import Deadline, describe
 from ..errors import IntegrityError
 
 __all__ = ["ObjectChecksum", "PART_BYTES", "b64", "complete_or_abort", "composite", "digest_rejected", "expected_like",
-           "part_bytes", "pieces", "resending", "s3_multipart", "s3_put"]
+           "part_bytes", "pieces", "resending", "s3_multipart", "s3_put", "start_multipart"]
 
 log = logging.getLogger("fastckpt")
 
@@ -127,14 +127,7 @@ async def s3_multipart(fs: Any, deadline: Deadline, path: str, parts: Sequence[m
     """One multipart upload whose parts go up concurrently, each with its CRC32C; aborted on any failure.
 
     Each request (create, every part, complete, abort) has its own deadline and retries."""
-    bucket, key, _ = fs.split_path(path)
-
-    def s3(method: str, **kw: Any) -> Callable[[], Awaitable[Any]]:
-        return lambda: fs._call_s3(method, Bucket=bucket, Key=key, **kw)
-
-    mpu = await deadline.acall(f"create_multipart_upload of {path}", s3("create_multipart_upload",
-                                                                        ChecksumAlgorithm="CRC32C"))
-    upload_id = mpu["UploadId"]
+    s3, upload_id = await start_multipart(deadline, fs, path)
     gate = asyncio.Semaphore(_CONCURRENCY)
     resent = [0]
 
@@ -196,3 +189,17 @@ async def complete_or_abort(deadline: Deadline, s3: Callable[..., Awaitable[Any]
             log.warning("fastckpt: could not abort the multipart upload of %s: %s", path, describe(e))
         raise
     return done, out
+
+
+async def start_multipart(deadline: Deadline, fs: Any, path: str) -> tuple[Callable[..., Callable[[], Awaitable[Any]]],
+                                                                          str]:
+    """Create a CRC32C multipart upload of ``path``: returns ``s3(method, **kw)`` (a request on that object, for the
+    deadline to call) and the upload id."""
+    bucket, key, _ = fs.split_path(path)
+
+    def s3(method: str, **kw: Any) -> Callable[[], Awaitable[Any]]:
+        return lambda: fs._call_s3(method, Bucket=bucket, Key=key, **kw)
+
+    mpu = await deadline.acall(f"create_multipart_upload of {path}", s3("create_multipart_upload",
+                                                                        ChecksumAlgorithm="CRC32C"))
+    return s3, mpu["UploadId"]

@@ -22,7 +22,7 @@ import crc32c as _crc32c
 from .deadline import Deadline, describe
 from .joined import Joined
 from .partplan import Part
-from .s3checksum import ObjectChecksum, b64, complete_or_abort, composite, resending
+from .s3checksum import ObjectChecksum, b64, complete_or_abort, composite, resending, start_multipart
 
 __all__ = ["CopyOutcome", "s3_planned_upload"]
 
@@ -62,15 +62,8 @@ async def s3_planned_upload(fs: Any, deadline: Deadline, path: str, view: memory
                             plan: Sequence[Part]) -> CopyOutcome:
     """Upload ``view`` (the whole new object) to ``path`` by ``plan``; copy sources are ``bucket/key`` paths.
     Aborted on any failure but a copy that can be sent instead."""
-    bucket, key, _ = fs.split_path(path)
     view = view if isinstance(view, Joined) else memoryview(view).cast("B")  # a file written as parts: not joined
-
-    def s3(method: str, **kw: Any) -> Any:
-        return lambda: fs._call_s3(method, Bucket=bucket, Key=key, **kw)
-
-    mpu = await deadline.acall(f"create_multipart_upload of {path}", s3("create_multipart_upload",
-                                                                        ChecksumAlgorithm="CRC32C"))
-    upload_id = mpu["UploadId"]
+    s3, upload_id = await start_multipart(deadline, fs, path)
     gate = asyncio.Semaphore(_CONCURRENCY)
     resent = [0]
     out = CopyOutcome(ObjectChecksum("", None))
