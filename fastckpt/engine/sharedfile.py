@@ -35,7 +35,7 @@ from ..format.health import HEALTH_ATTR, HealthPart
 from ..format.torchfile import TorchFileFormat
 from ..storage.tempmark import temp_basename
 
-__all__ = ["SharedFileWrite", "can_share", "temporary_name"]
+__all__ = ["SharedFileWrite", "can_share", "raise_agreed", "temporary_name"]
 
 log = logging.getLogger("fastckpt")
 
@@ -107,11 +107,7 @@ class SharedFileWrite:
             raise
         if verdict is not None:
             self._remove_tmp()
-            err = StorageError(f"checkpoint {self.name!r} at {self.fmt.path} failed: {verdict}")
-            err._fastckpt_agreed = True  # type: ignore[attr-defined]
-            if local is not None:
-                raise err from local
-            raise err
+            raise_agreed(self.name, self.fmt.path, verdict, local)
         return layout.size
 
     def _collective(self, fn: Any, *args: Any) -> Any:
@@ -191,3 +187,13 @@ class SharedFileWrite:
             log.warning("fastckpt: could not remove the temporary file %s: %s", self.tmp, e)
             return  # its marker stays: gc removes both once they are old
         self._unmark()
+
+
+def raise_agreed(name: str, path: str, verdict: str, local: BaseException | None) -> None:
+    """Raise rank 0's verdict on a shared write, the same error on every rank (marked agreed: the ranks need not
+    tell each other again), chained from this rank's own failure if it had one."""
+    err = StorageError(f"checkpoint {name!r} at {path} failed: {verdict}")
+    err._fastckpt_agreed = True  # type: ignore[attr-defined]
+    if local is not None:
+        raise err from local
+    raise err

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from .distributed import Coordinator
 from .partplan import Fragment, Part, fragments, limits, part_plan
-from .sharedfile import SharedFileWrite
+from .sharedfile import SharedFileWrite, raise_agreed
 from ..errors import FastCkptError, StorageError
 from ..format.checksum import combine
 from ..format.health import HealthPart, sidecar_bytes, sidecar_path, summarize
@@ -128,11 +128,7 @@ class SharedObjectWrite(SharedFileWrite):
             failed = self._finish(merged, failed, health is not None)
         verdict = self._guarded(coord.outcome, failed)  # 7.
         if verdict is not None:
-            err = StorageError(f"checkpoint {self.name!r} at {self.fmt.path} failed: {verdict}")
-            err._fastckpt_agreed = True  # type: ignore[attr-defined]
-            if local is not None:
-                raise err from local
-            raise err
+            raise_agreed(self.name, self.fmt.path, verdict, local)
         return self.size
 
     # ---- rank 0 ----------------------------------------------------------------------------------------------
