@@ -129,3 +129,20 @@ def test_a_forged_sidecar_costs_bytes_never_a_wrong_object(tmp_path, counted, ca
     data = fs.cat_file(f"{url.removeprefix('s3://')}/b.ckpt")
     _same_file(data, _single_writer(tmp_path))
     assert_bit_equal(_child_loads(tmp_path, data, "ckpt"), _state(2))
+
+
+def test_a_copied_parts_crc32c_comes_from_every_ranks_pieces_without_moving_bytes():
+    """Rank 0 checks a copy against the CRC32C of bytes it does not hold: the ranks' pieces, combined."""
+    import crc32c
+
+    from fastckpt.engine.partplan import Part
+    from fastckpt.engine.shareddedup import expected_crc, piece_crcs
+
+    data = bytes(range(256)) * 100  # the object: fixed [0, 100), rank 1's record [100, 20000), rank 0's to the end
+    records = [(100, 19900, 1), (20000, len(data) - 20000, 0)]
+    views = {0: memoryview(data)[100:20000], 1: memoryview(data)[20000:]}
+    fixed = [(0, data[:100])]
+    part = Part(1, 0, 25000, 0)
+    pieces = [pc for rank in (0, 1) for pc in piece_crcs([part], {1: ("s3://b/a.ckpt", 0)}, records, views, rank)]
+    assert expected_crc(part, pieces, fixed) == crc32c.crc32c(data[:25000])
+    assert expected_crc(part, pieces[1:], fixed) is None  # a rank's piece missing: sent, never copied unchecked

@@ -4,12 +4,12 @@ sent, as a single writer's file is (``format/objectdedup.py``).
 
 Each rank hashes its own staged records (xxh3-128, on the committer thread, once the save is staged) and sends the
 hashes to rank 0 with its CRC-32s; rank 0 tiles the file with the fixed bytes, reads the previous records and plans
-(``plan_object``); the plan goes to every rank with the fixed bytes. Every part, sent or copied, is owned by the rank
-holding most of its record bytes (the rule of ``partplan.part_plan``): the owner receives the record bytes of its
-parts it lacks (at most one part's worth per boundary between ranks, as without dedup) and so holds every local byte
-of its part. It issues the copy, and checks the copied part's CRC32C against those bytes: one that differs, or a
-source that is gone, is sent instead from the same bytes (``S3Parts.copy``). So a missing, stale or forged sidecar
-costs bytes, never a wrong object.
+(``plan_object``); the plan goes to every rank with the fixed bytes. A copied part moves no record bytes between
+ranks: each rank sends rank 0 the CRC32C of its own bytes in each copied part (``piece_crcs``), rank 0 combines them
+with the fixed bytes' into the part's expected CRC32C (``expected_crc``), issues the copy and checks the store's
+CRC32C of the copied part against it (``S3Parts.copy``). A copy that differs, or whose source is gone, is sent
+instead, like every sent part by the rank holding most of its record bytes (the rule of ``partplan.part_plan``),
+which receives the rest. So a missing, stale or forged sidecar costs bytes, never a wrong object.
 """
 from __future__ import annotations
 
@@ -18,13 +18,17 @@ from typing import Any, Sequence
 
 import xxhash
 
+import crc32c as _crc32c
+
 from .partplan import Part
+from ..format.checksum import combine
 from ..format.objectdedup import plan_object
 from ..format.torchrecords import folder_source, tiling
 
-__all__ = ["Copy", "HashPart", "owned", "plan_shared", "staged_hashes"]
+__all__ = ["Copy", "HashPart", "Piece", "expected_crc", "owned", "piece_crcs", "plan_shared", "staged_hashes"]
 
 Copy = tuple[str, int]  # (source object, offset in it) of a copied part
+Piece = tuple[int, int, int]  # (offset in the object, length, CRC32C) of bytes of a copied part
 
 
 @dataclass
@@ -67,3 +71,33 @@ def owned(plan: Sequence[Sequence[Any]], records: Sequence[tuple[int, int, int]]
         if kind == "copy":
             copies[number] = (str(source), int(source_offset))
     return parts, copies
+
+
+def piece_crcs(parts: Sequence[Part], copies: dict[int, Copy], records: Sequence[tuple[int, int, int]],
+               views: dict[int, memoryview], me: int) -> list[Piece]:
+    """Every rank: the CRC32C of each of its own records' bytes in each copied part."""
+    out: list[Piece] = []
+    for p in parts:
+        if p.number not in copies:
+            continue
+        for i, (off, nbytes, writer) in enumerate(records):
+            lo, hi = max(off, p.start), min(off + nbytes, p.end)
+            if writer == me and lo < hi:
+                out.append((lo, hi - lo, _crc32c.crc32c(views[i][lo - off:hi - off])))
+    return out
+
+
+def expected_crc(part: Part, pieces: Sequence[Piece], fixed: Sequence[tuple[int, bytes]]) -> int | None:
+    """Rank 0: the CRC32C of the local bytes of ``part``, from the ranks' pieces and the fixed bytes; None when
+    they do not tile it exactly (then the part is sent, never copied unchecked)."""
+    mine = [pc for pc in pieces if part.start <= pc[0] and pc[0] + pc[1] <= part.end]
+    for off, gap in fixed:
+        lo, hi = max(off, part.start), min(off + len(gap), part.end)
+        if lo < hi:
+            mine.append((lo, hi - lo, _crc32c.crc32c(gap[lo - off:hi - off])))
+    crc, at = 0, part.start
+    for off, length, piece in sorted(mine):
+        if off != at:
+            return None
+        crc, at = combine(crc, piece, length), at + length
+    return crc if at == part.end else None

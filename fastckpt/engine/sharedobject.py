@@ -29,13 +29,12 @@ import threading
 from concurrent.futures import Executor
 from typing import Any, Callable
 
-import crc32c as _crc32c
 import torch
 import torch.distributed as dist
 
 from .distributed import Coordinator
 from .partplan import Fragment, Part, fragments, limits, part_plan
-from .shareddedup import Copy, HashPart, owned, plan_shared, staged_hashes
+from .shareddedup import Copy, HashPart, expected_crc, owned, piece_crcs, plan_shared, staged_hashes
 from .sharedfile import SharedFileWrite
 from ..errors import FastCkptError, StorageError
 from ..format.checksum import combine
@@ -124,17 +123,25 @@ class SharedObjectWrite(SharedFileWrite):
         if fixed:
             self.size = max(off + len(b) for off, b in fixed)  # rank 0's file: its tail ends it
         done: list[Any] = []
+        plan: list[Part] = []
+        records: list[tuple[int, int, int]] = []
+        copies: dict[int, Copy] = {}
         if failed is None and local is None:
             try:
                 size = self.size
                 records = [(off, r.nbytes, w) for r, w, off in zip(layout.records, ref[1], ref[2])]  # at its offsets
-                copies: dict[int, Copy] = {}
                 if dedup is not None:
                     plan, copies = owned(dedup, records)
                 else:
                     plan = part_plan(size, records, *limits(size, part_bytes(size)))
+            except BaseException as e:  # noqa: BLE001 - reported to rank 0 below, so no rank hangs
+                local = e
+        if dedup is not None and failed is None:  # every rank alike: rank 0 copies, the rest is sent
+            plan, failed, done = self._copy(plan, copies, fixed or [], records, views, local)
+        if failed is None and local is None:
+            try:
                 received = self._exchange(fragments(plan, records), views)  # 4.
-                done = self._upload(plan, fixed, records, views, received, copies)  # 5.
+                done += self._upload(plan, fixed, records, views, received)  # 5.
             except BaseException as e:  # noqa: BLE001 - reported to rank 0 below, so no rank hangs
                 local = e
                 if isinstance(e, _LostRanks):
@@ -247,10 +254,8 @@ class SharedObjectWrite(SharedFileWrite):
         return {k: v.numpy().tobytes() for k, v in inbox.items()}
 
     def _upload(self, plan: list[Part], fixed: list[tuple[int, bytes]], records: list[tuple[int, int, int]],
-                views: dict[int, memoryview], received: dict[tuple[int, int], bytes],
-                copies: dict[int, Copy]) -> list[Any]:
-        """Upload this rank's parts, each built from the fixed bytes, its own records and what it received; a
-        part in ``copies`` is copied server-side, or sent where the copy does not match those bytes."""
+                views: dict[int, memoryview], received: dict[tuple[int, int], bytes]) -> list[Any]:
+        """Upload this rank's parts, each built from the fixed bytes, its own records and what it received."""
         me = self.coord.rank
         pieces: list[tuple[int, int, Any]] = [(off, off + len(b), b) for off, b in fixed]
         pieces += [(off, off + n, i) for i, (off, n, _) in enumerate(records) if n]
@@ -271,23 +276,58 @@ class SharedObjectWrite(SharedFileWrite):
             return b"".join(out)
 
         mine = [p for p in plan if p.owner == me]
-        copied: list[Any] = []
-        for p in mine:
-            if p.number in copies:
-                source, at = copies[p.number]
-                crc = _crc32c.crc32c(body(p))  # what the copied bytes must be
-                etag = self.parts.copy(self.fmt.path, str(self.upload_id), p.number, source, at, p.end - p.start, crc)
-                if etag is not None:
-                    copied.append((p.number, etag, crc, p.end - p.start))
-        numbers = {d[0] for d in copied}
         done, resent = self.parts.upload(self.fmt.path, str(self.upload_id),
-                                         [(p.number, lambda p=p: body(p)) for p in mine if p.number not in numbers])
+                                         [(p.number, lambda p=p: body(p)) for p in mine])
         if resent:
             log.warning("fastckpt: %d part(s) of %s were sent again (damaged in flight)", resent, self.fmt.path)
         self.mine = [p.number for p in mine]
         self.written = sum(d[3] for d in done)
-        self.copied = sum(d[3] for d in copied)
-        return done + copied
+        return done
+
+    def _copy(self, plan: list[Part], copies: dict[int, Copy], fixed: list[tuple[int, bytes]],
+              records: list[tuple[int, int, int]], views: dict[int, memoryview],
+              local: BaseException | None) -> tuple[list[Part], str | None, list[Any]]:
+        """Every rank: the CRC32C of its bytes in each copied part go to rank 0, which copies those parts and checks
+        each against the combined CRC32C; returns the parts left to send (the sent ones, the copies that did not
+        match), rank 0's verdict so far, and (rank 0) the copied parts."""
+        pieces: list[Any] = []
+        if local is None:
+            try:
+                pieces = piece_crcs(plan, copies, records, views, self.coord.rank)
+            except BaseException as e:  # noqa: BLE001 - reported to rank 0 below, so no rank hangs
+                local = e
+        merged, failed = self._guarded(self.coord.gather, pieces, local)
+        fell: list[int] | None = None
+        done: list[Any] = []
+        if self.coord.rank == 0 and failed is None:
+            try:
+                fell, done = self._copy_parts(plan, copies, fixed, merged)
+            except BaseException as e:  # noqa: BLE001 - broadcast as the verdict
+                failed = f"rank 0 copying parts: {e}"
+        fell, failed = self._guarded(self.coord.share, (fell, failed))
+        left = set(fell or [])
+        return [p for p in plan if p.number not in copies or p.number in left], failed, done
+
+    def _copy_parts(self, plan: list[Part], copies: dict[int, Copy], fixed: list[tuple[int, bytes]],
+                    pieces: list[Any]) -> tuple[list[int], list[Any]]:
+        """Rank 0: UploadPartCopy of each copied part; (the numbers of those to send instead, the copied parts)."""
+        fell: list[int] = []
+        done: list[Any] = []
+        for p in plan:
+            if p.number not in copies:
+                continue
+            crc = expected_crc(p, pieces, fixed)
+            source, at = copies[p.number]
+            etag = None if crc is None else self.parts.copy(self.fmt.path, str(self.upload_id), p.number, source, at,
+                                                            p.end - p.start, crc)
+            if etag is None:
+                fell.append(p.number)
+            else:
+                done.append((p.number, etag, crc, p.end - p.start))
+        self.copied = sum(d[3] for d in done)
+        if fell:
+            log.info("fastckpt: %d copied part(s) of %s are sent instead", len(fell), self.fmt.path)
+        return fell, done
 
     def _guarded(self, fn: Any, *args: Any) -> Any:
         """A collective of the protocol; one that fails (a rank died) aborts the upload from this rank."""
