@@ -300,7 +300,7 @@ class Saver:
             job.retake = lambda keys: self._retake(handle, keys, retake)
         if writers is not None and shared_file is not None and self._coord is not None:
             job.shared = shared_write(self._coord, self.storage, shared_file, job.uid, writers, name, step, flat.keys,
-                                      self.config.orphan_grace_s)
+                                      self.config.orphan_grace_s, self.config.remote.dedup)
         if cuda is not None:
             job.cuda = cuda
             job.devices = [str(t.device) for t in flat.tensors]  # the saved locations map_location's dict keys name

@@ -12,6 +12,8 @@ Coordinator's gloo group, once per save and in save order:
    rank with its verdict so far: every rank now computes the same part plan (``partplan.py``);
 4. the record bytes a part's owner lacks go to it point to point (at most one part's worth per owner boundary);
 5. every rank uploads its parts, each with its CRC32C (a part the store rejects as damaged is sent again);
+   with ``remote.dedup`` the unchanged ranges are copied server-side from the folder's newest ``.ckpt`` instead
+   (``shareddedup.py``: the record hashes travel with the CRCs in 2., rank 0's plan with the fixed bytes in 3.);
 6. every rank's (part number, ETag, CRC32C) go to rank 0, which completes the upload (the commit) or aborts it;
 7. rank 0's verdict goes to every rank: each raises the same error for the same file.
 
@@ -32,11 +34,13 @@ import torch.distributed as dist
 
 from .distributed import Coordinator
 from .partplan import Fragment, Part, fragments, limits, part_plan
+from .shareddedup import Copy, HashPart, expected_crc, owned, piece_crcs, plan_shared, staged_hashes
 from .sharedfile import SharedFileWrite, raise_agreed
 from ..errors import FastCkptError, StorageError
 from ..format.checksum import combine
 from ..format.health import HealthPart, sidecar_bytes, sidecar_path, summarize
 from ..format.torchfile import TorchFileFormat
+from ..format.torchrecords import records_path, write_records
 from ..storage.s3checksum import part_bytes
 from ..storage.s3parts import S3Parts, marker_path, sweep
 
@@ -68,8 +72,12 @@ class SharedObjectWrite(SharedFileWrite):
     """The commit protocol of one shared S3 object on one rank (called by the committer thread)."""
 
     def __init__(self, coord: Coordinator, storage: Any, fmt: TorchFileFormat, uid: str, writers: list[int],
-                 name: str, step: int, keys: list[str], grace_s: float | None) -> None:
+                 name: str, step: int, keys: list[str], grace_s: float | None, dedup: bool = False) -> None:
         super().__init__(coord, storage, fmt, uid, writers, name)
+        self.dedup = dedup  # remote.dedup: unchanged ranges copied server-side (shareddedup.py)
+        self.hashed: dict[int, str] = {}  # rank 0: every rank's record hashes
+        self.records: list[Any] | None = None  # rank 0: the new file's content records (its records sidecar)
+        self.copied = 0  # bytes this rank's parts copied server-side instead of sending
         self.parts: S3Parts = storage.multipart()
         self.marker = marker_path(storage.url, uid)  # in the root, which the sweep reads, for a subfolder's object too
         self.step, self.keys, self.grace_s = step, keys, grace_s
@@ -100,24 +108,40 @@ class SharedObjectWrite(SharedFileWrite):
                 except BaseException as e:  # noqa: BLE001 - reported to rank 0 below, so no rank hangs
                     local = e
         parts = [sent] + ([HealthPart(health)] if health is not None else [])
+        if self.dedup and local is None and ref is not None:
+            parts.append(staged_hashes(views))
         merged, failed = self._guarded(coord.gather, parts, local)  # 2.
-        fixed = None
+        fixed, dedup = None, None
         if coord.rank == 0:
             if failed is None and ref is None:
                 failed = f"rank 0: {error}"
             if failed is None:
                 fixed, failed = self._fixed(merged)
-        fixed, failed = self._guarded(coord.share, (fixed, failed))  # 3.
+            if failed is None and self.dedup:
+                dedup = self._plan(fixed)
+        fixed, failed, dedup = self._guarded(coord.share, (fixed, failed, dedup))  # 3.
         if fixed:
             self.size = max(off + len(b) for off, b in fixed)  # rank 0's file: its tail ends it
         done: list[Any] = []
+        plan: list[Part] = []
+        records: list[tuple[int, int, int]] = []
+        copies: dict[int, Copy] = {}
         if failed is None and local is None:
             try:
                 size = self.size
                 records = [(off, r.nbytes, w) for r, w, off in zip(layout.records, ref[1], ref[2])]  # at its offsets
-                plan = part_plan(size, records, *limits(size, part_bytes(size)))
+                if dedup is not None:
+                    plan, copies = owned(dedup, records)
+                else:
+                    plan = part_plan(size, records, *limits(size, part_bytes(size)))
+            except BaseException as e:  # noqa: BLE001 - reported to rank 0 below, so no rank hangs
+                local = e
+        if dedup is not None and failed is None:  # every rank alike: rank 0 copies, the rest is sent
+            plan, failed, done = self._copy(plan, copies, fixed or [], records, views, local)
+        if failed is None and local is None:
+            try:
                 received = self._exchange(fragments(plan, records), views)  # 4.
-                done = self._upload(plan, fixed, records, views, received)  # 5.
+                done += self._upload(plan, fixed, records, views, received)  # 5.
             except BaseException as e:  # noqa: BLE001 - reported to rank 0 below, so no rank hangs
                 local = e
                 if isinstance(e, _LostRanks):
@@ -152,6 +176,8 @@ class SharedObjectWrite(SharedFileWrite):
         for part in merged:
             if isinstance(part, HealthPart):
                 self.tensors.update(part.tensors)
+            elif isinstance(part, HashPart):
+                self.hashed.update(part.hashes)
             else:
                 crcs.update(part)
         missing = [i for i, r in enumerate(self.fmt.layout.records) if r.nbytes and i not in crcs]
@@ -160,6 +186,15 @@ class SharedObjectWrite(SharedFileWrite):
         fixed = self.fmt.fixed(crcs)  # the tail is kept even when empty (a safetensors file): it ends the file
         return [(off, bytes(b)) for k, (off, b) in enumerate(fixed) if len(b) or k == len(fixed) - 1], None
 
+    def _plan(self, fixed: list[tuple[int, bytes]] | None) -> list[tuple[Any, ...]] | None:
+        """The dedup part plan against the folder's newest ``.ckpt`` (plain tuples), or None: everything is sent."""
+        try:
+            plan, self.records = plan_shared(self.storage, self.fmt, fixed or [], self.hashed, self.fmt.layout.size)
+        except FastCkptError as e:  # only bytes are lost: the file is sent whole
+            log.warning("fastckpt: no dedup plan for %s (%s): it is sent whole", self.fmt.path, e)
+            return None
+        return plan
+
     def _finish(self, merged: list[Any], failed: str | None, measured: bool) -> str | None:
         """Complete the upload (the commit point) with every rank's parts, or abort it; then the marker goes."""
         if failed is None:
@@ -167,6 +202,8 @@ class SharedObjectWrite(SharedFileWrite):
                 done = [d for part in merged for d in part]
                 if measured:  # an older file's record: gone before this file takes the name (a crash: no record)
                     self.storage.delete(sidecar_path(self.fmt.path))
+                if self.dedup:  # likewise the older file's content records (a crash: the next file is sent whole)
+                    self.storage.delete(records_path(self.fmt.path))
                 self.parts.complete(self.fmt.path, str(self.upload_id), done)  # <- the commit point
                 self.crc32c = whole_crc32c(done)
             except BaseException as e:  # noqa: BLE001 - broadcast as the verdict
@@ -175,6 +212,8 @@ class SharedObjectWrite(SharedFileWrite):
                 self._unmark()
                 if measured:
                     self._write_sidecar()
+                if self.records:
+                    write_records(self.storage, self.fmt.path, self.fmt.layout.size, self.records)
                 return None
         if self.upload_id is not None:
             self._abort()
@@ -241,6 +280,51 @@ class SharedObjectWrite(SharedFileWrite):
         self.written = sum(d[3] for d in done)
         return done
 
+    def _copy(self, plan: list[Part], copies: dict[int, Copy], fixed: list[tuple[int, bytes]],
+              records: list[tuple[int, int, int]], views: dict[int, memoryview],
+              local: BaseException | None) -> tuple[list[Part], str | None, list[Any]]:
+        """Every rank: the CRC32C of its bytes in each copied part go to rank 0, which copies those parts and checks
+        each against the combined CRC32C; returns the parts left to send (the sent ones, the copies that did not
+        match), rank 0's verdict so far, and (rank 0) the copied parts."""
+        pieces: list[Any] = []
+        if local is None:
+            try:
+                pieces = piece_crcs(plan, copies, records, views, self.coord.rank)
+            except BaseException as e:  # noqa: BLE001 - reported to rank 0 below, so no rank hangs
+                local = e
+        merged, failed = self._guarded(self.coord.gather, pieces, local)
+        fell: list[int] | None = None
+        done: list[Any] = []
+        if self.coord.rank == 0 and failed is None:
+            try:
+                fell, done = self._copy_parts(plan, copies, fixed, merged)
+            except BaseException as e:  # noqa: BLE001 - broadcast as the verdict
+                failed = f"rank 0 copying parts: {e}"
+        fell, failed = self._guarded(self.coord.share, (fell, failed))
+        left = set(fell or [])
+        return [p for p in plan if p.number not in copies or p.number in left], failed, done
+
+    def _copy_parts(self, plan: list[Part], copies: dict[int, Copy], fixed: list[tuple[int, bytes]],
+                    pieces: list[Any]) -> tuple[list[int], list[Any]]:
+        """Rank 0: UploadPartCopy of each copied part; (the numbers of those to send instead, the copied parts)."""
+        fell: list[int] = []
+        done: list[Any] = []
+        for p in plan:
+            if p.number not in copies:
+                continue
+            crc = expected_crc(p, pieces, fixed)
+            source, at = copies[p.number]
+            etag = None if crc is None else self.parts.copy(self.fmt.path, str(self.upload_id), p.number, source, at,
+                                                            p.end - p.start, crc)
+            if etag is None:
+                fell.append(p.number)
+            else:
+                done.append((p.number, etag, crc, p.end - p.start))
+        self.copied = sum(d[3] for d in done)
+        if fell:
+            log.info("fastckpt: %d copied part(s) of %s are sent instead", len(fell), self.fmt.path)
+        return fell, done
+
     def _guarded(self, fn: Any, *args: Any) -> Any:
         """A collective of the protocol; one that fails (a rank died) aborts the upload from this rank."""
         try:
@@ -276,10 +360,11 @@ class SharedObjectWrite(SharedFileWrite):
 
 
 def shared_write(coord: Coordinator, storage: Any, fmt: TorchFileFormat, uid: str, writers: list[int], name: str,
-                 step: int, keys: list[str], grace_s: float | None) -> SharedFileWrite:
-    """The commit protocol of one file shared by the ranks: the parts of one S3 object, or ranges of one file."""
+                 step: int, keys: list[str], grace_s: float | None, dedup: bool = False) -> SharedFileWrite:
+    """The commit protocol of one file shared by the ranks: the parts of one S3 object (its unchanged ranges copied
+    server-side with ``dedup``), or ranges of one file."""
     if can_share_object(storage):
-        return SharedObjectWrite(coord, storage, fmt, uid, writers, name, step, keys, grace_s)
+        return SharedObjectWrite(coord, storage, fmt, uid, writers, name, step, keys, grace_s, dedup)
     return SharedFileWrite(coord, storage, fmt, uid, writers, name)
 
 

@@ -26,6 +26,7 @@ from .contenthash import FIELD, file_records
 from .objectdedup import plan_object
 
 __all__ = ["RECORDS_SUFFIX", "folder_source", "hash_staged", "parse_records", "records_path", "tiling",
+           "write_records",
            "write_with_records"]
 
 log = logging.getLogger("fastckpt")
@@ -71,7 +72,7 @@ def write_with_records(storage: Any, fmt: Any, views: dict[int, memoryview], crc
         log.info("fastckpt: wrote %s: %.1f MB sent, %.1f MB copied server-side (%.1f MB fell back to sending)",
                  fmt.path, out.sent / 1e6, out.copied / 1e6, out.fell_back / 1e6)
     if records:
-        _write_sidecar(storage, fmt.path, size, records)
+        write_records(storage, fmt.path, size, records)
     return size
 
 
@@ -104,7 +105,7 @@ def tiling(fmt: Any, fixed: list[tuple[int, bytearray]], hashed: dict[int, str],
     return out if at == size else None
 
 
-def _write_sidecar(storage: Any, path: str, size: int, records: list[Record]) -> None:
+def write_records(storage: Any, path: str, size: int, records: list[Record]) -> None:
     """The new file's sidecar, naming the object by its size and the CRC32C the store keeps for it: a later file of
     the same name (written by anyone) no longer matches. No stored checksum: no sidecar (no identity to check)."""
     try:

@@ -24,7 +24,7 @@ from .joined import Joined
 from .partplan import Part
 from .s3checksum import ObjectChecksum, b64, complete_or_abort, composite, resending, start_multipart
 
-__all__ = ["CopyOutcome", "s3_planned_upload"]
+__all__ = ["CopyOutcome", "s3_planned_upload", "source_gone"]
 
 log = logging.getLogger("fastckpt")
 
@@ -46,7 +46,9 @@ class CopyOutcome:
     unverified: int = 0  # copied parts for which the store returned no checksum
 
 
-def _source_gone(e: BaseException) -> bool:
+def source_gone(e: BaseException) -> bool:
+    """Whether ``e`` (or what it was raised from) says a copy's source or range is not there, or copies are
+    refused: the part is then sent instead."""
     cur: BaseException | None = e
     while cur is not None:
         if isinstance(cur, FileNotFoundError):
@@ -85,7 +87,7 @@ async def s3_planned_upload(fs: Any, deadline: Deadline, path: str, view: memory
                 "upload_part_copy", PartNumber=number, UploadId=upload_id, CopySource={"Bucket": sb, "Key": sk},
                 CopySourceRange=f"bytes={p.source_offset}-{p.source_offset + p.length - 1}")))["CopyPartResult"]
         except Exception as e:
-            if not _source_gone(e):
+            if not source_gone(e):
                 raise
             log.info("fastckpt: %s is gone or refused the range (%s): sending part %d of %s instead",
                      p.source, describe(e), number, path)

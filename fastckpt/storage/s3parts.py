@@ -26,6 +26,7 @@ import crc32c as _crc32c
 from .deadline import Deadline, describe, storage_error
 from ..errors import FastCkptError
 from .s3checksum import ObjectChecksum, b64, composite, resending
+from .s3copy import source_gone
 
 __all__ = ["MARKERS", "PartDone", "S3Parts", "marker_path", "parse_marker", "sweep"]
 
@@ -91,6 +92,30 @@ class S3Parts:
 
         done = self._run("uploading parts of", path, every) if parts else []
         return done, resent[0]
+
+    def copy(self, path: str, upload_id: str, number: int, source: str, offset: int, length: int,
+             crc: int) -> str | None:
+        """UploadPartCopy of bytes ``[offset, offset+length)`` of the object ``source`` as part ``number``; its ETag,
+        or None where the copy cannot stand for the local bytes whose CRC32C is ``crc`` (the source is gone, the
+        store refused the range, or the copied part's CRC32C differs): the caller then sends the part."""
+        sb, sk, _ = self.fs.split_path(self._key_of(source))
+        try:
+            out = self._run("copying a part of", path, lambda: self.deadline.acall(
+                f"copy of part {number} of {path} from {source}", self._s3(
+                    path, "upload_part_copy", PartNumber=number, UploadId=upload_id,
+                    CopySource={"Bucket": sb, "Key": sk}, CopySourceRange=f"bytes={offset}-{offset + length - 1}")))
+        except FastCkptError as e:
+            if not source_gone(e):
+                raise
+            log.info("fastckpt: %s is gone or refused the range (%s): sending part %d of %s instead",
+                     source, e, number, path)
+            return None
+        res = out["CopyPartResult"]
+        if res.get("ChecksumCRC32C") != b64(crc):  # none returned: unverifiable, so sent (never a wrong copy)
+            log.warning("fastckpt: the copy of part %d of %s from %s has CRC32C %s, the local bytes %s: sending it "
+                        "instead", number, path, source, res.get("ChecksumCRC32C"), b64(crc))
+            return None
+        return str(res["ETag"])
 
     def complete(self, path: str, upload_id: str, done: Sequence[PartDone]) -> ObjectChecksum:
         """CompleteMultipartUpload with every rank's parts (in part order): the object appears whole, the commit."""
