@@ -56,17 +56,17 @@ def task_restore_cold_save(root: str, n: int = FLAT_TENSORS) -> dict[str, Any]:
 Runner = Callable[[str, str, dict[str, Any]], dict[str, Any]]
 
 
-def run_cold(run: Runner, shape: dict, root: Path) -> dict[str, Any]:
+def run_cold(run: Runner, shape: dict, root: Path, n_flat: int = FLAT_TENSORS) -> dict[str, Any]:
     """Both cases: ``{"cases": {name: {"state_bytes", "loads": [...], "raw": {...}}}}``; ``root`` holds the
     workload's saves (torch.pt, fc/) already."""
     cases: dict[str, Any] = {}
     flat_root = root / "flat"
-    saved = run("restore cold: save the flat state", "restore_cold_save", dict(root=str(flat_root)))
+    saved = run("restore cold: save the flat state", "restore_cold_save", dict(root=str(flat_root), n=n_flat))
     todo = [("workload", root, 0, None)]
     if saved.get("ok"):
-        todo.insert(0, (f"{FLAT_TENSORS} x 4 MiB", flat_root, FLAT_TENSORS, saved["result"]["state_bytes"]))
+        todo.insert(0, (f"{n_flat} x 4 MiB", flat_root, n_flat, saved["result"]["state_bytes"]))
     else:
-        cases[f"{FLAT_TENSORS} x 4 MiB"] = {"error": saved.get("error")}
+        cases[f"{n_flat} x 4 MiB"] = {"error": saved.get("error")}
     for name, where, flat, nbytes in todo:
         loads = []
         for k in range(ROUNDS):

@@ -202,7 +202,7 @@ def run_all(plan: Plan, workdir: Path, isolate: bool, sections: tuple[str, ...],
     if "restore" in sections:
         from .restore_run import run_restore
 
-        results["restore"] = run_restore(run, shape, workdir, peer_names, plan.cold_load)
+        results["restore"] = run_restore(run, shape, workdir, peer_names, plan.cold_load, 4 if plan is QUICK_PLAN else 150)
     fw = dict(shape=shape, root=ck, warmup=plan.warmup, every=plan.fw_every, n_ckpt=plan.fw_n_ckpt)
     if "cli" in sections:
         results["cli"] = _cli_help(5)
