@@ -172,3 +172,19 @@ def bounded(fn: Callable[[], Any], timeout: float = 60.0) -> Any:
 
 class StillBlocked(TimeoutError):
     """``bounded``'s function had not returned in time (a ``TimeoutError`` it raised itself stays what it is)."""
+
+
+def assert_same_torch_file(data: bytes, other: bytes) -> None:
+    """``data`` is the torch file ``other`` byte for byte: the same size, the same records in the same order with the
+    same bytes (the serialization id aside: torch draws a new one per save)."""
+    import io
+    import zipfile
+
+    assert len(data) == len(other)
+    with zipfile.ZipFile(io.BytesIO(data)) as ours, zipfile.ZipFile(io.BytesIO(other)) as theirs:
+        assert ours.testzip() is None, "every record's CRC-32 is filled in and right"
+        assert [(i.filename, i.header_offset, i.file_size) for i in ours.infolist()] == \
+            [(i.filename, i.header_offset, i.file_size) for i in theirs.infolist()]
+        for name in ours.namelist():
+            if not name.endswith("serialization_id"):
+                assert ours.read(name) == theirs.read(name), name

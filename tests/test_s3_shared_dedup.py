@@ -4,11 +4,9 @@ frozen tensors and small changing ones twice, through a proxy that counts every 
 Each save is its own launch, so the copy source is found by its records sidecar, as a resumed run finds it."""
 from __future__ import annotations
 
-import io
 import json
 import os
 import tempfile
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -20,7 +18,7 @@ from fastckpt import CheckpointConfig, Checkpointer
 from fastckpt.format.torchrecords import records_path
 from fastckpt.storage.partplan import MIN_PART
 from tests.dist_launcher import run_ranks
-from tests.helpers import assert_bit_equal
+from tests.helpers import assert_bit_equal, assert_same_torch_file
 from tests.test_s3_dedup import counted  # noqa: F401 - a fixture
 from tests.test_s3_dedup_direct import _child_loads
 
@@ -64,17 +62,6 @@ def _single_writer(tmp_path: Path) -> bytes:
     return (tmp_path / "local" / "b.ckpt").read_bytes()
 
 
-def _same_file(data: bytes, single: bytes) -> None:
-    """Byte for byte the single writer's file, torch's random serialization id aside."""
-    assert len(data) == len(single)
-    with zipfile.ZipFile(io.BytesIO(data)) as ours, zipfile.ZipFile(io.BytesIO(single)) as theirs:
-        assert ours.testzip() is None, "every record's CRC-32 is filled in and right"
-        assert [(i.filename, i.header_offset, i.file_size) for i in ours.infolist()] == \
-            [(i.filename, i.header_offset, i.file_size) for i in theirs.infolist()]
-        for name in ours.namelist():
-            if not name.endswith("serialization_id"):
-                assert ours.read(name) == theirs.read(name), name
-
 
 def _twice(tmp_path: Path, proxied, counter, url: str, between=None) -> tuple[int, int, list[int]]:
     """a.ckpt, then b.ckpt, each saved by 2 ranks; (bytes on the wire of each launch, b's bytes each rank sent)."""
@@ -100,7 +87,7 @@ def test_ranks_copy_the_previous_files_unchanged_ranges(tmp_path, counted):
     base = url.removeprefix("s3://")
     assert fs.exists(records_path(f"{base}/b.ckpt"))  # the next file's copy source
     data = fs.cat_file(f"{base}/b.ckpt")
-    _same_file(data, _single_writer(tmp_path))
+    assert_same_torch_file(data, _single_writer(tmp_path))
     fs.rm(f"{base}/a.ckpt")  # the copy source goes: the newer file is complete on its own
     fs.invalidate_cache()
     assert_bit_equal(_child_loads(tmp_path, fs.cat_file(f"{base}/b.ckpt"), "ckpt"), _state(2))
@@ -127,7 +114,7 @@ def test_a_forged_sidecar_costs_bytes_never_a_wrong_object(tmp_path, counted, ca
     assert "sending it instead" in capsys.readouterr().out, "the copies were tried, and refused by their CRC32C"
     assert sum(written) >= FROZEN * 8 * MiB and second >= FROZEN * 8 * MiB
     data = fs.cat_file(f"{url.removeprefix('s3://')}/b.ckpt")
-    _same_file(data, _single_writer(tmp_path))
+    assert_same_torch_file(data, _single_writer(tmp_path))
     assert_bit_equal(_child_loads(tmp_path, data, "ckpt"), _state(2))
 
 

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import tempfile
 import traceback
-import zipfile
 from pathlib import Path
 
 import fsspec
@@ -24,7 +23,7 @@ from torch import nn
 from fastckpt import CheckpointConfig, Checkpointer, StorageError
 from fastckpt.engine.partplan import MIN_PART
 from tests.dist_launcher import rank_report, run_ranks
-from tests.helpers import assert_bit_equal, clone_state
+from tests.helpers import assert_bit_equal, assert_same_torch_file, clone_state
 
 pytestmark = pytest.mark.slow
 NAME = "epoch=0-step=7.ckpt"
@@ -104,18 +103,6 @@ def _plain_load(data: bytes, tmp: Path) -> None:
     assert done.returncode == 0 and done.stdout.strip() == "7", done.stderr[-3000:]
 
 
-def _same_as_torch_save(data: bytes, stock: bytes) -> None:
-    """The object is the file ``torch.save`` wrote of rank 0's state: the same size, the same records in the same
-    order with the same bytes (the serialization id aside: torch draws a new one per save)."""
-    assert len(data) == len(stock)
-    with zipfile.ZipFile(io.BytesIO(data)) as ours, zipfile.ZipFile(io.BytesIO(stock)) as theirs:
-        assert ours.testzip() is None, "every record's CRC-32 is filled in and right"
-        assert [(i.filename, i.header_offset, i.file_size) for i in ours.infolist()] == \
-            [(i.filename, i.header_offset, i.file_size) for i in theirs.infolist()]
-        for name in ours.namelist():
-            if not name.endswith("serialization_id"):
-                assert ours.read(name) == theirs.read(name), name
-
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_rank_uploads_its_parts_of_one_object(tmp_path, s3_root, world):
@@ -132,7 +119,7 @@ def test_every_rank_uploads_its_parts_of_one_object(tmp_path, s3_root, world):
     assert_bit_equal(loaded, ranks[0]["ref"])  # rank 0's pickle, the parameters from whoever uploaded them
     for buffer in ("1.running_mean", "1.running_var"):  # rank 0's: had rank 1 sent its own, the above would fail
         assert not torch.equal(loaded["state_dict"][buffer], ranks[1]["ref"]["state_dict"][buffer]), buffer
-    _same_as_torch_save(data, (tmp_path / "stock.ckpt").read_bytes())
+    assert_same_torch_file(data, (tmp_path / "stock.ckpt").read_bytes())
     _plain_load(data, tmp_path)
     assert _uploads(s3_root.storage_options, s3_root.url) == [], "no multipart upload left in progress"
     assert _markers(fs, s3_root.url) == [], "every marker removed"
@@ -148,7 +135,7 @@ def test_a_file_smaller_than_a_part_goes_up_as_one_part_from_one_rank(tmp_path, 
     data = _object(s3_root.storage_options, s3_root.url)
     written = torch.load(tmp_path / "rank0.pt", weights_only=False)["written"]
     assert sorted(written) == [0, len(data)] and len(data) < MIN_PART, written
-    _same_as_torch_save(data, (tmp_path / "stock.ckpt").read_bytes())
+    assert_same_torch_file(data, (tmp_path / "stock.ckpt").read_bytes())
     assert _uploads(s3_root.storage_options, s3_root.url) == []
 
 
@@ -253,7 +240,7 @@ def test_a_part_damaged_in_flight_is_sent_again(tmp_path, s3_fault_proxy, capsys
     assert flip.flipped.is_set()
     assert "were sent again (damaged in flight)" in capsys.readouterr().out, "the store rejected the part"
     data = _object(s3_fault_proxy.server.storage_options, url)
-    _same_as_torch_save(data, (tmp_path / "stock.ckpt").read_bytes())  # the damaged bytes never made it in
+    assert_same_torch_file(data, (tmp_path / "stock.ckpt").read_bytes())  # the damaged bytes never made it in
     assert _uploads(s3_fault_proxy.server.storage_options, url) == []
 
 
