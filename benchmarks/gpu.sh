@@ -53,6 +53,25 @@ export PYTHONPATH="$REPO:$SITE${PYTHONPATH:+:$PYTHONPATH}"
   echo "date: $(date -u +%FT%TZ)"
   "$PY" -c 'import sys, torch; print("python", sys.version.split()[0]); print("torch", torch.__version__, "cuda", torch.version.cuda); print("device", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none (CPU)")'
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "nvidia-smi: absent"
+  echo "kernel $(uname -r); cpus $(nproc)"
+  # staging.shm page-locks file-backed memory: where the kernel allows it (tmpfs yes, disk file systems not on newer kernels)
+  "$PY" - /dev/shm /tmp "$REPO" <<'PYEOF'
+import mmap, os, sys, tempfile, torch
+if torch.cuda.is_available():
+    torch.cuda.init()
+    for d in sys.argv[1:]:
+        fs = max((l.split()[:3] for l in open("/proc/mounts") if (d + "/").startswith(l.split()[1].rstrip("/") + "/")),
+                 key=lambda m: len(m[1]))[2]
+        fd, path = tempfile.mkstemp(dir=d)
+        os.ftruncate(fd, 1 << 20)
+        mm = mmap.mmap(fd, 1 << 20)
+        buf = torch.frombuffer(mm, dtype=torch.uint8)
+        err = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), 1 << 20, 1))
+        if err == 0:
+            torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+        print(f"cudaHostRegister of a file mapping in {d} ({fs}): error {err}")
+        del buf; mm.close(); os.close(fd); os.unlink(path)
+PYEOF
 } > "$OUTD/env.txt" 2>&1
 summary "- environment: $(tr '\n' ';' < "$OUTD/env.txt")"
 
@@ -68,15 +87,15 @@ step() {  # step NAME SECONDS LOG CMD...: CMD time-boxed, output to LOG; its sta
 # 3. every CUDA test (marked @pytest.mark.cuda), junit xml + the skip reasons (-rs) in cuda_tests.txt.
 # rc=5: no test carries the mark in this tree. A test module importing what the image lacks (s3fs, wandb)
 # fails its own collection only (--continue-on-collection-errors), not the CUDA tests of the others.
-step "CUDA tests (pytest -m cuda)" 230 "$OUTD/cuda_tests.txt" "$PY" -m pytest -q -p no:cacheprovider -m cuda -rs --continue-on-collection-errors \
+step "CUDA tests (pytest -m cuda)" 200 "$OUTD/cuda_tests.txt" "$PY" -m pytest -q -p no:cacheprovider -m cuda -rs --continue-on-collection-errors \
   --timeout 120 --junitxml "$OUTD/cuda_tests.xml" $TESTS
 tail -n 3 "$OUTD/cuda_tests.txt" | sed 's/^/    /' | tee -a "$OUTD/summary.md"
 
 # 4. the GPU benchmark (CPU fallback, tiny and labelled, in the dry run).
 # checkpoints on the repo's disk (not /tmp, maybe tmpfs) and outside OUT_DIR: only results travel back
-BENCH_ARGS=(--out "$OUTD" --work "$REPO/bench_out/gpu")
+BENCH_ARGS=(--out "$OUTD" --work "$REPO/bench_out/gpu" --variants)
 [[ $DRY == 1 ]] && BENCH_ARGS+=(--dry-run --every 3 --checkpoints 2)
-step "GPU benchmark" 190 "$LOG" "$PY" -m benchmarks.gpu_bench "${BENCH_ARGS[@]}"
+step "GPU benchmark" 250 "$LOG" "$PY" -m benchmarks.gpu_bench "${BENCH_ARGS[@]}"
 rm -rf "$REPO/bench_out/gpu"
 
 # 5. FSDP through fastckpt, resharded on load, against the stock save (world size 1, one GPU).

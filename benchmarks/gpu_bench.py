@@ -103,6 +103,7 @@ class Peer:
     def __init__(self, root: Path, model: nn.Module, opt: torch.optim.Optimizer) -> None:
         self.root, self.model, self.opt = root, model, opt
         self.d2h_gbps: list[float] = []
+        self.details: list[dict[str, Any]] = []  # per checkpoint, what the peer reports of itself
 
     def save(self, step: int) -> None: ...
     def before_step(self) -> None: ...
@@ -112,12 +113,13 @@ class Peer:
 
 class Fast(Peer):
     name = "fastckpt"
+    overrides: dict[str, Any] = {}  # config sections a variant changes (fast_variant)
 
     def __init__(self, root: Path, model: nn.Module, opt: torch.optim.Optimizer) -> None:
         super().__init__(root, model, opt)
         from fastckpt import CheckpointConfig, Checkpointer
 
-        self.ckpt = Checkpointer(CheckpointConfig(root=str(root)))
+        self.ckpt = Checkpointer(CheckpointConfig(root=str(root), **self.overrides))
         self.ckpt.watch(opt)  # its step pre-hook is the stall before the next step
         self.handles: list[Any] = []
 
@@ -128,6 +130,10 @@ class Fast(Peer):
         for h in self.handles:
             h.wait()
             s = h.stats
+            # where the stall went: host waits (pre-hook included) vs GPU-side waits vs the rest (contention)
+            self.details.append({"blocking_ms": round(s.blocking_ms, 1), "staging_ms": round(s.staging_ms, 1),
+                                 "waited_ms": round(s.waited_ms, 1), "gpu_waits": s.gpu_waits,
+                                 "persist_s": round(s.persist_s, 3)})
             if s.staging_ms:  # an upper bound on the copy time, so a lower bound on the bandwidth
                 self.d2h_gbps.append(s.nbytes / (s.staging_ms / 1e3) / 1e9)
         self.ckpt.close()
@@ -160,7 +166,15 @@ class DCP(Peer):
     def save(self, step: int) -> None:
         kw = {"async_stager": self.stager} if self.stager is not None else {}
         t0 = time.perf_counter()
-        r = self.dcp.async_save(flat_state(self.model, self.opt), checkpoint_id=str(self.root / str(step)), **kw)
+        try:
+            r = self.dcp.async_save(flat_state(self.model, self.opt), checkpoint_id=str(self.root / str(step)), **kw)
+        except Exception as e:  # noqa: BLE001 - torch 2.11's DefaultStager: KeyError <class 'type'>; DCP's own staging
+            if self.stager is None:
+                raise
+            self.stager.close()
+            self.stager = None
+            self.name = f"dcp_async_save (default staging: DefaultStager raised {type(e).__name__}: {e})"
+            r = self.dcp.async_save(flat_state(self.model, self.opt), checkpoint_id=str(self.root / str(step)))
         staged = getattr(r, "staging_completion", None)
         nbytes = sum(v.nbytes for v in flat_state(self.model, self.opt).values())
         if staged is not None:  # timed when the copy completes, not when the loop next looks
@@ -212,6 +226,42 @@ class LightningAsync(Peer):
 PEERS: tuple[type[Peer], ...] = (Fast, DCP, LightningAsync)
 
 
+def fast_variant(label: str, **overrides: Any) -> type[Peer]:
+    """fastckpt with some config sections changed (``--variants``): which setting the stall comes from."""
+    return type(f"Fast_{label}", (Fast,), {"name": f"fastckpt ({label})", "overrides": overrides})
+
+
+VARIANTS: tuple[type[Peer], ...] = (
+    fast_variant("health off", health={"enabled": False}),
+    fast_variant("persister process", persist={"process": "on"}, staging={"shm": True}),
+    fast_variant("fsync off", persist={"fsync": False}),
+)
+
+
+def staging_probe(s: Shape, dev: torch.device, root: Path, n: int = 4) -> dict[str, Any]:
+    """save() to ``wait_staged(host=True)`` on an idle GPU: the copy rate alone, first call (allocation and page
+    locking included) apart from the later ones, which reuse the slot."""
+    from fastckpt import CheckpointConfig, Checkpointer
+
+    torch.manual_seed(0)
+    model = GPT(s).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for p in model.parameters():
+        opt.state[p] = {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+    nbytes = sum(v.nbytes for v in flat_state(model, opt).values())
+    times = []
+    with Checkpointer(CheckpointConfig(root=str(root), persist={"fsync": False})) as ck:
+        for i in range(n):
+            sync(dev)
+            t0 = time.perf_counter()
+            h = ck.save(flat_state(model, opt), step=i)
+            h.wait_staged(host=True)
+            times.append(time.perf_counter() - t0)
+            h.wait()
+    return {"bytes": nbytes, "first_s": times[0], "later_s": times[1:],
+            "later_gbps": nbytes / statistics.median(times[1:]) / 1e9}
+
+
 def run_peer(cls: type[Peer], s: Shape, dev: torch.device, root: Path, every: int, n_ckpt: int) -> dict[str, Any]:
     torch.manual_seed(0)
     model = GPT(s).to(dev)
@@ -239,7 +289,7 @@ def run_peer(cls: type[Peer], s: Shape, dev: torch.device, root: Path, every: in
     step_s = statistics.median(times)
     peer = cls(root, model, opt)
     refs: dict[int, dict[str, torch.Tensor]] = {}
-    stalls, blocking = [], []
+    stalls, blocking, slow = [], [], []
     for c in range(n_ckpt):
         # the state at save time, copied before the timed window so the copy costs the peer nothing
         refs[c] = {k: v.detach().to("cpu", copy=True) for k, v in flat_state(model, opt).items()}
@@ -247,9 +297,13 @@ def run_peer(cls: type[Peer], s: Shape, dev: torch.device, root: Path, every: in
         t0 = time.perf_counter()
         peer.save(c)
         blocking.append(time.perf_counter() - t0)
+        window = []
         for _ in range(every):
+            t1 = time.perf_counter()
             step(peer)
+            window.append(time.perf_counter() - t1)
         stalls.append(max(0.0, time.perf_counter() - t0 - every * step_s))
+        slow.append([round((w - step_s) * 1e3, 1) for w in window])  # each step's excess over a plain step
     t0 = time.perf_counter()
     peer.finish()
     drain_s = time.perf_counter() - t0
@@ -263,6 +317,8 @@ def run_peer(cls: type[Peer], s: Shape, dev: torch.device, root: Path, every: in
         "peer": peer.name, "step_s": step_s, "stall_s": statistics.median(stalls),
         "stall_fraction_of_step": statistics.median(stalls) / step_s, "save_call_s": statistics.median(blocking),
         "drain_s": drain_s, "d2h_gbps": statistics.median(peer.d2h_gbps) if peer.d2h_gbps else None,
+        "stalls_ms": [round(x * 1e3, 1) for x in stalls], "save_calls_ms": [round(x * 1e3, 1) for x in blocking],
+        "details": peer.details, "step_excess_ms": slow,
         "state_bytes": nbytes, "checkpoints": n_ckpt, "bit_exact": not mismatched, "mismatched": mismatched,
     }
 
@@ -279,16 +335,27 @@ def markdown(res: dict[str, Any]) -> str:
         f"Device: **{res['device']}**. Model: {res['params'] / 1e6:.2f}M parameters ({res['shape']}), AdamW, "
         f"bf16 autocast over fp32 master weights, a checkpoint every {res['every']} steps. Pinned-memory "
         f"device-to-host peak measured in the same run: {res['pinned_peak_gbps']:.1f} GB/s.", "",
-        "| method | step (ms) | stall / checkpoint (ms) | stall as fraction of a step | D2H achieved (GB/s) | restores bit-exact |",
-        "|---|---|---|---|---|---|",
+        "Stall: the time the steps after a save took beyond plain steps; median over the checkpoints, the first "
+        "(which allocates and page-locks the host buffers) shown apart.", "",
+        "| method | step (ms) | stall / checkpoint (ms) | stall as fraction of a step | first checkpoint's stall (ms) "
+        "| save() call (ms) | D2H achieved (GB/s) | restores bit-exact |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in res["peers"]:
         if "error" in r:
-            lines.append(f"| {r['peer']} | failed: {r['error'].splitlines()[-1]} | | | | |")
+            lines.append(f"| {r['peer']} | failed: {r['error'].splitlines()[-1]} | | | | | | |")
             continue
         bw = "n/a" if r["d2h_gbps"] is None else f"{r['d2h_gbps']:.1f}"
+        first = f"{r['stalls_ms'][0]:.1f}" if r.get("stalls_ms") else "n/a"
         lines.append(f"| {r['peer']} | {r['step_s'] * 1e3:.1f} | {r['stall_s'] * 1e3:.1f} | "
-                     f"{r['stall_fraction_of_step']:.2f} | {bw} | {'yes' if r['bit_exact'] else 'NO'} |")
+                     f"{r['stall_fraction_of_step']:.2f} | {first} | {r['save_call_s'] * 1e3:.1f} | {bw} | "
+                     f"{'yes' if r['bit_exact'] else 'NO'} |")
+    probe = res.get("staging_probe")
+    if probe and "later_gbps" in probe:
+        lines += ["", f"fastckpt staging alone on an idle GPU (save() to wait_staged(host=True), "
+                      f"{probe['bytes'] / 1e9:.2f} GB): first {probe['first_s'] * 1e3:.0f} ms (allocation and "
+                      f"page-locking included), then {', '.join(f'{t * 1e3:.0f}' for t in probe['later_s'])} ms "
+                      f"({probe['later_gbps']:.1f} GB/s)."]
     return "\n".join(lines) + "\n"
 
 
@@ -299,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", type=Path, default=None, help="where the checkpoints go (default OUT/ckpts)")
     ap.add_argument("--every", type=int, default=10)
     ap.add_argument("--checkpoints", type=int, default=3)
+    ap.add_argument("--variants", action="store_true", help="also fastckpt with health off, a persister process, "
+                    "fsync off, and an idle-GPU staging probe: where the stall comes from")
     a = ap.parse_args(argv)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     s = TINY if a.dry_run or dev.type == "cpu" else GPT2_SMALL
@@ -309,7 +378,14 @@ def main(argv: list[str] | None = None) -> int:
         "params": sum(p.numel() for p in GPT(s).parameters()), "pinned_peak_gbps": peak, "peers": [],
     }
     work = a.work if a.work is not None else a.out / "ckpts"
-    for cls in PEERS:
+    if a.variants:
+        try:
+            res["staging_probe"] = staging_probe(s, dev, work / "probe")
+        except Exception:
+            res["staging_probe"] = {"error": traceback.format_exc()}
+        shutil.rmtree(work / "probe", ignore_errors=True)
+        print("staging_probe", json.dumps(res["staging_probe"], default=str)[:600], flush=True)
+    for cls in PEERS + (VARIANTS if a.variants else ()):
         try:  # one peer failing (an API absent from this torch) leaves the others measured
             res["peers"].append(run_peer(cls, s, dev, work / cls.__name__, a.every, a.checkpoints))
         except Exception:

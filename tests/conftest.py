@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import NamedTuple
 
 import pytest
@@ -70,3 +72,19 @@ def s3_fault_proxy(s3_server) -> ProxiedS3:
     """A fault proxy in front of the session's S3 server, in pass-through mode at the start."""
     with FaultProxy(("127.0.0.1", s3_server.port), name="s3-faultproxy") as proxy:
         yield ProxiedS3(proxy, s3_server)
+
+
+@pytest.fixture
+def tmpfs_dir():
+    """A fresh folder on a tmpfs (/dev/shm): CUDA page-locks shared-memory staging only there, since Linux refuses
+    long-term pins of writable file-backed pages on disk file systems (pytest's tmp_path may be overlayfs)."""
+    import shutil
+    import tempfile
+
+    from fastckpt.engine.staging import fs_type
+
+    if fs_type("/dev/shm") != "tmpfs":
+        pytest.skip("needs /dev/shm on tmpfs: CUDA cannot page-lock shared memory on a disk file system")
+    d = tempfile.mkdtemp(prefix="fastckpt-test-", dir="/dev/shm")
+    yield Path(d)
+    shutil.rmtree(d, ignore_errors=True)

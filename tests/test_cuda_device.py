@@ -128,7 +128,9 @@ _FORK_CHILD = textwrap.dedent("""
         import gc
         del ckpt
         gc.collect()  # unregistering them here must neither raise nor hang
-        sys.exit(0)
+        # as multiprocessing's fork children (DataLoader workers) end: no interpreter teardown, which would free
+        # the parent's CUDA tensors here (torch aborts on a freed block that has stream uses: record_stream)
+        os._exit(0)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0, status
     ckpt.save(state, step=2).wait(timeout=60)
@@ -141,7 +143,9 @@ _FORK_CHILD = textwrap.dedent("""
 
 def test_fork_after_cuda_init_with_pinned_buffers(tmp_path) -> None:
     # Not helpers.run_child: its RLIMIT_AS is far below the address space a CUDA context reserves.
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    # the repository first, then what the caller had (gpu.sh puts the wheels the machine lacks there)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH")) if p)}
     try:
         out = subprocess.run([sys.executable, "-c", _FORK_CHILD, str(tmp_path)], env=env, capture_output=True,
                              text=True, timeout=180)

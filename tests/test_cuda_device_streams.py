@@ -66,10 +66,9 @@ def test_copy_streams_are_not_pool_streams_and_copy_bit_exact(tmp_path) -> None:
     torch.cuda.empty_cache()
 
 
-def test_shm_save_on_gpu_returns_before_the_copies_land(tmp_path) -> None:
+def test_shm_save_on_gpu_returns_before_the_copies_land(tmp_path, tmpfs_dir) -> None:
     torch.manual_seed(0)
-    shm = tmp_path / "shm"
-    shm.mkdir()
+    shm = tmpfs_dir
     cfg = CheckpointConfig(root=str(tmp_path / "ck"), staging={"shm": True, "shm_dir": str(shm)},
                            persist={"chunk_bytes": 1 << 16, "fsync": False})
     storage = GatedStorage(LocalStorage(str(tmp_path / "ck"), fsync=False))  # step 1's record stays uncommitted

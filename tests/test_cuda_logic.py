@@ -3,6 +3,7 @@ and the per-device stream/event/pinning bookkeeping (with fake streams, events a
 the copies themselves are tested on a real device in test_cuda.py)."""
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -338,6 +339,40 @@ def test_pinned_buffers_are_exact_registered_and_released(tmp_path, monkeypatch,
     arena.release(slot)
     arena.close()
     assert sorted(cudart.unregistered) == sorted(cudart.registered)
+
+
+class RefusingCudart(FakeCudart):
+    def cudaHostRegister(self, ptr, size, flags):
+        return 1  # cudaErrorInvalidValue: what a 6.18 kernel answers for a file mapping on ext4 (H200 run)
+
+
+def test_shared_memory_on_a_disk_file_system_names_the_folder_and_tmpfs(tmp_path, monkeypatch) -> None:
+    from fastckpt.engine.staging import fs_type
+
+    if fs_type(str(tmp_path)) in ("tmpfs", "ramfs", "hugetlbfs", None):
+        pytest.skip(f"needs pytest's tmp_path on a disk file system (it is on {fs_type(str(tmp_path))})")
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: RefusingCudart())
+    plan = Planner(4096 * 2).plan(flatten({"a": torch.ones(1000)}), lambda t: False)
+    arena = HostArena(1, None, ShmTier(str(tmp_path), "file:///x"))
+    with pytest.raises(FastCkptError, match=r"is on \w+, and the kernel page-locks file-backed memory only on "
+                                            r"tmpfs; set staging.shm_dir to a tmpfs folder"):
+        arena.acquire(plan, pin=True, block=False)
+    arena.close()
+    assert not any(tmp_path.rglob("shard-*.bin")), "the refused slot's buffers were left behind"
+
+
+def test_pinned_memory_is_not_unregistered_in_a_forked_child(tmp_path, monkeypatch) -> None:
+    cudart = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    plan = Planner(4096 * 2).plan(flatten({"a": torch.ones(1000)}), lambda t: False)
+    arena = HostArena(1, None, None)
+    slot = arena.acquire(plan, pin=True, block=False)
+    real = os.getpid()
+    monkeypatch.setattr(os, "getpid", lambda: real + 1)  # as in a fork()ed child: no CUDA context there
+    arena.release(slot)
+    arena.close()
+    assert cudart.unregistered == [], "a forked child called into CUDA (it aborts: 'initialization error')"
+    assert cudart.registered
 
 
 def test_lightning_in_place_write_at_validation_start_comes_after_the_lazy_copy(tmp_path) -> None:

@@ -127,7 +127,9 @@ def test_dry_run_end_to_end(tmp_path: Path) -> None:
     assert "CUDA tests (pytest -m cuda): rc=" in summary and "GPU benchmark: rc=0" in summary, summary
     bench = json.loads((out / "gpu_bench.json").read_text())
     assert bench["gpu"] is False and bench["device"].startswith("CPU fallback"), bench["device"]
-    assert [r["peer"].split(" ")[0] for r in bench["peers"]] == ["fastckpt", "dcp_async_save", "lightning"]
+    assert [r["peer"].split(" (")[0] for r in bench["peers"]] == ["fastckpt", "dcp_async_save", "lightning AsyncCheckpointIO",
+                                                                   "fastckpt", "fastckpt", "fastckpt"]  # + --variants
+    assert "later_gbps" in bench["staging_probe"], bench["staging_probe"]
     for r in bench["peers"]:
         assert "error" not in r and r["bit_exact"], r
     assert "CPU fallback, not a GPU measurement" in (out / "gpu_bench.md").read_text()
@@ -143,12 +145,12 @@ def test_gpu_section_names_the_device_and_replaces_the_old_one() -> None:
     result = {"device": "NVIDIA H100 80GB HBM3 (torch 2.11.0+cu130, CUDA 13.0)", "gpu": True, "params": 163e6,
               "shape": {}, "every": 10, "pinned_peak_gbps": 50.0, "peers": [
                   {"peer": "fastckpt", "step_s": 0.1, "stall_s": 0.002, "stall_fraction_of_step": 0.02,
-                   "d2h_gbps": 40.0, "bit_exact": True},
+                   "save_call_s": 0.003, "stalls_ms": [500.0, 2.0, 2.5], "d2h_gbps": 40.0, "bit_exact": True},
                   {"peer": "dcp", "error": "Traceback\nImportError: x"}]}
     report = "# B\n\n## Restore\n\nr\n\n## GPU\n\nGPU run pending\n\n## Methodology\n\nm\n"
     merged = gpu_report.merge(report, gpu_report.section(result))
     assert merged.count("## GPU") == 1 and "pending" not in merged
-    assert "NVIDIA H100 80GB HBM3" in merged and "| fastckpt | 100.0 | 2.0 | 0.02 | 40.0 | yes |" in merged
+    assert "NVIDIA H100 80GB HBM3" in merged and "| fastckpt | 100.0 | 2.0 | 0.02 | 500.0 | 3.0 | 40.0 | yes |" in merged
     assert merged.index("## GPU") < merged.index("## Methodology") and "failed: ImportError: x" in merged
     fresh = gpu_report.merge("# B\n\n## Methodology\n\nm\n", gpu_report.PENDING)
     assert fresh.index("GPU run pending") < fresh.index("## Methodology")

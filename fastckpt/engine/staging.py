@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import mmap
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Protocol
@@ -26,7 +27,8 @@ from ..errors import FastCkptError
 from ..format.checksum import crc32c
 from ..format.plan import Plan, Shard, TensorEntry
 
-__all__ = ["HostArena", "Pinned", "SharedStaging", "Slot", "copy_entries", "entry_view", "loaded_cudart", "staged_crcs"]
+__all__ = ["HostArena", "Pinned", "SharedStaging", "Slot", "copy_entries", "entry_view", "fs_type", "loaded_cudart",
+           "staged_crcs"]
 
 
 class SharedStaging(Protocol):
@@ -68,9 +70,10 @@ _HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every device
 class Pinned:
     """Keeps ``mm`` page-locked for CUDA (``cudaHostRegister``) until ``release()`` or collection."""
 
-    def __init__(self, mm: mmap.mmap, buf: torch.Tensor, what: str) -> None:
+    def __init__(self, mm: mmap.mmap, buf: torch.Tensor, what: str, folder: str | None = None) -> None:
         self.mm = mm
         self._ptr = buf.data_ptr()
+        self._pid = os.getpid()  # a fork()ed child inherits the mapping, not the registration nor a CUDA context
         # The device current at registration (save() selects the state's first device): the unregistration runs
         # under it too, so a close() or a collection on another thread opens no context on GPU 0.
         self._device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
@@ -80,13 +83,20 @@ class Pinned:
             # The failed call left CUDA's last error set: the next kernel launch check would raise it, naming the
             # kernel instead of the registration. This error is reported here, so clear it.
             clear_last_cuda_error()
+            fs = None if folder is None else fs_type(folder)
+            if fs is not None and fs not in _PINNABLE_FS:
+                # Measured on kernel 6.18 (H200 machine): a file mapping on tmpfs pins, one on ext4 fails with
+                # error 1. Linux refuses long-term pins of writable pages of disk-backed files.
+                raise FastCkptError(f"cannot page-lock {len(mm)} bytes of {what} for CUDA copies (cudaHostRegister "
+                                    f"error {err}): that folder is on {fs}, and the kernel page-locks file-backed "
+                                    "memory only on tmpfs; set staging.shm_dir to a tmpfs folder (/dev/shm)")
             raise FastCkptError(f"cannot page-lock {len(mm)} bytes of {what} for CUDA copies (cudaHostRegister "
                                 f"error {err}); lower staging.max_host_bytes, or set staging.shm=false if it is on")
 
     def release(self) -> None:
         """Called when the arena drops the buffer: unlock it before it is unmapped."""
         ptr, self._ptr = self._ptr, 0
-        if ptr:
+        if ptr and os.getpid() == self._pid:  # in a fork()ed child any CUDA call fails: the parent owns it
             with torch.cuda.device(self._device) if self._device is not None else contextlib.nullcontext():
                 torch.cuda.cudart().cudaHostUnregister(ptr)
 
@@ -95,6 +105,27 @@ class Pinned:
             self.release()
         except Exception:  # noqa: BLE001 - interpreter shutdown: the process frees it anyway
             pass
+
+
+_PINNABLE_FS = {"tmpfs", "hugetlbfs", "ramfs"}  # memory-backed: cudaHostRegister accepts their file mappings
+
+
+def fs_type(path: str) -> str | None:
+    """The type of the file system holding ``path`` (its longest mount point in /proc/mounts), None if unknown."""
+    path = os.path.realpath(path)
+    best, kind = "", None
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                point = fields[1].replace("\\040", " ")
+                if (path == point or path.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
+                    best, kind = point, fields[2]
+    except OSError:
+        return None
+    return kind
 
 
 def clear_last_cuda_error() -> None:
@@ -282,7 +313,7 @@ class HostArena:
                 for shard in shards:
                     keep, buf = self._shm.alloc(slot.dir, shard.index, shard.nbytes)
                     if pin:  # crash recovery in GPU training: the shm mapping itself takes the async copies
-                        keep = Pinned(keep, buf, f"shared memory under {slot.dir}")  # type: ignore[arg-type]
+                        keep = Pinned(keep, buf, f"shared memory under {slot.dir}", slot.dir)  # type: ignore[arg-type]
                     slot._keep.append(keep)
                     slot._buffers[shard.index] = buf
                     self._count(shard.nbytes)
