@@ -368,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkpoints", type=int, default=3)
     ap.add_argument("--variants", action="store_true", help="also fastckpt with health off, a persister process, "
                     "fsync off, and an idle-GPU staging probe: where the stall comes from")
+    ap.add_argument("--only", default=None, help="run only the peers whose name starts with this (e.g. fastckpt)")
     a = ap.parse_args(argv)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     s = TINY if a.dry_run or dev.type == "cpu" else GPT2_SMALL
@@ -386,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work / "probe", ignore_errors=True)
         print("staging_probe", json.dumps(res["staging_probe"], default=str)[:600], flush=True)
     for cls in PEERS + (VARIANTS if a.variants else ()):
+        if a.only and not (cls.name or cls.__name__).startswith(a.only):
+            continue
         try:  # one peer failing (an API absent from this torch) leaves the others measured
             res["peers"].append(run_peer(cls, s, dev, work / cls.__name__, a.every, a.checkpoints))
         except Exception:

@@ -36,7 +36,7 @@ from ..storage.protocol import Storage
 from .distributed import Coordinator
 from .guard import VersionGuard
 from .handle import SaveHandle
-from .seal import Seal
+from .seal import Seal, mutated_error
 from .priority import ThreadPriorities
 from .sharedfile import SharedFileWrite
 from .onepass import copy_with_crcs, plain_sources
@@ -86,6 +86,7 @@ class Job:
     # shm: eager shards whose CUDA copies were still in flight when save() returned; the copy thread takes their
     # CRCs once the copies are done, and only then writes the record (which must claim only checked bytes)
     unchecked: list[Shard] = field(default_factory=list)
+    to_record: list[Shard] = field(default_factory=list)  # lazy CUDA shards the seal samples once landed
     health: dict[str, Any] | None = None  # health.enabled: each staged tensor's statistics by key (I/O workers)
     health_doc: dict[str, Any] | None = None  # their summary (format/health.py), set by the committer
     stale_mark: Any = None  # engine/stale.py: optimizer steps before this save, and its parameter keys
@@ -222,6 +223,21 @@ class Pipeline:
                 if job.cuda is None:  # CUDA copies are only queued here: timed when seen done (_write_shard)
                     job.handle.stats.staging_ms = (time.perf_counter() - job.t0) * 1e3
                 self._mark_staged(job)
+                self._record_staged(job)
+
+    @staticmethod
+    def _record_staged(job: Job) -> None:
+        """After ``wait_staged()`` is released (the training thread orders its next kernels after the copies on the
+        GPU): the seal's staged samples of the shards whose copies were only queued, each once landed."""
+        try:
+            for shard in job.to_record:
+                host_wait(shard_events(job.shard_events, shard.index))
+                job.seal.record(job.slot.held(shard), shard.entries)  # type: ignore[union-attr]
+        except BaseException as e:  # noqa: BLE001 - reported through the job (the committer raises it)
+            job.error = job.error or e
+        finally:
+            if job.seal is not None:
+                job.seal.recorded()
 
     def _mark_staged(self, job: Job) -> None:
         """Release ``wait_staged()``; with shared memory, only once the snapshot's record is in place, so
@@ -245,17 +261,12 @@ class Pipeline:
         if job.seal is None or (job.error is not None and not isinstance(job.error, SnapshotMutatedError)):
             return None
         moved = job.seal.moved()  # all of them, also when the copy thread already refused the first it saw
+        if not moved and job.seal.pending() and job.retake is not None:
+            moved = job.seal.verdict()  # CUDA: a retake is decided now (one wait); else the committer collects it
         if job.error is None and not moved:
             return None
         if job.error is None:
-            job.error = SnapshotMutatedError(
-                f"checkpoint {job.handle.name!r}: {', '.join(repr(k) for k in moved)} changed after save() "
-                "returned and before the snapshot was sealed (at the optimizer's step, wait(), close() or the next "
-                "save()), so this checkpoint would hold values from after save(); it was discarded and the previous "
-                "checkpoint is intact. A write that left the version counter alone (through `.data`, a numpy or "
-                "DLPack view) is found by comparing sampled bytes. Call Checkpointer.wait_staged() before changing "
-                "watched tensors outside optimizer.step(), set `staging.mode: eager`, or set "
-                "`staging.on_mutation: retake` to take such a checkpoint again at the seal")
+            job.error = mutated_error(job.handle.name, moved)
         retake = job.retake
         if retake is None:
             if self.on_refused is not None:
@@ -280,9 +291,11 @@ class Pipeline:
         for e in shard.entries:
             job.tensors[e.index] = None  # queued (record_stream keeps a CUDA source's memory): drop it now
         if job.seal is not None and shard.lazy:
-            # the staged bytes the seal compares, taken while the buffer is ours (ring mode reuses it)
-            host_wait(shard_events(job.shard_events, shard.index))
-            job.seal.record(buf, shard.entries)
+            if streams is not None and not job.slot.ring:
+                job.to_record.append(shard)  # CUDA: sampled once every copy is queued (_record_staged)
+            else:  # the staged bytes the seal compares, taken while the buffer is ours (ring mode reuses it)
+                host_wait(shard_events(job.shard_events, shard.index))
+                job.seal.record(buf, shard.entries)
         job.writes.append(self._writers().submit(self._write_shard, job, shard))
 
     @staticmethod
@@ -395,6 +408,10 @@ class Pipeline:
 
     def _written(self, job: Job) -> list[ShardResult]:
         job.handle.await_staging()
+        if job.error is None and job.seal is not None and job.seal.pending():
+            moved = job.seal.verdict()  # CUDA, on_mutation raise: the seal only queued its comparisons
+            if moved:
+                job.error = mutated_error(job.handle.name, moved)
         if job.error is not None:
             raise job.error
         results = [f.result() for f in job.writes]
