@@ -92,6 +92,28 @@ def test_combined_pass_equals_separate_passes_for_every_dtype(dtype: torch.dtype
         assert tensor_pass(_staged(t, 0), dtype)[1] is None  # no CRC asked: none taken
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.int64, torch.complex64], ids=str)
+def test_the_big_blocks_of_many_cpu_hosts_give_the_same_statistics(dtype: torch.dtype) -> None:
+    """BLOCK is GRAIN * 32 where CPUs are many (fewer Python calls, fewer GIL hand-offs): nothing else changes."""
+    torch.manual_seed(1)
+    for n in (0, 7, GRAIN * 32 - 1, GRAIN * 32 + 3 * GROUP + 5, 2 * GRAIN * 32 + 17):
+        t = _random(n, dtype)
+        if n > 100 and dtype.is_floating_point:
+            t[n // 2] = float("nan")  # flagged groups and blocks are measured again: in a big block too
+            t[-3] = float("-inf")
+        for misalign in (0, 3):
+            raw = _staged(t, misalign)
+            small, big = tensor_pass(raw, dtype, crc=True, block=GRAIN), tensor_pass(raw, dtype, crc=True,
+                                                                                       block=GRAIN * 32)
+            assert small[1] == big[1], (dtype, n)
+            for field in ("n", "nan", "inf", "absmax", "fp"):
+                assert small[0][field] == big[0][field], (field, dtype, n)
+            if small[0]["l2"]:
+                assert abs(small[0]["l2"] - big[0]["l2"]) / small[0]["l2"] < 1e-6
+            else:
+                assert small[0]["l2"] == big[0]["l2"]
+
+
 def test_odd_byte_count_is_measured_as_bytes() -> None:
     raw = torch.arange(GRAIN + 11, dtype=torch.int64).to(torch.uint8)  # 4-byte dtype, not a multiple of 4
     got = _check(raw, torch.float32)
