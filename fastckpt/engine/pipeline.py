@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import FastCkptError, SnapshotMutatedError, StorageError
+from ..errors import FastCkptError, StorageError
 from ..format.health import HealthPart, attr_bytes, measured, shard_health, summarize, value_dtype
 from ..format.layout import CheckpointInfo
 from ..format.openlayout import OPEN_LAYOUT
@@ -36,7 +36,8 @@ from ..storage.protocol import Storage
 from .distributed import Coordinator
 from .guard import VersionGuard
 from .handle import SaveHandle
-from .seal import Seal, mutated_error
+from .seal import Seal
+from .sealing import await_seal, record_staged, seal_job
 from .priority import ThreadPriorities
 from .sharedfile import SharedFileWrite
 from .onepass import copy_with_crcs, plain_sources
@@ -223,21 +224,7 @@ class Pipeline:
                 if job.cuda is None:  # CUDA copies are only queued here: timed when seen done (_write_shard)
                     job.handle.stats.staging_ms = (time.perf_counter() - job.t0) * 1e3
                 self._mark_staged(job)
-                self._record_staged(job)
-
-    @staticmethod
-    def _record_staged(job: Job) -> None:
-        """After ``wait_staged()`` is released (the training thread orders its next kernels after the copies on the
-        GPU): the seal's staged samples of the shards whose copies were only queued, each once landed."""
-        try:
-            for shard in job.to_record:
-                host_wait(shard_events(job.shard_events, shard.index))
-                job.seal.record(job.slot.held(shard), shard.entries)  # type: ignore[union-attr]
-        except BaseException as e:  # noqa: BLE001 - reported through the job (the committer raises it)
-            job.error = job.error or e
-        finally:
-            if job.seal is not None:
-                job.seal.recorded()
+                record_staged(job)
 
     def _mark_staged(self, job: Job) -> None:
         """Release ``wait_staged()``; with shared memory, only once the snapshot's record is in place, so
@@ -256,25 +243,8 @@ class Pipeline:
         job.handle.mark_staged()
 
     def _seal(self, job: Job) -> Callable[[], None] | None:
-        """The seal (``SaveHandle.seal``, on the training thread, staging complete): refuse the snapshot if a
-        lazy source moved since ``save()``; returns the retake to run once the committer may go on, if any."""
-        if job.seal is None or (job.error is not None and not isinstance(job.error, SnapshotMutatedError)):
-            return None
-        moved = job.seal.moved()  # all of them, also when the copy thread already refused the first it saw
-        if not moved and job.seal.pending() and job.retake is not None:
-            moved = job.seal.verdict()  # CUDA: a retake is decided now (one wait); else the committer collects it
-        if job.error is None and not moved:
-            return None
-        if job.error is None:
-            job.error = mutated_error(job.handle.name, moved)
-        retake = job.retake
-        if retake is None:
-            if self.on_refused is not None:
-                self.on_refused(job, job.error)  # raised by the save() that sealed it, or the next save/wait/close
-            return None
-        job.retaken = True
-        keys = moved or [k for k in job.keys if repr(k) in str(job.error)]
-        return lambda: (job.cleared.wait(), retake(keys))  # type: ignore[func-returns-value]
+        """The seal of ``job`` (``SaveHandle.seal``, on the training thread): engine/sealing.py's ``seal_job``."""
+        return seal_job(job, self.on_refused)
 
     def _copy_shard(self, job: Job, shard: Shard, streams: dict[int, Any] | None, crc: bool = False) -> None:
         buf = job.slot.buffer(shard)
@@ -406,12 +376,10 @@ class Pipeline:
         self._on_commit(job, info)
         job.handle.set_committed(info)
 
+    await_seal = staticmethod(await_seal)  # the persister pipeline's committer calls it too
+
     def _written(self, job: Job) -> list[ShardResult]:
-        job.handle.await_staging()
-        if job.error is None and job.seal is not None and job.seal.pending():
-            moved = job.seal.verdict()  # CUDA, on_mutation raise: the seal only queued its comparisons
-            if moved:
-                job.error = mutated_error(job.handle.name, moved)
+        self.await_seal(job)
         if job.error is not None:
             raise job.error
         results = [f.result() for f in job.writes]

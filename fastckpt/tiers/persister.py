@@ -247,7 +247,7 @@ class PersistedPipeline(Pipeline):
     def _written(self, job: Job) -> list[ShardResult]:
         if not self._routes.get(job):
             return super()._written(job)
-        job.handle.await_staging()  # the seal passed: the snapshot may commit
+        self.await_seal(job)  # the seal passed: the snapshot may commit
         if job.error is not None:
             raise job.error
         for f in job.writes:
