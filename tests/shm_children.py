@@ -7,6 +7,7 @@ ranks) and reports every step whose ``wait_staged()`` returned.
 """
 from __future__ import annotations
 
+import glob
 import logging
 import multiprocessing as mp
 import os
@@ -156,6 +157,44 @@ def fill_shm(conn: Connection, root: str, shm: str) -> None:
             check_committed(ck, [1])  # the previous good checkpoint is untouched
             assert ck.latest() == 1
         conn.send(outcome)
+    except BaseException:  # noqa: BLE001 - the parent shows it
+        conn.send(("error", traceback.format_exc()))
+
+
+def fill_shm_lazily(conn: Connection, root: str, shm: str) -> None:
+    """Save a small watched state, then a watched one that does not fit the tmpfs: its buffers are made on the copy
+    thread, so save() returns and the failure comes at the next call, once. Report what save(), that next call and
+    the one after raised, and the buffer files left."""
+    try:
+        with Checkpointer(config(root, shm)) as ck:
+            m, opt = model()
+            ck.watch(opt)
+            set_step(m, 1)
+            ck.save(state(m, 1), step=1).wait()
+            big = nn.Linear(1024, 1024, bias=False)  # 4 MiB of lazily copied weights in a 1 MiB tmpfs
+            big_opt = torch.optim.SGD(big.parameters(), lr=0.1)  # watched weakly: kept alive here
+            ck.watch(big_opt)
+            outcome = []
+            try:
+                h = ck.save({"big": big.state_dict()}, step=2)
+                outcome.append("returned")
+                h.wait_staged()  # the optimizer's pre-hook: the copy thread has failed by now, and the seal passed
+                done = threading.Event()
+                h.add_done_callback(lambda _: done.set())
+                done.wait(60)
+            except FastCkptError as e:
+                outcome.append(f"save raised {type(e).__name__}")
+            for _ in range(2):
+                try:
+                    ck.wait()
+                    outcome.append("wait ok")
+                except FastCkptError as e:
+                    outcome.append(f"{type(e).__name__}: {e}")
+            check_committed(ck, [1])  # the previous good checkpoint is untouched
+            assert ck.latest() == 1
+            outcome.append(sorted({os.path.basename(os.path.dirname(p)) for p in glob.glob(f"{shm}/**/*.bin",
+                                                                                       recursive=True)}))
+        conn.send(("ok", outcome))
     except BaseException:  # noqa: BLE001 - the parent shows it
         conn.send(("error", traceback.format_exc()))
 

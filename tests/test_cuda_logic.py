@@ -330,6 +330,9 @@ def test_pinned_buffers_are_exact_registered_and_released(tmp_path, monkeypatch,
     tier = ShmTier(str(tmp_path), "file:///x") if shm else None
     arena = HostArena(1, None, tier)
     slot = arena.acquire(plan, pin=True, block=False)
+    assert cudart.registered == {}, "buffers are made where a copier first asks for them, not at acquire()"
+    for shard in plan.shards:
+        slot.buffer(shard)
     sizes = sorted(s.nbytes for s in plan.shards)
     assert sorted(size for size, _ in cudart.registered.values()) == sizes  # exact, not powers of two
     assert {flags for _, flags in cudart.registered.values()} == {1}  # portable: pinned for every device
@@ -356,7 +359,10 @@ def test_shared_memory_on_a_disk_file_system_names_the_folder_and_tmpfs(tmp_path
     arena = HostArena(1, None, ShmTier(str(tmp_path), "file:///x"))
     with pytest.raises(FastCkptError, match=r"is on \w+, and the kernel page-locks file-backed memory only on "
                                             r"tmpfs; set staging.shm_dir to a tmpfs folder"):
-        arena.acquire(plan, pin=True, block=False)
+        slot = arena.acquire(plan, pin=True, block=False)
+        slot.buffer(plan.shards[0])  # made where a copier first asks for it
+    arena.release(slot)
+    assert not any(tmp_path.rglob("shard-*.bin")), "the refused slot's buffers were left behind"
     arena.close()
     assert not any(tmp_path.rglob("shard-*.bin")), "the refused slot's buffers were left behind"
 
@@ -367,6 +373,7 @@ def test_pinned_memory_is_not_unregistered_in_a_forked_child(tmp_path, monkeypat
     plan = Planner(4096 * 2).plan(flatten({"a": torch.ones(1000)}), lambda t: False)
     arena = HostArena(1, None, None)
     slot = arena.acquire(plan, pin=True, block=False)
+    slot.buffer(plan.shards[0])
     real = os.getpid()
     monkeypatch.setattr(os, "getpid", lambda: real + 1)  # as in a fork()ed child: no CUDA context there
     arena.release(slot)

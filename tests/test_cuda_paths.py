@@ -12,7 +12,7 @@ import torch
 
 import fastckpt.engine.pipeline as pipeline_mod
 import fastckpt.engine.saver as saver_mod
-import fastckpt.engine.staging as staging_mod
+import fastckpt.engine.pinned as pinned_mod
 from fastckpt import CheckpointConfig, Checkpointer
 from fastckpt.engine.handle import SaveHandle, SaveStats
 from fastckpt.errors import FastCkptError
@@ -185,7 +185,7 @@ class _Cudart:
         return 0
 
 
-def _pin(monkeypatch, cudart) -> staging_mod.Pinned:
+def _pin(monkeypatch, cudart) -> pinned_mod.Pinned:
     import mmap
     FakeCuda(monkeypatch)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
@@ -193,7 +193,7 @@ def _pin(monkeypatch, cudart) -> staging_mod.Pinned:
     monkeypatch.setattr(torch.cuda, "current_device", lambda: FakeCuda.current)
     mm = mmap.mmap(-1, 4096)
     with torch.cuda.device(1):  # save() selects the state's device while it acquires a slot
-        return staging_mod.Pinned(mm, torch.frombuffer(mm, dtype=torch.uint8), "test memory")
+        return pinned_mod.Pinned(mm, torch.frombuffer(mm, dtype=torch.uint8), "test memory")
 
 
 def test_pinned_memory_is_unregistered_under_its_own_device(monkeypatch) -> None:
@@ -206,7 +206,7 @@ def test_pinned_memory_is_unregistered_under_its_own_device(monkeypatch) -> None
 
 def test_a_failed_registration_resets_cudas_last_error(monkeypatch) -> None:
     cleared = []
-    monkeypatch.setattr(staging_mod, "clear_last_cuda_error", lambda: cleared.append(True))
+    monkeypatch.setattr(pinned_mod, "clear_last_cuda_error", lambda: cleared.append(True))
     with pytest.raises(FastCkptError, match=r"cannot page-lock 4096 bytes of test memory .*cudaHostRegister error 2"):
         _pin(monkeypatch, _Cudart(fail=True))
     assert cleared == [True], "the next kernel launch check would raise the registration's error"
@@ -215,7 +215,7 @@ def test_a_failed_registration_resets_cudas_last_error(monkeypatch) -> None:
 def test_clearing_cudas_last_error_without_a_runtime_loaded_is_a_no_op() -> None:
     if "libcudart" in Path("/proc/self/maps").read_text():
         pytest.skip("a CUDA runtime is loaded here: test_cuda_device.py covers the real reset")
-    staging_mod.clear_last_cuda_error()
+    pinned_mod.clear_last_cuda_error()
 
 
 # ---- the cuda marker cannot rot ------------------------------------------------------------------------------

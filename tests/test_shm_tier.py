@@ -275,6 +275,24 @@ def test_a_full_shm_raises_storage_error_instead_of_sigbus(tmp_path, tiny_tmpfs)
     assert not any(tiny_tmpfs.rglob("*.bin")), "the partial reservation must be given back"
 
 
+def test_a_full_shm_on_the_copy_thread_fails_that_save_once(tmp_path, tiny_tmpfs) -> None:
+    """A watched state's buffers are made on the copy thread: on a full tmpfs save() returns, the next call raises the
+    same StorageError once, the previous checkpoint is intact, and the failed slot's reservations are given back."""
+    proc, conn = kids.start(kids.fill_shm_lazily, str(tmp_path / "ckpts"), str(tiny_tmpfs))
+    try:
+        kind, outcome = kids.receive(proc, conn)
+    finally:
+        kids.kill(proc)
+    assert kind == "ok", outcome
+    returned, failed, again, left = outcome
+    assert returned == "returned"
+    assert failed.startswith("StorageError: ") and "cannot reserve" in failed and str(tiny_tmpfs) in failed
+    assert "staging.shm: false" in failed
+    assert again == "wait ok", "raised once"
+    # step 1's idle slot went when the new structure took a slot; the failed slot's reservations went at its failure
+    assert left == [], f"the failed slot's buffers were left behind: {left}"
+
+
 def test_shm_staging_cleans_up_after_itself(tmp_path) -> None:
     shm = tmp_path / "shm"
     shm.mkdir()

@@ -7,25 +7,26 @@ smaller than the state, one slot streams the shards through a ring of chunk
 buffers that writers hand back, so staging memory stays bounded.
 
 Buffers are page-aligned, exact-size ``mmap`` regions so writers can use O_DIRECT. On
-CUDA they are also page-locked with ``cudaHostRegister`` (shared-memory ones too), so
-device-to-host copies run asynchronously on a side stream. Not ``torch.empty(pin_memory=True)``:
-the caching host allocator rounds every buffer up to a power of two and keeps it after close.
+CUDA they are also page-locked with ``cudaHostRegister`` (shared-memory ones too; engine/pinned.py), so
+device-to-host copies run asynchronously on a side stream. A slot makes each buffer the first time a copier asks
+for it (``Slot.buffer``), and keeps it for every later snapshot: eager shards' buffers inside ``save()``, lazy
+shards' on the copy thread, so the first save of a lazy state allocates and page-locks nothing on the training
+thread (2 GB took 0.8 s inside ``save()`` on an H200 when every buffer was made there).
 """
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import mmap
-import os
+import functools
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Protocol
+from typing import Any, Callable, Iterable, Mapping, Protocol
 
 import torch
 
-from ..errors import FastCkptError
 from ..format.checksum import crc32c
 from ..format.plan import Plan, Shard, TensorEntry
+from .pinned import Pinned, fs_type, host_buffer, loaded_cudart
 
 __all__ = ["HostArena", "Pinned", "SharedStaging", "Slot", "copy_entries", "entry_view", "fs_type", "loaded_cudart",
            "staged_crcs"]
@@ -64,103 +65,6 @@ def staged_crcs(buf: torch.Tensor, shard: Shard) -> list[int]:
     return [crc32c(data[e.offset: e.offset + e.nbytes]) for e in shard.entries]
 
 
-_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every device's context, not only the current one
-
-
-class Pinned:
-    """Keeps ``mm`` page-locked for CUDA (``cudaHostRegister``) until ``release()`` or collection."""
-
-    def __init__(self, mm: mmap.mmap, buf: torch.Tensor, what: str, folder: str | None = None) -> None:
-        self.mm = mm
-        self._ptr = buf.data_ptr()
-        self._pid = os.getpid()  # a fork()ed child inherits the mapping, not the registration nor a CUDA context
-        # The device current at registration (save() selects the state's first device): the unregistration runs
-        # under it too, so a close() or a collection on another thread opens no context on GPU 0.
-        self._device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
-        err = int(torch.cuda.cudart().cudaHostRegister(self._ptr, len(mm), _HOST_REGISTER_PORTABLE))
-        if err != 0:
-            self._ptr = 0
-            # The failed call left CUDA's last error set: the next kernel launch check would raise it, naming the
-            # kernel instead of the registration. This error is reported here, so clear it.
-            clear_last_cuda_error()
-            fs = None if folder is None else fs_type(folder)
-            if fs is not None and fs not in _PINNABLE_FS:
-                # Measured on kernel 6.18 (H200 machine): a file mapping on tmpfs pins, one on ext4 fails with
-                # error 1. Linux refuses long-term pins of writable pages of disk-backed files.
-                raise FastCkptError(f"cannot page-lock {len(mm)} bytes of {what} for CUDA copies (cudaHostRegister "
-                                    f"error {err}): that folder is on {fs}, and the kernel page-locks file-backed "
-                                    "memory only on tmpfs; set staging.shm_dir to a tmpfs folder (/dev/shm)")
-            raise FastCkptError(f"cannot page-lock {len(mm)} bytes of {what} for CUDA copies (cudaHostRegister "
-                                f"error {err}); lower staging.max_host_bytes, or set staging.shm=false if it is on")
-
-    def release(self) -> None:
-        """Called when the arena drops the buffer: unlock it before it is unmapped."""
-        ptr, self._ptr = self._ptr, 0
-        if ptr and os.getpid() == self._pid:  # in a fork()ed child any CUDA call fails: the parent owns it
-            with torch.cuda.device(self._device) if self._device is not None else contextlib.nullcontext():
-                torch.cuda.cudart().cudaHostUnregister(ptr)
-
-    def __del__(self) -> None:
-        try:
-            self.release()
-        except Exception:  # noqa: BLE001 - interpreter shutdown: the process frees it anyway
-            pass
-
-
-_PINNABLE_FS = {"tmpfs", "hugetlbfs", "ramfs"}  # memory-backed: cudaHostRegister accepts their file mappings
-
-
-def fs_type(path: str) -> str | None:
-    """The type of the file system holding ``path`` (its longest mount point in /proc/mounts), None if unknown."""
-    path = os.path.realpath(path)
-    best, kind = "", None
-    try:
-        with open("/proc/mounts") as f:
-            for line in f:
-                fields = line.split()
-                if len(fields) < 3:
-                    continue
-                point = fields[1].replace("\\040", " ")
-                if (path == point or path.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
-                    best, kind = point, fields[2]
-    except OSError:
-        return None
-    return kind
-
-
-def clear_last_cuda_error() -> None:
-    """Reset the CUDA runtime's last error of this thread (``cudaGetLastError``), which torch's bindings do not
-    expose: through the libcudart this process has loaded (found in ``/proc/self/maps``). Nothing to do where none
-    is loaded separately (a statically linked runtime)."""
-    lib = loaded_cudart()
-    if lib is not None:
-        lib.cudaGetLastError()
-
-
-def loaded_cudart() -> Any:
-    """The CUDA runtime library this process has loaded (``ctypes.CDLL``), or None where none is loaded separately
-    (a CPU-only build, a statically linked runtime): torch's bindings lack some calls (``fastckpt.engine.streams``)."""
-    try:
-        with open("/proc/self/maps") as f:
-            paths = {line.split()[-1] for line in f if "libcudart" in line}
-    except OSError:
-        return None
-    for path in sorted(paths):
-        try:
-            return ctypes.CDLL(path)  # already loaded: the same library instance (and error state) torch uses
-        except OSError:
-            continue
-    return None
-
-
-def _alloc(nbytes: int, pin: bool) -> tuple[object, torch.Tensor]:
-    # Page-aligned and zero-filled lazily by the kernel. No MADV_HUGEPAGE: with THP defrag
-    # set to "madvise", first touches can stall in direct compaction.
-    mm = mmap.mmap(-1, max(nbytes, 1))
-    buf = torch.frombuffer(mm, dtype=torch.uint8)
-    return (Pinned(mm, buf, "host staging memory") if pin else mm), buf
-
-
 @dataclass(eq=False)
 class Slot:
     """One snapshot's buffers. ``buffer(shard)`` may block in ring mode until a writer releases one."""
@@ -177,6 +81,14 @@ class Slot:
     dir: str | None = None  # shared-memory folder backing the buffers (staging.shm)
     recovered: bool = False  # adopted from a crashed process; not owned by an arena
     _failed: BaseException | None = None  # ring mode: a write of this snapshot failed; the copier stops with it
+    # Makes a missing buffer: (this slot, shard index or None for a ring buffer, size) -> (what keeps it, the
+    # buffer). Set by the arena (not bound to the slot: no reference cycle keeps a dropped slot's memory mapped);
+    # None for a recovered slot, whose buffers all exist.
+    make: Callable[["Slot", int | None, int], tuple[object, torch.Tensor]] | None = None
+    ring_count: int = 0  # ring mode: how many buffers of ``ring_bytes`` it may make
+    ring_bytes: int = 0
+    _made: int = 0  # ring mode: buffers made (or being made) so far
+    broken: bool = False  # making a buffer failed: the arena drops the slot at its release instead of reusing it
 
     def adopt(self, index: int, buffer: torch.Tensor, keep: object) -> None:
         """Called by ``tiers.shm`` while recovering a slot: shard ``index`` is the existing ``buffer``, and ``keep``
@@ -185,18 +97,51 @@ class Slot:
         self._buffers[index] = buffer
 
     def buffer(self, shard: Shard, timeout: float | None = None) -> torch.Tensor:
-        """Called by the copier before filling ``shard``. In ring mode it raises the error ``fail()`` was given
-        instead of waiting for a buffer that a failed snapshot would never need again."""
+        """Called by the copier before filling ``shard``: its buffer, made (and page-locked) now if this slot never
+        held it, on the calling thread (``save()`` for an eager shard, the copy thread for a lazy one). In ring
+        mode it raises the error ``fail()`` was given instead of waiting for a buffer that a failed snapshot would
+        never need again."""
         if not self.ring:
-            return self._buffers[shard.index]
-        with self._cond:
-            if not self._cond.wait_for(lambda: bool(self._free) or self._failed is not None, timeout):
-                raise TimeoutError("no staging buffer was released in time")
-            if self._failed is not None:
-                raise self._failed
-            buf = self._free.pop()
-            self._held[shard.index] = buf
+            buf = self._buffers.get(shard.index)
+            if buf is None:
+                buf = self._buffers[shard.index] = self._new(shard.index, shard.nbytes)
             return buf
+        with self._cond:
+            grow = not self._free and self._failed is None and self._made < self.ring_count
+            if grow:
+                self._made += 1  # reserved under the lock, made outside it: writers release meanwhile
+            elif not self._cond.wait_for(lambda: bool(self._free) or self._failed is not None, timeout):
+                raise TimeoutError("no staging buffer was released in time")
+            elif self._failed is not None:
+                raise self._failed
+            else:
+                buf = self._free.pop()
+                self._held[shard.index] = buf
+                return buf
+        try:
+            buf = self._new(None, self.ring_bytes)
+        except BaseException:
+            with self._cond:
+                self._made -= 1
+            raise
+        with self._cond:
+            self._held[shard.index] = buf
+        return buf
+
+    def _new(self, index: int | None, nbytes: int) -> torch.Tensor:
+        if self.make is None:
+            raise RuntimeError(f"staging slot {self.dir or ''} has no buffer for shard {index} and cannot make one")
+        try:
+            keep, buf = self.make(self, index, nbytes)
+        except BaseException:
+            self.broken = True  # some buffers may exist, a shm file may be half made: never reused
+            raise
+        self._keep.append(keep)
+        return buf
+
+    def keeps(self) -> list[object]:
+        """What keeps this slot's buffers (mappings, ``Pinned`` registrations), for the arena to release."""
+        return list(self._keep)
 
     def held(self, shard: Shard) -> torch.Tensor:
         """Called by the writer: the buffer currently holding ``shard``."""
@@ -240,6 +185,7 @@ class HostArena:
         self._limit = max_host_bytes
         self._slots: dict[int, list[Slot]] = {}
         self._cond = threading.Condition()
+        self._counts = threading.Lock()
         self.allocations = 0
         self.allocated_bytes = 0
 
@@ -259,10 +205,16 @@ class HostArena:
                     raise TimeoutError("all staging slots stayed busy")
 
     def release(self, slot: Slot) -> None:
-        """Called by the committer when a snapshot is finished with its buffers."""
+        """Called by the committer when a snapshot is finished with its buffers. A slot that failed to make a
+        buffer is dropped (its shared-memory folder too): the next save makes a fresh one."""
         slot.reset()
         with self._cond:
             slot.busy = False
+            if slot.broken:
+                mine = self._slots.get(slot.plan.plan_id, [])
+                if slot in mine:
+                    mine.remove(slot)
+                self._drop([slot])
             self._cond.notify_all()
 
     def _try_acquire(self, plan: Plan, pin: bool) -> Slot | None:
@@ -295,42 +247,40 @@ class HostArena:
         return self._limit is not None and mine > self._limit
 
     def _new_slot(self, plan: Plan, pin: bool) -> Slot:
+        """A slot with no buffer yet: ``Slot.buffer`` makes each one where it is first needed (``_make``)."""
         ring = self._ring_mode(plan)
         slot = Slot(plan=plan, ring=ring, pinned=pin)
         shards = plan.mine(plan.shards)  # other ranks stage the rest
         if ring and shards:
             biggest = max(s.nbytes for s in shards)
             count = max(2, self._limit // max(biggest, 1))  # type: ignore[operator]
-            count = min(count, len(shards))
-            for _ in range(count):
-                keep, buf = _alloc(biggest, pin)
-                slot._keep.append(keep)
-                slot._free.append(buf)
-                self._count(biggest)
+            slot.ring_count, slot.ring_bytes = min(count, len(shards)), biggest
         elif self._shm is not None:
             slot.dir = self._shm.new_slot_dir()
-            try:
-                for shard in shards:
-                    keep, buf = self._shm.alloc(slot.dir, shard.index, shard.nbytes)
-                    if pin:  # crash recovery in GPU training: the shm mapping itself takes the async copies
-                        keep = Pinned(keep, buf, f"shared memory under {slot.dir}", slot.dir)  # type: ignore[arg-type]
-                    slot._keep.append(keep)
-                    slot._buffers[shard.index] = buf
-                    self._count(shard.nbytes)
-            except BaseException:
-                self._shm.remove(slot.dir)  # a full tmpfs: give back what was reserved
-                raise
-        else:
-            for shard in shards:
-                keep, buf = _alloc(shard.nbytes, pin)
-                slot._keep.append(keep)
-                slot._buffers[shard.index] = buf
-                self._count(shard.nbytes)
+        # save() selects the state's first device: buffers made later (on the copy thread) register under it too,
+        # so no stray context opens on GPU 0
+        device = torch.cuda.current_device() if pin and torch.cuda.is_initialized() else None
+        slot.make = functools.partial(self._make, pin, device)
         return slot
 
+    def _make(self, pin: bool, device: int | None, slot: Slot, index: int | None,
+              nbytes: int) -> tuple[object, torch.Tensor]:
+        """One buffer of ``slot`` (``index`` None: a ring buffer), page-locked when ``pin``: a shared-memory file
+        of ``staging.shm`` (its pages reserved: a full tmpfs raises ``StorageError`` here), else anonymous memory."""
+        with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
+            if slot.dir is None or self._shm is None or index is None:
+                keep, buf = host_buffer(nbytes, pin)
+            else:
+                keep, buf = self._shm.alloc(slot.dir, index, nbytes)
+                if pin:  # crash recovery in GPU training: the shm mapping itself takes the async copies
+                    keep = Pinned(keep, buf, f"shared memory under {slot.dir}", slot.dir)  # type: ignore[arg-type]
+        self._count(nbytes)
+        return keep, buf
+
     def _count(self, nbytes: int) -> None:
-        self.allocations += 1
-        self.allocated_bytes += nbytes
+        with self._counts:  # save() and the copy thread both make buffers
+            self.allocations += 1
+            self.allocated_bytes += nbytes
 
     def _evict_idle(self, keep: int) -> None:
         for plan_id in list(self._slots):
@@ -345,7 +295,7 @@ class HostArena:
 
     def _drop(self, slots: list[Slot]) -> None:
         for slot in slots:
-            for keep in slot._keep:
+            for keep in slot.keeps():
                 if isinstance(keep, Pinned):
                     keep.release()
             if slot.dir is not None and self._shm is not None:

@@ -14,9 +14,10 @@ snapshot commits, the record is renamed ``committed.json``: a process restarted 
 crash loads that checkpoint from these buffers (``fastckpt.tiers.shm_load``). When it fails,
 the record is removed; either record is gone before the buffers are reused.
 
-Every page is reserved (``posix_fallocate``) when a slot is created: on a full tmpfs
-that raises ``StorageError`` from ``save()``, where a sparse file would let the copy
-fault with SIGBUS and kill training.
+Every page of a buffer is reserved (``posix_fallocate``) when the buffer is made (engine/staging.py's
+``Slot.buffer``: an eager shard's inside ``save()``, a lazy shard's on the copy thread): on a full tmpfs that
+raises ``StorageError`` (from ``save()``, or for that save at the next save/wait/close), where a sparse file would
+let the copy fault with SIGBUS and kill training.
 """
 from __future__ import annotations
 
