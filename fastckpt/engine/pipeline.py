@@ -37,11 +37,12 @@ from .distributed import Coordinator
 from .guard import VersionGuard
 from .handle import SaveHandle
 from .seal import Seal
+from .stagedcheck import StagedChecker, check_staged
 from .sealing import await_seal, record_staged, seal_job
 from .priority import ThreadPriorities
 from .sharedfile import SharedFileWrite
 from .onepass import copy_with_crcs, plain_sources
-from .staging import HostArena, Slot, copy_entries, staged_crcs
+from .staging import HostArena, Slot, copy_entries
 from .streams import CudaCopy, host_wait, record_done, shard_events
 from .writepace import WritePacer
 
@@ -126,6 +127,7 @@ class Pipeline:
         self._commit_q: queue.Queue[Any] = queue.Queue()
         self._copier = threading.Thread(target=self._copy_loop, name=f"fastckpt-copy-{n}", daemon=True)
         self._committer = threading.Thread(target=self._commit_loop, name=f"fastckpt-commit-{n}", daemon=True)
+        self._checker = StagedChecker(f"fastckpt-crc-{n}")  # shm: the staged bytes' CRCs, in parallel
         self._copier.start()
         self._committer.start()
         self._closed = False
@@ -147,7 +149,7 @@ class Pipeline:
                 if shard_events(job.shard_events, shard.index):
                     job.unchecked.append(shard)  # save() must not wait for the GPU: the copy thread checks it
                 else:
-                    self._check_staged(job, shard)
+                    check_staged(job, shard)
 
     def submit(self, job: Job, lazy: list[Shard]) -> None:
         """Queue ``job``: the copy thread stages ``lazy`` shards, then the committer commits."""
@@ -195,6 +197,8 @@ class Pipeline:
         drained = not (self._copier.is_alive() or self._committer.is_alive())
         self._io.shutdown(wait=drained, cancel_futures=not drained)
         self._boost.shutdown(wait=drained, cancel_futures=not drained)
+        if drained:
+            self._checker.close()
         return drained
 
     # ---- copy thread ---------------------------------------------------------------
@@ -212,11 +216,10 @@ class Pipeline:
                     job.cuda.begin_lazy()
                 for shard in shards:
                     self._copy_shard(job, shard, job.cuda.lazy if job.cuda is not None else None, self.crc_in_copy)
-                    if job.slot.dir is not None and shard.index not in job.staged_crcs:
-                        self._check_staged(job, shard)
-                # Queued first in save(), so mostly landed by now: the lazy copies above were not held behind them.
-                for shard in job.unchecked:
-                    self._check_staged(job, shard)
+                # shm: every copy queued first, then checksummed as they land (engine/stagedcheck.py); job.unchecked
+                # were queued in save(), so mostly landed by now: the lazy copies above were not held behind them
+                if job.slot.dir is not None:
+                    self._checker.check(job, [s for s in shards if s.index not in job.staged_crcs] + job.unchecked)
             except BaseException as e:  # noqa: BLE001 - reported through the job
                 job.error = e
             finally:
@@ -267,12 +270,6 @@ class Pipeline:
                 host_wait(shard_events(job.shard_events, shard.index))
                 job.seal.record(buf, shard.entries)
         job.writes.append(self._writers().submit(self._write_shard, job, shard))
-
-    @staticmethod
-    def _check_staged(job: Job, shard: Shard) -> None:
-        """shm: the CRC of each of ``shard``'s tensors as staged (the record carries them), once its copies landed."""
-        host_wait(shard_events(job.shard_events, shard.index))  # a CRC of bytes the DMA is still writing is a lie
-        job.staged_crcs[shard.index] = staged_crcs(job.slot.held(shard), shard)
 
     def _writers(self) -> ThreadPoolExecutor:
         return self._boost if self._priorities.boost else self._io
