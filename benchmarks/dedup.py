@@ -23,6 +23,8 @@ from typing import Any, Callable
 import torch
 import xxhash
 
+from .dedup_integrations import integration_markdown, measure_integrations
+
 MiB = 1 << 20
 PART = 5 * MiB  # S3's smallest part: the slack one changed region may cost
 
@@ -184,6 +186,8 @@ def run_dedup(workdir: Path, saves: int = 3, layers: int = 6) -> dict[str, Any]:
                         case, layers, saves, work, proxy, count, server, dedup)
                 res["dcp"] = _local_peer(case, layers, saves, work, _dcp_save, "dcp")
                 res["accelerate"] = _local_peer(case, layers, saves, work, _accelerate_save, "acc")
+            out["integrations"] = measure_integrations(lambda: _model("lora", layers), _train, _changed, _digests,
+                                                       count, server, proxy.endpoint_url, saves, PART, work)
         from .dedup_local import measure
 
         out["local"] = measure(work)
@@ -229,7 +233,7 @@ def dedup_markdown(res: dict[str, Any]) -> list[str]:
            "benchmarks/results.json`).", ""]
     from .dedup_local import local_markdown
 
-    return md + local_markdown(res.get("local"))
+    return md + integration_markdown(res.get("integrations")) + local_markdown(res.get("local"))
 
 
 def main(argv: list[str] | None = None) -> int:
