@@ -82,8 +82,11 @@ class SharedObjects:
         """Built by every process at its first shared save (a collective: every process calls ``save_state``)."""
         if self.key not in self._checkpointers:
             # No remote tier: the main process's bundle mirrors the whole folder once its manifest is written.
-            # No dedup: each file is new in a new checkpoint_N folder, and a copy source is looked for only in the
-            # file's own folder (its records sidecar), so none is ever found; the folder stays stock's files only.
+            # No dedup: a shared upload plans against the records sidecar of the newest file in the file's own
+            # folder and writes one there (engine/shareddedup.py, Lightning's .ckpt); in a new checkpoint_N folder
+            # there is none, and a sidecar must not go into a stock folder. The single-process path keeps the
+            # records in manifest.json instead (format/bundlededup.py); here rank 0's records would have to reach
+            # the main process's manifest through the EXTERNAL member, which carries only size and CRC32C.
             config = replace(self._config, remote=RemoteOptions(dedup=False))
             ckpt = Checkpointer(config, storage=self._storage, distributed=True)
             # First among the owner's Checkpointers: wait() and close() go through them in order, and the main
