@@ -279,14 +279,32 @@ def test_sigkill_mid_save_keeps_the_previous_folder_and_the_next_start_aborts_th
     saved = torch.load(tmp_path / "saved.pt", weights_only=True)
     acc, model, opt = _setup(tmp_path / "next")
     try:  # the next start: its first save claims the root and sweeps what the dead process left
-        fastckpt_accelerate.enable(acc, {"root": url, "storage_options": proxied.server.storage_options,
-                                         "orphan_grace_s": 0})
+        fast = fastckpt_accelerate.enable(acc, {"root": url, "storage_options": proxied.server.storage_options,
+                                                "orphan_grace_s": 0})
         acc.load_state(f"{url}/checkpoint_0")
         for key, value in saved.items():
             assert torch.equal(acc.unwrap_model(model).state_dict()[key], value), key
         acc.project_configuration.iteration = 2
         acc.save_state()
         acc.wait_for_everyone()
+        fast.wait()
+        # a new process's first save copies from the root's newest committed folder (checkpoint_1 has no manifest)
+        assert fast.checkpointer._saver.dedup.copied > 0
     finally:
         acc.end_training()
     assert _uploads(fs, url) == [] and not _markers(fs, url)
+
+
+def test_a_resumed_run_takes_the_highest_numbered_folder_as_its_copy_source(tmp_path):
+    """``checkpoint_10`` is newer than ``checkpoint_9`` (by name, they sort the other way)."""
+    from fastckpt.engine.dedupwrite import DirectDedup
+    from fastckpt.storage.local import LocalStorage
+
+    for n in (8, 9, 10):
+        folder = tmp_path / f"checkpoint_{n}"
+        folder.mkdir()
+        (folder / "manifest.json").write_text(json.dumps(
+            {"format": "fastckpt", "version": 1, "layout": "files", "name": folder.name, "step": n, "files": {}}))
+    (tmp_path / "checkpoint_11").mkdir()  # no manifest: never committed
+    found = DirectDedup(LocalStorage(str(tmp_path)), enabled=True)._find_newest()
+    assert found is not None and found.rstrip("/").endswith("checkpoint_10"), found
