@@ -5,7 +5,9 @@ Two training states of a GPT-2 built from a ``GPT2Config`` (no download): a peft
 and their optimizer state change) and a full fine-tune with frozen embeddings. fastckpt uploads to SeaweedFS on
 loopback through a TCP proxy that counts every byte the client sends (HTTP headers included). DCP
 (``torch.distributed.checkpoint.save``) and Accelerate (``save_state``) write a local folder; what uploading it
-as-is sends is the size of its files (neither has a way to send less), counted from disk. Reproduce:
+as-is sends is the size of its files (neither has a way to send less), counted from disk. The LoRA case also goes
+through the integrations straight to ``s3://`` (Accelerate ``save_state``, Lightning ``.ckpt``:
+``dedup_integrations.py``). Reproduce:
 
     python -m benchmarks.dedup [--saves 3] [--layers 6]    # or: python -m benchmarks.run --only dedup
 """
