@@ -82,12 +82,10 @@ class SharedObjects:
         """Built by every process at its first shared save (a collective: every process calls ``save_state``)."""
         if self.key not in self._checkpointers:
             # No remote tier: the main process's bundle mirrors the whole folder once its manifest is written.
-            # No dedup: a shared upload plans against the records sidecar of the newest file in the file's own
-            # folder and writes one there (engine/shareddedup.py, Lightning's .ckpt); in a new checkpoint_N folder
-            # there is none, and a sidecar must not go into a stock folder. The single-process path keeps the
-            # records in manifest.json instead (format/bundlededup.py); here rank 0's records would have to reach
-            # the main process's manifest through the EXTERNAL member, which carries only size and CRC32C.
-            config = replace(self._config, remote=RemoteOptions(dedup=False))
+            # Dedup as configured: each big file's records go under the root (<root>/.fastckpt/records/NAME.json,
+            # never into the stock folder), so checkpoint_{N+1}/NAME copies from checkpoint_N/NAME
+            # (format/rootrecords.py, engine/shareddedup.py).
+            config = replace(self._config, remote=RemoteOptions(dedup=self._config.remote.dedup))
             ckpt = Checkpointer(config, storage=self._storage, distributed=True)
             # First among the owner's Checkpointers: wait() and close() go through them in order, and the main
             # process's bundle commits only after these files, whose lazy saves its wait() must seal first.

@@ -308,3 +308,64 @@ def test_a_resumed_run_takes_the_highest_numbered_folder_as_its_copy_source(tmp_
     (tmp_path / "checkpoint_11").mkdir()  # no manifest: never committed
     found = DirectDedup(LocalStorage(str(tmp_path)), enabled=True)._find_newest()
     assert found is not None and found.rstrip("/").endswith("checkpoint_10"), found
+
+
+def _shared_save(rank: int, world: int, url: str, options: dict, out: str, phase: str) -> None:
+    """Every process: the LoRA model under DDP on ``url`` (every process uploads its parts of the big files);
+    ``first`` saves checkpoint_0, ``second`` (new processes: a resumed run) loads it, trains and saves checkpoint_1,
+    then the same state by stock save_state into ``out/stock``."""
+    import os
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="1",
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    from accelerate import Accelerator
+
+    acc = Accelerator(cpu=True)
+    model = Lora()
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model, opt = acc.prepare(model, opt)
+    fast = fastckpt_accelerate.enable(acc, {"root": url, "storage_options": options})
+    assert fast.shared_writes
+    if phase == "second":
+        acc.load_state(f"{url}/checkpoint_0")
+    torch.manual_seed(10 if phase == "second" else 0)  # the same batch on every process: DDP's gradients agree
+    _step(acc, model, opt)
+    acc.save_state(f"{url}/checkpoint_{0 if phase == 'first' else 1}")
+    acc.wait_for_everyone()
+    fast.wait()
+    if phase == "second":
+        type(acc).save_state(acc, f"{out}/stock")
+        if rank == 0:
+            torch.save(acc.unwrap_model(model).state_dict(), f"{out}/model.pt")
+    acc.wait_for_everyone()
+    fast.close()
+
+
+@pytest.mark.slow
+def test_shared_uploads_of_a_resumed_run_copy_the_previous_folder(tmp_path, counted):
+    """Several processes on s3:// (each uploads its parts of model.safetensors and optimizer.bin): the big files of
+    checkpoint_1 copy their unchanged ranges from checkpoint_0's, whose records are under the root's .fastckpt/
+    (never in the stock folder), found by new processes too."""
+    from tests.dist_launcher import run_ranks
+
+    proxied, counter = counted
+    url = proxied.fresh_url("accdedup-shared")
+    run_ranks(_shared_save, 2, url, proxied.storage_options, str(tmp_path), "first")
+    first, counter.up = counter.up, 0
+    run_ranks(_shared_save, 2, url, proxied.storage_options, str(tmp_path), "second")
+    second = counter.up
+    fs = _fs(proxied)
+    got = _files(fs, f"{url}/checkpoint_1")
+    stock = {p.name: p.read_bytes() for p in (tmp_path / "stock").iterdir()}
+    model_size = len(got["model.safetensors"])
+    changed = sum(len(d) for n, d in got.items() if n != "model.safetensors") + 3 * 16 * 1024
+    assert first > model_size
+    # each adapter's region costs at most one 5 MiB part (the processes' shares meet at the adapters)
+    assert second <= changed + LAYERS * MIN_PART + SLACK, f"sent {second} of {model_size + changed} bytes"
+    _assert_stock(got, stock)
+    assert fs.exists(f"{url}/.fastckpt/records/model.safetensors.json")
+    assert _uploads(fs, url) == [] and not _markers(fs, url)
+    loaded = _stock_load(tmp_path, got)
+    want = torch.load(tmp_path / "model.pt", weights_only=True)
+    for key, value in want.items():
+        assert torch.equal(loaded[key], value), key

@@ -23,7 +23,8 @@ import crc32c as _crc32c
 from .partplan import Part
 from ..format.checksum import combine
 from ..format.objectdedup import plan_object
-from ..format.torchrecords import folder_source, tiling
+from ..format.rootrecords import source_records
+from ..format.torchrecords import tiling
 
 __all__ = ["Copy", "HashPart", "Piece", "expected_crc", "owned", "piece_crcs", "plan_shared", "staged_hashes"]
 
@@ -50,7 +51,7 @@ def plan_shared(storage: Any, fmt: Any, fixed: list[tuple[int, bytes]], hashed: 
     records = tiling(fmt, fixed, hashed, size)
     if not records:
         return None, None
-    plan = plan_object(size, records, folder_source(storage, fmt.path))
+    plan = plan_object(size, records, source_records(storage, fmt.path))
     return (None if plan is None else [tuple(p) for p in plan]), records
 
 
