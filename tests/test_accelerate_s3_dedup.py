@@ -369,3 +369,32 @@ def test_shared_uploads_of_a_resumed_run_copy_the_previous_folder(tmp_path, coun
     want = torch.load(tmp_path / "model.pt", weights_only=True)
     for key, value in want.items():
         assert torch.equal(loaded[key], value), key
+
+
+@pytest.mark.parametrize("forge", ["replaced-object", "outside-the-root", "malformed", "huge"])
+def test_stale_or_forged_root_records_give_no_copy_source(s3_root, forge):
+    """The records under ``<root>/.fastckpt/records/`` (the shared uploads' copy source) are hostile input: a record
+    whose object changed, that names an object outside a folder of the root, or that is not ours, gives nothing to
+    copy (the file is then sent whole); only a matching one is used."""
+    from fastckpt.format.rootrecords import root_records_path, save_records, source_records
+    from fastckpt.storage.fsspec import FsspecStorage
+    from fastckpt.storage.partplan import Record
+
+    st = FsspecStorage(s3_root.url, s3_root.storage_options)
+    old, new = f"{s3_root.url}/checkpoint_0/model.safetensors", f"{s3_root.url}/checkpoint_1/model.safetensors"
+    data = torch.arange(2 * MiB, dtype=torch.int32).numpy().tobytes()
+    st.write_checked(old, [memoryview(data)])
+    save_records(st, old, len(data), [Record(0, len(data) // 2, "a" * 32), Record(len(data) // 2, len(data) // 2,
+                                                                                    "b" * 32)])
+    assert [r.key for r in source_records(st, new)] == [old, old]  # the genuine record: a source
+    where = root_records_path(st, new)
+    doc = json.loads(st.read_bytes(where))
+    if forge == "replaced-object":  # same size, other bytes: the store's CRC32C differs
+        st.write_checked(old, [memoryview(bytes(len(data)))])
+    elif forge == "outside-the-root":
+        st.write_atomic(where, json.dumps({**doc, "object": "s3://elsewhere/x/model.safetensors"}).encode())
+    elif forge == "malformed":
+        st.write_atomic(where, b'{"format": "fastckpt-root-records", "size": [')
+    else:
+        st.write_atomic(where, b" " * ((64 << 20) + 1))
+    assert source_records(st, new) == []

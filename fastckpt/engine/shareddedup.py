@@ -1,6 +1,7 @@
 """Dedup of one S3 object uploaded by several ranks (``sharedobject.py``): the unchanged ranges of the torch file are
-copied server-side from the folder's newest ``.ckpt`` (its records sidecar, ``format/torchrecords.py``) instead of
-sent, as a single writer's file is (``format/objectdedup.py``).
+copied server-side from the folder's newest ``.ckpt`` (its records sidecar, ``format/torchrecords.py``), or for a file
+in a folder of the root (Accelerate's ``checkpoint_N/NAME``) from the previous file of its name (its records under the
+root, ``format/rootrecords.py``), instead of sent, as a single writer's file is (``format/objectdedup.py``).
 
 Each rank hashes its own staged records (xxh3-128, on the committer thread, once the save is staged) and sends the
 hashes to rank 0 with its CRC-32s; rank 0 tiles the file with the fixed bytes, reads the previous records and plans
