@@ -5,7 +5,9 @@ Two training states of a GPT-2 built from a ``GPT2Config`` (no download): a peft
 and their optimizer state change) and a full fine-tune with frozen embeddings. fastckpt uploads to SeaweedFS on
 loopback through a TCP proxy that counts every byte the client sends (HTTP headers included). DCP
 (``torch.distributed.checkpoint.save``) and Accelerate (``save_state``) write a local folder; what uploading it
-as-is sends is the size of its files (neither has a way to send less), counted from disk. Reproduce:
+as-is sends is the size of its files (neither has a way to send less), counted from disk. The LoRA case also goes
+through the integrations straight to ``s3://`` (Accelerate ``save_state``, Lightning ``.ckpt``:
+``dedup_integrations.py``). Reproduce:
 
     python -m benchmarks.dedup [--saves 3] [--layers 6]    # or: python -m benchmarks.run --only dedup
 """
@@ -22,6 +24,8 @@ from typing import Any, Callable
 
 import torch
 import xxhash
+
+from .dedup_integrations import integration_markdown, measure_integrations
 
 MiB = 1 << 20
 PART = 5 * MiB  # S3's smallest part: the slack one changed region may cost
@@ -184,6 +188,8 @@ def run_dedup(workdir: Path, saves: int = 3, layers: int = 6) -> dict[str, Any]:
                         case, layers, saves, work, proxy, count, server, dedup)
                 res["dcp"] = _local_peer(case, layers, saves, work, _dcp_save, "dcp")
                 res["accelerate"] = _local_peer(case, layers, saves, work, _accelerate_save, "acc")
+            out["integrations"] = measure_integrations(lambda: _model("lora", layers), _train, _changed, _digests,
+                                                       count, server, proxy.endpoint_url, saves, PART, work)
         from .dedup_local import measure
 
         out["local"] = measure(work)
@@ -229,7 +235,7 @@ def dedup_markdown(res: dict[str, Any]) -> list[str]:
            "benchmarks/results.json`).", ""]
     from .dedup_local import local_markdown
 
-    return md + local_markdown(res.get("local"))
+    return md + integration_markdown(res.get("integrations")) + local_markdown(res.get("local"))
 
 
 def main(argv: list[str] | None = None) -> int:

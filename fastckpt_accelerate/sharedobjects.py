@@ -82,9 +82,10 @@ class SharedObjects:
         """Built by every process at its first shared save (a collective: every process calls ``save_state``)."""
         if self.key not in self._checkpointers:
             # No remote tier: the main process's bundle mirrors the whole folder once its manifest is written.
-            # No dedup: each file is new in a new checkpoint_N folder, and a copy source is looked for only in the
-            # file's own folder (its records sidecar), so none is ever found; the folder stays stock's files only.
-            config = replace(self._config, remote=RemoteOptions(dedup=False))
+            # Dedup as configured: each big file's records go under the root (<root>/.fastckpt/records/NAME.json,
+            # never into the stock folder), so checkpoint_{N+1}/NAME copies from checkpoint_N/NAME
+            # (format/rootrecords.py, engine/shareddedup.py).
+            config = replace(self._config, remote=RemoteOptions(dedup=self._config.remote.dedup))
             ckpt = Checkpointer(config, storage=self._storage, distributed=True)
             # First among the owner's Checkpointers: wait() and close() go through them in order, and the main
             # process's bundle commits only after these files, whose lazy saves its wait() must seal first.

@@ -11,6 +11,7 @@ shards do not see the commits, so their shards are sent whole (the multi-rank se
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from typing import Any, Callable
 
@@ -128,11 +129,11 @@ class DirectDedup:
         return out
 
     def _find_newest(self) -> str | None:
-        """A resumed run: the root's newest checkpoint by name (``step-NNNNNNNNN`` sorts by step) whose manifest
-        reads back. A wrong guess costs only bytes: every copy is checked against the local bytes."""
+        """A resumed run: the root's newest checkpoint by name, numbers compared as numbers (``step-NNNNNNNNN``,
+        Accelerate's ``checkpoint_10`` after ``checkpoint_9``), whose manifest reads back. A wrong guess costs only bytes: every copy is checked against the local bytes."""
         st = self.storage
         try:
-            names = sorted((n for n in st.listdir(st.url) if not n.startswith(".")), reverse=True)
+            names = sorted((n for n in st.listdir(st.url) if not n.startswith(".")), key=_by_number, reverse=True)
         except (FastCkptError, FileNotFoundError) as e:
             log.info("fastckpt: cannot list %s for a dedup source (%s): shards are sent whole", st.url, e)
             return None
@@ -144,3 +145,8 @@ class DirectDedup:
                 continue
             return folder
         return None
+
+
+def _by_number(name: str) -> tuple[tuple[int, int | str], ...]:
+    """``name`` cut into runs of digits (compared as numbers) and of other characters."""
+    return tuple((0, int(run)) if run.isdigit() else (1, run) for run in re.findall(r"\d+|\D+", name))

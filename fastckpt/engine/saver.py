@@ -39,7 +39,7 @@ from .pipeline import Job, Pipeline
 from .pace import keep_pace, slot_wait_reason, warn_all_eager, warn_retake
 from .priority import ThreadPriorities
 from .sharedfile import can_share
-from .sharedobject import can_share_object, shared_write
+from .sharedobject import can_share_object, shared_write, sweep_once
 from .stale import Hooks, StaleWatch
 from .staging import HostArena, Slot
 from .streams import CopyStreams, CudaCopy, cuda_devices, gpu_wait
@@ -200,6 +200,8 @@ class Saver:
             self.seal_all(block=False)  # the staged ones: waiting here for a copy would cost the overlap
             self.raise_pending()
         dirpath = self.storage.join(self.storage.url, name)
+        if can_share_object(self.storage):  # no root claim here: only the uploads a killed save left are aborted
+            sweep_once(self.storage, self.config.orphan_grace_s)
         try:
             fmt, tensors, keys, sources = FileBundle.plan(files, dirpath, name, step, self.storage, user, made,
                                                          loaders)

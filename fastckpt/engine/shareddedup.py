@@ -1,6 +1,7 @@
 """Dedup of one S3 object uploaded by several ranks (``sharedobject.py``): the unchanged ranges of the torch file are
-copied server-side from the folder's newest ``.ckpt`` (its records sidecar, ``format/torchrecords.py``) instead of
-sent, as a single writer's file is (``format/objectdedup.py``).
+copied server-side from the folder's newest ``.ckpt`` (its records sidecar, ``format/torchrecords.py``), or for a file
+in a folder of the root (Accelerate's ``checkpoint_N/NAME``) from the previous file of its name (its records under the
+root, ``format/rootrecords.py``), instead of sent, as a single writer's file is (``format/objectdedup.py``).
 
 Each rank hashes its own staged records (xxh3-128, on the committer thread, once the save is staged) and sends the
 hashes to rank 0 with its CRC-32s; rank 0 tiles the file with the fixed bytes, reads the previous records and plans
@@ -23,7 +24,8 @@ import crc32c as _crc32c
 from .partplan import Part
 from ..format.checksum import combine
 from ..format.objectdedup import plan_object
-from ..format.torchrecords import folder_source, tiling
+from ..format.rootrecords import source_records
+from ..format.torchrecords import tiling
 
 __all__ = ["Copy", "HashPart", "Piece", "expected_crc", "owned", "piece_crcs", "plan_shared", "staged_hashes"]
 
@@ -50,7 +52,7 @@ def plan_shared(storage: Any, fmt: Any, fixed: list[tuple[int, bytes]], hashed: 
     records = tiling(fmt, fixed, hashed, size)
     if not records:
         return None, None
-    plan = plan_object(size, records, folder_source(storage, fmt.path))
+    plan = plan_object(size, records, source_records(storage, fmt.path))
     return (None if plan is None else [tuple(p) for p in plan]), records
 
 

@@ -40,7 +40,7 @@ from ..errors import FastCkptError, StorageError
 from ..format.checksum import combine
 from ..format.health import HealthPart, sidecar_bytes, sidecar_path, summarize
 from ..format.torchfile import TorchFileFormat
-from ..format.torchrecords import records_path, write_records
+from ..format.rootrecords import drop_records, save_records
 from ..storage.s3checksum import part_bytes
 from ..storage.s3parts import S3Parts, marker_path, sweep
 
@@ -203,7 +203,7 @@ class SharedObjectWrite(SharedFileWrite):
                 if measured:  # an older file's record: gone before this file takes the name (a crash: no record)
                     self.storage.delete(sidecar_path(self.fmt.path))
                 if self.dedup:  # likewise the older file's content records (a crash: the next file is sent whole)
-                    self.storage.delete(records_path(self.fmt.path))
+                    drop_records(self.storage, self.fmt.path)
                 self.parts.complete(self.fmt.path, str(self.upload_id), done)  # <- the commit point
                 self.crc32c = whole_crc32c(done)
             except BaseException as e:  # noqa: BLE001 - broadcast as the verdict
@@ -213,7 +213,7 @@ class SharedObjectWrite(SharedFileWrite):
                 if measured:
                     self._write_sidecar()
                 if self.records:
-                    write_records(self.storage, self.fmt.path, self.fmt.layout.size, self.records)
+                    save_records(self.storage, self.fmt.path, self.fmt.layout.size, self.records)
                 return None
         if self.upload_id is not None:
             self._abort()

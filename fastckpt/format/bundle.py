@@ -32,12 +32,14 @@ import json
 import os
 import time
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Union
 
 import torch
 
+from .bundlededup import write_member
 from .checksum import crc32c
+from .contenthash import FIELD
 from .external import EXTERNAL, ExternalFile
 from ..errors import FolderRemovedError, UnsafeCheckpointError
 from .layout import FORMAT, LAYOUT_FILES, MANIFEST, CheckpointInfo, FileRecord
@@ -78,6 +80,7 @@ class FileBundle:
     health: dict[str, Any] | None = None  # the save's health record (format/health.py), set at the commit
     catalogued = True  # a checkpoint of the root like save()'s: listed, retained and uploaded by its manifest
     keeps_shards = True  # the member files are written at the commit, from the slot
+    dedup: Any = None  # the save's copy source on an object store (bundlededup.py), set at the commit
 
     @classmethod
     def plan(cls, files: dict[str, tuple[str, Any]], dirpath: str, name: str, step: int, storage: Storage,
@@ -148,7 +151,7 @@ class FileBundle:
         """``FileFormat``: called by the committer; writes the member files and then the manifest (the commit)."""
         self.check_pickles(storage)
         views, crcs = staged()
-        self.health = snap.health_doc
+        self.health, self.dedup = snap.health_doc, getattr(snap, "dedup", None)
         size = self.write(storage, views, crcs, pool)
         return CheckpointInfo(snap.name, snap.step, self.dirpath, size,
                               healthy=None if self.health is None else self.health["healthy"]), size
@@ -264,8 +267,10 @@ class FileBundle:
         if isinstance(self.members[k], ExternalFile):
             return record  # its own save wrote it
         self._check_folder(storage)
-        self._publish(storage, self.names[k], parts)
-        return record
+        hashes = write_member(storage, storage.join(self.dirpath, self.names[k]), parts, self.dedup)
+        if hashes is None:
+            self._publish(storage, self.names[k], parts)
+        return replace(record, hashes=hashes)
 
     def _member_parts(self, views: dict[int, memoryview], crcs: dict[int, int],
                       k: int) -> tuple[list[memoryview], FileRecord]:
@@ -356,7 +361,7 @@ class FileBundle:
     def manifest(self, records: list[FileRecord]) -> bytes:
         doc = {"format": FORMAT, "version": 1, "layout": LAYOUT_FILES, "name": self.name, "step": self.step,
                "created": time.time(), "nbytes": sum(r.size for r in records),
-               "files": {r.name: {"size": r.size, "crc32c": r.crc32c} for r in records}, "user": self.user}
+               "files": {r.name: _listed(r) for r in records}, "user": self.user}
         if self.health is not None:
             doc["health"] = self.health
         return json.dumps(doc, indent=1).encode()
@@ -403,6 +408,11 @@ def _identities(dirpath: str) -> tuple[tuple[str, int, int], ...]:
         if parent == path:
             return tuple(out)
         path = parent
+
+
+def _listed(r: FileRecord) -> dict[str, Any]:
+    """A member's manifest entry: size, CRC32C and, on an object store with dedup, its content records."""
+    return {"size": r.size, "crc32c": r.crc32c, **({FIELD: r.hashes} if r.hashes else {})}
 
 
 def _size(member: Member) -> int:

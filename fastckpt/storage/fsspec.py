@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, Callable, Iterator, Sequence
 
 from ..config import NetworkOptions
 from .deadline import Deadline, describe, in_thread, storage_error
-from .s3checksum import PART_BYTES, ObjectChecksum, s3_multipart, s3_put
+from .s3checksum import PART_BYTES, Marked, ObjectChecksum, s3_multipart, s3_put
+from .s3parts import S3Parts, marker_path
 from .partplan import Part
 from .s3copy import CopyOutcome, s3_planned_upload
 from .tempmark import mark_bytes, mark_name, temp_basename
@@ -95,7 +97,8 @@ class FsspecStorage:
             p = self._p(path)
             with _backend_errors("uploading", path, "wrap", self._deadline):
                 if total > 2 * PART_BYTES:
-                    out = sync(self.fs.loop, s3_multipart, self.fs, self._deadline, p, parts)
+                    with self._marking(path) as marked:
+                        out = sync(self.fs.loop, s3_multipart, self.fs, self._deadline, p, parts, marked)
                 else:
                     out = sync(self.fs.loop, s3_put, self.fs, self._deadline, p, b"".join(parts), crc32c)
             if isinstance(out, ObjectChecksum) and out.returned is None:
@@ -123,11 +126,35 @@ class FsspecStorage:
         from fsspec.asyn import sync
 
         plan = [p._replace(source=self._p(p.source)) if p.source else p for p in plan]
-        with _backend_errors("uploading", path, "wrap", self._deadline):
-            out = sync(self.fs.loop, s3_planned_upload, self.fs, self._deadline, self._p(path), view, plan)
+        with _backend_errors("uploading", path, "wrap", self._deadline), self._marking(path) as marked:
+            out = sync(self.fs.loop, s3_planned_upload, self.fs, self._deadline, self._p(path), view, plan, marked)
         if out.checksum.returned is None:
             self._note_ignored(path)
         return out
+
+    @contextlib.contextmanager
+    def _marking(self, path: str) -> Iterator[Marked]:
+        """The marker of one multipart upload of ``path`` (``<root>/.fastckpt/uploads/UID.json``, as a shared upload's,
+        ``s3parts.py``), written once the upload exists and removed when it is completed or aborted: a process killed
+        in between leaves the proof with which the next start's sweep aborts that upload (an upload without a
+        marker is never touched)."""
+        mpath = marker_path(self.url, uuid.uuid4().hex)
+        written = []
+
+        async def marked(upload_id: str) -> None:
+            data = S3Parts.marker_bytes(path, upload_id)
+            await self._deadline.acall(f"writing the upload marker {mpath}", lambda: self.fs._pipe_file(
+                self._p(mpath), data))
+            written.append(mpath)
+
+        try:
+            yield marked
+        finally:
+            if written:
+                try:
+                    self.delete(mpath)
+                except Exception as e:  # noqa: BLE001 - a leftover marker of a finished upload: the sweep drops it
+                    log.info("fastckpt: could not remove the upload marker %s: %s", mpath, e)
 
     def _note_ignored(self, path: str) -> None:
         """Count (``checksums_ignored``) and say once that the store returns no checksum: it does not check the

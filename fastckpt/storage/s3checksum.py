@@ -21,10 +21,12 @@ import crc32c as _crc32c
 from .deadline import Deadline, describe
 from ..errors import IntegrityError
 
-__all__ = ["ObjectChecksum", "PART_BYTES", "b64", "complete_or_abort", "composite", "digest_rejected", "expected_like",
+__all__ = ["Marked", "ObjectChecksum", "PART_BYTES", "b64", "complete_or_abort", "composite", "digest_rejected", "expected_like",
            "part_bytes", "pieces", "resending", "s3_multipart", "s3_put", "start_multipart"]
 
 log = logging.getLogger("fastckpt")
+
+Marked = Callable[[str], Awaitable[Any]]  # called with a new upload's id before its first part: writes its marker
 
 PART_BYTES = 16 * 1024 * 1024  # multipart part size (S3 minimum is 5 MiB); a verified read cuts the same parts
 _MAX_PARTS = 10_000  # S3's most parts in one multipart upload
@@ -123,11 +125,12 @@ async def s3_put(fs: Any, deadline: Deadline, path: str, data: bytes, crc: int |
     return ObjectChecksum(value, out.get("ChecksumCRC32C"), [(crc, len(data))], resent[0])
 
 
-async def s3_multipart(fs: Any, deadline: Deadline, path: str, parts: Sequence[memoryview]) -> ObjectChecksum:
+async def s3_multipart(fs: Any, deadline: Deadline, path: str, parts: Sequence[memoryview],
+                       marked: Marked | None = None) -> ObjectChecksum:
     """One multipart upload whose parts go up concurrently, each with its CRC32C; aborted on any failure.
 
     Each request (create, every part, complete, abort) has its own deadline and retries."""
-    s3, upload_id = await start_multipart(deadline, fs, path)
+    s3, upload_id = await start_multipart(deadline, fs, path, marked)
     gate = asyncio.Semaphore(_CONCURRENCY)
     resent = [0]
 
@@ -182,19 +185,24 @@ async def complete_or_abort(deadline: Deadline, s3: Callable[..., Awaitable[Any]
         out = await deadline.acall(f"complete_multipart_upload of {path}", s3(
             "complete_multipart_upload", UploadId=upload_id, MultipartUpload={"Parts": [d[0] for d in done]}))
     except BaseException:
-        try:  # no orphaned parts billed forever (best effort: the endpoint may be what failed)
-            await deadline.acall(f"abort_multipart_upload of {path}", s3("abort_multipart_upload",
-                                                                         UploadId=upload_id))
-        except Exception as e:  # noqa: BLE001 - the upload's own error is the one to raise
-            log.warning("fastckpt: could not abort the multipart upload of %s: %s", path, describe(e))
+        await _abort(deadline, s3, path, upload_id)
         raise
     return done, out
 
 
-async def start_multipart(deadline: Deadline, fs: Any, path: str) -> tuple[Callable[..., Callable[[], Awaitable[Any]]],
-                                                                          str]:
+async def _abort(deadline: Deadline, s3: Callable[..., Callable[[], Awaitable[Any]]], path: str,
+                 upload_id: str) -> None:
+    try:  # no orphaned parts billed forever (best effort: the endpoint may be what failed)
+        await deadline.acall(f"abort_multipart_upload of {path}", s3("abort_multipart_upload", UploadId=upload_id))
+    except Exception as e:  # noqa: BLE001 - the upload's own error is the one to raise
+        log.warning("fastckpt: could not abort the multipart upload of %s: %s", path, describe(e))
+
+
+async def start_multipart(deadline: Deadline, fs: Any, path: str, marked: Marked | None = None,
+                          ) -> tuple[Callable[..., Callable[[], Awaitable[Any]]], str]:
     """Create a CRC32C multipart upload of ``path``: returns ``s3(method, **kw)`` (a request on that object, for the
-    deadline to call) and the upload id."""
+    deadline to call) and the upload id. ``marked(upload_id)`` runs before any part goes up (the marker that lets the
+    next start abort the upload if this process dies, ``s3parts.sweep``); if it fails the upload is aborted."""
     bucket, key, _ = fs.split_path(path)
 
     def s3(method: str, **kw: Any) -> Callable[[], Awaitable[Any]]:
@@ -202,4 +210,10 @@ async def start_multipart(deadline: Deadline, fs: Any, path: str) -> tuple[Calla
 
     mpu = await deadline.acall(f"create_multipart_upload of {path}", s3("create_multipart_upload",
                                                                         ChecksumAlgorithm="CRC32C"))
+    if marked is not None:
+        try:
+            await marked(mpu["UploadId"])
+        except BaseException:  # no marker: nothing could ever prove the upload fastckpt's, so it must go now
+            await _abort(deadline, s3, path, mpu["UploadId"])
+            raise
     return s3, mpu["UploadId"]

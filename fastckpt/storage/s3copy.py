@@ -22,7 +22,7 @@ import crc32c as _crc32c
 from .deadline import Deadline, describe
 from .joined import Joined
 from .partplan import Part
-from .s3checksum import ObjectChecksum, b64, complete_or_abort, composite, resending, start_multipart
+from .s3checksum import Marked, ObjectChecksum, b64, complete_or_abort, composite, resending, start_multipart
 
 __all__ = ["CopyOutcome", "s3_planned_upload", "source_gone"]
 
@@ -61,11 +61,11 @@ def source_gone(e: BaseException) -> bool:
 
 
 async def s3_planned_upload(fs: Any, deadline: Deadline, path: str, view: memoryview | Joined,
-                            plan: Sequence[Part]) -> CopyOutcome:
+                            plan: Sequence[Part], marked: Marked | None = None) -> CopyOutcome:
     """Upload ``view`` (the whole new object) to ``path`` by ``plan``; copy sources are ``bucket/key`` paths.
-    Aborted on any failure but a copy that can be sent instead."""
+    Aborted on any failure but a copy that can be sent instead; ``marked``: as ``start_multipart``."""
     view = view if isinstance(view, Joined) else memoryview(view).cast("B")  # a file written as parts: not joined
-    s3, upload_id = await start_multipart(deadline, fs, path)
+    s3, upload_id = await start_multipart(deadline, fs, path, marked)
     gate = asyncio.Semaphore(_CONCURRENCY)
     resent = [0]
     out = CopyOutcome(ObjectChecksum("", None))

@@ -16,7 +16,7 @@ FILES=(
   tests/test_accelerate_collectives.py tests/test_accelerate_resume.py tests/test_examples.py
   tests/test_lightning_ddp.py tests/test_lightning_ddp_shared.py tests/test_lightning_sharded.py
   tests/test_s3_shared_object.py tests/test_lightning_ddp_s3.py tests/test_accelerate_s3_shared.py
-  tests/test_s3_shared_dedup.py tests/test_persister.py tests/test_preempt.py
+  tests/test_s3_shared_dedup.py tests/test_persister.py tests/test_preempt.py tests/test_accelerate_s3_dedup.py
 )
 touch "$RESULTS"
 BURNERS=()
