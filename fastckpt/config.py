@@ -121,8 +121,8 @@ class PersistOptions(_Freezable):
     process: str = "off"
     """Who writes staged snapshots (needs ``staging.shm``): ``off`` this process's threads; ``on`` a long-lived
     persister process (one per ``Checkpointer``) that writes, fsyncs and commits them, and commits a staged snapshot
-    even if training is killed; ``auto`` the process for states of at least 256 MiB, the threads for smaller ones
-    (measured: docs/DESIGN.md, "The persister process")."""
+    even if training is killed; ``auto`` the process for states of at least 256 MiB on the CPU, the threads for
+    smaller ones and for CUDA states (measured: docs/DESIGN.md, "The persister process")."""
     reflink: str = "auto"
     """Local roots: ``auto`` makes a shard laid out as a shard of the newest committed checkpoint of the root, at
     least half its bytes unchanged, as a reflink clone of that file with only its header and changed tensors written

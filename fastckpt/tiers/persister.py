@@ -224,9 +224,12 @@ class PersistedPipeline(Pipeline):
         """Whether ``job`` goes to the persister, decided once, on the training thread (``save()``)."""
         got = self._routes.get(job)
         if got is None:
+            # auto keeps CUDA states on the threads: on an H200 host (gpu_bench, 1.96 GB, 2026-11-26) the process
+            # stalled training 1150 ms a checkpoint against the threads' 113 ms (each save waited for the shm CRCs
+            # and the record); "on" still routes them
             got = (job.file_format is OPEN_LAYOUT and job.shared is None and job.slot.dir is not None
                    and not job.slot.ring and not job.slot.recovered and job.plan.total_bytes >= self._min_bytes
-                   and self.persister.alive)
+                   and not (self._min_bytes and job.cuda is not None) and self.persister.alive)
             if got:
                 self.persister.start()
                 got = self.persister.alive
