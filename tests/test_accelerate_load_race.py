@@ -20,6 +20,7 @@ from torch import nn
 import fastckpt.engine.pipeline as pipeline_mod
 import fastckpt_accelerate
 from fastckpt.errors import SnapshotMutatedError
+from helpers import KeepsItsBuffers
 from accelerate_testing import Setup, assert_same, clone, closing, fresh_accelerate, make_accelerator  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.timeout(120)
@@ -106,22 +107,6 @@ def test_model_load_state_dict_right_after_save_state(tmp_path, closing, gate, o
     assert gate.opened_by == ["warm-up"] + ["wait_staged"] * ROUNDS
     checkpointing.wait()
     assert len(checkpointing.checkpointer.list()) == ROUNDS + 1
-
-
-class KeepsItsBuffers(torch.optim.AdamW):
-    """Loads a state into the tensors it already holds, as optimizers with preallocated (flat) buffers do, instead
-    of rebinding ``self.state`` to the loaded tensors as torch's own ``load_state_dict`` does."""
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        held = {p: dict(s) for p, s in self.state.items()}
-        super().load_state_dict(state_dict)
-        with torch.no_grad():
-            for p, s in self.state.items():
-                for k, v in s.items():
-                    old = held.get(p, {}).get(k)
-                    if isinstance(old, torch.Tensor) and old.shape == v.shape:
-                        old.copy_(v)
-                        s[k] = old
 
 
 @pytest.mark.parametrize("keeps_buffers", [False, True])
