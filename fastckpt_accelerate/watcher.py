@@ -8,7 +8,9 @@ accumulation and when the GradScaler finds inf/nan; parameters do not change the
 
 The prepared models get a ``load_state_dict`` pre-hook on every submodule too: a load right after ``save_state()``
 (Accelerate's own tests load random weights, then ``load_state()``) first lets the pending lazy copies finish and
-seals them, so the checkpoint holds the values of ``save_state()``, not the loaded ones.
+seals them, so the checkpoint holds the values of ``save_state()``, not the loaded ones. The inner optimizers get
+one as well: torch's own ``load_state_dict`` rebinds the state (the saved tensors stay untouched), but optimizers
+with preallocated buffers load into the tensors a pending copy still reads.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 from accelerate.optimizer import AcceleratedOptimizer
 
 from fastckpt import Checkpointer
-from fastckpt.engine.loadwait import guard_loads
+from fastckpt.engine.loadwait import guard_loads, guard_optimizer_loads
 
 
 def inner_optimizer(optimizer: Any) -> torch.optim.Optimizer:
@@ -35,13 +37,13 @@ class OptimizerWatcher:
 
     def __init__(self, checkpointer: Checkpointer) -> None:
         self._checkpointer = checkpointer
-        # id(optimizer) -> (weak reference, watch handle); the weak reference detects id reuse.
-        self._watched: dict[int, tuple[weakref.ref, Any]] = {}
+        # id(optimizer) -> (weak reference, [watch handle, load pre-hook]); the weak reference detects id reuse.
+        self._watched: dict[int, tuple[weakref.ref, list[Any]]] = {}
         self._guarded: dict[int, tuple[weakref.ref, list[Any]]] = {}  # id(model) -> its load pre-hooks
 
     def sync(self, optimizers: Iterable[Any], models: Iterable[torch.nn.Module] = ()) -> None:
         """Called by the save path before every ``Checkpointer.save``: watch any optimizer not yet watched, and
-        make every model's ``load_state_dict`` wait for pending copies first."""
+        make every model's and optimizer's ``load_state_dict`` wait for pending copies first."""
         for model in models:
             entry = self._guarded.get(id(model))
             if entry is not None and entry[0]() is model:
@@ -53,16 +55,18 @@ class OptimizerWatcher:
             entry = self._watched.get(id(inner))
             if entry is not None and entry[0]() is inner:
                 continue
-            self._watched[id(inner)] = (weakref.ref(inner), self._checkpointer.watch(inner))
+            load_hook = guard_optimizer_loads(inner, self._wait_before_load)
+            self._watched[id(inner)] = (weakref.ref(inner), [self._checkpointer.watch(inner), load_hook])
 
     def _wait_before_load(self) -> None:
         self._checkpointer.wait_staged()
 
     def remove(self) -> None:
         """Called at close: remove every step and load pre-hook this watcher installed."""
-        for ref, handle in self._watched.values():
+        for ref, handles in self._watched.values():
             if ref() is not None:
-                handle.remove()
+                for h in handles:
+                    h.remove()
         self._watched.clear()
         for _, handles in self._guarded.values():
             for h in handles:

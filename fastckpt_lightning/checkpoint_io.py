@@ -149,7 +149,7 @@ class FastCheckpointIO(CheckpointIO):
         hook = module is not None and not module.automatic_optimization
         self._set_optimizers([(optimizer, hook) for optimizer in trainer.optimizers])
         if module is not None:  # a load_state_dict (ModelCheckpoint's manual-optimization recipe) is a safe point
-            self._loads.guard(module)
+            self._loads.guard(module, trainer.optimizers)
 
     def _wait_before_load(self) -> None:
         self.wait_staged(raise_errors=False)

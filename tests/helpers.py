@@ -57,6 +57,23 @@ def clone_state(obj: Any) -> Any:
     return obj
 
 
+class KeepsItsBuffers(torch.optim.AdamW):
+    """Loads a state into the tensors it already holds, as optimizers with preallocated (flat) buffers do, instead
+    of rebinding ``self.state`` to the loaded tensors as torch's own ``load_state_dict`` does: a load that writes in
+    place what a pending lazy copy may still read."""
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        held = {p: dict(s) for p, s in self.state.items()}
+        super().load_state_dict(state_dict)
+        with torch.no_grad():
+            for p, s in self.state.items():
+                for k, v in s.items():
+                    old = held.get(p, {}).get(k)
+                    if isinstance(old, torch.Tensor) and old.shape == v.shape:
+                        old.copy_(v)
+                        s[k] = old
+
+
 class WrappedStorage:
     """Delegates everything to ``inner``; subclasses override what they fault."""
 

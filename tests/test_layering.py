@@ -48,7 +48,7 @@ SURFACE: dict[str, frozenset[str] | str] = {
     # the exception types; Accelerate re-raises another rank's error by its class name (getattr on the module)
     "fastckpt.errors": ALL,
     # model.load_state_dict as a safe point: the pre-hooks both integrations install (picklable, weak)
-    "fastckpt.engine.loadwait": frozenset({"guard_loads", "foreign_load_hooks"}),
+    "fastckpt.engine.loadwait": frozenset({"guard_loads", "guard_optimizer_loads", "foreign_load_hooks"}),
     # merging a framework's config sources into a CheckpointConfig; the schema's sections (tools/configref);
     # YAML from the command line, bounded like a config file
     "fastckpt.config": frozenset({"config_mapping", "SECTIONS", "load_yaml"}),

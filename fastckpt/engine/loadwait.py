@@ -12,8 +12,9 @@ import weakref
 from typing import Any, Callable
 
 from torch import nn
+from torch.optim import Optimizer
 
-__all__ = ["WaitBeforeLoad", "guard_loads", "foreign_load_hooks"]
+__all__ = ["WaitBeforeLoad", "guard_loads", "guard_optimizer_loads", "foreign_load_hooks"]
 
 
 class WaitBeforeLoad:
@@ -41,6 +42,13 @@ def guard_loads(module: nn.Module, wait: Callable[[], None]) -> list[Any]:
     submodule too); returns the hook handles (``remove()`` each)."""
     hook = WaitBeforeLoad(wait)
     return [m.register_load_state_dict_pre_hook(hook) for m in module.modules()]
+
+
+def guard_optimizer_loads(optimizer: Optimizer, wait: Callable[[], None]) -> Any:
+    """Register ``wait`` to run before ``optimizer.load_state_dict`` writes its state; returns the hook handle.
+    torch's own optimizers rebind their state to the loaded tensors (those a pending copy reads stay untouched), but
+    one that loads into its preallocated buffers writes them in place."""
+    return optimizer.register_load_state_dict_pre_hook(WaitBeforeLoad(wait))
 
 
 def foreign_load_hooks(module: nn.Module) -> bool:
