@@ -73,7 +73,7 @@ class Saver:
         self._errors: list[tuple[SaveHandle, FastCkptError]] = []
         self.stats: list[SaveStats] = []
         self.stale = StaleWatch(config.health.enabled, config.health.stale_warning)  # also asks for health
-        self.dedup = DirectDedup.of(config, storage, coord is None)  # a direct s3:// root's source, or clones
+        self.dedup = DirectDedup.of(config, storage, coord is None, uploads)  # an s3:// root's source, clones, records
         self.pipeline = pipeline(storage, arena, config.persist.workers, self.dedup.watching(on_commit),
                                  self._on_failure, coord, priorities=priorities)
         self.pipeline.on_refused = self._on_refused
