@@ -80,9 +80,10 @@ class DirectDedup:
             on_commit(job, info)
         return committed
 
-    def source(self) -> "DirectDedup | None":
-        """What a save's job carries (``Job.dedup``): this, or None when nothing can be copied."""
-        return self if self.enabled or self.upload_records or self.clones else None
+    def source(self, uploaded: bool = True) -> "DirectDedup | None":
+        """What a save's job carries (``Job.dedup``): this, or None when nothing can be copied. ``uploaded``: the
+        save is a checkpoint of the root (the remote tier uploads it), not a framework's file (``save_file``)."""
+        return self if self.enabled or (self.upload_records and uploaded) or self.clones else None
 
     def previous(self) -> list[SourceRecord]:
         """Called by an I/O worker: the records of the newest committed checkpoint (empty: none, or unreadable)."""

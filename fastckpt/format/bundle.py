@@ -413,7 +413,7 @@ def _identities(dirpath: str) -> tuple[tuple[str, int, int], ...]:
 
 
 def _listed(r: FileRecord) -> dict[str, Any]:
-    """A member's manifest entry: size, CRC32C and, on an object store with dedup, its content records."""
+    """A member's manifest entry: size, CRC32C and, with dedup (an object store, or uploads), its content records."""
     return {"size": r.size, "crc32c": r.crc32c, **({FIELD: r.hashes} if r.hashes else {})}
 
 
