@@ -155,8 +155,8 @@ def test_sigkill_mid_upload_keeps_the_previous_remote_folder_and_the_next_start_
     saved = torch.load(tmp_path / "saved.pt", weights_only=True)
     acc, model, opt = _setup(project)
     try:  # the next start sweeps what the dead process left, and uploads checkpoint_1, committed locally
-        fast = fastckpt_accelerate.enable(acc, {"remote": {"url": url, "storage_options": proxied.server.storage_options},
-                                                "orphan_grace_s": 0})
+        remote = {"url": url, "storage_options": proxied.server.storage_options}
+        fast = fastckpt_accelerate.enable(acc, {"remote": remote, "orphan_grace_s": 0})
         acc.load_state()  # the newest checkpoint: checkpoint_1, from the local project dir
         for key, value in saved.items():
             assert torch.equal(acc.unwrap_model(model).state_dict()[key], value), key
