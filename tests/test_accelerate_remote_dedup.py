@@ -90,20 +90,33 @@ def test_without_a_remote_tier_the_local_manifest_lists_no_records(tmp_path):
         acc.end_training()
 
 
-def test_a_deleted_previous_remote_folder_means_a_full_upload_and_a_right_folder(tmp_path, counted):
-    """``remote.keep_last`` (or anyone) may delete the older remote folder at any time: the next upload sends it all."""
+@pytest.mark.parametrize("when", ["between-saves", "at-the-first-copy"])
+def test_a_deleted_previous_remote_folder_is_sent_and_the_folder_is_right(tmp_path, counted, when):
+    """``remote.keep_last`` (or anyone) may delete the older remote folder at any time: before the next upload (it
+    sends everything), or right when its first copy reaches the store (what is planned as copies from then on is
+    sent). Either way the uploaded folder is the local one."""
     proxied, counter = counted
-    url = proxied.fresh_url("accremote-gone")
+    url = proxied.fresh_url(f"accremote-{when}")
     fs = _fs(proxied)
 
     def delete_source() -> None:
         fs.rm(f"{url}/checkpoint_0".removeprefix("s3://"), recursive=True)
 
-    acc, model, fast, _, second = _two_saves(tmp_path, proxied, counter, url, delete_source)
+    def between() -> None:
+        if when == "between-saves":
+            delete_source()
+        else:
+            counter.on_copy = delete_source
+
+    acc, model, fast, _, second = _two_saves(tmp_path, proxied, counter, url, between)
     try:
         stats = fast.checkpointer.upload_checksums.dedup
+        assert not fs.exists(f"{url}/checkpoint_0/model.safetensors")
         got = _files(fs, f"{url}/checkpoint_1")
-        assert stats.copied == 0 and second >= len(got["model.safetensors"])
+        if when == "between-saves":  # its manifest is gone too: nothing planned, a full upload
+            assert stats.copied == 0 and second >= len(got["model.safetensors"])
+        else:  # planned as copies: those whose source went are sent
+            assert stats.fell_back > 0 and second >= stats.fell_back
         assert got == _local(tmp_path, "checkpoint_1")
         assert _uploads(fs, url) == []
         loaded = _stock_load(tmp_path, got)
