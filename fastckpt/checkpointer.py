@@ -70,7 +70,7 @@ class Checkpointer(Cadenced):
         self.remote_storage: Storage | None = remote_storage  # the remote tier, or None
         self._catalog = Catalog(self.storage)
         self._tiers = CatalogUnion(self._catalog, Catalog(remote_storage) if remote_storage is not None else None,
-                                   config.retention)
+                                   config.retention, grace_s=config.orphan_grace_s)
         self._coord = Coordinator(group) if distributed else None
         if self._coord is not None and st.when_busy == "skip":
             # ranks deciding to skip independently would leave the commit protocol waiting on each other

@@ -35,9 +35,13 @@ _RESUME_TRIES = 4  # folders looked at, newest name first, for the copy source o
 class DirectDedup:
     """One per ``Saver``: the copy source of its root's shards, and what the planned writes did."""
 
-    def __init__(self, storage: Storage, enabled: bool, reflink: bool = False, fsync: bool = True) -> None:
+    def __init__(self, storage: Storage, enabled: bool, reflink: bool = False, fsync: bool = True,
+                 upload_records: bool = False) -> None:
         self.storage = storage
         self.enabled = enabled and copies_ranges(storage)
+        # a root the remote tier uploads with dedup: a folder's members list their content records in its manifest
+        # too (format/bundlededup.py), against which the upload plans its copies (tiers/dedup.py)
+        self.upload_records = upload_records and not self.enabled
         # a local root: unchanged shards are clones (format/clonewrite.py) where its file system has reflinks,
         # probed at the first save (storage/reflink.py); ``clones`` says whether it has
         self._reflink = reflink and isinstance(storage, LocalStorage)
@@ -54,10 +58,11 @@ class DirectDedup:
         self.fell_back = 0  # bytes planned as copies but sent (source gone, refused, or checksum mismatch)
 
     @classmethod
-    def of(cls, config: Any, storage: Storage, single_writer: bool) -> "DirectDedup":
-        """The saver's: with ``distributed=True`` (not a single writer) the ranks do not see the commits."""
+    def of(cls, config: Any, storage: Storage, single_writer: bool, uploads: bool = False) -> "DirectDedup":
+        """The saver's: with ``distributed=True`` (not a single writer) the ranks do not see the commits;
+        ``uploads``: this process hands its commits to the remote tier."""
         return cls(storage, config.remote.dedup and single_writer, config.persist.reflink == "auto" and single_writer,
-                   config.persist.fsync)
+                   config.persist.fsync, config.remote.dedup and uploads)
 
     @property
     def clones(self) -> bool:
@@ -75,9 +80,10 @@ class DirectDedup:
             on_commit(job, info)
         return committed
 
-    def source(self) -> "DirectDedup | None":
-        """What a save's job carries (``Job.dedup``): this, or None when nothing can be copied."""
-        return self if self.enabled or self.clones else None
+    def source(self, uploaded: bool = True) -> "DirectDedup | None":
+        """What a save's job carries (``Job.dedup``): this, or None when nothing can be copied. ``uploaded``: the
+        save is a checkpoint of the root (the remote tier uploads it), not a framework's file (``save_file``)."""
+        return self if self.enabled or (self.upload_records and uploaded) or self.clones else None
 
     def previous(self) -> list[SourceRecord]:
         """Called by an I/O worker: the records of the newest committed checkpoint (empty: none, or unreadable)."""

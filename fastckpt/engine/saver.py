@@ -73,7 +73,7 @@ class Saver:
         self._errors: list[tuple[SaveHandle, FastCkptError]] = []
         self.stats: list[SaveStats] = []
         self.stale = StaleWatch(config.health.enabled, config.health.stale_warning)  # also asks for health
-        self.dedup = DirectDedup.of(config, storage, coord is None)  # a direct s3:// root's source, or clones
+        self.dedup = DirectDedup.of(config, storage, coord is None, uploads)  # an s3:// root's source, clones, records
         self.pipeline = pipeline(storage, arena, config.persist.workers, self.dedup.watching(on_commit),
                                  self._on_failure, coord, priorities=priorities)
         self.pipeline.on_refused = self._on_refused
@@ -294,7 +294,7 @@ class Saver:
             handle.expect_upload()
         job = Job(handle=handle, plan=plan, slot=slot, tensors=flat.tensors, keys=flat.keys, numpy=flat.numpy,
                   tree=flat.tree, objects=objects, dirpath=dirpath, t0=t0, dtensors=dtensors or [],
-                  file_format=file_format, version_src=version_src, dedup=self.dedup.source())
+                  file_format=file_format, version_src=version_src, dedup=self.dedup.source(file_format.catalogued))
         self.stale.prepare(job, self._optimizer_ptrs(params=False), version_src or flat.lazy_src)
         if self._coord is not None:
             job.uid = self._coord.next_uid()

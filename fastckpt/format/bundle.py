@@ -37,7 +37,7 @@ from typing import Any, Union
 
 import torch
 
-from .bundlededup import write_member
+from .bundlededup import upload_records, write_member
 from .checksum import crc32c
 from .contenthash import FIELD
 from .external import EXTERNAL, ExternalFile
@@ -229,6 +229,7 @@ class FileBundle:
 
         def stage(k: int) -> tuple[int | None, FileRecord, list[memoryview]]:
             parts, record = self._member_parts(views, crcs, k)
+            record = replace(record, hashes=upload_records(parts, self.dedup))  # the remote tier's copy source
             self._check_folder(storage)
             fd = storage.write_unnamed(self.dirpath, parts)  # None: no O_TMPFILE here, named at the link
             if fd is not None:
@@ -270,6 +271,7 @@ class FileBundle:
         hashes = write_member(storage, storage.join(self.dirpath, self.names[k]), parts, self.dedup)
         if hashes is None:
             self._publish(storage, self.names[k], parts)
+            hashes = upload_records(parts, self.dedup)  # a local root the remote tier uploads with dedup
         return replace(record, hashes=hashes)
 
     def _member_parts(self, views: dict[int, memoryview], crcs: dict[int, int],
@@ -411,7 +413,7 @@ def _identities(dirpath: str) -> tuple[tuple[str, int, int], ...]:
 
 
 def _listed(r: FileRecord) -> dict[str, Any]:
-    """A member's manifest entry: size, CRC32C and, on an object store with dedup, its content records."""
+    """A member's manifest entry: size, CRC32C and, with dedup (an object store, or uploads), its content records."""
     return {"size": r.size, "crc32c": r.crc32c, **({FIELD: r.hashes} if r.hashes else {})}
 
 

@@ -13,6 +13,10 @@ Each member is hashed from the very bytes it is written from (the header or pick
 tensor: one record per buffer), on the I/O worker that writes it. The older folder is never depended on: every
 copied part's CRC32C is checked against the local bytes (``storage/s3copy.py``), so a source deleted by retention
 (``total_limit``), replaced, or a manifest whose records lie, costs only bytes (those parts are sent).
+
+A local folder that the remote tier uploads (``remote.url`` on ``s3://``, ``remote.dedup``) lists the same records
+(``upload_records``): the upload copies each member's unchanged ranges from the previous uploaded folder
+(``tiers/dedup.py``), by the manifest it uploads, so nothing but ``manifest.json`` is added there either.
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ import xxhash
 
 from .objectdedup import as_records, copies_ranges, write_deduped
 
-__all__ = ["hash_parts", "write_member"]
+__all__ = ["hash_parts", "upload_records", "write_member"]
 
 
 def hash_parts(parts: Sequence[memoryview]) -> list[list[Any]]:
@@ -46,3 +50,11 @@ def write_member(storage: Any, path: str, parts: Sequence[memoryview], source: A
     if not write_deduped(storage, path, parts, as_records(records), source):
         storage.write_file_atomic(path, list(parts))  # an object store: appears whole, or not at all
     return records
+
+
+def upload_records(parts: Sequence[memoryview], source: Any) -> list[list[Any]] | None:
+    """The records of a member written to a local root whose commits the remote tier uploads with dedup (the save's
+    source says so: ``DirectDedup.upload_records``), for its manifest; None elsewhere (nothing hashed)."""
+    if source is None or not getattr(source, "upload_records", False):
+        return None
+    return hash_parts(parts)

@@ -16,7 +16,9 @@ server-side instead of sent (``dedup.py``). Then the same manifest bytes are wri
 the remote commit, so the remote copy exists only once it is complete. A failed upload removes the files it wrote
 (best effort) and never writes the manifest; the local checkpoint stays committed. Remote retention (``remote.keep_last``)
 runs after each upload. Remote deletions travel through the same queue, so they run
-behind the uploads submitted before them.
+behind the uploads submitted before them. A multipart upload (a big file, a planned one) is marked under
+``<remote>/.fastckpt/uploads/`` while in flight (``storage/fsspec.py``); the first job of the upload thread sweeps the
+ones a killed process left, once their marker is ``orphan_grace_s`` old (``gc.collect_uploads``).
 
 Threads: ``fastckpt-upload-<n>`` stops on a ``None`` sentinel; ``fastckpt-up-<n>`` is an
 executor; both stop in ``close``.
@@ -39,6 +41,7 @@ from typing import Any, Callable
 
 from .catalog import Catalog
 from .dedup import plan_for, previous_records, records_of
+from .gc import collect_uploads
 from .remotesums import ChecksumStats
 from ..config import RetentionOptions
 from ..errors import CheckpointTimeoutError, FastCkptError, IntegrityError, StorageError
@@ -90,7 +93,8 @@ class RemoteTier:
 
     def __init__(self, local: Storage, remote: Storage, catalog: Catalog, *, workers: int, keep_last: int | None,
                  priorities: ThreadPriorities | None = None, on_uploaded: Callable[[Upload, CheckpointInfo], None],
-                 on_failed: Callable[[Upload, FastCkptError], None], dedup: bool = True) -> None:
+                 on_failed: Callable[[Upload, FastCkptError], None], dedup: bool = True,
+                 grace_s: float | None = None) -> None:
         self.local = local
         self.remote = remote
         self.catalog = catalog
@@ -113,6 +117,8 @@ class RemoteTier:
         self._thread = threading.Thread(target=self._loop, name=f"fastckpt-upload-{n}", daemon=True)
         self._thread.start()
         self._closed = False
+        # first on the upload thread: abort the multipart uploads to the remote that a killed process left
+        self.run_in_order(lambda: collect_uploads(remote, grace_s))
 
     # ---- called by the Checkpointer -------------------------------------------------
 

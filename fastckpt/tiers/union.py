@@ -37,8 +37,11 @@ log = logging.getLogger("fastckpt")
 class CatalogUnion:
     """Lists and locates committed checkpoints across the local and the remote catalog."""
 
-    def __init__(self, local: Catalog, remote: Catalog | None, retention: RetentionOptions) -> None:
-        self.local, self.remote, self.retention = local, remote, retention
+    def __init__(self, local: Catalog, remote: Catalog | None, retention: RetentionOptions, *,
+                 grace_s: float | None = None) -> None:
+        """``grace_s`` (``orphan_grace_s``): how old the marker of a multipart upload to the remote tier that a dead
+        process left must be before the uploads sweep it (``RemoteTier``); None never sweeps."""
+        self.local, self.remote, self.retention, self.grace_s = local, remote, retention, grace_s
         self.uploader: RemoteTier | None = None  # rank 0 uploads for everyone (start_uploads)
         self._pending: Callable[[], list[str]] = list
         self._run_in_order: RunInOrder | None = None
@@ -57,7 +60,7 @@ class CatalogUnion:
         self._pending, self._run_in_order = pending, run_in_order
         self.uploader = RemoteTier(self.local.storage, self.remote.storage, self.remote, workers=workers,
                                    keep_last=keep_last, priorities=priorities, on_uploaded=self._uploaded,
-                                   on_failed=failed, dedup=dedup)
+                                   on_failed=failed, dedup=dedup, grace_s=self.grace_s)
         return self.uploader
 
     def _uploaded(self, up: Upload, info: CheckpointInfo) -> None:
