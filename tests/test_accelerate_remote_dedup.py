@@ -18,7 +18,7 @@ from accelerate_testing import fresh_accelerate  # noqa: F401 (fixture)
 from fastckpt.format.contenthash import FIELD
 from fastckpt.storage.partplan import MIN_PART
 from tests.helpers import run_child
-from tests.test_accelerate_s3_dedup import (LAYERS, SLACK, STOCK, _adapters, _files, _fs, _markers, _setup,
+from tests.test_accelerate_s3_dedup import (KILLED_CHILD, LAYERS, SLACK, STOCK, _adapters, _files, _fs, _markers, _setup,
                                             _stock_load, _step, _uploads)
 from tests.test_s3_dedup import counted  # noqa: F401 - a fixture: bytes the client sends through the proxy
 
@@ -126,30 +126,6 @@ def test_a_deleted_previous_remote_folder_is_sent_and_the_folder_is_right(tmp_pa
         acc.end_training()
 
 
-_KILLED_CHILD = """
-import os, sys, torch
-sys.path.insert(0, sys.argv[3])
-import fastckpt_accelerate
-import fastckpt.storage.s3copy as s3copy
-from test_accelerate_s3_dedup import _setup, _step
-from pathlib import Path
-url, options = sys.argv[1], eval(sys.argv[2])
-acc, model, opt = _setup(Path(sys.argv[4]))
-fast = fastckpt_accelerate.enable(acc, {"remote": {"url": url, "storage_options": options}})
-_step(acc, model, opt)
-acc.save_state()
-fast.wait()
-_step(acc, model, opt)
-torch.save(acc.unwrap_model(model).state_dict(), sys.argv[5])
-
-def die(*args, **kwargs):  # the second upload's planned multipart upload exists, its marker written: killed mid-parts
-    os.kill(os.getpid(), 9)
-
-s3copy.resending = die
-acc.save_state()
-fast.wait()
-raise SystemExit("not killed")
-"""
 
 
 def test_sigkill_mid_upload_keeps_the_previous_remote_folder_and_the_next_start_aborts_the_upload(
@@ -158,8 +134,8 @@ def test_sigkill_mid_upload_keeps_the_previous_remote_folder_and_the_next_start_
     url = proxied.fresh_url("accremote-kill")
     fs = _fs(proxied)
     project = tmp_path / "project"
-    done = run_child(_KILLED_CHILD, url, repr(proxied.server.storage_options), str(Path(__file__).parent),
-                     str(project), str(tmp_path / "saved.pt"))
+    done = run_child(KILLED_CHILD, url, repr(proxied.server.storage_options), str(Path(__file__).parent),
+                     str(project), str(tmp_path / "saved.pt"), "remote", "second")
     assert done.returncode == -9, done.stderr[-3000:]
     assert len(_uploads(fs, url)) == 1  # the killed upload's multipart upload, left behind
     assert not fs.exists(f"{url}/checkpoint_1/manifest.json")

@@ -239,21 +239,29 @@ def test_a_stale_or_forged_source_sends_everything_and_nothing_is_wrong(tmp_path
         acc.end_training()
 
 
-_KILLED_CHILD = """
+# argv: URL OPTIONS TESTS_DIR PROJECT SAVED_PT WHERE WHEN. WHERE: "root" (folders straight to s3://) or "remote" (a
+# local project dir, the remote tier uploads them); WHEN: "first" or "second", the state SAVED_PT keeps (the first
+# save's, or the one the killed save would have written).
+KILLED_CHILD = """
 import os, sys, torch
 sys.path.insert(0, sys.argv[3])
 import fastckpt_accelerate
 import fastckpt.storage.s3copy as s3copy
-from test_accelerate_s3_dedup import Lora, _setup, _step
+from test_accelerate_s3_dedup import _setup, _step
 from pathlib import Path
-url, options = sys.argv[1], eval(sys.argv[2])
+url, options, where, when = sys.argv[1], eval(sys.argv[2]), sys.argv[6], sys.argv[7]
 acc, model, opt = _setup(Path(sys.argv[4]))
-fast = fastckpt_accelerate.enable(acc, {"root": url, "storage_options": options})
+config = ({"root": url, "storage_options": options} if where == "root"
+          else {"remote": {"url": url, "storage_options": options}})
+fast = fastckpt_accelerate.enable(acc, config)
 _step(acc, model, opt)
 acc.save_state()
 fast.wait()
-torch.save(acc.unwrap_model(model).state_dict(), sys.argv[5])
+if when == "first":
+    torch.save(acc.unwrap_model(model).state_dict(), sys.argv[5])
 _step(acc, model, opt)
+if when == "second":
+    torch.save(acc.unwrap_model(model).state_dict(), sys.argv[5])
 
 def die(*args, **kwargs):  # the second save's planned upload exists, its marker written: killed mid-parts
     os.kill(os.getpid(), 9)
@@ -269,8 +277,8 @@ def test_sigkill_mid_save_keeps_the_previous_folder_and_the_next_start_aborts_th
     proxied = s3_fault_proxy
     url = proxied.fresh_url("accdedup-kill")
     fs = _fs(proxied)
-    done = run_child(_KILLED_CHILD, url, repr(proxied.server.storage_options), str(Path(__file__).parent),
-                     str(tmp_path / "child"), str(tmp_path / "saved.pt"))
+    done = run_child(KILLED_CHILD, url, repr(proxied.server.storage_options), str(Path(__file__).parent),
+                     str(tmp_path / "child"), str(tmp_path / "saved.pt"), "root", "first")
     assert done.returncode == -9, done.stderr[-3000:]
     assert len(_uploads(fs, url)) == 1  # the killed save's planned upload, left behind
     assert not fs.exists(f"{url}/checkpoint_1/manifest.json")

@@ -10,11 +10,11 @@ So every copy is queued first, then the shards are checksummed in parallel as th
 """
 from __future__ import annotations
 
-import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
+from ..format.healthpass import usable_cpus
 from .staging import staged_crcs
 from .streams import host_wait, shard_events
 
@@ -24,11 +24,7 @@ MAX_THREADS = 8
 
 
 def _threads() -> int:
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
-    return max(1, min(MAX_THREADS, cpus // 2))
+    return max(1, min(MAX_THREADS, usable_cpus() // 2))
 
 
 def check_staged(job: Any, shard: Any) -> None:

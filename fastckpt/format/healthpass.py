@@ -30,19 +30,23 @@ import xxhash
 
 from .checksum import crc32c
 
-__all__ = ["tensor_pass", "shard_pass", "fingerprint", "BLOCK", "GROUP", "GRAIN"]
+__all__ = ["tensor_pass", "shard_pass", "fingerprint", "usable_cpus", "BLOCK", "GROUP", "GRAIN"]
 
 GROUP = 512  # values normed together in float32; the groups' squares are summed in float64
 GRAIN = 32768  # torch's GRAIN_SIZE: a reduction over more values may run on every core
 _MANY_CPUS = 8
 
 
-def _block_values() -> int:
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask: a container's CPU set), else the machine's count."""
     try:
-        cpus = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
-    return GRAIN * 32 if cpus >= _MANY_CPUS else GRAIN
+        return os.cpu_count() or 1
+
+
+def _block_values() -> int:
+    return GRAIN * 32 if usable_cpus() >= _MANY_CPUS else GRAIN
 
 
 BLOCK = _block_values()  # values per block of the pass (a multiple of GROUP)
