@@ -19,6 +19,7 @@ from fastckpt.format.contenthash import FIELD
 from fastckpt.storage.partplan import MIN_PART
 from tests.helpers import run_child
 from tests.test_accelerate_s3_dedup import (KILLED_CHILD, LAYERS, SLACK, STOCK, _adapters, _files, _fs, _markers, _setup,
+                                            deleting_source,
                                             _stock_load, _step, _uploads)
 from tests.test_s3_dedup import counted  # noqa: F401 - a fixture: bytes the client sends through the proxy
 
@@ -98,17 +99,7 @@ def test_a_deleted_previous_remote_folder_is_sent_and_the_folder_is_right(tmp_pa
     proxied, counter = counted
     url = proxied.fresh_url(f"accremote-{when}")
     fs = _fs(proxied)
-
-    def delete_source() -> None:
-        fs.rm(f"{url}/checkpoint_0".removeprefix("s3://"), recursive=True)
-
-    def between() -> None:
-        if when == "between-saves":
-            delete_source()
-        else:
-            counter.on_copy = delete_source
-
-    acc, model, fast, _, second = _two_saves(tmp_path, proxied, counter, url, between)
+    acc, model, fast, _, second = _two_saves(tmp_path, proxied, counter, url, deleting_source(fs, counter, url, when))
     try:
         stats = fast.checkpointer.upload_checksums.dedup
         assert not fs.exists(f"{url}/checkpoint_0/model.safetensors")

@@ -173,15 +173,9 @@ def test_second_save_state_sends_only_the_changed_bytes_and_the_folder_is_stock(
         acc.end_training()
 
 
-@pytest.mark.parametrize("when", ["between-saves", "at-the-first-copy"])
-def test_a_deleted_source_folder_is_sent_and_the_file_is_right(tmp_path, counted, when):
-    """Retention (``total_limit``) may delete the older folder at any time: before the next save (a full upload), or
-    right when the first copy of the save reaches the store (copies already made stay, which are complete copies;
-    the rest is sent). Either way the new folder is whole and stock's."""
-    proxied, counter = counted
-    url = proxied.fresh_url(f"accdedup-{when}")
-    fs = _fs(proxied)
-
+def deleting_source(fs, counter, url: str, when: str):
+    """What runs between the two saves: deletes ``checkpoint_0`` now ("between-saves"), or makes the byte counter
+    delete it when the first copy request reaches the store ("at-the-first-copy")."""
     def delete_source() -> None:
         fs.rm(f"{url}/checkpoint_0".removeprefix("s3://"), recursive=True)
 
@@ -191,7 +185,19 @@ def test_a_deleted_source_folder_is_sent_and_the_file_is_right(tmp_path, counted
         else:
             counter.on_copy = delete_source
 
-    acc, model, fast, _, second, stock = _two_saves(tmp_path, proxied, counter, url, between)
+    return between
+
+
+@pytest.mark.parametrize("when", ["between-saves", "at-the-first-copy"])
+def test_a_deleted_source_folder_is_sent_and_the_file_is_right(tmp_path, counted, when):
+    """Retention (``total_limit``) may delete the older folder at any time: before the next save (a full upload), or
+    right when the first copy of the save reaches the store (copies already made stay, which are complete copies;
+    the rest is sent). Either way the new folder is whole and stock's."""
+    proxied, counter = counted
+    url = proxied.fresh_url(f"accdedup-{when}")
+    fs = _fs(proxied)
+    acc, model, fast, _, second, stock = _two_saves(tmp_path, proxied, counter, url,
+                                                    deleting_source(fs, counter, url, when))
     try:
         stats = fast.checkpointer._saver.dedup
         assert not fs.exists(f"{url}/checkpoint_0/model.safetensors")
