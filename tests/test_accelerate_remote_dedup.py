@@ -20,6 +20,7 @@ from fastckpt.storage.partplan import MIN_PART
 from tests.helpers import run_child
 from tests.test_accelerate_s3_dedup import (KILLED_CHILD, LAYERS, SLACK, STOCK, _adapters, _files, _fs, _markers, _setup,
                                             deleting_source,
+                                            _two_saves as s3_two_saves,
                                             _stock_load, _step, _uploads)
 from tests.test_s3_dedup import counted  # noqa: F401 - a fixture: bytes the client sends through the proxy
 
@@ -35,20 +36,9 @@ def _local(tmp_path: Path, name: str) -> dict[str, bytes]:
 
 
 def _two_saves(tmp_path, proxied, counter, url, between=None):
-    """Two save_states of the LoRA model into a local project dir with a step between, each waited for until
-    uploaded; returns (accelerator, model, checkpointing, bytes sent by the first upload, by the second)."""
-    acc, model, opt = _setup(tmp_path)
-    fast = fastckpt_accelerate.enable(acc, _config(proxied, url))
-    _step(acc, model, opt)
-    acc.save_state()
-    fast.wait()
-    first, counter.up = counter.up, 0
-    if between is not None:
-        between()
-    _step(acc, model, opt)
-    acc.save_state()
-    fast.wait()
-    return acc, model, fast, first, counter.up
+    """test_accelerate_s3_dedup's two saves into a local project dir, each waited for until uploaded; returns
+    (accelerator, model, checkpointing, bytes sent by the first upload, by the second)."""
+    return s3_two_saves(tmp_path, proxied, counter, url, between, config=_config(proxied, url))[:5]
 
 
 def test_second_upload_sends_only_the_changed_bytes_and_the_remote_folder_is_the_local_one(tmp_path, counted):

@@ -87,11 +87,12 @@ def _config(proxied, url: str, **extra) -> dict:
     return {"root": url, "storage_options": proxied.storage_options, **extra}
 
 
-def _two_saves(tmp_path, proxied, counter, url, between=None, **kwargs):
-    """Two save_states of the LoRA model with a step between; returns (accelerator, model, checkpointing, bytes of
-    the first save, of the second, the stock folder of the second state)."""
+def _two_saves(tmp_path, proxied, counter, url, between=None, config=None, **kwargs):
+    """Two save_states of the LoRA model with a step between (``config``: fastckpt's, default straight to ``url``),
+    each waited for; returns (accelerator, model, checkpointing, bytes sent by the first save, by the second, the
+    stock folder of the second state)."""
     acc, model, opt = _setup(tmp_path, **kwargs)
-    fast = fastckpt_accelerate.enable(acc, _config(proxied, url))
+    fast = fastckpt_accelerate.enable(acc, config or _config(proxied, url))
     _step(acc, model, opt)
     acc.save_state()
     fast.wait()
