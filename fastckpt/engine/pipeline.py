@@ -265,7 +265,7 @@ class Pipeline:
             job.tensors[e.index] = None  # queued (record_stream keeps a CUDA source's memory): drop it now
         if job.seal is not None and shard.lazy:
             if streams is not None and not job.slot.ring:
-                job.to_record.append(shard)  # CUDA: sampled once every copy is queued (_record_staged)
+                job.to_record.append(shard)  # CUDA: sampled once every copy is queued (sealing.record_staged)
             else:  # the staged bytes the seal compares, taken while the buffer is ours (ring mode reuses it)
                 host_wait(shard_events(job.shard_events, shard.index))
                 job.seal.record(buf, shard.entries)
