@@ -4,7 +4,7 @@
 # WHEELS_DIR (default .whl, made beforehand by benchmarks/gpu_wheels.sh) holds the wheels the machine lacks;
 # they go into OUT_DIR/.site with pip --no-index --no-deps --target, put first on PYTHONPATH with the repo.
 # Steps, each time-boxed so the whole stays under 9 minutes and a failing step does not stop the later ones:
-# environment -> CUDA tests (pytest -m cuda, junit xml) -> GPU benchmark -> summary. Results under OUT_DIR
+# environment -> CUDA tests (pytest -m cuda, junit xml) -> GPU benchmark -> FSDP checks -> pin probe -> summary. Results under OUT_DIR
 # (default $OUT, else gpu_out), 8 files at most (what the device tool brings back): summary.md, env.txt,
 # cuda_tests.xml, cuda_tests.txt, gpu_bench.json, gpu_bench.md, fsdp.json, logs.txt.
 # --dry-run: this CPU machine; CUDA tests are collected and skipped with their reason, the benchmark runs
@@ -108,5 +108,12 @@ import json, sys
 for name, r in json.load(open(sys.argv[1])).items():
     print(f"    {name}: {r}" if name == "device" else f"    {name}: {r['status']} {r.get('reason', '')[:300]}")
 PYEOF
+# 6. why the first checkpoint stalls: page-locking fresh buffers on another thread (benchmarks/gpu_pinprobe.py)
+PROBE="$(mktemp -d)"
+step "pin probe" 60 "$LOG" "$PY" -m benchmarks.gpu_pinprobe --out "$PROBE"
+"$PY" -c 'import json, sys; [print(f"    {r}") for r in json.load(open(sys.argv[1]))]' "$PROBE/pinprobe.json" 2>/dev/null \
+  | tee -a "$OUTD/summary.md"
+rm -rf "$PROBE"
+
 rm -rf "$SITE"
 summary "- total: $((SECONDS - START)) s"
