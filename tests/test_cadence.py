@@ -59,8 +59,11 @@ def check_within_5_percent(cost_s: float, mtbf_s: float, costs: list[float]) -> 
     best = min(expected_total(t, cost_s, mtbf_s, work) for t in sweep)
     auto = expected_total(chosen, cost_s, mtbf_s, work)
     assert auto <= 1.05 * best, (chosen, auto, best)
-    # and 5% has teeth here: twice the chosen interval (a wrong factor in the formula) misses it
-    assert expected_total(2 * chosen, cost_s, mtbf_s, work) > 1.05 * best
+    # and 5% has teeth here: an interval 3x off the chosen one, either way (a wrong factor in the formula), misses
+    # it. Not 2x: near the optimum the curve is flat (overhead ~ k + 1/k), so 2x is only ~5% dearer and a measured
+    # cost a little under its mean (the smoothing ends on the last saves) left 2x inside 5% in one CI run.
+    for wrong in (3 * chosen, chosen / 3):
+        assert expected_total(wrong, cost_s, mtbf_s, work) > 1.05 * best, wrong
 
 
 def test_auto_within_5_percent_of_best_fixed_interval_given_cost() -> None:
