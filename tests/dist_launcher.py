@@ -9,13 +9,20 @@ Two things a loaded machine (or another test run beside this one) broke:
 - ``torch.multiprocessing`` reports only the first failing rank's traceback, and kills the others, whose lines went
   to the shared stdout/stderr, mixed. Each rank writes its output to its own file, and a failure raises
   ``RanksFailed`` with every rank's file appended.
+- a rank that hangs (a collective the other rank never joins) used to be cut by pytest-timeout in the parent, which
+  showed only the parent's frame. The launcher has its own deadline, a little under pytest's: it asks every rank for
+  a dump of all its threads (faulthandler on SIGUSR1, into the rank's log), then kills them and raises
+  ``RanksFailed`` with those dumps.
 """
 from __future__ import annotations
 
+import faulthandler
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable
@@ -24,6 +31,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 _TAIL = 8000  # characters of each rank's log in a failure message
+# Under pytest-timeout (300 s in pyproject.toml), so that the launcher, not pytest, reports a hang with the ranks'
+# stacks. FASTCKPT_RANKS_DEADLINE_S overrides it (a debugging session that wants to attach py-spy first).
+DEADLINE_S = float(os.environ.get("FASTCKPT_RANKS_DEADLINE_S", "270"))
 
 
 class RanksFailed(RuntimeError):
@@ -38,6 +48,7 @@ def _entry(rank: int, world: int, folder: str, fn: Callable[..., Any], args: tup
     # A file is block-buffered: a rank killed by the launcher after another failed would lose its last lines.
     sys.stdout.reconfigure(line_buffering=True)
     sys.stderr.reconfigure(line_buffering=True)
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)  # the launcher's hang dump
     dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"file://{folder}/store")
     try:
         fn(rank, world, *args)
@@ -55,14 +66,33 @@ def rank_report(folder: Path) -> str:
                    for p in sorted(folder.glob("rank*.log")))
 
 
+def _dump_and_kill(processes: list, folder: Path) -> str:
+    """Every live rank's threads (faulthandler, into its log), then SIGKILL; returns the logs."""
+    live = [p for p in processes if p.is_alive()]
+    for p in live:
+        os.kill(p.pid, signal.SIGUSR1)
+    time.sleep(2.0)  # faulthandler writes from a signal handler: no event to wait on; 2 s is plenty for a few KB
+    for p in live:
+        p.kill()
+        p.join(10)
+    return rank_report(folder)
+
+
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any) -> None:
     """``fn(rank, world, *args)`` on ``world`` processes; raises ``RanksFailed`` (every rank's output) if any rank
     raised or died. On success each rank's output is echoed, so pytest's capture shows it as before."""
     folder = Path(tempfile.mkdtemp(prefix="fastckpt-ranks-"))
     try:
+        context = mp.start_processes(_entry, args=(world, str(folder), fn, args), nprocs=world, join=False,
+                                     start_method="spawn")
+        deadline = time.monotonic() + DEADLINE_S
         try:
-            mp.start_processes(_entry, args=(world, str(folder), fn, args), nprocs=world, join=True,
-                               start_method="spawn")
+            while not context.join(timeout=max(0.0, min(5.0, deadline - time.monotonic()))):
+                if time.monotonic() >= deadline:
+                    raise RanksFailed(f"ranks still running after {DEADLINE_S:.0f} s (a hang?); every rank's "
+                                      f"threads and output:{_dump_and_kill(context.processes, folder)}")
+        except RanksFailed:
+            raise
         except Exception as e:
             raise RanksFailed(f"{e}\nevery rank's output:{rank_report(folder)}") from e
         print(rank_report(folder))

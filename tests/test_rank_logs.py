@@ -54,6 +54,34 @@ def test_a_failing_spawned_rank_reports_every_ranks_output() -> None:
     assert "----- rank1 -----\nrank 1 was here" in message and "ValueError: rank 1 fails on purpose" in message
 
 
+def _ranks_hang(rank: int, world: int) -> None:
+    import threading
+
+    import torch.distributed as dist
+    print(f"rank {rank} was here", flush=True)
+    if rank == 0:
+        dist.barrier()  # waits for rank 1, which never comes: gloo's own timeout is 30 minutes
+    else:
+        threading.Event().wait()
+
+
+def test_hung_ranks_are_dumped_and_killed_before_pytest_timeout(monkeypatch) -> None:
+    """A hung rank was cut by pytest-timeout in the parent, whose report showed the parent's frame only: the
+    launcher's deadline asks every rank for its threads, kills them and raises with the stacks."""
+    import pytest
+
+    from tests import dist_launcher
+
+    monkeypatch.setattr(dist_launcher, "DEADLINE_S", 40.0)  # the spawned imports take seconds on a loaded host
+    with pytest.raises(dist_launcher.RanksFailed) as info:
+        dist_launcher.run_ranks(_ranks_hang, 2)
+    message = str(info.value)
+    assert "ranks still running after 40 s" in message
+    rank0, rank1 = message.split("----- rank0 -----")[1].split("----- rank1 -----")
+    assert "rank 0 was here" in rank0 and "in _ranks_hang" in rank0 and "in barrier" in rank0
+    assert "rank 1 was here" in rank1 and "in _ranks_hang" in rank1 and "in wait" in rank1
+
+
 HANGING = """
 import os, signal, subprocess, sys
 folder = sys.argv[1]
