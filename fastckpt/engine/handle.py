@@ -76,6 +76,7 @@ class SaveHandle:
     _upload: Future | None = None  # set when this save is also uploaded to the remote tier
     _sealed: threading.Event = field(default_factory=threading.Event)
     _sealer: Callable[[], Callable[[], None] | None] | None = None  # a lazy save's seal (engine/pipeline.py)
+    _on_block: Callable[[], None] | None = None  # before blocking on the background threads: raise them
     submitted: float = field(default_factory=time.monotonic)
     """When ``save()`` built this handle (``time.monotonic()``): how long persistence lags is measured from it."""
 
@@ -133,6 +134,8 @@ class SaveHandle:
         deadline = None if timeout is None else time.monotonic() + timeout
         if self._staged.wait(timeout):  # a lazy save commits once sealed, here on the caller's thread
             self.seal()
+        if self._on_block is not None and not self._durable.done():
+            self._on_block()
         try:
             return self._durable.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
         except FastCkptError:
@@ -154,6 +157,8 @@ class SaveHandle:
         info = self.wait(timeout)
         if self._upload is None:
             return info
+        if self._on_block is not None and not self._upload.done():
+            self._on_block()
         try:
             return self._upload.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
         except FastCkptError:

@@ -27,7 +27,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import FastCkptError, StorageError
-from ..format.health import HealthPart, attr_bytes, measured, shard_health, summarize, value_dtype
+from ..format.health import HealthPart, attr_bytes, measured, shard_health, summarize
 from ..format.layout import CheckpointInfo
 from ..format.openlayout import OPEN_LAYOUT
 from ..format.plan import Plan, Shard

@@ -238,7 +238,10 @@ class Saver:
     def new_handle(self, name: str, step: int, path: str, nbytes: int = 0) -> SaveHandle:
         """A handle whose error, once seen through ``wait()``, is no longer raised by this saver."""
         return SaveHandle(name=name, step=step, path=path, stats=SaveStats(step=step, name=name, nbytes=nbytes),
-                          _on_error_seen=self._mark_seen)
+                          _on_error_seen=self._mark_seen, _on_block=self._on_block)
+
+    def _on_block(self) -> None:
+        self._priorities.waiting("wait() blocks on a save")
 
     def _check_fits(self, size: int, what: str, verb: str) -> None:
         limit = self.config.staging.max_host_bytes
@@ -268,6 +271,7 @@ class Saver:
             # for the pending commits only when a new plan appears (the first save, a changed structure).
             coord, keys = self._coord, flat.keys
             self.seal_all()  # the committer reaches this only past the pending commits, which wait for their seals
+            self._priorities.waiting("save() agrees a new plan with the other ranks")
             self.pipeline.run_in_order(lambda: coord.assign(plan, keys)).result()
         devices = cuda_devices(flat.tensors)
         pin = bool(devices)
@@ -382,6 +386,7 @@ class Saver:
         """Block until the committer has run everything submitted so far (the commits of every pending save), and
         raise nothing: a distributed load's collectives then never pair with a commit's on another rank."""
         self.seal_all()  # a lazy save commits only once sealed
+        self._priorities.waiting("a load waits for the pending commits")
         self.pipeline.run_in_order(lambda: None).result()
 
     def seal_all(self, *, block: bool = True) -> None:
