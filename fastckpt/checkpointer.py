@@ -167,7 +167,7 @@ class Checkpointer(Cadenced):
         """Wait (at most ``timeout``) for the saves pending now (returned), their threads at the caller's priority."""
         self._saver.seal_all()  # a lazy save commits only once sealed (fastckpt/engine/seal.py)
         pending = self._saver.pending()
-        if pending:
+        if pending or self._tiers.uploads_left():  # the upload threads are lowered too
             self._priorities.raise_(why, behind=False)
         wait_futures([h.durable for h in pending], timeout)
         return pending

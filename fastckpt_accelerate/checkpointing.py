@@ -478,6 +478,7 @@ def _wait_for_saves_of(path: str, *, under: bool = False) -> None:
         for handle in list(other._in_flight):
             saved = naming.normalize(handle.path)
             if (saved == path or (under and _under(saved, path))) and not handle.done():
+                handle.blocking()
                 concurrent.futures.wait([handle.durable])  # not wait(): its error stays its owner's to raise
 
 

@@ -14,7 +14,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from torch.optim import Optimizer
 
-from fastckpt_lightning.boundaries import BOUNDARY_HOOKS, user_code, writers
+from fastckpt_lightning.boundaries import user_code, writers
 from fastckpt_lightning.preempt import LightningPreemption
 
 log = logging.getLogger(__name__)

@@ -89,6 +89,7 @@ class LoggerRelay:
                     return
                 for h in item.handles:
                     h.wait_staged()  # seals a lazy save on this (the training) thread: it commits only once sealed
+                    h.blocking()
                 concurrent.futures.wait([h.durable for h in item.handles])
             self._queue.popleft()
             if isinstance(item, _Held):

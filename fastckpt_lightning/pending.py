@@ -62,6 +62,7 @@ def wait_for(path: str) -> None:
         return
     try:
         handle.wait_staged()  # seals a lazy save on this thread: it commits only once sealed
+        handle.blocking()
         handle.durable.result()
     except FastCkptError as e:
         raise StorageError(f"cannot load {path!r}: its save in this process failed: {e}") from e

@@ -134,14 +134,22 @@ class SaveHandle:
         deadline = None if timeout is None else time.monotonic() + timeout
         if self._staged.wait(timeout):  # a lazy save commits once sealed, here on the caller's thread
             self.seal()
-        if self._on_block is not None and not self._durable.done():
-            self._on_block()
+        self.blocking()
         try:
             return self._durable.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
         except FastCkptError:
             if self._on_error_seen is not None:
                 self._on_error_seen(self)
             raise
+
+    def blocking(self) -> None:
+        """Called before blocking on this save's commit (``wait`` does; so must code that waits on ``durable``
+        itself: a loader reading the file being saved, a logger delivering in order). The background threads run
+        at the caller's priority from here (``persist.priority``): a caller at normal priority waiting on ``idle``
+        threads that a host with busy cores never runs would wait for minutes (a priority inversion)."""
+        settled = self._durable.done() and (self._upload is None or self._upload.done())
+        if self._on_block is not None and not settled:
+            self._on_block()
 
     def done(self) -> bool:
         """Whether the save finished, successfully or not."""
@@ -157,8 +165,6 @@ class SaveHandle:
         info = self.wait(timeout)
         if self._upload is None:
             return info
-        if self._on_block is not None and not self._upload.done():
-            self._on_block()
         try:
             return self._upload.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
         except FastCkptError:

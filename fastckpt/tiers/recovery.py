@@ -44,6 +44,8 @@ def recover(tier: "ShmTier | None", coord: "Coordinator | None", claim: Callable
         if found:
             claim({rec.name for rec, _ in found})  # persisting them writes into the root
         handles = [submit(rec, slot) for rec, slot in found]
+        for h in handles:
+            h.blocking()  # this (the training) thread waits for them
         wait_futures([h.durable for h in handles])
     return handles
 
