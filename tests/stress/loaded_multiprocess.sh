@@ -17,7 +17,7 @@ FILES=(
   tests/test_lightning_ddp.py tests/test_lightning_ddp_shared.py tests/test_lightning_sharded.py
   tests/test_s3_shared_object.py tests/test_lightning_ddp_s3.py tests/test_accelerate_s3_shared.py
   tests/test_s3_shared_dedup.py tests/test_persister.py tests/test_preempt.py tests/test_accelerate_s3_dedup.py
-  tests/test_accelerate_remote_dedup.py
+  tests/test_accelerate_remote_dedup.py tests/test_priority.py tests/test_seal_distributed.py
 )
 touch "$RESULTS"
 BURNERS=()
