@@ -7,11 +7,15 @@ ranks) and reports every step whose ``wait_staged()`` returned.
 """
 from __future__ import annotations
 
+import faulthandler
 import glob
 import logging
 import multiprocessing as mp
 import os
+import signal
 import socket
+import tempfile
+import time
 import threading
 import traceback
 from multiprocessing.connection import Connection
@@ -219,11 +223,23 @@ def recover(conn: Connection, root: str, shm: str, must: list[int], rank: int, w
 
 # ---- the parent's side ----------------------------------------------------------------------
 
+def _stack_file(pid: int) -> str:
+    return os.path.join(tempfile.gettempdir(), f"fastckpt-child-{pid}.stack")
+
+
+def _traced(fn: Callable[..., None], *args: Any) -> None:
+    """The child's entry: SIGUSR1 dumps every thread's stack to a file the parent reads when the child is silent."""
+    with open(_stack_file(os.getpid()), "w") as f:
+        faulthandler.register(signal.SIGUSR1, file=f, all_threads=True)
+        fn(*args)
+    os.remove(f.name)  # a child killed by the test leaves it: kill() removes it
+
+
 def start(fn: Callable[..., None], *args: Any) -> tuple[Any, Connection]:
     """Run ``fn(conn, *args)`` in a forked child; returns the process and the parent's end of the pipe."""
     ctx = context()
     parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=fn, args=(child, *args), daemon=True)
+    proc = ctx.Process(target=_traced, args=(fn, child, *args), daemon=True)
     proc.start()
     child.close()
     return proc, parent
@@ -232,7 +248,8 @@ def start(fn: Callable[..., None], *args: Any) -> tuple[Any, Connection]:
 def receive(proc: Any, conn: Connection) -> Any:
     """The child's next message; fails naming the exit code if it died instead."""
     if not conn.poll(REPLY_S):
-        raise AssertionError(f"child {proc.pid} sent nothing in {REPLY_S}s (alive: {proc.is_alive()})")
+        raise AssertionError(f"child {proc.pid} sent nothing in {REPLY_S}s (alive: {proc.is_alive()}); its "
+                             f"threads:\n{_stacks(proc)}")
     try:
         return conn.recv()
     except EOFError:
@@ -240,11 +257,24 @@ def receive(proc: Any, conn: Connection) -> Any:
         raise AssertionError(f"child {proc.pid} died (exit code {proc.exitcode})") from None
 
 
+def _stacks(proc: Any) -> str:
+    """A silent child's threads (faulthandler, on SIGUSR1), so that a hang names where it waits."""
+    path = _stack_file(proc.pid)
+    if not proc.is_alive() or not os.path.exists(path):
+        return "(none)"
+    os.kill(proc.pid, signal.SIGUSR1)
+    time.sleep(2.0)  # written from a signal handler: nothing to wait on; 2 s is plenty for a few KB
+    with open(path) as f:
+        return f.read()
+
+
 def kill(*procs: Any) -> None:
     for proc in procs:
         proc.kill()
     for proc in procs:
         proc.join(REPLY_S)
+        if os.path.exists(_stack_file(proc.pid)):
+            os.remove(_stack_file(proc.pid))
 
 
 # The first optimizer built in a process imports torch._dynamo (seconds): pay that once, in the

@@ -99,11 +99,13 @@ def test_sigkill_trials_two_ranks(tmp_path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # 50 trials: on a loaded 2-core host past the suite's 300 s
 def test_sigkill_trials_alone_50(tmp_path) -> None:
     _trials_alone(tmp_path, range(100, 150))
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # 50 trials: on a loaded 2-core host past the suite's 300 s
 def test_sigkill_trials_two_ranks_50(tmp_path) -> None:
     _trials_ranks(tmp_path, range(100, 150))
 
