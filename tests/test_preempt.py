@@ -113,6 +113,7 @@ def test_signal_names_are_normalized_and_it_is_off_by_default(tmp_path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # 30 trials: on a loaded 2-core host past the suite's 300 s
 def test_plain_loop_30_trials_sigterm_then_sigkill(tmp_path) -> None:
     rng, ctx = random.Random(25), preempt_trials.context()
     trials = [preempt_trials.run_trial("plain", tmp_path / f"t{i}" / "root", rng=rng, ctx=ctx) for i in range(30)]
