@@ -92,12 +92,15 @@ def test_background_threads_run_at_the_configured_priority(tmp_path, priority: s
     optimizer step waits for, keeps the training thread's priority."""
     main = _policy(threading.get_native_id())
     before = {t.native_id for t in threading.enumerate()}
-    cfg = CheckpointConfig.from_dict({"root": str(tmp_path), "persist": {"priority": priority}})
+    cfg = CheckpointConfig.from_dict({"root": str(tmp_path), "persist": {"priority": priority, "workers": 1}})
     with Checkpointer(cfg) as ckpt:
         ckpt.save({"x": torch.ones(1 << 16)}, step=1).wait()  # the I/O pool starts its threads lazily
+        # wait() raised them while it blocked on them; a save that finds nothing pending lowers them again
+        second = ckpt.save({"x": torch.ones(1 << 16)}, step=2)
         # "fastckpt-copy-3", "fastckpt-commit-3", "fastckpt-io-3_0" -> kind
         got = {t.name.rsplit("-", 1)[0]: _policy(t.native_id) for t in threading.enumerate()
                if t.name.startswith("fastckpt-") and t.native_id not in before}
+        second.wait()
     want = {"idle": (os.SCHED_IDLE, main[1]), "low": (os.SCHED_OTHER, 19), "normal": main}[priority]
     assert got["fastckpt-io"] == want and got["fastckpt-commit"] == want, got
     assert got["fastckpt-copy"] == main, got
