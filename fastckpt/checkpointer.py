@@ -168,7 +168,7 @@ class Checkpointer(Cadenced):
         self._saver.seal_all()  # a lazy save commits only once sealed (fastckpt/engine/seal.py)
         pending = self._saver.pending()
         if pending or self._tiers.uploads_left():  # the upload threads are lowered too
-            self._priorities.raise_(why, behind=False)
+            self._priorities.waiting(why)
         wait_futures([h.durable for h in pending], timeout)
         return pending
 

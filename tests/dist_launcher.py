@@ -16,10 +16,8 @@ Two things a loaded machine (or another test run beside this one) broke:
 """
 from __future__ import annotations
 
-import faulthandler
 import os
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -29,6 +27,8 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from tests import threaddump
 
 _TAIL = 8000  # characters of each rank's log in a failure message
 # Under pytest-timeout (300 s in pyproject.toml), so that the launcher, not pytest, reports a hang with the ranks'
@@ -48,7 +48,7 @@ def _entry(rank: int, world: int, folder: str, fn: Callable[..., Any], args: tup
     # A file is block-buffered: a rank killed by the launcher after another failed would lose its last lines.
     sys.stdout.reconfigure(line_buffering=True)
     sys.stderr.reconfigure(line_buffering=True)
-    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)  # the launcher's hang dump
+    threaddump.arm(sys.stderr)  # the launcher's hang dump, into this rank's log
     dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"file://{folder}/store")
     try:
         fn(rank, world, *args)
@@ -69,9 +69,7 @@ def rank_report(folder: Path) -> str:
 def _dump_and_kill(processes: list, folder: Path) -> str:
     """Every live rank's threads (faulthandler, into its log), then SIGKILL; returns the logs."""
     live = [p for p in processes if p.is_alive()]
-    for p in live:
-        os.kill(p.pid, signal.SIGUSR1)
-    time.sleep(2.0)  # faulthandler writes from a signal handler: no event to wait on; 2 s is plenty for a few KB
+    threaddump.request(p.pid for p in live)
     for p in live:
         p.kill()
         p.join(10)

@@ -7,15 +7,12 @@ ranks) and reports every step whose ``wait_staged()`` returned.
 """
 from __future__ import annotations
 
-import faulthandler
 import glob
 import logging
 import multiprocessing as mp
 import os
-import signal
 import socket
 import tempfile
-import time
 import threading
 import traceback
 from multiprocessing.connection import Connection
@@ -27,6 +24,7 @@ from torch import nn
 
 from fastckpt import CheckpointConfig, Checkpointer, FastCkptError
 from fastckpt.storage.local import LocalStorage
+from tests import threaddump
 from tests.helpers import assert_bit_equal, clone_state
 
 _CTX: Any = None
@@ -230,7 +228,7 @@ def _stack_file(pid: int) -> str:
 def _traced(fn: Callable[..., None], *args: Any) -> None:
     """The child's entry: SIGUSR1 dumps every thread's stack to a file the parent reads when the child is silent."""
     with open(_stack_file(os.getpid()), "w") as f:
-        faulthandler.register(signal.SIGUSR1, file=f, all_threads=True)
+        threaddump.arm(f)
         fn(*args)
     os.remove(f.name)  # a child killed by the test leaves it: kill() removes it
 
@@ -262,8 +260,7 @@ def _stacks(proc: Any) -> str:
     path = _stack_file(proc.pid)
     if not proc.is_alive() or not os.path.exists(path):
         return "(none)"
-    os.kill(proc.pid, signal.SIGUSR1)
-    time.sleep(2.0)  # written from a signal handler: nothing to wait on; 2 s is plenty for a few KB
+    threaddump.request([proc.pid])
     with open(path) as f:
         return f.read()
 
