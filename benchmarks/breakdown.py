@@ -35,12 +35,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from . import workload as wl
-from .measure import Trainer, paired_stall, rmtree
+from .measure import Trainer, floor, paired_stall, rmtree
 
-__all__ = ["CONFIGS", "task_breakdown", "floor"]
+__all__ = ["CONFIGS", "task_breakdown"]
 
 # name -> CheckpointConfig overrides (sections as mappings). "before" is the release's behaviour: the CRC32C taken
 # by the I/O workers, a second read of the staged bytes; "single_pass" takes it in the copy thread, chunk by
@@ -153,47 +151,6 @@ class Window:
         }
 
 
-def floor(tensors: list[torch.Tensor], reps: int = 3) -> dict[str, float]:
-    """The physical floor on CPU: one memcpy of the state (``copy_`` into preallocated buffers) and one CRC32C
-    pass over it, the median of ``reps``."""
-    from fastckpt.format.checksum import crc32c
-
-    dst = [torch.empty_like(t) for t in tensors]
-    for d, t in zip(dst, tensors):
-        d.copy_(t)  # first touch of the destination is not part of a copy into reused buffers
-    copies, crcs = [], []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for d, t in zip(dst, tensors):
-            d.copy_(t)
-        copies.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        for d in dst:
-            crc32c(memoryview(d.reshape(-1).view(torch.uint8).numpy()))
-        crcs.append(time.perf_counter() - t0)
-    return {"memcpy_s": statistics.median(copies), "crc_s": statistics.median(crcs)}
-
-
-def _flat_tensors(state: Any) -> list[torch.Tensor]:
-    out: list[torch.Tensor] = []
-    seen: set[int] = set()
-
-    def walk(o: Any) -> None:
-        if isinstance(o, torch.Tensor):
-            if o.data_ptr() not in seen and o.numel():
-                seen.add(o.data_ptr())
-                out.append(o.detach())
-        elif isinstance(o, dict):
-            for v in o.values():
-                walk(v)
-        elif isinstance(o, (list, tuple)):
-            for v in o:
-                walk(v)
-
-    walk(state)
-    return out
-
-
 def _sum(windows: list[dict[str, Any]], key: str) -> list[float]:
     return [w[key] for w in windows]
 
@@ -214,7 +171,7 @@ def task_breakdown(config: str, shape: dict, root: str, warmup: int, every: int,
     tr.timed_steps(warmup)
     state = tr.state(0)
     state_bytes = wl.tensor_bytes(state)
-    fl = floor(_flat_tensors(state))
+    fl = floor(wl.unique_tensors(state))
     del state
     gc.collect()
     ck.save(tr.state(0), 0)  # warm-up: plan, allocation, first touch of the staging buffers

@@ -54,8 +54,9 @@ def neighbours(n: int, limit_s: float) -> Iterator[list[int]]:
 
 def task_busy(peer: str, shape: dict, root: str, warmup: int, every: int, n_ckpt: int, base_steps: int,
               durable_reps: int, n_neighbours: int | None, limit_s: float) -> dict[str, Any]:
-    """``task_core`` for ``peer`` with CPU-bound neighbours, plus ``durable_reps`` timed save + flush pairs."""
-    n = n_neighbours or default_neighbours()
+    """``task_core`` for ``peer`` with CPU-bound neighbours, plus ``durable_reps`` timed save + flush pairs.
+    ``n_neighbours`` 0: the same run on the quiet host (the reference of the busy stall)."""
+    n = default_neighbours() if n_neighbours is None else n_neighbours
     with neighbours(n, limit_s):
         out = task_core(peer, shape, root, warmup, every, n_ckpt, base_steps, durable_reps=durable_reps)
     out["neighbours"] = n

@@ -2,9 +2,18 @@
 
 Each config runs in its own process. As in the plain loop, one checkpoint is taken (and finished) during
 the untimed warm-up, for every config alike: it pays each peer's one-off costs (plan, allocation and first
-touch of host buffers) and is reported on its own as ``first_save_block_s``. The timed region then starts
-and ends when the training loop ends (Lightning: ``on_train_end``; Accelerate: after the last step), so the
-final flush (Lightning's ``teardown`` of the checkpoint IO, Accelerate's ``end_training``) is timed separately.
+touch of host buffers) and is reported on its own as ``first_save_block_s``.
+
+The stall is measured as in the plain loop, inside one run: the timed steps are cut in windows of K steps,
+clean, checkpointed, clean, ..., checkpointed, clean. A checkpointed window holds the checkpoint call right
+after its first step (Lightning: ``ModelCheckpoint`` in ``on_train_batch_end``; Accelerate: ``save_state()``),
+its K steps, and the config's flush at its end (what the next checkpoint would otherwise wait for: the
+AsyncCheckpointIO worker, fastckpt's ``wait()``); each is compared with the mean of its two clean neighbours
+(``measure.paired_stall``). A separate no-checkpoint run per section (``baseline``) gives the RSS reference
+only: comparing whole runs mixed the step-time drift between processes (two baseline runs 4.6% apart over
+64 steps, about 0.2 s per checkpoint) into the stall. The run ends with the last clean window (Lightning:
+``on_train_end``); the final flush (Lightning's ``teardown`` of the checkpoint IO, Accelerate's
+``end_training``) is timed separately.
 """
 from __future__ import annotations
 
@@ -14,7 +23,7 @@ from typing import Any
 import torch
 
 from . import workload as wl
-from .measure import RssSampler, drop_cache, med, now, rmtree, rss, tree_bytes
+from .measure import RssSampler, drop_cache, med, now, paired_stall, rmtree, rss, tree_bytes
 
 LIGHTNING_CONFIGS = ["baseline", "torch_io", "async_io", "fastckpt"]
 LIGHTNING_LABELS = {
@@ -31,14 +40,16 @@ ACCELERATE_LABELS = {
 }
 
 
-def _n_steps(warmup: int, every: int, n_ckpt: int) -> int:
-    # checkpoints at global steps every (warm-up), 2*every, ... (n_ckpt+1)*every; every//2 more after the last
-    return (n_ckpt + 1) * every + every // 2
-
-
 def _warmup(warmup: int, every: int) -> int:
     # the warm-up covers the first checkpoint (global step ``every``) and the step after it
     return max(warmup, every + 2)
+
+
+def _windowed(windows: list[float], every: int) -> dict[str, Any]:
+    """The paired stall of windows clean, ckpt, clean, ..., clean (``every`` steps each)."""
+    out = paired_stall(windows[1::2], windows[0::2])
+    out.update(windows_s=windows, window_steps=every, loop_s=sum(windows), n_steps=len(windows) * every)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- Lightning
@@ -54,33 +65,48 @@ def task_lightning(config: str, shape: dict, root: str, warmup: int, every: int,
     root_p = Path(root)
     rmtree(root_p)
     root_p.mkdir(parents=True)
-    max_steps = _n_steps(warmup, every, n_ckpt)
     warmup = _warmup(warmup, every)
-    if max_steps <= warmup:
-        raise ValueError("warmup must be shorter than the run")
+    n_windows = 2 * n_ckpt + 1
+    max_steps = warmup + n_windows * every
+    # batch b (from 0) ends at global step b + 1; checkpointed window m (odd) saves after its first batch
+    save_steps = {every} | {warmup + m * every + 1 for m in range(1, n_windows, 2)}
 
     LitGPT = _lit_gpt_class(s)
     data = _token_batches(s, max_steps + 8)
 
     class Clock(Callback):
         def __init__(self) -> None:
-            self.starts: list[float] = []
+            self.bounds: list[float] = []  # start of each window (after the flush that ends a checkpointed one)
+            self.starts: list[float] = []  # start of each timed step
             self.end = 0.0
             self.rss_before: int | None = None
             self.sampler: RssSampler | None = None
+            self.io: Any = None
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-            if len(self.starts) == warmup:
+            b = trainer.global_step
+            if b == warmup:
                 _drain(trainer.strategy.checkpoint_io)  # the warm-up checkpoint ends before timing starts
                 self.rss_before = rss()
                 self.sampler = RssSampler().start()
-            self.starts.append(now())
+            if b >= warmup and (b - warmup) % every == 0:
+                if ((b - warmup) // every) % 2 == 0 and b > warmup:  # a checkpointed window ends: its flush
+                    _drain(trainer.strategy.checkpoint_io)
+                self.bounds.append(now())
+            if b >= warmup:
+                self.starts.append(now())
 
         def on_train_end(self, trainer: Any, pl_module: Any) -> None:
             self.end = now()
 
-    class TimedCheckpoint(ModelCheckpoint):
+    class WindowedCheckpoint(ModelCheckpoint):
+        """ModelCheckpoint, saving only at the windows' global steps (``every_n_train_steps=1`` gated)."""
+
         blocks: list[float] = []
+
+        def on_train_batch_end(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
+            if trainer.global_step in save_steps:
+                super().on_train_batch_end(trainer, *args, **kwargs)
 
         def _save_checkpoint(self, trainer: Any, filepath: str) -> None:
             t0 = now()
@@ -92,7 +118,7 @@ def task_lightning(config: str, shape: dict, root: str, warmup: int, every: int,
     plugins: list[Any] = []
     mc = None
     if config != "baseline":
-        mc = TimedCheckpoint(dirpath=str(root_p / "ckpts"), every_n_train_steps=every, save_top_k=-1)
+        mc = WindowedCheckpoint(dirpath=str(root_p / "ckpts"), every_n_train_steps=1, save_top_k=-1)
         mc.blocks = []
         callbacks.append(mc)
     if config == "async_io":
@@ -113,25 +139,27 @@ def task_lightning(config: str, shape: dict, root: str, warmup: int, every: int,
     trainer.fit(LitGPT(), data)
     t_done = now()
     peak = clock.sampler.stop() if clock.sampler else None
-    starts = clock.starts
-    n = len(starts) - warmup
-    steps = [b - a for a, b in zip(starts[warmup:], starts[warmup + 1:])] + [clock.end - starts[-1]]
+    bounds = clock.bounds + [clock.end]
+    if len(bounds) != n_windows + 1:
+        raise RuntimeError(f"expected {n_windows} windows, timed {len(bounds) - 1}")
+    starts = clock.starts + [clock.end]
     timed = mc.blocks[1:] if mc else []  # blocks[0]: the warm-up checkpoint
+    if mc is not None and len(timed) != n_ckpt:
+        raise RuntimeError(f"expected {n_ckpt} timed checkpoints, took {len(timed)}")
     out = {
         "config": config,
         "max_steps": max_steps,
-        "n_steps": n,
         "n_ckpt": len(timed),
         "first_save_block_s": mc.blocks[0] if mc and mc.blocks else None,
         "save_block_s": timed,
         "save_block_median_s": med(timed) if timed else None,
-        "loop_s": clock.end - starts[warmup],
-        "steps_s": steps,
+        "steps_s": [b - a for a, b in zip(starts, starts[1:])],
         "flush_s": t_done - clock.end,
         "fit_s": t_done - t_fit,
         "rss_before_saves": clock.rss_before,
         "peak_rss": peak,
         "bytes_on_disk": tree_bytes(root_p),
+        **_windowed([b - a for a, b in zip(bounds, bounds[1:])], every),
     }
     rmtree(root_p)
     return out
@@ -275,38 +303,40 @@ def task_accelerate(config: str, shape: dict, root: str, warmup: int, every: int
         if fast is not None:
             fast.wait()
         step()
-    n = _n_steps(0, every, n_ckpt) - every
     rss_before = rss()
     sampler = RssSampler().start()
     blocks: list[float] = []
     steps: list[float] = []
-    t0 = now()
-    for i in range(1, n + 1):
-        ts = now()
-        step()
-        if config != "baseline" and i % every == 0:
-            tb = now()
-            accelerator.save_state()
-            blocks.append(now() - tb)
-        steps.append(now() - ts)
-    loop_s = now() - t0
+    windows: list[float] = []
+    for m in range(2 * n_ckpt + 1):  # clean, checkpointed, clean, ..., clean
+        tw = now()
+        for k in range(every):
+            ts = now()
+            step()
+            if m % 2 and k == 0:
+                tb = now()
+                accelerator.save_state()
+                blocks.append(now() - tb)
+            if m % 2 and k == every - 1 and fast is not None:
+                fast.wait()  # the checkpointed window's flush: what the next save_state() would wait for
+            steps.append(now() - ts)
+        windows.append(now() - tw)
     tf = now()
     accelerator.end_training()
     flush_s = now() - tf
     peak = sampler.stop()
     out = {
         "config": config,
-        "n_steps": n,
         "n_ckpt": len(blocks),
         "first_save_block_s": first_block,
         "save_block_s": blocks,
         "save_block_median_s": med(blocks),
-        "loop_s": loop_s,
         "steps_s": steps,
         "flush_s": flush_s,
         "rss_before_saves": rss_before,
         "peak_rss": peak,
         "bytes_on_disk": tree_bytes(root_p),
+        **_windowed(windows, every),
     }
     rmtree(root_p)
     return out

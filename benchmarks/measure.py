@@ -158,6 +158,27 @@ def mean(xs: list[float]) -> float | None:
     return statistics.fmean(xs) if xs else None
 
 
+def floor(tensors: list[torch.Tensor], reps: int = 3) -> dict[str, float]:
+    """The physical floor on CPU: one memcpy of the state (``copy_`` into preallocated buffers) and one CRC32C
+    pass over it, the median of ``reps``."""
+    from fastckpt.format.checksum import crc32c
+
+    dst = [torch.empty_like(t) for t in tensors]
+    for d, t in zip(dst, tensors):
+        d.copy_(t)  # first touch of the destination is not part of a copy into reused buffers
+    copies, crcs = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for d, t in zip(dst, tensors):
+            d.copy_(t)
+        copies.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for d in dst:
+            crc32c(memoryview(d.reshape(-1).view(torch.uint8).numpy()))
+        crcs.append(time.perf_counter() - t0)
+    return {"memcpy_s": statistics.median(copies), "crc_s": statistics.median(crcs)}
+
+
 def stall_estimate(loop_s: float, n_steps: int, base_steps: list[float], n_ckpt: int) -> dict[str, float]:
     """Per-checkpoint stall = (loop time with checkpoints - n x mean baseline step) / #checkpoints.
 
@@ -388,6 +409,9 @@ def task_core(peer: str, shape: dict, root: str, warmup: int, every: int, n_ckpt
     restore = roundtrip(p, tr, step)
     p.close()
     rmtree(root_p)
+    # issue 27's physical floor on CPU, in this process after the loop: one memcpy of the state into
+    # preallocated buffers (and one CRC32C pass), every peer's task alike so the report has several samples
+    state_floor = floor(wl.unique_tensors(tr.state(step)))
     clean_windows = [sum(w) for w in clean]
     clean_steps = [s for w in clean for s in w]
     out = {
@@ -417,6 +441,7 @@ def task_core(peer: str, shape: dict, root: str, warmup: int, every: int, n_ckpt
         "peak_rss_hwm": hwm,
         "peer_figures": figures,
         "restore": restore,
+        "floor": state_floor,
         "durable_s": durable,
     }
     out.update(paired_stall(ckpt_windows, clean_windows))

@@ -85,7 +85,7 @@ class Plan:
 # to persist one 1.5 GB checkpoint on the 2-core benchmark box (every peer's flush was ~0 at 5.3 s windows;
 # at 3 s windows DCP's flush alone was ~4 s), so the stall measures what a checkpoint costs the loop, not
 # whether the peer keeps up with a very high checkpoint rate. Lightning/Accelerate keep K=6.
-FULL_PLAN = Plan(shape=wl.FULL, warmup=2, every=12, n_ckpt=6, fw_every=6, fw_n_ckpt=5, base_steps=4, io_reps=3,
+FULL_PLAN = Plan(shape=wl.FULL, warmup=2, every=12, n_ckpt=6, fw_every=6, fw_n_ckpt=8, base_steps=4, io_reps=3,
                  cold_load=True, rss_saves=20, rss_every=4, task_timeout=600, window_s=8.0, core_budget_s=150.0)
 QUICK_PLAN = Plan(shape=wl.QUICK, warmup=1, every=2, n_ckpt=2, fw_every=2, fw_n_ckpt=2, base_steps=4, io_reps=1,
                   cold_load=True, rss_saves=3, rss_every=2, task_timeout=120, busy_shape=wl.QUICK, busy_every=2,
@@ -216,7 +216,7 @@ def run_all(plan: Plan, workdir: Path, isolate: bool, sections: tuple[str, ...],
         if section not in sections:
             continue
         res: dict[str, Any] = {"baseline": []}
-        for cfg in configs + ["baseline"]:  # a second baseline brackets the section
+        for cfg in configs:  # the stall is paired inside each run; the baseline run is the RSS reference
             r = run(f"{section}: {cfg}", section, dict(fw, config=cfg))
             if cfg == "baseline":
                 res["baseline"].append(r)
@@ -257,6 +257,12 @@ def run_busy(run: Runner, plan: Plan, ck: str, peer_names: list[str]) -> dict[st
                                       every=plan.busy_every, n_ckpt=plan.busy_n_ckpt, base_steps=plan.base_steps,
                                       durable_reps=plan.busy_durable_reps, n_neighbours=n,
                                       limit_s=float(plan.task_timeout)))
+    if "fastckpt" in peer_names:  # the same loop without neighbours: issue 27's "no worse than 2x the quiet stall"
+        out["quiet"] = run("busy host: fastckpt with no neighbours (reference)", "busy",
+                           dict(peer="fastckpt", shape=plan.busy_shape.to_dict(), root=ck, warmup=plan.warmup,
+                                every=plan.busy_every, n_ckpt=plan.busy_n_ckpt, base_steps=plan.base_steps,
+                                durable_reps=plan.busy_durable_reps, n_neighbours=0,
+                                limit_s=float(plan.task_timeout)))
     return out
 
 

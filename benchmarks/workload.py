@@ -134,19 +134,18 @@ def make_state(model: nn.Module, opt: torch.optim.Optimizer, step: int) -> dict:
     return {"model": model.state_dict(), "optim": opt.state_dict(), "step": step}
 
 
-def tensor_bytes(obj) -> int:
-    """Bytes of unique tensor storage reachable from ``obj`` (what a deduplicating saver writes)."""
+def unique_tensors(obj) -> list[torch.Tensor]:
+    """The tensors reachable from ``obj`` (dicts, lists, tuples), one per storage (the first seen), detached;
+    empty storages left out."""
     seen: set[int] = set()
-    total = 0
+    out: list[torch.Tensor] = []
 
     def walk(o) -> None:
-        nonlocal total
         if isinstance(o, torch.Tensor):
             st = o.untyped_storage()
-            key = st.data_ptr()
-            if key not in seen or key == 0:
-                seen.add(key)
-                total += st.nbytes()
+            if st.nbytes() and st.data_ptr() not in seen:
+                seen.add(st.data_ptr())
+                out.append(o.detach())
         elif isinstance(o, dict):
             for v in o.values():
                 walk(v)
@@ -155,4 +154,9 @@ def tensor_bytes(obj) -> int:
                 walk(v)
 
     walk(obj)
-    return total
+    return out
+
+
+def tensor_bytes(obj) -> int:
+    """Bytes of unique tensor storage reachable from ``obj`` (what a deduplicating saver writes)."""
+    return sum(t.untyped_storage().nbytes() for t in unique_tensors(obj))

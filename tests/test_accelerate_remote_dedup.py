@@ -21,7 +21,7 @@ from tests.helpers import run_child
 from tests.test_accelerate_s3_dedup import (KILLED_CHILD, LAYERS, SLACK, STOCK, _adapters, _files, _fs, _markers, _setup,
                                             deleting_source,
                                             _two_saves as s3_two_saves,
-                                            _stock_load, _step, _uploads)
+                                            _stock_load, _step, _uploads, uploaded_without_its_source)
 from tests.test_s3_dedup import counted  # noqa: F401 - a fixture: bytes the client sends through the proxy
 
 pytestmark = pytest.mark.timeout(180)
@@ -91,13 +91,7 @@ def test_a_deleted_previous_remote_folder_is_sent_and_the_folder_is_right(tmp_pa
     fs = _fs(proxied)
     acc, model, fast, _, second = _two_saves(tmp_path, proxied, counter, url, deleting_source(fs, counter, url, when))
     try:
-        stats = fast.checkpointer.upload_checksums.dedup
-        assert not fs.exists(f"{url}/checkpoint_0/model.safetensors")
-        got = _files(fs, f"{url}/checkpoint_1")
-        if when == "between-saves":  # its manifest is gone too: nothing planned, a full upload
-            assert stats.copied == 0 and second >= len(got["model.safetensors"])
-        else:  # planned as copies: those whose source went are sent
-            assert stats.fell_back > 0 and second >= stats.fell_back
+        got = uploaded_without_its_source(fs, url, fast.checkpointer.upload_checksums.dedup, second, when)
         assert got == _local(tmp_path, "checkpoint_1")
         assert _uploads(fs, url) == []
         loaded = _stock_load(tmp_path, got)

@@ -189,6 +189,19 @@ def deleting_source(fs, counter, url: str, when: str):
     return between
 
 
+def uploaded_without_its_source(fs, url: str, stats, second: int, when: str) -> dict[str, bytes]:
+    """The files of ``checkpoint_1`` once ``checkpoint_0`` was deleted ``when`` (see ``deleting_source``), after
+    checking what the dedup did about it: nothing planned when the source went first (a full upload: ``second``
+    bytes sent at least the model file), else the planned copies whose source went were sent instead."""
+    assert not fs.exists(f"{url}/checkpoint_0/model.safetensors")
+    got = _files(fs, f"{url}/checkpoint_1")
+    if when == "between-saves":  # its manifest is gone too: nothing planned, a full upload
+        assert stats.copied == 0 and second >= len(got["model.safetensors"])
+    else:  # planned as copies: those whose source went are sent
+        assert stats.fell_back > 0 and second >= stats.fell_back
+    return got
+
+
 @pytest.mark.parametrize("when", ["between-saves", "at-the-first-copy"])
 def test_a_deleted_source_folder_is_sent_and_the_file_is_right(tmp_path, counted, when):
     """Retention (``total_limit``) may delete the older folder at any time: before the next save (a full upload), or
@@ -200,13 +213,7 @@ def test_a_deleted_source_folder_is_sent_and_the_file_is_right(tmp_path, counted
     acc, model, fast, _, second, stock = _two_saves(tmp_path, proxied, counter, url,
                                                     deleting_source(fs, counter, url, when))
     try:
-        stats = fast.checkpointer._saver.dedup
-        assert not fs.exists(f"{url}/checkpoint_0/model.safetensors")
-        got = _files(fs, f"{url}/checkpoint_1")
-        if when == "between-saves":  # its manifest is gone too: nothing planned, a full upload
-            assert stats.copied == 0 and second >= len(got["model.safetensors"])
-        else:  # planned as copies: those whose source went are sent
-            assert stats.fell_back > 0 and second >= stats.fell_back
+        got = uploaded_without_its_source(fs, url, fast.checkpointer._saver.dedup, second, when)
         _assert_stock(got, stock)
         assert _uploads(fs, url) == []
     finally:

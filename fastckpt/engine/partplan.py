@@ -17,10 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from ..storage.partplan import MAX_PARTS, MIN_PART
+
 __all__ = ["MIN_PART", "Fragment", "Part", "contiguous_owners", "fragments", "limits", "part_plan"]
 
-MIN_PART = 5 * 1024 * 1024  # S3's smallest part but the last
-_MAX_PARTS = 10_000  # S3's most parts in one upload
 _MIB = 1 << 20
 
 
@@ -50,7 +50,7 @@ def limits(size: int, target: int) -> tuple[int, int]:
     """(smallest part but the last, largest part) of a ``size``-byte object: parts of at least ``MIN_PART``, and
     large enough that 10,000 parts hold it; the largest twice the smallest at least, so that a long run cut in
     equal pieces never leaves one short. ``target``: the single-writer part size (``s3checksum.part_bytes``)."""
-    per = -(-size // (_MAX_PARTS - 1))  # every part but the last at least this: 10,000 parts at most
+    per = -(-size // (MAX_PARTS - 1))  # every part but the last at least this: 10,000 parts at most
     least = max(MIN_PART, -(-per // _MIB) * _MIB)
     return least, max(target, 2 * least)
 

@@ -17,13 +17,13 @@ from typing import Iterable, Mapping, NamedTuple, Sequence
 
 from ..errors import IntegrityError
 
-__all__ = ["COPY_PART", "MIN_PART", "Part", "Record", "SourceRecord", "plan_parts", "plan_stats"]
+__all__ = ["COPY_PART", "MAX_PARTS", "MIN_PART", "Part", "Record", "SourceRecord", "plan_parts", "plan_stats"]
 
 MIN_PART = 5 * 1024 * 1024  # S3's smallest part (all but the last)
 SEND_PART = 16 * 1024 * 1024  # a sent run is cut in parts of about this size (s3checksum.PART_BYTES)
 COPY_PART = 512 * 1024 * 1024  # a copied run is cut in parts of at most this: server-side, so large is cheap
 _MAX_COPY = 5 * 1024 ** 3  # S3's largest UploadPartCopy range
-_MAX_PARTS = 10_000
+MAX_PARTS = 10_000  # S3's most parts in one upload
 
 
 class Record(NamedTuple):
@@ -84,8 +84,8 @@ def plan_parts(size: int, records: Iterable[Record], previous: Iterable[SourceRe
     parts: list[Part] = []
     for r in runs:
         parts.extend(_split(r, send_part if r.source is None else copy_part, min_part))
-    if len(parts) > _MAX_PARTS:  # only for a huge object cut very finely: plain parts of the right size
-        each = -(-size // _MAX_PARTS)
+    if len(parts) > MAX_PARTS:  # only for a huge object cut very finely: plain parts of the right size
+        each = -(-size // MAX_PARTS)
         return [Part("send", o, min(each, size - o)) for o in range(0, size, each)]
     return parts
 

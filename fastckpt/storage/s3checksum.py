@@ -19,6 +19,7 @@ from typing import Any, Awaitable, Callable, Sequence
 import crc32c as _crc32c
 
 from .deadline import Deadline, describe
+from .partplan import MAX_PARTS
 from ..errors import IntegrityError
 
 __all__ = ["Marked", "ObjectChecksum", "PART_BYTES", "b64", "complete_or_abort", "composite", "digest_rejected", "expected_like",
@@ -29,7 +30,6 @@ log = logging.getLogger("fastckpt")
 Marked = Callable[[str], Awaitable[Any]]  # called with a new upload's id before its first part: writes its marker
 
 PART_BYTES = 16 * 1024 * 1024  # multipart part size (S3 minimum is 5 MiB); a verified read cuts the same parts
-_MAX_PARTS = 10_000  # S3's most parts in one multipart upload
 _CONCURRENCY = 8  # parts of one file in flight at once
 # S3's error codes for a body that does not match the checksum sent with it (AWS: BadDigest;
 # some stores answer with the others)
@@ -50,7 +50,7 @@ def part_bytes(total: int) -> int:
     """The part size of a ``total``-byte multipart upload: ``PART_BYTES``, grown in whole MiB for a file that
     would need more than S3's 10,000 parts (over 156 GiB). A verified read derives the same size."""
     mib = 1 << 20
-    per = -(-total // _MAX_PARTS)  # the smallest part that fits in 10,000, rounded up to a MiB
+    per = -(-total // MAX_PARTS)  # the smallest part that fits in 10,000, rounded up to a MiB
     return max(PART_BYTES, -(-per // mib) * mib)
 
 
