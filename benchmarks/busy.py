@@ -1,8 +1,8 @@
 """The busy-host scenario: the plain loop while CPU-bound neighbour processes keep every core busy.
 
 DataLoader workers decoding images or tokenizing text keep a training host's cores saturated. Then a
-background thread at lowered priority (fastckpt's ``persist.priority: idle``) gets almost no CPU, and
-checkpoints may pile up. This task runs ``measure.task_core`` for one peer with ``neighbours`` pure-Python
+background thread at lowered priority (fastckpt's ``persist.priority: idle|low``) gets almost no CPU, and
+checkpoints may pile up, and the training thread waits whenever such a thread was preempted holding the GIL. This task runs ``measure.task_core`` for one peer with ``neighbours`` pure-Python
 spin loops beside it (default: one more than the host has cores), each started before the peer and stopped
 after it, and adds back-to-back ``save()`` + ``flush()`` pairs: the time to a durable commit.
 

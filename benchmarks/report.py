@@ -772,9 +772,9 @@ def busy_markdown(busy: dict[str, Any], rows: list[dict[str, Any]], plan: dict[s
         f"stopped after it: a checkpoint every {plan.get('busy_every')} steps, {plan.get('busy_n_ckpt')} "
         "checkpointed windows between clean ones, stall paired as in the plain loop. Then "
         f"{plan.get('busy_durable_reps')} back-to-back `save()` + flush pairs: the time to a durable commit "
-        "when the caller waits for it. fastckpt runs its default `persist.priority: idle`; its I/O threads are "
-        "raised to the training thread's priority while persistence falls behind (a save finding the previous "
-        "checkpoint pending, or `wait()`), see docs/API.md.",
+        "when the caller waits for it. fastckpt runs its default `persist.priority` (`normal` since 2026-11-26: "
+        "lowered I/O threads that hold the GIL when preempted stalled training for seconds here; see docs/API.md). "
+        "The last row is fastckpt's same loop with no neighbours: the reference of the busy stall.",
         "",
     ]
     body = []

@@ -110,10 +110,12 @@ class PersistOptions(_Freezable):
     """O_DIRECT for local writes: ``auto`` tries it and falls back, ``on`` requires it, ``off``."""
     fsync: bool = True
     """fsync data files and the directory before the manifest commits."""
-    priority: str = "idle"
-    """CPU priority of the I/O, commit and upload threads: ``idle`` (SCHED_IDLE: only CPU time training
-    leaves over), ``low`` (nice 19) or ``normal``. The copy thread always runs at normal priority. While
-    persistence falls behind they run at the training thread's priority (fastckpt/engine/priority.py)."""
+    priority: str = "normal"
+    """CPU priority of the I/O, commit and upload threads: ``normal`` (the training thread's), ``low``
+    (nice 19) or ``idle`` (SCHED_IDLE: only CPU time nothing else wants). The copy thread always runs at normal
+    priority. Lowered threads still take the GIL between their native calls: on a host whose cores other
+    processes keep busy, one preempted while holding it stalls the training thread for seconds, so lower them
+    only where nothing but training runs (fastckpt/engine/priority.py)."""
     max_lag_s: float = 60.0
     """How long a checkpoint may stay not durable before a later ``save()`` warns that persistence is falling
     behind (once per process, on rank 0, naming the measured lag). A save that must wait for a staging slot

@@ -86,13 +86,15 @@ def _policy(tid: int) -> tuple[int, int]:
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="per-thread scheduling policies are Linux-only")
-@pytest.mark.parametrize("priority", ["idle", "low", "normal"])
-def test_background_threads_run_at_the_configured_priority(tmp_path, priority: str) -> None:
+@pytest.mark.parametrize("priority", ["idle", "low", "normal", None])
+def test_background_threads_run_at_the_configured_priority(tmp_path, priority: str | None) -> None:
     """persist.priority reaches the kernel for the I/O and commit threads; the copy thread, which the next
-    optimizer step waits for, keeps the training thread's priority."""
+    optimizer step waits for, keeps the training thread's priority. None: the default leaves every thread at the
+    training thread's priority (a lowered thread preempted while it holds the GIL stalls training on a busy host)."""
     main = _policy(threading.get_native_id())
     before = {t.native_id for t in threading.enumerate()}
-    cfg = CheckpointConfig.from_dict({"root": str(tmp_path), "persist": {"priority": priority, "workers": 1}})
+    persist = {"workers": 1} if priority is None else {"priority": priority, "workers": 1}
+    cfg = CheckpointConfig.from_dict({"root": str(tmp_path), "persist": persist})
     with Checkpointer(cfg) as ckpt:
         ckpt.save({"x": torch.ones(1 << 16)}, step=1).wait()  # the I/O pool starts its threads lazily
         # wait() raised them while it blocked on them; a save that finds nothing pending lowers them again
@@ -101,6 +103,6 @@ def test_background_threads_run_at_the_configured_priority(tmp_path, priority: s
         got = {t.name.rsplit("-", 1)[0]: _policy(t.native_id) for t in threading.enumerate()
                if t.name.startswith("fastckpt-") and t.native_id not in before}
         second.wait()
-    want = {"idle": (os.SCHED_IDLE, main[1]), "low": (os.SCHED_OTHER, 19), "normal": main}[priority]
+    want = {"idle": (os.SCHED_IDLE, main[1]), "low": (os.SCHED_OTHER, 19), "normal": main, None: main}[priority]
     assert got["fastckpt-io"] == want and got["fastckpt-commit"] == want, got
     assert got["fastckpt-copy"] == main, got

@@ -195,7 +195,7 @@ def test_a_save_that_finds_the_previous_one_pending_raises_the_threads(tmp_path,
     main = policy_of(threading.get_native_id())
     before = {t.native_id for t in threading.enumerate()}
     storage = GatedStorage(open_storage(str(tmp_path)))
-    cfg = CheckpointConfig.from_dict({"root": str(tmp_path), "persist": {"workers": 1, "max_lag_s": 0},
+    cfg = CheckpointConfig.from_dict({"root": str(tmp_path), "persist": {"workers": 1, "max_lag_s": 0, "priority": "idle"},
                                       "staging": {"slots": 2}})
     states = [{"w": torch.randn(256, 256)} for _ in range(3)]
     with Checkpointer(cfg, storage=storage) as ckpt, caplog.at_level(logging.WARNING, logger="fastckpt"):
@@ -225,7 +225,7 @@ def test_a_save_waiting_for_a_slot_runs_persistence_raised(tmp_path) -> None:
     main = policy_of(threading.get_native_id())
     before = {t.native_id for t in threading.enumerate()}
     storage = GatedStorage(open_storage(str(tmp_path)))
-    cfg = CheckpointConfig.from_dict({"root": str(tmp_path), "persist": {"workers": 1}, "staging": {"slots": 1}})
+    cfg = CheckpointConfig.from_dict({"root": str(tmp_path), "persist": {"workers": 1, "priority": "idle"}, "staging": {"slots": 1}})
     warned = threading.Event()
 
     class OnWarning(logging.Handler):
@@ -261,7 +261,7 @@ def test_a_caller_blocked_on_a_save_raises_the_threads_it_waits_for(tmp_path, ca
     main = policy_of(threading.get_native_id())
     before = {t.native_id for t in threading.enumerate()}
     storage = GatedStorage(open_storage(str(tmp_path)))
-    cfg = CheckpointConfig.from_dict({"root": str(tmp_path), "persist": {"workers": 1}})
+    cfg = CheckpointConfig.from_dict({"root": str(tmp_path), "persist": {"workers": 1, "priority": "idle"}})
     state = {"w": torch.randn(256, 256)}
     with Checkpointer(cfg, storage=storage) as ckpt, caplog.at_level(logging.WARNING, logger="fastckpt"):
         handle = ckpt.save(state, step=1)
@@ -291,7 +291,7 @@ def _save_wait_load(rank: int, world: int, root: str) -> None:
     from tests.helpers import assert_bit_equal, clone_state
     torch.manual_seed(0)  # identical replicas, as DDP keeps them
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.BatchNorm1d(128), torch.nn.Linear(128, 64))
-    with Checkpointer(CheckpointConfig(root=root, persist={"chunk_bytes": 4096}), distributed=True) as ckpt:
+    with Checkpointer(CheckpointConfig(root=root, persist={"chunk_bytes": 4096, "priority": "idle"}), distributed=True) as ckpt:
         state = {"model": model.state_dict()}
         ref = clone_state(state)
         ckpt.save(state, step=1).wait()  # a collective on the committer (the new plan), then the shared writes
@@ -346,7 +346,7 @@ def test_saves_complete_on_a_busy_host(tmp_path, busy_host, caplog) -> None:
         pytest.skip("leaving SCHED_IDLE needs CAP_SYS_NICE or RLIMIT_NICE >= 20 here")
     main = policy_of(threading.get_native_id())
     before = {t.native_id for t in threading.enumerate()}
-    cfg = CheckpointConfig.from_dict({"root": str(tmp_path), "staging": {"slots": 2}, "persist": {"max_lag_s": 0}})
+    cfg = CheckpointConfig.from_dict({"root": str(tmp_path), "staging": {"slots": 2}, "persist": {"max_lag_s": 0, "priority": "idle"}})
     states = [{"w": torch.randn(1024, 1536)} for _ in range(4)]  # 6 MB, as in the issue
     with Checkpointer(cfg) as ckpt, caplog.at_level(logging.WARNING, logger="fastckpt"):
         handles = [ckpt.save(s, step=i) for i, s in enumerate(states, 1)]
@@ -367,7 +367,7 @@ _REFUSED = textwrap.dedent("""
     logging.basicConfig(level=logging.WARNING)
     states = [{"w": torch.randn(256, 256)} for _ in range(2)]
     storage = GatedStorage(open_storage(sys.argv[1]))
-    cfg = CheckpointConfig.from_dict({"root": sys.argv[1], "staging": {"slots": 2}, "persist": {"max_lag_s": 0}})
+    cfg = CheckpointConfig.from_dict({"root": sys.argv[1], "staging": {"slots": 2}, "persist": {"max_lag_s": 0, "priority": "idle"}})
     with Checkpointer(cfg, storage=storage) as ck:
         hs = [ck.save(states[0], step=1)]
         assert storage.entered.wait(60)  # step 1 is pending: step 2 tries to raise the threads

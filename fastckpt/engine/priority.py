@@ -2,13 +2,23 @@
 
 Checksums, writes, uploads and commits have seconds of slack: nobody waits for them
 until the next ``save`` needs a slot. The training thread has none. So these threads
-ask the kernel to run them only on CPU time that training leaves over:
+may ask the kernel to run them only on CPU time that training leaves over:
 
-- ``idle`` (default): ``SCHED_IDLE``. The thread runs when a core would otherwise be
-  idle, and a waking training thread preempts it at once.
+- ``normal`` (default): the process's own priority: nothing is changed.
 - ``low``: nice 19, the weakest normal share (about 1.5% of a core against a
   nice-0 thread).
-- ``normal``: the process's own priority.
+- ``idle``: ``SCHED_IDLE``. The thread runs when a core would otherwise be
+  idle, and a waking training thread preempts it at once.
+
+Why lowering is not the default: a lowered thread still holds the GIL while it runs
+Python between its native calls (checksums, writes, torch ops release it). Where other
+processes keep every core busy, a lowered thread preempted while it holds the GIL waits
+seconds for its next slice, and the training thread, asking for the GIL, waits with it:
+beside three CPU-bound processes on two cores, single training steps of 8 ms took 3 to
+11 s (``idle``) and 4 s (``low``), and none over 56 ms at ``normal``
+(``python -m benchmarks.run --only busy``). On a quiet host ``normal`` measured no worse
+than ``idle`` (the plain loop's stall, 1.48 GB every 5 steps). Lower them only where
+training is the only thing that runs.
 
 On a host whose cores all stay busy (DataLoader workers decoding data) a lowered thread
 gets almost nothing: a 6 MB checkpoint took seconds, and ``save`` then blocked on full
