@@ -40,16 +40,14 @@ from .measure import Trainer, floor, paired_stall, rmtree
 
 __all__ = ["CONFIGS", "task_breakdown"]
 
-# name -> CheckpointConfig overrides (sections as mappings). "before" is the release's behaviour: the CRC32C taken
-# by the I/O workers, a second read of the staged bytes; "single_pass" takes it in the copy thread, chunk by
-# chunk, while the chunk is still in cache; "paced" adds write pacing to the measured disk bandwidth.
+# name -> CheckpointConfig overrides (sections as mappings). "default" is the release's behaviour (health + CRC32C in
+# one pass on the I/O workers, persist.priority normal); "priority idle" the default before 2026-11-26 (I/O and commit
+# threads under SCHED_IDLE); "no_health" the bound of what a cheaper health pass could give. Earlier runs measured
+# "single_pass" (staging.crc_in_copy) and write pacing (persist.pace_writes): no gain, both off (BENCHMARKS.md).
 CONFIGS: dict[str, dict[str, Any]] = {
-    "before": {"staging": {"crc_in_copy": False}, "persist": {"pace_writes": False}},
-    "single_pass": {"staging": {"crc_in_copy": True}, "persist": {"pace_writes": False}},
-    "single_pass+paced": {"staging": {"crc_in_copy": True}, "persist": {"pace_writes": True}},
-    "no_health": {"staging": {"crc_in_copy": True}, "persist": {"pace_writes": False}, "health": {"enabled": False}},
-    # whether the I/O threads' idle priority (SCHED_IDLE) holds the training thread behind a GIL they hold
-    "before,priority normal": {"staging": {"crc_in_copy": False}, "persist": {"pace_writes": False, "priority": "normal"}},
+    "default": {},
+    "priority idle": {"persist": {"priority": "idle"}},
+    "no_health": {"health": {"enabled": False}},
 }
 
 _TICK = os.sysconf("SC_CLK_TCK")

@@ -64,6 +64,19 @@ def test_quick_benchmark_run_writes_report(tmp_path: Path) -> None:
                     assert "n/a (error:" in md
                 else:
                     assert run["ok"], (section, cfg, run.get("error"))
+    for section in ("lightning", "accelerate"):  # the stall is paired in windows inside each run, as the plain loop's
+        for cfg, r in res[section].items():
+            if cfg == "baseline" or not r["ok"]:
+                continue
+            got = r["result"]
+            assert len(got["windows_s"]) == 2 * got["n_ckpt"] + 1 and len(got["stall_pairs_s"]) == got["n_ckpt"] > 0
+            assert got["windows_s"][1::2] and min(got["windows_s"]) > 0, (section, cfg, got["windows_s"])
+    floor = res["core"]["fastckpt"]["result"]["floor"]  # issue 27: the stall against one memcpy of the state
+    assert floor["memcpy_s"] > 0 and floor["crc_s"] > 0
+    assert res["busy"]["quiet"]["ok"] and res["busy"]["quiet"]["result"]["neighbours"] == 0
+    for row in ("plain-loop stall vs one memcpy of the state", "Busy host: save at the loop's end -> durable",
+                "Busy host: per-checkpoint stall", "fastckpt, no neighbours (reference)"):
+        assert row in md, row
     load = res["lightning_load"]  # load_from_checkpoint: a fastckpt .ckpt vs the same state from torch.save
     assert load["ok"], load.get("error")
     assert set(load["result"]["load_from_checkpoint"]["warm_s"]) == {"fastckpt", "torch_save"}

@@ -180,3 +180,34 @@ def test_retake_holds_the_seal_values_then_stages_moved_keys_eagerly(tmp_path, c
         warned = [r for r in caplog.records if "on_mutation" in r.getMessage()]
         assert len(warned) <= 1  # once per process (another test of this process may have taken it)
         assert [i.step for i in ckpt.list()] == [1, 2]
+
+
+def test_a_data_write_into_a_sampled_tensor_is_refused(tmp_path) -> None:
+    """A tensor over ``WHOLE`` bytes is compared by strided samples, not whole: a ``.data`` write of all of it right
+    after save() (whether the copy read it before or after) is refused at the seal, and the next save commits."""
+    from fastckpt.engine.seal import WHOLE
+
+    torch.manual_seed(0)
+    big = nn.Parameter(torch.randn(4 * WHOLE))  # 1 MiB of float32: sampled every page
+    opt = torch.optim.SGD([big], lr=0.1)
+    with Checkpointer(CheckpointConfig(root=str(tmp_path), staging={"mode": "lazy"})) as ckpt:
+        ckpt.watch(opt)
+        handle = ckpt.save({"big": big}, step=1)
+        big.data.mul_(2.0)  # skips the version counter
+        with pytest.raises(SnapshotMutatedError, match="'big'"):
+            bounded(handle.wait, 30)
+        assert ckpt.list() == []
+        ref = big.detach().clone()
+        bounded(lambda: ckpt.save({"big": big}, step=2).wait(), 30)
+        assert torch.equal(ckpt.load(2)["big"], ref)
+
+
+def test_the_sampling_stride_keeps_a_save_within_its_budget() -> None:
+    """One run per page while the lazy bytes are few; beyond that the stride doubles so that a save samples at most
+    ``BUDGET`` runs (each run is a page touch: one per page of 1.48 GB cost 115 ms inside save())."""
+    from fastckpt.engine.seal import BUDGET, PAGE, stride_for
+
+    assert stride_for(0) == PAGE and stride_for(BUDGET * PAGE) == PAGE
+    for total in (BUDGET * PAGE + 1, 1_483_841_100, 80 * 1024 ** 3):
+        stride = stride_for(total)
+        assert stride & (stride - 1) == 0 and total // stride <= BUDGET < total // (stride // 2), (total, stride)

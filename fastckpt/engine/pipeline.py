@@ -7,7 +7,7 @@ metadata, then the manifest (the commit), then garbage. Deletions travel through
 the same queue, so they always run behind the saves submitted before them.
 
 Threads: ``fastckpt-copy`` and ``fastckpt-commit`` are owned by ``Pipeline`` and
-stop on a ``None`` sentinel; ``fastckpt-io-*`` (lowered, fastckpt/engine/priority.py) and ``fastckpt-boost-*``
+stop on a ``None`` sentinel; ``fastckpt-io-*`` (at ``persist.priority``, fastckpt/engine/priority.py) and ``fastckpt-boost-*``
 (never lowered, used only while the kernel refuses to raise the first) are executors shut down by ``close``.
 """
 from __future__ import annotations
