@@ -32,7 +32,7 @@ def test_every_field_is_documented_with_type_default_and_allowed_values() -> Non
             assert row is not None, f"{prefix}{f.name} missing"
             cells = [cell.strip() for cell in row.strip("|").split(" | ")]
             assert len(cells) == 5 and all(cells), (prefix + f.name, cells)  # type, default, rule, why: none empty
-    assert "| `persist.priority` | `str` | `'idle'` | `idle`, `low`, `normal` |" in text
+    assert "| `persist.priority` | `str` | `'normal'` | `idle`, `low`, `normal` |" in text
     assert "| `staging.max_host_bytes` | `int \\| None` | `null` | integer >= 1, or `null` |" in text
     assert "| `persist.fsync` | `bool` | `true` | `true`, `false` |" in text
 
