@@ -12,7 +12,7 @@ bytes every ``stride`` bytes of each lazy tensor (whole tensors up to ``WHOLE`` 
 The stride is one 4 KiB page while the lazy bytes are few, and doubles until a save samples at most ``BUDGET`` runs:
 each run touches its own page (a TLB and a cache miss), and one per page of a 1.48 GB state cost 115 ms inside
 ``save()`` and again at the seal on the 2-core benchmark host (a strided copy: 28 ms; 11,000 runs: 0.5 ms).
-inside ``save()`` from the sources (on CUDA a small gather left on the device), by the copy thread from the staged
+The samples are taken inside ``save()`` from the sources (on CUDA a small gather left on the device), by the copy thread from the staged
 bytes right after each copy, and at the seal from the sources again. Staged bytes that differ from save()'s prove
 the copy read a later write; sources that differ prove a write since (undone or not). The staged buffers
 themselves need not stay alive (ring mode reuses them, and holding them until the seal would stall the ring). A
