@@ -81,7 +81,6 @@ def task_lightning(config: str, shape: dict, root: str, warmup: int, every: int,
             self.end = 0.0
             self.rss_before: int | None = None
             self.sampler: RssSampler | None = None
-            self.io: Any = None
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
             b = trainer.global_step
