@@ -102,6 +102,11 @@ class PersistOptions(_Freezable):
     _prefix = "persist."
     workers: int = 2
     """I/O worker threads (writes, uploads, reads on load)."""
+    cpu_threads: int | str = "auto"
+    """How many background threads may do CPU-bound work at once (the lazy copy, checksums and health statistics,
+    content hashes, buffered writes); the I/O waits themselves are not counted. ``auto``: the CPUs this process may
+    use minus those training uses (``torch.get_num_threads()`` for a CPU state, one thread for a GPU state), at
+    least one; the copy thread goes first (fastckpt/engine/cpugate.py). An integer >= 1 sets it."""
     chunk_bytes: int = 128 * 1024 * 1024
     """Target size of one tensor file; the unit of the copy -> write pipeline."""
     verify_on_load: bool = True
@@ -141,6 +146,9 @@ class PersistOptions(_Freezable):
         if isinstance(self.direct_io, bool):  # YAML 1.1 reads a bare on/off as true/false
             self.direct_io = "on" if self.direct_io else "off"
         _check_int("persist.", "workers", self.workers, 1)
+        if self.cpu_threads != "auto" and (isinstance(self.cpu_threads, bool) or not isinstance(self.cpu_threads, int)
+                                           or self.cpu_threads < 1):
+            raise ConfigError(f"persist.cpu_threads must be auto or an integer >= 1, got {self.cpu_threads!r}")
         _check_int("persist.", "chunk_bytes", self.chunk_bytes, 4096)
         if not isinstance(self.verify_on_load, bool):
             raise ConfigError(f"persist.verify_on_load must be true or false, got {self.verify_on_load!r}")

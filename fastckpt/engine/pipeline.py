@@ -13,13 +13,13 @@ stop on a ``None`` sentinel; ``fastckpt-io-*`` (at ``persist.priority``, fastckp
 from __future__ import annotations
 
 import functools
-
 import itertools
 import logging
 import queue
 import threading
 import time
 import uuid
+from contextlib import nullcontext
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -41,6 +41,7 @@ from .stagedcheck import StagedChecker, check_staged
 from .sealing import await_seal, record_staged, seal_job
 from .priority import ThreadPriorities
 from .sharedfile import SharedFileWrite
+from .cpugate import CpuGate, auto_limit
 from .onepass import copy_with_crcs, plain_sources
 from .staging import HostArena, Slot, copy_entries
 from .streams import CudaCopy, host_wait, record_done, shard_events
@@ -93,6 +94,7 @@ class Job:
     health_doc: dict[str, Any] | None = None  # their summary (format/health.py), set by the committer
     stale_mark: Any = None  # engine/stale.py: optimizer steps before this save, and its parameter keys
     dedup: Any = None  # engine/dedupwrite.py: a direct object-store root's copy source (single writer), or None
+    cpu_section: Callable[[], Any] = nullcontext  # entered by a format around its CPU-bound work (engine/cpugate.py)
 
     # what a FileFormat reads of a save (format/protocol.py's Snapshot)
     @property
@@ -135,6 +137,14 @@ class Pipeline:
         self.on_refused: Callable[[Job, BaseException], None] | None = None
         self.crc_in_copy = False  # staging.crc_in_copy: the copy thread checksums what it stages (engine/onepass.py)
         self.pacer: WritePacer | None = None  # persist.pace_writes (engine/writepace.py)
+        self._on_gpu = False  # the newest job's state is on a GPU: training then keeps one CPU busy, not torch's threads
+        self.gate = CpuGate(lambda: auto_limit(self._on_gpu))  # persist.cpu_threads (engine/cpugate.py)
+        if hasattr(storage, "cpu_section"):  # local buffered writes (the kernel's copy) pass the gate too
+            storage.cpu_section = self.gate.held
+
+    def cpu_threads(self, limit: int | str) -> None:
+        """``persist.cpu_threads``: ``auto`` or a fixed number of CPU-bound background sections at once."""
+        self.gate.limit = (lambda: auto_limit(self._on_gpu)) if limit == "auto" else limit
 
     # ---- called by the Checkpointer on the training thread -------------------------
 
@@ -153,6 +163,8 @@ class Pipeline:
 
     def submit(self, job: Job, lazy: list[Shard]) -> None:
         """Queue ``job``: the copy thread stages ``lazy`` shards, then the committer commits."""
+        self._on_gpu = job.cuda is not None
+        job.cpu_section = self.gate.held
         if lazy:
             # Still on the training thread inside save(): the counters are those of the snapshot's moment.
             entries = [e for s in lazy for e in s.entries]
@@ -215,7 +227,10 @@ class Pipeline:
                 if job.cuda is not None:
                     job.cuda.begin_lazy()
                 for shard in shards:
-                    self._copy_shard(job, shard, job.cuda.lazy if job.cuda is not None else None, self.crc_in_copy)
+                    # a CPU copy burns this thread's core; a CUDA one is only queued here (the DMA engine copies)
+                    with self.gate.held(urgent=True) if job.cuda is None else nullcontext():
+                        self._copy_shard(job, shard, job.cuda.lazy if job.cuda is not None else None,
+                                         self.crc_in_copy)
                 # shm: every copy queued first, then checksummed as they land (engine/stagedcheck.py); job.unchecked
                 # were queued in save(), so mostly landed by now: the lazy copies above were not held behind them
                 if job.slot.dir is not None:
@@ -285,7 +300,11 @@ class Pipeline:
                 job.copied_at[shard.index] = time.perf_counter()
             buf = job.slot.held(shard)
             if job.health is not None:  # measured here, on the staged copy: never on the training thread
-                job.health.update(shard_health(job, shard, buf, fmt))  # + CRC32C, one pass (healthpass.py)
+                with self.gate.held():  # + CRC32C, one pass (healthpass.py): CPU-bound
+                    job.health.update(shard_health(job, shard, buf, fmt))
+            if fmt.keeps_shards:  # a format that writes at the commit: here it only checksums (and hashes)
+                with self.gate.held():
+                    return fmt.write_shard(self.storage, job, shard, memoryview(buf.numpy())[: shard.nbytes])
             if self.pacer is None:
                 return fmt.write_shard(self.storage, job, shard, memoryview(buf.numpy())[: shard.nbytes])
             self.pacer.take(shard.nbytes)

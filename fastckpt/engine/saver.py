@@ -79,6 +79,7 @@ class Saver:
         self.pipeline.on_refused = self._on_refused
         self.pipeline.crc_in_copy = config.staging.crc_in_copy
         self.pipeline.pacer = WritePacer(config.persist.chunk_bytes) if config.persist.pace_writes else None
+        self.pipeline.cpu_threads(config.persist.cpu_threads)
         self._moved: set[str] = set()  # keys a seal found moved (on_mutation retake): staged eagerly from then on
         self._retaking: SaveHandle | None = None  # set while a refused snapshot is taken again under its handle
 

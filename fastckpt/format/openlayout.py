@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+from contextlib import nullcontext
 from concurrent.futures import Executor
 from typing import Any
 
@@ -43,13 +44,14 @@ class OpenLayout:
         tensor_crcs = []
         data_crc = 0  # of the staged bytes alone (CRC32C of nothing is 0): a clone's check (clonewrite.py)
         staged = snap.staged_crcs.get(shard.index)  # computed once, when the bytes were staged
-        for i, e in enumerate(shard.entries):
-            c = staged[i] if staged is not None else crc32c(data[e.offset: e.offset + e.nbytes])
-            tensor_crcs.append(c)
-            crc = combine(crc, c, e.nbytes)
-            data_crc = combine(data_crc, c, e.nbytes)
-        # content records for the next upload's dedup, hashed here from the staged bytes (an I/O worker)
-        hashes = hash_records(header, data[: shard.nbytes], [e.offset for e in shard.entries])
+        with getattr(snap, "cpu_section", nullcontext)():  # reads every byte: one of the CPU-bound sections
+            for i, e in enumerate(shard.entries):
+                c = staged[i] if staged is not None else crc32c(data[e.offset: e.offset + e.nbytes])
+                tensor_crcs.append(c)
+                crc = combine(crc, c, e.nbytes)
+                data_crc = combine(data_crc, c, e.nbytes)
+            # content records for the next upload's dedup, hashed here from the staged bytes (an I/O worker)
+            hashes = hash_records(header, data[: shard.nbytes], [e.offset for e in shard.entries])
         name = shard_file_name(shard.index, snap.uid)
         head_mm, head = aligned_buffer(len(header))  # page-aligned so O_DIRECT can take it
         head[:] = header
