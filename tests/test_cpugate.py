@@ -223,3 +223,26 @@ def test_the_default_is_auto_and_follows_the_training_threads(tmp_path: Path) ->
         assert limit is not None and limit() == auto_limit()
     with Checkpointer(CheckpointConfig(root=str(tmp_path), persist={"cpu_threads": 3})) as ckpt:
         assert ckpt._saver.pipeline.gate.limit() == 3
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_ring_slot_smaller_than_the_state_does_not_deadlock_on_the_gate(tmp_path: Path, workers: int) -> None:
+    """Ring mode: the copy thread waits for a buffer that only an I/O worker's write frees. Holding the gate while
+    waiting (the first version) deadlocked: the worker waited for the gate to checksum."""
+    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(8)])  # 8 MiB of parameters
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = CheckpointConfig(root=str(tmp_path), persist={"workers": workers, "cpu_threads": 1,
+                                                           "chunk_bytes": 1 << 20},
+                              staging={"max_host_bytes": 3 << 20})
+    with Checkpointer(config) as ckpt:
+        ckpt.watch(opt)
+        expected = {k: v.clone() for k, v in model.state_dict().items()}
+        handle = ckpt.save({"model": model.state_dict()}, step=1)
+        assert ckpt._saver.pipeline.gate.limit() == 1
+        model(torch.randn(2, 512)).sum().backward()
+        opt.step()  # waits for staging: hung here before the fix
+        handle.wait()
+        loaded = ckpt.load(1)
+    for k, v in expected.items():
+        assert torch.equal(loaded["model"][k], v), k

@@ -227,10 +227,7 @@ class Pipeline:
                 if job.cuda is not None:
                     job.cuda.begin_lazy()
                 for shard in shards:
-                    # a CPU copy burns this thread's core; a CUDA one is only queued here (the DMA engine copies)
-                    with self.gate.held(urgent=True) if job.cuda is None else nullcontext():
-                        self._copy_shard(job, shard, job.cuda.lazy if job.cuda is not None else None,
-                                         self.crc_in_copy)
+                    self._copy_shard(job, shard, job.cuda.lazy if job.cuda is not None else None, self.crc_in_copy)
                 # shm: every copy queued first, then checksummed as they land (engine/stagedcheck.py); job.unchecked
                 # were queued in save(), so mostly landed by now: the lazy copies above were not held behind them
                 if job.slot.dir is not None:
@@ -265,7 +262,17 @@ class Pipeline:
         return seal_job(job, self.on_refused)
 
     def _copy_shard(self, job: Job, shard: Shard, streams: dict[int, Any] | None, crc: bool = False) -> None:
+        """The copy thread's CPU copy is one of the CPU-bound sections (engine/cpugate.py); a CUDA copy is only
+        queued, and save()'s eager copies on the training thread never wait. The gate is taken after the buffer: in
+        ring mode the buffer waits for an I/O worker's write to free it, and that worker may wait for the gate."""
         buf = job.slot.buffer(shard)
+        gated = streams is None and threading.current_thread() is self._copier
+        with self.gate.held(urgent=True) if gated else nullcontext():
+            self._copy_into(job, shard, buf, streams, crc)
+        job.writes.append(self._writers().submit(self._write_shard, job, shard))
+
+    def _copy_into(self, job: Job, shard: Shard, buf: torch.Tensor, streams: dict[int, Any] | None,
+                   crc: bool) -> None:
         # The guard knows only the lazy tensors: eager shards (copied inside save()) pass through unchecked.
         entries = shard.entries if job.guard is None else job.guard.around(shard.entries)
         # One pass (copy thread only: inside save() it would lengthen the call): the open layout's writer then
@@ -284,7 +291,6 @@ class Pipeline:
             else:  # the staged bytes the seal compares, taken while the buffer is ours (ring mode reuses it)
                 host_wait(shard_events(job.shard_events, shard.index))
                 job.seal.record(buf, shard.entries)
-        job.writes.append(self._writers().submit(self._write_shard, job, shard))
 
     def _writers(self) -> ThreadPoolExecutor:
         return self._boost if self._priorities.boost else self._io

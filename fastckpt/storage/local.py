@@ -4,6 +4,7 @@ Errors are raised as ``StorageError`` naming the path, chained to the OS error.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import mmap
@@ -37,8 +38,7 @@ class LocalStorage:
         self._direct = direct_io
         self._fsync = fsync
         self._direct_works: bool | None = None if direct_io == "auto" else direct_io == "on"
-        # Entered around each buffered write, whose kernel copy into the page cache burns CPU (O_DIRECT writes and
-        # fsync wait on the device instead): the pipeline's CPU gate (fastckpt/engine/cpugate.py).
+        # around each buffered write (the kernel's copy burns CPU; O_DIRECT and fsync wait): engine/cpugate.py
         self.cpu_section: Callable[[], AbstractContextManager] = nullcontext
 
     def join(self, *parts: str) -> str:
@@ -93,15 +93,18 @@ class LocalStorage:
                   attrs: dict[str, bytes] | None = None) -> None:
         fd = _create(path, 0, replace=replace) if flags is None else os.open(path, flags)
         try:
-            for part in parts:
-                with self.cpu_section():
-                    _write_all(fd, part)
+            self._write_parts(fd, parts)
             if attrs:  # before the fsync, which makes them durable with the bytes
                 set_attrs(fd, attrs)
             if self._fsync:
                 os.fsync(fd)
         finally:
             os.close(fd)
+
+    def _write_parts(self, fd: int, parts: Sequence[memoryview]) -> None:
+        for part in parts:
+            with self.cpu_section():
+                _write_all(fd, part)
 
     def write_atomic(self, path: str, data: bytes, *, before_publish: Callable[[], None] | None = None) -> None:
         """``before_publish`` (optional) runs right before the complete file takes its name; raising stops that."""
@@ -214,9 +217,7 @@ class LocalStorage:
                 return None
             raise
         try:
-            for part in parts:
-                with self.cpu_section():
-                    _write_all(fd, part)
+            self._write_parts(fd, parts)
             if attrs:  # on the unnamed file: the record is there the moment the file has a name
                 set_attrs(fd, attrs)
             if self._fsync:
@@ -463,13 +464,8 @@ def open_regular(path: str, flags: int = 0) -> int:
 def _aligned(parts: Sequence[memoryview]) -> bool:
     import numpy as np
 
-    for part in parts[:-1]:
-        if len(part) % _DIRECT_ALIGN:
-            return False
-    for part in parts:
-        if len(part) and np.frombuffer(part, dtype=np.uint8).ctypes.data % _DIRECT_ALIGN:
-            return False
-    return True
+    return not any(len(part) % _DIRECT_ALIGN for part in parts[:-1]) and not any(
+        len(part) and np.frombuffer(part, dtype=np.uint8).ctypes.data % _DIRECT_ALIGN for part in parts)
 
 
 def _write_all(fd: int, data: memoryview) -> None:
@@ -494,10 +490,8 @@ def _fsync_dir(path: str) -> None:
 
 
 def _silent_remove(path: str) -> None:
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.remove(path)
-    except FileNotFoundError:
-        pass
 
 
 def aligned_buffer(nbytes: int) -> tuple[mmap.mmap, memoryview]:
