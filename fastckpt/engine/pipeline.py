@@ -230,8 +230,10 @@ class Pipeline:
                     self._copy_shard(job, shard, job.cuda.lazy if job.cuda is not None else None, self.crc_in_copy)
                 # shm: every copy queued first, then checksummed as they land (engine/stagedcheck.py); job.unchecked
                 # were queued in save(), so mostly landed by now: the lazy copies above were not held behind them
-                if job.slot.dir is not None:
-                    self._checker.check(job, [s for s in shards if s.index not in job.staged_crcs] + job.unchecked)
+                if job.slot.dir is not None:  # CPU-bound on a CPU state (CUDA: it waits for the copies first)
+                    with self.gate.held(urgent=True) if job.cuda is None else nullcontext():
+                        self._checker.check(job, [s for s in shards if s.index not in job.staged_crcs]
+                                            + job.unchecked)
             except BaseException as e:  # noqa: BLE001 - reported through the job
                 job.error = e
             finally:

@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 from ..config import CheckpointConfig
 from ..engine.distributed import Coordinator
+from ..engine.cpugate import auto_limit
 from ..engine.pipeline import Job, Pipeline
 from ..errors import StorageError
 from ..format.openlayout import OPEN_LAYOUT
@@ -56,7 +57,9 @@ class Persister:
     def __init__(self, storage: LocalStorage, config: CheckpointConfig) -> None:
         p = config.persist
         self.opts = {"root": storage.url, "direct_io": p.direct_io, "fsync": p.fsync, "workers": p.workers,
-                     "priority": p.priority, "health": config.health.enabled, "shm_dir": config.staging.shm_dir}
+                     "priority": p.priority, "health": config.health.enabled, "shm_dir": config.staging.shm_dir,
+                     # resolved here: the child cannot see how many threads training uses (engine/cpugate.py)
+                     "cpu_threads": auto_limit() if p.cpu_threads == "auto" else p.cpu_threads}
         self.proc: subprocess.Popen | None = None
         self._conn: Connection | None = None
         self._futures: dict[str, tuple[str, Future]] = {}  # uid -> (checkpoint name, its commit's future)

@@ -70,6 +70,7 @@ class PersisterServer:
         self.priorities = ThreadPriorities(opts["priority"])  # raised and lowered as the parent's are
         self.pipeline = GatedPipeline(self.storage, HostArena(1, None), opts["workers"], self._committed,
                                       self._failed, priorities=self.priorities)
+        self.pipeline.cpu_threads(opts.get("cpu_threads", "auto"))  # the training process's count (persister.py)
         self.tier = ShmTier(opts["shm_dir"], self.storage.url, join=self.storage.join)  # opens nothing by itself
         # told "staged", not yet committed or dropped: uid -> its job and record
         self.jobs: dict[str, tuple[Job, StagedRecord]] = {}
