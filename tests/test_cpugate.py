@@ -42,13 +42,19 @@ class _Holder(threading.Thread):
             self.release.wait(DEADLINE_S)
 
 
-def test_a_limit_of_one_admits_one_section_at_a_time() -> None:
-    gate, order = CpuGate(1), []
+def _one_inside_one_waiting(gate: CpuGate, order: list[str]) -> tuple[_Holder, _Holder]:
+    """Thread a inside ``gate`` (limit 1), thread b waiting at it."""
     a, b = _Holder(gate, "a", order), _Holder(gate, "b", order)
     a.start()
     assert a.inside.wait(DEADLINE_S)
     b.start()
     _until(lambda: gate.waits == 1, "b to wait at the gate")
+    return a, b
+
+
+def test_a_limit_of_one_admits_one_section_at_a_time() -> None:
+    gate, order = CpuGate(1), []
+    a, b = _one_inside_one_waiting(gate, order)
     assert order == ["a"] and not b.inside.is_set()
     a.release.set()
     assert b.inside.wait(DEADLINE_S)
@@ -90,11 +96,7 @@ def test_a_nested_section_on_the_same_thread_passes() -> None:
 
 def test_raising_the_limit_admits_the_waiters() -> None:
     gate, order = CpuGate(1), []
-    a, b = _Holder(gate, "a", order), _Holder(gate, "b", order)
-    a.start()
-    assert a.inside.wait(DEADLINE_S)
-    b.start()
-    _until(lambda: gate.waits == 1, "b to wait")
+    a, b = _one_inside_one_waiting(gate, order)
     gate.limit = 2
     assert b.inside.wait(DEADLINE_S)  # while a still holds its section
     assert a.is_alive() and not a.release.is_set()
