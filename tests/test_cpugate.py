@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -17,13 +16,9 @@ from fastckpt.engine.cpugate import CpuGate, auto_limit
 DEADLINE_S = 30.0
 
 
-def _until(predicate, what: str) -> None:
-    """Wait (on a deadline, never a fixed sleep) for ``predicate``; fail naming ``what``."""
-    end = time.monotonic() + DEADLINE_S
-    while not predicate():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.001)
+def _until_waiting(gate: CpuGate, n: int, what: str) -> None:
+    """Until ``n`` entries wait at ``gate`` (notified by the gate, never a fixed sleep); fail naming ``what``."""
+    assert gate.wait_for_waits(n, DEADLINE_S), f"timed out waiting for {what}"
 
 
 class _Holder(threading.Thread):
@@ -48,7 +43,7 @@ def _one_inside_one_waiting(gate: CpuGate, order: list[str]) -> tuple[_Holder, _
     a.start()
     assert a.inside.wait(DEADLINE_S)
     b.start()
-    _until(lambda: gate.waits == 1, "b to wait at the gate")
+    _until_waiting(gate, 1, "b to wait at the gate")
     return a, b
 
 
@@ -71,10 +66,10 @@ def test_the_copy_thread_goes_before_waiting_io_threads() -> None:
     assert holder.inside.wait(DEADLINE_S)
     io = _Holder(gate, "io-1", order)
     io.start()
-    _until(lambda: gate.waits == 1, "the second I/O thread to wait")
+    _until_waiting(gate, 1, "the second I/O thread to wait")
     copy = _Holder(gate, "copy", order, urgent=True)
     copy.start()
-    _until(lambda: gate.waits == 2, "the copy thread to wait")
+    _until_waiting(gate, 2, "the copy thread to wait")
     holder.release.set()
     assert copy.inside.wait(DEADLINE_S)
     assert order == ["io-0", "copy"]  # the I/O thread waiting longer still lets the copy in first

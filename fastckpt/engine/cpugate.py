@@ -70,6 +70,7 @@ class CpuGate:
             try:
                 if self._blocked(urgent):
                     self.waits += 1
+                    self._cond.notify_all()  # whoever waits for ``waits`` to change (tests) learns it at once
                     while self._blocked(urgent):
                         self._cond.wait()
             finally:
@@ -84,6 +85,11 @@ class CpuGate:
             with self._cond:
                 self._busy -= 1
                 self._cond.notify_all()
+
+    def wait_for_waits(self, n: int, timeout: float) -> bool:
+        """Until ``n`` entries have had to wait (or ``timeout`` seconds): whether they had."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self.waits >= n, timeout)
 
     def _blocked(self, urgent: bool) -> bool:
         assert self._limit is not None

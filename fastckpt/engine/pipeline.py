@@ -138,7 +138,8 @@ class Pipeline:
         self.crc_in_copy = False  # staging.crc_in_copy: the copy thread checksums what it stages (engine/onepass.py)
         self.pacer: WritePacer | None = None  # persist.pace_writes (engine/writepace.py)
         self._on_gpu = False  # the newest job's state is on a GPU: training then keeps one CPU busy, not torch's threads
-        self.gate = CpuGate(lambda: auto_limit(self._on_gpu))  # persist.cpu_threads (engine/cpugate.py)
+        self.gate = CpuGate(None)  # persist.cpu_threads (engine/cpugate.py): auto until the config says otherwise
+        self.cpu_threads("auto")
         if hasattr(storage, "cpu_section"):  # local buffered writes (the kernel's copy) pass the gate too
             storage.cpu_section = self.gate.held
 
