@@ -17,7 +17,12 @@ a whole shard read into a fresh buffer by ``load()``) is read with O_DIRECT, whi
 and its copy to user memory; its sub-page tail is read buffered, and a filesystem that
 refuses O_DIRECT (tmpfs) is read buffered. Plain buffered reads serve ranges that land in a tensor's own
 storage (``load_into``: neither side is page-aligned). Reading through a reused aligned buffer per
-thread and copying was measured slower (1.48 GB ``load_into``: cold 1.98 s against 1.15-1.63 s buffered).
+thread and copying was measured slower (1.48 GB ``load_into``: cold 1.98 s against 1.15-1.63 s buffered), and again
+on 2026-11-28 on a disk where raw O_DIRECT was the fastest reader: O_DIRECT into an 8 MiB page-aligned bounce buffer
+per thread, then ``ctypes.memmove`` (GIL released) and the CRC, one ``Checkpointer`` in one process, pages dropped,
+4 alternating rounds: 1.15-1.28 s against 0.96-1.06 s buffered, with 3,000-5,000 involuntary context switches per
+load against ~450 (the copy waits for the whole piece and contends for the 2 cores; the kernel copies a buffered
+read's pages as they land). 2 MiB pieces on 16 threads, or pieces under 256 KiB left buffered: no better.
 
 Remote files go through ``Storage.read_into``, whose requests run under the network deadline with
 bounded retries: a piece that still fails raises once, naming the file. A storage serving memory

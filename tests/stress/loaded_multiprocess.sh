@@ -3,13 +3,16 @@
 #
 # Usage (from the repository root, venv active):  tests/stress/loaded_multiprocess.sh [RUNS] [RESULTS]
 #   RUNS     passes over the files (default 20)
-#   RESULTS  a file of "run file PASS|FAIL seconds" lines (default /tmp/fastckpt-loaded-mp.txt)
-# Resumable: a (run, file) pair already in RESULTS is skipped, so a stopped loop goes on where it was.
+#   RESULTS  a file of "run file PASS|FAIL seconds commit" lines (default tests/stress/loaded-mp-results.txt, kept in
+#            the repository: the passes span sessions, and the record of them is the evidence for issue 22.17)
+# Resumable: a (run, file) pair already in RESULTS is skipped, so a stopped loop goes on where it was; a pass that was
+# stopped midway is finished by the next call (at the commit then checked out: each line names its own).
 # A failing file's pytest output is kept as RESULTS.run<N>.<file>.log (it holds every rank's output).
 # The burners are started here and killed, by pid, on any exit (trap).
 set -u
 RUNS=${1:-20}
-RESULTS=${2:-/tmp/fastckpt-loaded-mp.txt}
+RESULTS=${2:-tests/stress/loaded-mp-results.txt}
+COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 FILES=(
   tests/test_rank_logs.py tests/test_distributed.py tests/test_dtensor.py tests/test_dtensor_uneven.py
   tests/test_shared_file.py tests/test_lifecycle_safety.py tests/test_remote_tier.py tests/test_shm_crash_trials.py
@@ -34,7 +37,7 @@ for run in $(seq 1 "$RUNS"); do
     else
       verdict=FAIL
     fi
-    echo "$run $f $verdict $(( $(date +%s) - start ))" | tee -a "$RESULTS"
+    echo "$run $f $verdict $(( $(date +%s) - start )) $COMMIT" | tee -a "$RESULTS"
   done
 done
 echo "passed: $(grep -c ' PASS ' "$RESULTS")  failed: $(grep -c ' FAIL ' "$RESULTS")"
