@@ -20,7 +20,9 @@ Coordinator's gloo group, once per save and in save order:
 Any failure aborts the upload: rank 0 aborts on a failed verdict, and a rank that loses the others (a rank died:
 gloo reports the broken connection) aborts it too, so no part outlives the save. A process killed between create and
 abort leaves the upload and its marker; the next start (rank 0's first shared upload into the folder, the Lightning
-plugin's first use of it, ``fastckpt gc``) aborts what the markers prove fastckpt's (``s3parts.sweep``).
+plugin's first use of it, ``fastckpt gc``) aborts what the markers prove fastckpt's (``s3parts.sweep``). That includes
+the survivor of a dead rank under Lightning's launcher: its child-process observer SIGKILLs rank 0 within 5 s of a
+rank's death, which on a loaded host can come before rank 0's abort (tests/test_lightning_ddp_s3.py).
 """
 from __future__ import annotations
 
