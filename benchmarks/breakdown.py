@@ -42,8 +42,9 @@ __all__ = ["CONFIGS", "task_breakdown"]
 
 # name -> CheckpointConfig overrides (sections as mappings). "default" is the release's behaviour (health + CRC32C in
 # one pass on the I/O workers, persist.priority normal); "priority idle" the default before 2026-11-26 (I/O and commit
-# threads under SCHED_IDLE); "no gate" the default before the CPU gate; "no_health" the bound of what a cheaper health pass could give. Earlier runs measured
-# "single_pass" (staging.crc_in_copy) and write pacing (persist.pace_writes): no gain, both off (BENCHMARKS.md).
+# threads under SCHED_IDLE); "no gate" the default before the CPU gate; "no_health" the bound of what a cheaper
+# health pass could give. Earlier runs measured "single_pass" (staging.crc_in_copy) and write pacing
+# (persist.pace_writes): no gain, both off (BENCHMARKS.md).
 CONFIGS: dict[str, dict[str, Any]] = {
     "default": {},
     "priority idle": {"persist": {"priority": "idle"}},

@@ -86,9 +86,10 @@ def test_ddp_ranks_upload_their_parts_of_each_ckpt_on_s3(tmp_path, s3_root, devi
 def test_rank_1_killed_mid_upload_leaves_no_object_and_the_previous_ones_intact(tmp_path, s3_root, survivor) -> None:
     """Rank 1 dies mid-upload. Rank 0 aborts the upload once gloo reports rank 1 gone; but stock Lightning's
     child-process observer SIGKILLs rank 0 within 5 s of rank 1's death (its next poll), and on a loaded host rank 0
-    can lose that race (1 of 3 loaded passes of this file beside two CPU burners, issue 22.17). ``killed first`` makes rank 0 lose
-    it every time (its abort on losing the others is switched off): the marker it wrote before any part went up then
-    proves the upload fastckpt's, and the next start's sweep (the plugin's first use of the folder) aborts it."""
+    can lose that race (1 of 3 loaded passes of this file beside two CPU burners, issue 22.17). ``killed first``
+    makes rank 0 lose it every time (its abort on losing the others is switched off): the marker it wrote before any
+    part went up then proves the upload fastckpt's, and the next start's sweep (the plugin's first use of the
+    folder) aborts it."""
     import fsspec
 
     from fastckpt.storage.protocol import open_storage
