@@ -17,15 +17,27 @@ import torch
 from fastckpt.storage.protocol import Storage
 
 
+def _where_differ(a: torch.Tensor, b: torch.Tensor) -> str:
+    """Where two flat tensors of one dtype differ, and by how much: a stale or later write (a whole step's change,
+    in one region) reads differently from a last-bit difference (two processes' arithmetic)."""
+    ab, bb = a.view(torch.uint8).reshape(-1, a.element_size()), b.view(torch.uint8).reshape(-1, b.element_size())
+    bad = (ab != bb).any(dim=1).nonzero().reshape(-1)
+    first, last = int(bad[0]), int(bad[-1])
+    text = f"{bad.numel()} of {a.numel()} elements, indices {first}..{last}; first: {a[first].item()!r} vs " \
+           f"{b[first].item()!r}"
+    if a.is_floating_point():
+        text += f"; max |difference| {(a.double() - b.double()).abs().nan_to_num(0.0).max().item():.3g}"
+    return text
+
+
 def assert_bit_equal(a: Any, b: Any, path: str = "state") -> None:
     """Recursively compare two states; tensors must match bit for bit (NaNs included)."""
     if isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor), f"{path}: expected a tensor, got {type(b).__name__}"
         assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"
         ac, bc = a.detach().cpu().contiguous().reshape(-1), b.detach().cpu().contiguous().reshape(-1)
-        if ac.numel():
-            assert ac.view(torch.uint8).numpy().tobytes() == bc.view(torch.uint8).numpy().tobytes(), \
-                f"{path}: tensor bytes differ"
+        if ac.numel() and ac.view(torch.uint8).numpy().tobytes() != bc.view(torch.uint8).numpy().tobytes():
+            raise AssertionError(f"{path}: tensor bytes differ: {_where_differ(ac, bc)}")
     elif isinstance(a, np.ndarray):
         assert isinstance(b, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape, path
         assert a.tobytes() == b.tobytes(), f"{path}: array bytes differ"
