@@ -17,6 +17,12 @@ import torch
 from fastckpt.storage.protocol import Storage
 
 
+def s3_uploads(fs: Any, url: str) -> list[dict]:
+    """The multipart uploads in progress under ``url`` (``s3://bucket/prefix``) on the s3fs filesystem ``fs``."""
+    bucket, _, prefix = url.removeprefix("s3://").partition("/")
+    return fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix).get("Uploads", [])
+
+
 def _where_differ(a: torch.Tensor, b: torch.Tensor) -> str:
     """Where two flat tensors of one dtype differ, and by how much: a stale or later write (a whole step's change,
     in one region) reads differently from a last-bit difference (two processes' arithmetic)."""

@@ -19,7 +19,7 @@ import fastckpt_accelerate
 from accelerate_testing import fresh_accelerate, make_accelerator  # noqa: F401 (fixture)
 from fastckpt.format.contenthash import FIELD
 from fastckpt.storage.partplan import MIN_PART
-from tests.helpers import run_child
+from tests.helpers import run_child, s3_uploads
 from tests.test_accelerate_s3_shared import _same
 from tests.test_s3_dedup import counted  # noqa: F401 - a fixture: bytes the client sends through the proxy
 
@@ -68,11 +68,6 @@ def _fs(proxied) -> s3fs.S3FileSystem:
 def _files(fs, url: str) -> dict[str, bytes]:
     return {p.rsplit("/", 1)[-1]: fs.cat_file(p) for p in fs.ls(url.removeprefix("s3://"), detail=False)
             if fs.isfile(p)}
-
-
-def _uploads(fs, url: str) -> list:
-    bucket, _, prefix = url.removeprefix("s3://").partition("/")
-    return fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix).get("Uploads", [])
 
 
 def _markers(fs, url: str) -> list[str]:
@@ -166,7 +161,7 @@ def test_second_save_state_sends_only_the_changed_bytes_and_the_folder_is_stock(
         _assert_stock(got, stock)
         listed = json.loads(got["manifest.json"])["files"]
         assert FIELD in listed["model.safetensors"]  # the next save's copy source: in fastckpt's own manifest
-        assert _uploads(fs, url) == [] and not _markers(fs, url)  # no upload or marker left
+        assert s3_uploads(fs, url) == [] and not _markers(fs, url)  # no upload or marker left
         loaded = _stock_load(tmp_path, got)
         for key, value in acc.unwrap_model(model).state_dict().items():
             assert torch.equal(loaded[key], value), key
@@ -215,7 +210,7 @@ def test_a_deleted_source_folder_is_sent_and_the_file_is_right(tmp_path, counted
     try:
         got = uploaded_without_its_source(fs, url, fast.checkpointer._saver.dedup, second, when)
         _assert_stock(got, stock)
-        assert _uploads(fs, url) == []
+        assert s3_uploads(fs, url) == []
     finally:
         acc.end_training()
 
@@ -248,7 +243,7 @@ def test_a_stale_or_forged_source_sends_everything_and_nothing_is_wrong(tmp_path
         assert second >= len(got["model.safetensors"])  # everything sent
         assert stats.copied == 0 and stats.fell_back > 0  # planned as copies, every one caught by its CRC32C
         _assert_stock(got, stock)
-        assert _uploads(fs, url) == []
+        assert s3_uploads(fs, url) == []
     finally:
         acc.end_training()
 
@@ -294,7 +289,7 @@ def test_sigkill_mid_save_keeps_the_previous_folder_and_the_next_start_aborts_th
     done = run_child(KILLED_CHILD, url, repr(proxied.server.storage_options), str(Path(__file__).parent),
                      str(tmp_path / "child"), str(tmp_path / "saved.pt"), "root", "first")
     assert done.returncode == -9, done.stderr[-3000:]
-    assert len(_uploads(fs, url)) == 1  # the killed save's planned upload, left behind
+    assert len(s3_uploads(fs, url)) == 1  # the killed save's planned upload, left behind
     assert not fs.exists(f"{url}/checkpoint_1/manifest.json")
     previous = _files(fs, f"{url}/checkpoint_0")
     assert STOCK | {"manifest.json"} == set(previous)
@@ -314,7 +309,7 @@ def test_sigkill_mid_save_keeps_the_previous_folder_and_the_next_start_aborts_th
         assert fast.checkpointer._saver.dedup.copied > 0
     finally:
         acc.end_training()
-    assert _uploads(fs, url) == [] and not _markers(fs, url)
+    assert s3_uploads(fs, url) == [] and not _markers(fs, url)
 
 
 def test_a_resumed_run_takes_the_highest_numbered_folder_as_its_copy_source(tmp_path):
@@ -386,7 +381,7 @@ def test_shared_uploads_of_a_resumed_run_copy_the_previous_folder(tmp_path, coun
     assert second <= changed + LAYERS * MIN_PART + SLACK, f"sent {second} of {model_size + changed} bytes"
     _assert_stock(got, stock)
     assert fs.exists(f"{url}/.fastckpt/records/model.safetensors.json")
-    assert _uploads(fs, url) == [] and not _markers(fs, url)
+    assert s3_uploads(fs, url) == [] and not _markers(fs, url)
     loaded = _stock_load(tmp_path, got)
     want = torch.load(tmp_path / "model.pt", weights_only=True)
     for key, value in want.items():

@@ -119,7 +119,8 @@ def _same(a, b) -> bool:
     return a == b
 
 
-def _uploads(fs, url: str) -> list:
+def _uploads(fs, url: str) -> list:  # tests.helpers.s3_uploads's twin: helpers imports fastckpt, which _stock_load's
+    # processes (this module, spawned) must not have imported
     bucket, _, prefix = url.removeprefix("s3://").partition("/")
     return fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix).get("Uploads", [])
 

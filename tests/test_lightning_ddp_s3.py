@@ -20,6 +20,8 @@ from typing import Any
 import pytest
 import torch
 
+from tests.helpers import s3_uploads
+
 HERE = Path(__file__).resolve().parent
 STEPS = 2
 
@@ -78,8 +80,7 @@ def test_ddp_ranks_upload_their_parts_of_each_ckpt_on_s3(tmp_path, s3_root, devi
     done = subprocess.run([sys.executable, "-c", check, str(tmp_path / "plain.ckpt")], capture_output=True,
                           text=True, timeout=120, cwd="/")
     assert done.returncode == 0 and done.stdout.strip() == str(STEPS), done.stderr[-3000:]
-    bucket, _, prefix = s3_root.url.removeprefix("s3://").partition("/")
-    assert fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix).get("Uploads", []) == []
+    assert s3_uploads(fs, s3_root.url) == []
 
 
 @pytest.mark.parametrize("survivor", ["aborts", "killed first"])
@@ -103,8 +104,7 @@ def test_rank_1_killed_mid_upload_leaves_no_object_and_the_previous_ones_intact(
     assert names == ["epoch=0-step=1.ckpt", "last.ckpt"], names  # no object for step 2
     for name in names:
         assert torch.load(io.BytesIO(fs.cat_file(f"{s3_root.url}/{name}")), weights_only=True)["global_step"] == 1
-    bucket, _, prefix = s3_root.url.removeprefix("s3://").partition("/")
-    left = fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix).get("Uploads", [])
+    left = s3_uploads(fs, s3_root.url)
     assert left or survivor == "aborts", "rank 0 aborted though its abort was switched off: the test proves nothing"
     if left:  # rank 0 was killed before its abort (always with "killed first"; by the observer's timing otherwise)
         # step 2's file and the last.ckpt Lightning saves with it: both uploads were in flight
@@ -112,7 +112,7 @@ def test_rank_1_killed_mid_upload_leaves_no_object_and_the_previous_ones_intact(
         swept = collect_temp_files(open_storage(s3_root.url, s3_root.storage_options), 0)
         markers = [m for m in swept if "/.fastckpt/uploads/" in m]
         assert len(markers) >= len(left), f"a marker names each upload left: {swept} for {left}"
-    assert fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix).get("Uploads", []) == [], \
+    assert s3_uploads(fs, s3_root.url) == [], \
         "rank 0 aborted the upload rank 1 died in, or its marker let the next start's sweep abort it"
 
 

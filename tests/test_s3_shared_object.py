@@ -23,7 +23,7 @@ from torch import nn
 from fastckpt import CheckpointConfig, Checkpointer, StorageError
 from fastckpt.engine.partplan import MIN_PART
 from tests.dist_launcher import rank_report, run_ranks
-from tests.helpers import assert_bit_equal, assert_same_torch_file, clone_state
+from tests.helpers import assert_bit_equal, assert_same_torch_file, clone_state, s3_uploads
 
 pytestmark = pytest.mark.slow
 NAME = "epoch=0-step=7.ckpt"
@@ -81,10 +81,7 @@ def _fs(options: dict):
 
 
 def _uploads(options: dict, url: str) -> list[dict]:
-    fs = _fs(options)
-    bucket, _, prefix = url.removeprefix("s3://").partition("/")
-    out = fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix)
-    return out.get("Uploads", [])
+    return s3_uploads(_fs(options), url)
 
 
 def _markers(fs, url: str) -> list[str]:
