@@ -17,11 +17,11 @@ import fastckpt_accelerate
 from accelerate_testing import fresh_accelerate  # noqa: F401 (fixture)
 from fastckpt.format.contenthash import FIELD
 from fastckpt.storage.partplan import MIN_PART
-from tests.helpers import run_child
+from tests.helpers import run_child, s3_uploads
 from tests.test_accelerate_s3_dedup import (KILLED_CHILD, LAYERS, SLACK, STOCK, _adapters, _files, _fs, _markers, _setup,
                                             deleting_source,
                                             _two_saves as s3_two_saves,
-                                            _stock_load, _step, _uploads, uploaded_without_its_source)
+                                            _stock_load, _step, uploaded_without_its_source)
 from tests.test_s3_dedup import counted  # noqa: F401 - a fixture: bytes the client sends through the proxy
 
 pytestmark = pytest.mark.timeout(180)
@@ -59,7 +59,7 @@ def test_second_upload_sends_only_the_changed_bytes_and_the_remote_folder_is_the
         assert second <= changed + LAYERS * MIN_PART + SLACK, f"sent {second} of {model_size + changed} bytes"
         assert stats.copied >= model_size - LAYERS * MIN_PART and stats.fell_back == 0
         assert FIELD in json.loads(got["manifest.json"])["files"]["model.safetensors"]
-        assert _uploads(fs, url) == [] and not _markers(fs, url)  # no upload or marker left
+        assert s3_uploads(fs, url) == [] and not _markers(fs, url)  # no upload or marker left
         loaded = _stock_load(tmp_path, got)  # stock load_state of a download of the remote folder
         for key, value in acc.unwrap_model(model).state_dict().items():
             assert torch.equal(loaded[key], value), key
@@ -93,7 +93,7 @@ def test_a_deleted_previous_remote_folder_is_sent_and_the_folder_is_right(tmp_pa
     try:
         got = uploaded_without_its_source(fs, url, fast.checkpointer.upload_checksums.dedup, second, when)
         assert got == _local(tmp_path, "checkpoint_1")
-        assert _uploads(fs, url) == []
+        assert s3_uploads(fs, url) == []
         loaded = _stock_load(tmp_path, got)
         for key, value in acc.unwrap_model(model).state_dict().items():
             assert torch.equal(loaded[key], value), key
@@ -112,7 +112,7 @@ def test_sigkill_mid_upload_keeps_the_previous_remote_folder_and_the_next_start_
     done = run_child(KILLED_CHILD, url, repr(proxied.server.storage_options), str(Path(__file__).parent),
                      str(project), str(tmp_path / "saved.pt"), "remote", "second")
     assert done.returncode == -9, done.stderr[-3000:]
-    assert len(_uploads(fs, url)) == 1  # the killed upload's multipart upload, left behind
+    assert len(s3_uploads(fs, url)) == 1  # the killed upload's multipart upload, left behind
     assert not fs.exists(f"{url}/checkpoint_1/manifest.json")
     previous = _files(fs, f"{url}/checkpoint_0")
     assert previous == _local(project, "checkpoint_0")  # the previous remote folder intact
@@ -125,7 +125,7 @@ def test_sigkill_mid_upload_keeps_the_previous_remote_folder_and_the_next_start_
         for key, value in saved.items():
             assert torch.equal(acc.unwrap_model(model).state_dict()[key], value), key
         fast.wait()
-        assert _uploads(fs, url) == [] and not _markers(fs, url)
+        assert s3_uploads(fs, url) == [] and not _markers(fs, url)
         got = _files(fs, f"{url}/checkpoint_1")
         assert got == _local(project, "checkpoint_1")
         assert fast.checkpointer.upload_checksums.dedup.copied > 0  # the resumed upload copied from checkpoint_0
