@@ -12,11 +12,19 @@ Each reads every byte of the files, with no checksum, the files' pages dropped f
 read, into memory already faulted in (a model's, what ``load_into`` fills) or into fresh memory (what a loader
 that returns new tensors fills, paying the first touch of every page); the best of ``reps`` is kept per reader,
 every run reported.
+
+``offset``: the destination starts that many bytes past a page, as a model's tensors do (CPU tensors sit 64 bytes
+past one). O_DIRECT needs the file offset and the memory address aligned alike, so no reader can read such memory
+with O_DIRECT directly: ``direct`` then reads each piece into a page-aligned buffer of its thread and copies it
+(``ctypes.memmove``, the GIL released). This is the raw ceiling of ``load_into`` into memory it cannot choose; the
+aligned one (``offset=0``) is the bound no reader reaches there without a page-aligned model.
 """
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -61,25 +69,52 @@ def _parallel(files: list[str], bufs: list[memoryview], flags: int) -> None:
             os.close(fd)
 
 
-def raw_read(files: list[str], reps: int = 3, fresh: bool = False) -> dict[str, Any]:
+def _bounced(files: list[str], bufs: list[memoryview]) -> None:
+    """O_DIRECT into a page-aligned buffer per thread, then a copy into the (unaligned) destination."""
+    fds = [os.open(f, os.O_RDONLY | getattr(os, "O_DIRECT", 0)) for f in files]
+    pieces = [(k, at) for k, b in enumerate(bufs) for at in range(0, len(b), PIECE)]
+    local = threading.local()
+
+    def one(piece: tuple[int, int]) -> None:
+        k, at = piece
+        if not hasattr(local, "buf"):
+            local.map = mmap.mmap(-1, PIECE)  # page-aligned; unmapped when the thread's locals go
+            local.buf = memoryview(local.map)
+            local.addr = ctypes.addressof(ctypes.c_char.from_buffer(local.map))
+        n = min(PIECE, len(bufs[k]) - at)
+        aligned = -(-n // 4096) * 4096
+        got = os.preadv(fds[k], [local.buf[:aligned]], at)
+        dst = bufs[k][at: at + min(n, got)]
+        ctypes.memmove(ctypes.addressof(ctypes.c_char.from_buffer(dst)), local.addr, len(dst))
+
+    try:
+        with ThreadPoolExecutor(THREADS) as pool:
+            list(pool.map(one, pieces))
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def raw_read(files: list[str], reps: int = 3, fresh: bool = False, offset: int = 0) -> dict[str, Any]:
     """Each reader of ``READERS`` run ``reps`` times, cold, in turns (so that a noisy spell hits them alike):
     ``{"bytes", "reps", "fresh", "readers": {name: {"runs": [s...], "seconds": best, "GBps"}}, "best": name}``.
     ``fresh``: into newly mapped memory, faulted in by the reads themselves (what a loader that returns new tensors
-    must do, ``load()`` and torch.load); else into memory faulted in before the clock starts (``load_into``'s model)."""
+    must do, ``load()`` and torch.load); else into memory faulted in before the clock starts (``load_into``'s model).
+    ``offset``: each destination that many bytes past a page (see the module's docstring)."""
     sizes = [os.path.getsize(f) - os.path.getsize(f) % 4096 for f in files]  # whole pages: O_DIRECT needs them
     times: dict[str, list[float]] = {name: [] for name in READERS}
     for _ in range(reps):
         for name in READERS:
-            maps = [mmap.mmap(-1, max(n, 1)) for n in sizes]
+            maps = [mmap.mmap(-1, max(n + offset, 1)) for n in sizes]
             if not fresh:
                 for m in maps:
                     torch.frombuffer(m, dtype=torch.uint8).fill_(0)  # faulted in, as a model's memory is
-            bufs = [memoryview(m)[:n] for m, n in zip(maps, sizes)]
+            bufs = [memoryview(m)[offset: offset + n] for m, n in zip(maps, sizes)]
             try:
                 for f in files:
                     drop_file_cache(f)
                 t0 = time.perf_counter()
-                _run(name, files, bufs)
+                _run(name, files, bufs, bounce=offset % 4096 != 0)
                 times[name].append(time.perf_counter() - t0)
             finally:
                 for b in bufs:
@@ -88,13 +123,15 @@ def raw_read(files: list[str], reps: int = 3, fresh: bool = False) -> dict[str, 
                     m.close()
     total = sum(sizes)
     readers = {name: {"runs": t, "seconds": min(t), "GBps": total / min(t) / 1e9} for name, t in times.items()}
-    return {"bytes": total, "reps": reps, "fresh": fresh, "readers": readers,
+    return {"bytes": total, "reps": reps, "fresh": fresh, "offset": offset, "readers": readers,
             "best": min(readers, key=lambda n: readers[n]["seconds"])}
 
 
-def _run(name: str, files: list[str], bufs: list[memoryview]) -> None:
+def _run(name: str, files: list[str], bufs: list[memoryview], bounce: bool = False) -> None:
     if name == "sequential":
         _sequential(files, bufs)
+    elif name == "direct" and bounce:
+        _bounced(files, bufs)
     else:
         _parallel(files, bufs, getattr(os, "O_DIRECT", 0) if name == "direct" else 0)
 

@@ -225,6 +225,8 @@ def task_restore_raw_read(root: str, reps: int = 3) -> dict[str, Any]:
     out = raw_read(shard_files(Path(root) / "fc"), reps)  # into faulted-in memory: the ceiling of load_into
     out["fresh"] = raw_read(shard_files(Path(root) / "fc"), reps, fresh=True)  # of load()
     out["torch_file"] = raw_read([str(Path(root) / "torch.pt")], reps, fresh=True)  # of torch.load, the zip reader
+    # load_into's real destination: a model's tensors, 64 bytes past a page, where O_DIRECT needs a bounce copy
+    out["unaligned"] = raw_read(shard_files(Path(root) / "fc"), reps, offset=64)
     return out
 
 

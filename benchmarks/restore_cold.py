@@ -143,6 +143,15 @@ def cold_markdown(res: dict[str, Any]) -> list[str]:
                    _raw_line(raw["fresh"], "of the shard files into fresh memory (ceiling of load())"),
                    _raw_line(raw["torch_file"], "of the torch file into fresh memory (ceiling of torch.load and "
                                                 "the torch zip reader)")]
+            if "unaligned" in raw and runs.get("fastckpt_load_into"):
+                un = raw["unaligned"]
+                best = un["readers"][un["best"]]["seconds"]
+                md += [_raw_line(un, "of the shard files into faulted-in memory 64 bytes past a page, as a model's "
+                                     "tensors lie (`direct` through a page-aligned buffer per thread and a copy: "
+                                     "O_DIRECT cannot read into such memory)"),
+                       f"- load_into() against that reader of its own kind of memory: "
+                       f"{min(runs['fastckpt_load_into']) / best:.2f}x (for reading; the verdict above keeps the "
+                       "page-aligned ceiling)."]
         for r in case["loads"] + [case["raw"]]:
             if not r.get("ok"):
                 md.append(f"- failed: {str(r.get('error', ''))[:300]}")

@@ -84,6 +84,15 @@ def test_every_rank_writes_its_part_of_one_genuine_torch_file(tmp_path, world, m
         assert z.testzip() is None, "every record's CRC-32 is filled in and right"
     loaded = torch.load(path, weights_only=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    # The test's premise, checked first so that a failure says which side broke: the tensors every rank may write
+    # (parameters, optimizer state) are the same bits on every rank, as DDP keeps them. A difference here is the
+    # replicas' arithmetic; a difference below only is a snapshot that is not the values at save().
+    for r in range(1, world):
+        mine, first = ranks[r]["ref"], ranks[0]["ref"]
+        spread = [k for k in mine["state_dict"] if "running_" not in k and "num_batches" not in k]
+        assert_bit_equal([mine["state_dict"][k] for k in spread], [first["state_dict"][k] for k in spread],
+                         f"rank {r}'s replica {spread}")
+        assert_bit_equal(mine["optimizer_states"], first["optimizer_states"], f"rank {r}'s replica")
     assert_bit_equal(loaded, ranks[0]["ref"])  # rank 0's pickle, the parameters from whoever wrote them
     written = ranks[0]["written"]
     assert all(w > 0 for w in written), f"every rank wrote part of the file: {written}"
