@@ -16,8 +16,12 @@ __all__ = ["arm", "request"]
 
 
 def arm(file: IO[str]) -> None:
-    """In the child: SIGUSR1 writes every thread's stack to ``file``."""
+    """In the child: SIGUSR1 writes every thread's stack to ``file``, and so does a fatal signal (a C++ abort in gloo
+    said only "terminate called without an active exception": this says where the Python threads were)."""
     faulthandler.register(signal.SIGUSR1, file=file, all_threads=True)
+    faulthandler.enable(file=file, all_threads=True)
+    # torch's spawn SIGTERMs the other ranks when one dies: where they were is the other half of the story
+    faulthandler.register(signal.SIGTERM, file=file, all_threads=True, chain=True)
 
 
 def request(pids: Iterable[int]) -> None:
