@@ -28,7 +28,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -53,46 +53,37 @@ def _sequential(files: list[str], bufs: list[memoryview]) -> None:
             os.close(fd)
 
 
-def _parallel(files: list[str], bufs: list[memoryview], flags: int) -> None:
+def _in_pieces(files: list[str], bufs: list[memoryview], flags: int,
+               read: Callable[[int, memoryview, int], None]) -> None:
+    """``read(fd, destination, file offset)`` of every ``PIECE`` of every file, on ``THREADS`` threads."""
     fds = [os.open(f, os.O_RDONLY | flags) for f in files]
     pieces = [(k, at) for k, b in enumerate(bufs) for at in range(0, len(b), PIECE)]
-
-    def one(piece: tuple[int, int]) -> None:
-        k, at = piece
-        pread_all(fds[k], bufs[k][at: at + PIECE], at)
-
     try:
         with ThreadPoolExecutor(THREADS) as pool:
-            list(pool.map(one, pieces))
+            list(pool.map(lambda piece: read(fds[piece[0]], bufs[piece[0]][piece[1]: piece[1] + PIECE], piece[1]),
+                          pieces))
     finally:
         for fd in fds:
             os.close(fd)
+
+
+def _parallel(files: list[str], bufs: list[memoryview], flags: int) -> None:
+    _in_pieces(files, bufs, flags, pread_all)
 
 
 def _bounced(files: list[str], bufs: list[memoryview]) -> None:
     """O_DIRECT into a page-aligned buffer per thread, then a copy into the (unaligned) destination."""
-    fds = [os.open(f, os.O_RDONLY | getattr(os, "O_DIRECT", 0)) for f in files]
-    pieces = [(k, at) for k, b in enumerate(bufs) for at in range(0, len(b), PIECE)]
     local = threading.local()
 
-    def one(piece: tuple[int, int]) -> None:
-        k, at = piece
+    def read(fd: int, dst: memoryview, at: int) -> None:
         if not hasattr(local, "buf"):
             local.map = mmap.mmap(-1, PIECE)  # page-aligned; unmapped when the thread's locals go
             local.buf = memoryview(local.map)
             local.addr = ctypes.addressof(ctypes.c_char.from_buffer(local.map))
-        n = min(PIECE, len(bufs[k]) - at)
-        aligned = -(-n // 4096) * 4096
-        got = os.preadv(fds[k], [local.buf[:aligned]], at)
-        dst = bufs[k][at: at + min(n, got)]
+        pread_all(fd, local.buf[:-(-len(dst) // 4096) * 4096], at)  # whole pages: the file's are (raw_read)
         ctypes.memmove(ctypes.addressof(ctypes.c_char.from_buffer(dst)), local.addr, len(dst))
 
-    try:
-        with ThreadPoolExecutor(THREADS) as pool:
-            list(pool.map(one, pieces))
-    finally:
-        for fd in fds:
-            os.close(fd)
+    _in_pieces(files, bufs, getattr(os, "O_DIRECT", 0), read)
 
 
 def raw_read(files: list[str], reps: int = 3, fresh: bool = False, offset: int = 0) -> dict[str, Any]:
