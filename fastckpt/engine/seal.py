@@ -7,18 +7,28 @@ proves a write, however late it was bumped (the copy thread's own checks leave a
 kernel queued before the seal may still be running: its counter has moved already (the bump happens at launch
 on the host), and the gather of (ii) below is queued behind it on the current stream, so it still sees it.
 
-(ii) Writes that skip the counter (``.data``, numpy or DLPack views, fused kernels) are caught by sampling ``RUN``
-bytes every ``stride`` bytes of each lazy tensor (whole tensors up to ``WHOLE`` bytes), at an offset drawn per save.
-The stride is one 4 KiB page while the lazy bytes are few, and doubles until a save samples at most ``BUDGET`` runs:
-each run touches its own page (a TLB and a cache miss), and one per page of a 1.48 GB state cost 115 ms inside
-``save()`` and again at the seal on the 2-core benchmark host (a strided copy: 28 ms; 11,000 runs: 0.5 ms).
-The samples are taken inside ``save()`` from the sources (on CUDA a small gather left on the device), by the copy thread from the staged
-bytes right after each copy, and at the seal from the sources again. Staged bytes that differ from save()'s prove
-the copy read a later write; sources that differ prove a write since (undone or not). The staged buffers
-themselves need not stay alive (ring mode reuses them, and holding them until the seal would stall the ring). A
-write through ``.data`` of a whole tensor (an EMA swap, clipping) is caught by any sample; a sparse one into a large
-tensor can fall between the samples (the larger the state, the sparser they are): such writes are likely to be
-caught, not certain.
+(ii) Writes that skip the counter (``.data``, numpy or DLPack views, fused kernels) are caught by sampling one
+64-byte cache line every ``stride`` bytes of each lazy tensor (whole tensors up to ``WHOLE`` bytes), at an offset
+drawn per save. The stride is one 4 KiB page while the lazy bytes are few, and doubles until a save samples at most
+``BUDGET`` runs: each run touches its own page (a TLB and a cache miss), and one per page of a 1.48 GB state cost
+115 ms inside ``save()`` and again at the seal on the 2-core benchmark host; 11,000 runs, 2.5 ms. A run is a whole
+cache line because the page touch is the cost, not the bytes: a write that changes a fraction f of a tensor's
+elements (clipping) escapes a run with probability (1 - f)^16 in float32, not (1 - f)^2 as with the 8-byte runs
+of before, so 4,096 line runs find it more surely than 16,384 of 8 bytes did, at a quarter of the page touches.
+
+The samples are views (no copy per tensor), gathered by one ``torch.cat`` per dtype and device: every torch call
+costs about 1 us of Python and dispatch, more once a training step has evicted the tensors' metadata from the
+caches, and a state has hundreds of tensors (588, 441 of them under 64 KiB, in the GPT-2-small state of the
+benchmarks): a copy per tensor made the samples 6 ms of a 13 ms ``save()``. The bytes compared are the raw ones
+(a NaN equals itself; bools and dtypes ``cat`` lacks go as integers of their size).
+
+The samples are taken inside ``save()`` from the sources (on CUDA a small gather left on the device), compared by the
+copy thread with the staged bytes right after each copy (off the training thread), and taken at the seal from the
+sources again. Staged bytes that differ from save()'s prove the copy read a later write; sources that differ prove
+a write since (undone or not). The staged buffers themselves need not stay alive (ring mode reuses them, and
+holding them until the seal would stall the ring). A write through ``.data`` of a whole tensor (an EMA swap,
+clipping) is caught by any sample; a sparse one into a large tensor can fall between the samples (the larger the
+state, the sparser they are): such writes are likely to be caught, not certain.
 
 On CUDA nothing here may block the training thread per tensor: a host sync per tensor (``torch.equal``,
 ``.cpu()``) cost about 30 ms a seal for 450 tensors on an H200, and waiting for each shard's copies before queuing
@@ -32,8 +42,8 @@ from __future__ import annotations
 
 import random
 import threading
-from dataclasses import dataclass
-from typing import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Iterable, NamedTuple, Sequence
 
 import torch
 
@@ -44,21 +54,11 @@ from .guard import VersionGuard
 __all__ = ["Seal", "PAGE", "WHOLE", "BUDGET", "stride_for", "mutated_error"]
 
 PAGE = 4096  # the smallest stride: one sample run per page
-RUN = 8  # bytes per sample run
 WHOLE = 64 * 1024  # tensors up to this size are compared whole
-BUDGET = 16384  # sample runs per save at most (the stride grows with the state): about 1 ms of page touches
+BUDGET = 4096  # sample runs (pages touched) per save at most: the stride grows with the state
 _RNG = random.Random()  # its own: drawing from the global one would change the user's random stream (and resumes)
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor | None:
-    """``t``'s values as a flat uint8 view, or None where no view exists (non-contiguous, conj/neg views)."""
-    t = t.detach()
-    if not t.is_contiguous() or t.is_conj() or t.is_neg() or t.numel() == 0:
-        return None
-    try:
-        return t.reshape(-1).view(torch.uint8)
-    except RuntimeError:  # a dtype with no byte view (quantized): left to the version counter
-        return None
+_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+RUN = 64  # bytes per sample run: one cache line (a multiple of every element size)
 
 
 def stride_for(sampled_bytes: int) -> int:
@@ -81,21 +81,118 @@ def mutated_error(name: str, keys: Sequence[str]) -> SnapshotMutatedError:
         "`staging.on_mutation: retake` to take such a checkpoint again at the seal")
 
 
+class _Run(NamedTuple):
+    """Where a tensor is sampled, in elements of ``size`` bytes: ``count`` runs of ``per`` elements, one every
+    ``step`` elements from element ``start`` (the whole tensor: one run of all of it)."""
+
+    size: int
+    start: int
+    step: int
+    count: int
+    per: int
+
+    def of_bytes(self, raw: torch.Tensor) -> torch.Tensor:
+        """The same bytes in ``raw``, the tensor's bytes as staged (a flat uint8 tensor): a 2-D view, a run a row."""
+        return raw.as_strided((self.count, self.per * self.size), (self.step * self.size, 1),
+                              raw.storage_offset() + self.start * self.size)
+
+
+def _window(t: torch.Tensor, stride: int, shift: int) -> tuple[torch.Tensor, _Run] | None:
+    """The elements of ``t`` the seal compares, as a view (no copy: 1-D for a whole tensor, a run a row for a
+    sampled one), and where they lie; None where no such view exists (non-contiguous, conj/neg views, empty).
+    Called under ``torch.no_grad()``: a parameter's view then needs no detach (each torch call costs about 1 us,
+    and a state has hundreds of tensors)."""
+    if t.layout is not torch.strided or t.is_quantized or not t.is_contiguous() or t.is_conj() or t.is_neg():
+        return None  # quantized: no plain byte view; left, like the others, to the version counter
+    n, size = t.numel(), t.element_size()
+    if not n:
+        return None
+    nbytes = n * size
+    if nbytes <= WHOLE:
+        return t.view(-1), _Run(size, 0, n, 1, n)
+    # a cache line a run, aligned within the tensor: the page touch is the cost, its line's other bytes are free
+    first = (shift % (nbytes - RUN + 1)) & -RUN  # a tensor shorter than the stride still gets one run
+    run = _Run(size, first // size, stride // size, (nbytes - RUN - first) // stride + 1, RUN // size)
+    return t.as_strided((run.count, run.per), (run.step, 1), t.storage_offset() + run.start), run
+
+
+def _cat(views: list[torch.Tensor]) -> torch.Tensor:
+    """One copy of ``views`` (all of one dtype) as flat bytes. Bits, not values: bools (any byte may hide behind a
+    bool written through a view) and a dtype ``cat`` lacks on the device go as the integers of their size."""
+    dtype = views[0].dtype
+    if dtype is not torch.bool:
+        try:
+            return torch.cat(views).view(-1).view(torch.uint8)
+        except (RuntimeError, NotImplementedError):
+            if dtype.itemsize not in _INTS:
+                raise
+    ints = _INTS[dtype.itemsize]
+    return torch.cat([v.view(ints) for v in views]).view(-1).view(torch.uint8)
+
+
+@dataclass
+class _Samples:
+    """Sampled elements of some tensors of one device, gathered: one flat uint8 tensor, grouped by dtype (widest
+    first, so that each group's slice views back as its dtype), and each tensor's byte span in it."""
+
+    order: list[int]  # tensor indices, in the order of ``flat``
+    spans: dict[int, tuple[int, int]]
+    shapes: dict[int, tuple[torch.dtype, torch.Size]]  # each tensor's window
+    flat: torch.Tensor
+
+    @staticmethod
+    def gather(windows: Sequence[tuple[int, torch.Tensor]]) -> _Samples:
+        groups: dict[tuple[torch.dtype, int], list[tuple[int, torch.Tensor]]] = {}
+        for index, w in windows:  # one cat per dtype and shape kind: whole (1-D) or runs (2-D, a run a row)
+            groups.setdefault((w.dtype, w.dim()), []).append((index, w))
+        order, spans, shapes, parts, at = [], {}, {}, [], 0
+        for dtype, dim in sorted(groups, key=lambda g: (-g[0].itemsize, g[1])):
+            got = groups[(dtype, dim)]
+            for index, w in got:
+                order.append(index)
+                end = at + w.numel() * dtype.itemsize
+                spans[index], shapes[index], at = (at, end), (dtype, w.shape), end
+            parts.append(_cat([w for _, w in got]))
+        return _Samples(order, spans, shapes, parts[0] if len(parts) == 1 else torch.cat(parts))
+
+    def again(self, windows: dict[int, torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+        """The same samples taken again from ``windows`` (by index; a missing one no longer has the same view: its
+        slice of ``flat`` stands in, and its index is returned as changed)."""
+        changed, now = [], []
+        for index in self.order:
+            w = windows.get(index)
+            dtype, shape = self.shapes[index]
+            if w is None or w.dtype != dtype:
+                changed.append(index)
+                start, end = self.spans[index]
+                w = self.flat[start:end].view(dtype).view(shape)
+            now.append((index, w))
+        return _Samples.gather(now).flat, changed
+
+    def differing(self, now: torch.Tensor) -> list[int]:
+        """The indices whose span of ``now`` (a gather of the same order) differs from ``flat``: one comparison of
+        the whole on the host, a search of the differences only when there are some."""
+        if torch.equal(now, self.flat):
+            return []
+        starts = torch.tensor([self.spans[i][0] for i in self.order], dtype=torch.int64)
+        where = torch.searchsorted(starts, now.ne(self.flat).nonzero().flatten(), right=True) - 1
+        return [self.order[j] for j in torch.unique(where).tolist()]
+
+
 @dataclass
 class _DeviceSamples:
-    """One CUDA device's lazy tensors: their samples of ``save()``, concatenated, on the device and on the host."""
+    """One CUDA device's samples of ``save()``: on the device, and copied to the host without blocking."""
 
-    indices: list[int]
-    spans: list[tuple[int, int]]  # each tensor's [start, end) in the concatenation
-    then: torch.Tensor  # on the device
-    segment: torch.Tensor  # on the device: the tensor (position in ``indices``) each sampled byte belongs to
+    samples: _Samples
+    segment: torch.Tensor  # on the device: the position in ``samples.order`` each sampled byte belongs to
     then_host: torch.Tensor  # pinned; valid once ``copied`` has completed
     copied: torch.cuda.Event
     answer: tuple[torch.Tensor, torch.cuda.Event] | None = None  # the seal's per-tensor mismatch counts (host)
+    landed: bool = field(default=False)  # ``copied`` was seen complete (by the copy thread)
 
 
 class Seal:
-    """One lazy snapshot's seal: the version guard plus sampled bytes of each lazy tensor."""
+    """One lazy snapshot's seal: the version guard plus sampled elements of each lazy tensor."""
 
     def __init__(self, guard: VersionGuard, tensors: Sequence[torch.Tensor | None], keys: Sequence[str],
                  entries: Iterable[TensorEntry]) -> None:
@@ -104,41 +201,49 @@ class Seal:
         self._keys = keys
         entries = list(entries)
         self._stride = stride_for(sum(e.nbytes for e in entries if e.nbytes > WHOLE))
-        self._shift = _RNG.randrange(self._stride - RUN)  # per save: a writer cannot learn which bytes are compared
+        self._shift = _RNG.randrange(self._stride)  # per save: a writer cannot learn which bytes are compared
         self._sources: dict[int, torch.Tensor] = {}
-        self._at_save: dict[int, torch.Tensor] = {}  # CPU tensors' samples
+        self._runs: dict[int, _Run] = {}
         per_device: dict[int, list[tuple[int, torch.Tensor]]] = {}
-        for e in entries:
-            src = tensors[e.index]
-            raw = None if src is None or not e.nbytes else _bytes(src)
-            if raw is None or raw.numel() != e.nbytes:
-                continue
-            self._sources[e.index] = src  # its own reference: the copy loop drops the save's one
-            if raw.is_cuda:  # a small gather queued on the current stream, kept on the device: no sync in save()
-                per_device.setdefault(raw.device.index, []).append((e.index, self._sample(raw)))
-            else:
-                self._at_save[e.index] = self._sample(raw)
-        self._devices = {d: _gathered(d, got) for d, got in per_device.items()}
-        self._staged: dict[int, torch.Tensor] = {}
+        with torch.no_grad():
+            for e in entries:
+                src = tensors[e.index]
+                got = None if src is None or not e.nbytes else _window(src, self._stride, self._shift)
+                if got is None or src.nbytes != e.nbytes:
+                    continue
+                self._sources[e.index] = src  # its own reference: the copy loop drops the save's one
+                self._runs[e.index] = got[1]
+                per_device.setdefault(src.get_device(), []).append((e.index, got[0]))
+            # one gather per device; on CUDA queued on the current stream and kept there: no sync in save()
+            self._cpu = _Samples.gather(per_device.pop(-1)) if -1 in per_device else None
+            self._devices = {d: _gathered(d, got) for d, got in per_device.items()}
+        self._where = {i: dev for dev in self._devices.values() for i in dev.samples.order}
+        self._staged: set[int] = set()  # indices whose staged bytes the copy thread compared
+        self._staged_moved: list[int] = []  # ... and found different from save()'s
         self._recorded = threading.Event()  # the copy thread has recorded every staged sample it will record
-        self._pending = False  # the seal queued device comparisons that verdict() collects
-        self._late: list[int] = []  # CPU tensors whose staged samples came after the seal
-
-    def _sample(self, raw: torch.Tensor) -> torch.Tensor:
-        """``RUN`` bytes every stride of the contiguous byte view ``raw`` (all of it up to ``WHOLE`` bytes): one
-        strided copy, no index tensor (an index gather read 8 index bytes per sampled byte, three times slower)."""
-        n = raw.numel()
-        if n <= WHOLE:
-            return raw.clone()
-        start = self._shift % (n - RUN + 1)  # a tensor shorter than the stride still gets one run
-        rows = (n - RUN - start) // self._stride + 1
-        return raw.as_strided((rows, RUN), (self._stride, 1), raw.storage_offset() + start).clone().reshape(-1)
+        self._pending = False  # the seal queued device comparisons, or staged ones are still due: verdict()
 
     def record(self, buf: torch.Tensor, entries: Iterable[TensorEntry]) -> None:
-        """Called by the copy thread once ``entries`` are copied into ``buf`` (on CUDA: once the copies landed)."""
+        """Called by the copy thread once ``entries`` are copied into ``buf`` (on CUDA: once the copies landed):
+        their staged bytes compared with those of ``save()`` now, while the buffer is ours (ring mode reuses it)."""
         for e in entries:
-            if e.index in self._sources:
-                self._staged[e.index] = self._sample(buf[e.offset:e.offset + e.nbytes])
+            run = self._runs.get(e.index)
+            if run is None:
+                continue
+            dev = self._where.get(e.index)
+            if dev is None:
+                then = self._cpu.flat  # type: ignore[union-attr]
+                start, end = self._cpu.spans[e.index]  # type: ignore[union-attr]
+            else:
+                if not dev.landed:
+                    dev.copied.synchronize()  # the copy thread waits, not the training thread
+                    dev.landed = True
+                then = dev.then_host
+                start, end = dev.samples.spans[e.index]
+            staged = run.of_bytes(buf[e.offset:e.offset + e.nbytes])
+            if not torch.equal(staged, then[start:end].view(run.count, run.per * run.size)):
+                self._staged_moved.append(e.index)
+            self._staged.add(e.index)
 
     def recorded(self) -> None:
         """Called by the copy thread (also when it failed) once it records no more: ``verdict()`` may compare."""
@@ -148,40 +253,43 @@ class Seal:
         """Called on the training thread at the seal: the keys of the lazy tensors whose counter moved, or whose
         sampled bytes, as copied or as they are now, differ from those of ``save()``; CUDA tensors' comparisons are
         only queued here (``pending()``), their keys come from ``verdict()``."""
-        keys = [self._keys[i] for i in self.guard.moved()]
-        for index, then in self._at_save.items():
-            key = self._keys[index]
-            if key in keys:
-                continue
-            raw = _bytes(self._sources[index])
-            now = None if raw is None else self._sample(raw)  # None: no longer a plain tensor (set_/resize)
-            staged = self._staged.get(index)
-            if now is None or now.shape != then.shape or not torch.equal(now, then) or (
-                    staged is not None and not torch.equal(staged, then)):
-                keys.append(key)
-            elif staged is None and not self._recorded.is_set():
-                self._late.append(index)  # in a shard with CUDA tensors: sampled after the seal (verdict())
+        moved = self.guard.moved() + list(self._staged_moved)
+        with torch.no_grad():
+            if self._cpu is not None:
+                now, changed = self._cpu.again(self._windows(self._cpu.order))
+                moved += changed + self._cpu.differing(now)
+                if not self._recorded.is_set() and any(i not in self._staged for i in self._cpu.order):
+                    self._pending = True  # in a shard with CUDA tensors: compared after the seal (verdict())
+            for dev in self._devices.values():
+                then = dev.samples.flat
+                now, changed = dev.samples.again(self._windows(dev.samples.order))
+                moved += changed  # no longer the same plain tensor: known on the host
+                # queued on the current stream, after every kernel the training thread launched before the seal
+                with torch.cuda.device(then.device):
+                    diff = torch.zeros(len(dev.samples.order), dtype=torch.int32, device=then.device)
+                    diff.index_add_(0, dev.segment, now.ne(then).to(torch.int32))
+                    host = torch.empty(diff.shape, dtype=diff.dtype, pin_memory=True)
+                    host.copy_(diff, non_blocking=True)
+                    done = torch.cuda.Event(blocking=True)  # a waiting committer sleeps, not spins
+                    done.record()
+                dev.answer = (host, done)
                 self._pending = True
-        for dev in self._devices.values():
-            nows = []
-            for index, (start, end) in zip(dev.indices, dev.spans):
-                raw = _bytes(self._sources[index])
-                now = None if raw is None else self._sample(raw)
-                if now is None or now.numel() != end - start:
-                    if self._keys[index] not in keys:
-                        keys.append(self._keys[index])  # no longer the same plain tensor: known on the host
-                    now = dev.then[start:end]  # a placeholder that compares equal
-                nows.append(now)
-            # queued on the current stream, after every kernel the training thread launched before the seal
-            with torch.cuda.device(dev.then.device):
-                diff = torch.zeros(len(dev.indices), dtype=torch.int32, device=dev.then.device)
-                diff.index_add_(0, dev.segment, torch.cat(nows).ne(dev.then).to(torch.int32))
-                host = torch.empty(diff.shape, dtype=diff.dtype, pin_memory=True)
-                host.copy_(diff, non_blocking=True)
-                done = torch.cuda.Event(blocking=True)  # a waiting committer sleeps, not spins
-                done.record()
-            dev.answer = (host, done)
-            self._pending = True
+        return self._named(moved)
+
+    def _windows(self, order: Sequence[int]) -> dict[int, torch.Tensor]:
+        """The sources' windows again, where each still has the view it had in ``save()``."""
+        out = {}
+        for index in order:
+            got = _window(self._sources[index], self._stride, self._shift)
+            if got is not None and got[1] == self._runs[index]:
+                out[index] = got[0]
+        return out
+
+    def _named(self, indices: Iterable[int]) -> list[str]:
+        keys: list[str] = []
+        for i in indices:
+            if self._keys[i] not in keys:
+                keys.append(self._keys[i])
         return keys
 
     def pending(self) -> bool:
@@ -189,46 +297,33 @@ class Seal:
         return self._pending
 
     def verdict(self, timeout: float | None = None) -> list[str]:
-        """The keys of the CUDA tensors whose bytes at the seal, or as staged, differ from those of ``save()``.
+        """The keys of the tensors whose bytes at the seal (CUDA), or as staged, differ from those of ``save()``.
         Blocks until the seal's comparisons and the staged copies are done: the committer's call, or the seal's
         own where a retake must be decided at once."""
         self._recorded.wait(timeout)
-        keys = []
-        for index in self._late:
-            staged = self._staged.get(index)
-            if staged is not None and not torch.equal(staged, self._at_save[index]):
-                keys.append(self._keys[index])
-        self._late = []
+        moved = list(self._staged_moved)
         for dev in self._devices.values():
             if dev.answer is None:
                 continue
             host, done = dev.answer
             done.synchronize()
-            dev.copied.synchronize()
-            counts = host.tolist()
-            for j, index in enumerate(dev.indices):
-                start, end = dev.spans[j]
-                staged = self._staged.get(index)
-                if counts[j] or (staged is not None and not torch.equal(staged, dev.then_host[start:end])):
-                    keys.append(self._keys[index])
+            moved += [index for index, count in zip(dev.samples.order, host.tolist()) if count]
         self._pending = False
-        return keys
+        return self._named(moved)
 
 
 def _gathered(device: int, got: list[tuple[int, torch.Tensor]]) -> _DeviceSamples:
-    """One device's samples of ``save()`` concatenated, and a non-blocking copy of them to the host."""
-    sizes = [t.numel() for _, t in got]
-    spans, at = [], 0
-    for n in sizes:
-        spans.append((at, at + n))
-        at += n
+    """One device's samples of ``save()`` gathered on it, and a non-blocking copy of them to the host."""
     with torch.cuda.device(device):
-        then = torch.cat([t for _, t in got])
+        samples = _Samples.gather(got)
+        then = samples.flat
+        sizes = [samples.spans[i][1] - samples.spans[i][0] for i in samples.order]
         # no pageable host-to-device copy (it waits for the stream) and no data-dependent size (it syncs)
         repeats = torch.tensor(sizes, dtype=torch.int64).pin_memory().to(then.device, non_blocking=True)
-        segment = torch.repeat_interleave(torch.arange(len(got), device=then.device), repeats, output_size=at)
+        segment = torch.repeat_interleave(torch.arange(len(sizes), device=then.device), repeats,
+                                          output_size=then.numel())
         then_host = torch.empty(then.shape, dtype=then.dtype, pin_memory=True)
         then_host.copy_(then, non_blocking=True)
         copied = torch.cuda.Event(blocking=True)  # a waiting committer sleeps, not spins
         copied.record()
-    return _DeviceSamples([i for i, _ in got], spans, then, segment, then_host, copied)
+    return _DeviceSamples(samples, segment, then_host, copied)
