@@ -20,11 +20,15 @@ from ..errors import ConfigError
 __all__ = ["address", "named_addresses"]
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def address(t: torch.Tensor) -> Hashable:
     """The identity of ``t``'s data; a DTensor's (FSDP2 parameter, its optimizer state) is its local block's."""
-    local = getattr(t, "_local_tensor", None)
-    if isinstance(local, torch.Tensor):
-        t = local
+    if type(t) not in _PLAIN:  # a save asks thousands of times; a missed getattr costs more than the data_ptr()
+        local = getattr(t, "_local_tensor", None)
+        if isinstance(local, torch.Tensor):
+            t = local
     ptr = t.data_ptr()
     if ptr or t.is_meta:
         return ptr

@@ -133,10 +133,19 @@ def _refuse_tensor(t: torch.Tensor, path: tuple) -> None:
                                  "device); materialize it first (module.to_empty(device=...), then initialize or load)")
 
 
+def _view(t: torch.Tensor, ptr: int) -> tuple:
+    """What makes two tensors at one address the same entry: x and x.conj() (or a neg view) share memory but not
+    values, so the lazy bits are part of the identity."""
+    return (ptr, t.shape, t.stride(), t.dtype, t.is_cuda, t.is_conj(), t.is_neg())
+
+
 def flatten(state: Any) -> FlatState:
     """Walk ``state`` once; identical tensor views (tied weights) get one table entry."""
     flat = FlatState(tree=None, tensors=[], keys=[], numpy=[], objects=[])
-    seen: dict[tuple, int] = {}
+    seen: dict[tuple, int] = {}  # DTensors
+    # Plain tensors by data address first: the full view identity is built only where two share an address (a
+    # save() walks hundreds of tensors, and each identity costs six torch calls)
+    by_address: dict[int, list[int]] = {}
     used: set[str] = set()
     # Other ranks' blocks are shape-only meta tensors; one per (shape, dtype) serves them all
     # (a sharded state has tensors x mesh-size of them: 650k at 1024 ranks for a 1.3B model).
@@ -157,19 +166,19 @@ def flatten(state: Any) -> FlatState:
         return len(flat.tensors) - 1
 
     def on_tensor(path: tuple, t: torch.Tensor, is_numpy: bool) -> int:
-        if dt.is_dtensor(t):
+        if type(t) is not torch.Tensor and dt.is_dtensor(t):
             return on_dtensor(path, t)
         _refuse_tensor(t, path)
-        ident = None
         ptr = _data_ptr(t, path)
-        if ptr and not is_numpy:  # identical views of one memory (tied weights) share an entry
-            # x and x.conj() (or a neg view) share memory but not values: the lazy bits are part of the identity.
-            ident = (ptr, t.shape, t.stride(), t.dtype, t.is_cuda, t.is_conj(), t.is_neg())
-            if ident in seen:
-                return seen[ident]
+        shared = by_address.get(ptr) if ptr and not is_numpy else None
+        if shared is not None:  # identical views of one memory (tied weights) share an entry
+            mine = _view(t, ptr)
+            for index in shared:
+                if _view(flat.tensors[index], ptr) == mine:
+                    return index
         index = add(t, unique(_key(path)), is_numpy)
-        if ident is not None:
-            seen[ident] = index
+        if ptr and not is_numpy:
+            by_address.setdefault(ptr, []).append(index)
         return index
 
     def on_dtensor(path: tuple, t: Any) -> int:
