@@ -173,6 +173,8 @@ def task_restore_load(shape: dict, root: str, loader: str, cold: bool, shm_dir: 
     if stats is not None:
         out.update(tier=stats.tier, method=stats.method, nbytes=stats.nbytes, verified=stats.verified)
     out["strategy"] = _verdict(r / folder) if folder and loader.startswith("fastckpt") else None
+    if template is not None:
+        out["dest_bytes_by_page_offset"] = _page_offsets(template)
     if check:
         diff = first_difference(_state(shape, flat)[1], got)
         out["bit_exact"] = diff is None
@@ -181,6 +183,17 @@ def task_restore_load(shape: dict, root: str, loader: str, cold: bool, shm_dir: 
     out["first_write_s"] = _first_write(got)
     if closer is not None:
         closer.close()
+    return out
+
+
+def _page_offsets(obj: Any) -> dict[str, int]:
+    """Bytes of the CPU tensors of 1 MiB or more in ``obj`` by their address modulo 4096: where an in-place load
+    writes decides which raw reader is its ceiling (O_DIRECT reads only into page-aligned memory)."""
+    out: dict[str, int] = {}
+    for t in _tensors(obj):
+        if t.device.type == "cpu" and t.numel() * t.element_size() >= 1 << 20:
+            key = str(t.data_ptr() % 4096)
+            out[key] = out.get(key, 0) + t.numel() * t.element_size()
     return out
 
 
