@@ -213,7 +213,7 @@ class Seal:
                     continue
                 self._sources[e.index] = src  # its own reference: the copy loop drops the save's one
                 self._runs[e.index] = got[1]
-                per_device.setdefault(src.get_device(), []).append((e.index, got[0]))
+                per_device.setdefault(src.get_device() if src.is_cuda else -1, []).append((e.index, got[0]))
             # one gather per device; on CUDA queued on the current stream and kept there: no sync in save()
             self._cpu = _Samples.gather(per_device.pop(-1)) if -1 in per_device else None
             self._devices = {d: _gathered(d, got) for d, got in per_device.items()}
