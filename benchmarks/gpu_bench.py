@@ -157,7 +157,10 @@ class DCP(Peer):
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
             gpu = torch.cuda.is_available()  # pinning and non-blocking copies need CUDA (refused otherwise)
-            self.stager: Any = DefaultStager(StagingOptions(gpu, True, False, gpu))  # pinned, async, no shm
+            # pinned, staged on the stager's thread, no shared memory (the uploader is a thread, not a process);
+            # by keyword: the positional order is (pinned, shared memory, async, non-blocking)
+            self.stager: Any = DefaultStager(StagingOptions(use_pinned_memory=gpu, use_shared_memory=False,
+                                                            use_async_staging=True, use_non_blocking_copy=gpu))
             self.name = "dcp_async_save (pinned DefaultStager)" if gpu else "dcp_async_save (DefaultStager, CPU)"
         except ImportError:  # older torch: DCP's own default staging, said in the label
             self.stager = None
@@ -166,6 +169,8 @@ class DCP(Peer):
     def save(self, step: int) -> None:
         kw = {"async_stager": self.stager} if self.stager is not None else {}
         t0 = time.perf_counter()
+        if self.futures:  # as torchtitan does: the stager reuses its cached host storages, which the previous
+            self.futures[-1].result()  # checkpoint's upload may still be reading (else ckpt N holds N+1's values)
         try:
             r = self.dcp.async_save(flat_state(self.model, self.opt), checkpoint_id=str(self.root / str(step)), **kw)
         except Exception as e:  # noqa: BLE001 - torch 2.11's DefaultStager: KeyError <class 'type'>; DCP's own staging
