@@ -117,8 +117,9 @@ def cold_markdown(res: dict[str, Any]) -> list[str]:
           "buffered 16 MiB `preadv` with POSIX_FADV_SEQUENTIAL; `parallel` = 8 threads of buffered 8 MiB; `direct` = "
           "the same with O_DIRECT; no checksum; the ceiling is the best of them. Each loader is held to the raw "
           "readers of its own files into its own kind of memory: `load_into()` fills a model's memory, faulted in "
-          "before (the shard files into faulted-in memory, off a page boundary where the model's tensors lie so); `load()` returns new tensors, whose pages the reads fault "
-          "in (the shard files into fresh memory); torch.load and the torch zip reader read the torch file into "
+          "before (the shard files into faulted-in memory, off a page boundary where the model's tensors lie so); "
+          "`load()` returns new tensors, whose pages the reads fault in (the shard files into fresh memory); "
+          "torch.load and the torch zip reader read the torch file into "
           "fresh memory. Verdict: best "
           f"cold time <= {VS_TORCH:.2f}x torch.load's best and <= {VS_RAW:.2f}x that ceiling. fastckpt reads with "
           "`read.strategy: auto`: the first cold load on the device times each strategy once (its run included "
@@ -149,8 +150,7 @@ def cold_markdown(res: dict[str, Any]) -> list[str]:
             best = min(runs[loader])
             ceil = None
             if raw:
-                src = _ceiling(raw, loader, [r for r in rows if r["loader"] == loader])
-                ceil = src["readers"][src["best"]]["seconds"]
+                ceil = _best(_ceiling(raw, loader, [r for r in rows if r["loader"] == loader]))
             vt = best / ref if ref else None
             vr = best / ceil if ceil else None
             ok = loader == "torch_load" or (vt is not None and vt <= VS_TORCH and vr is not None and vr <= VS_RAW)

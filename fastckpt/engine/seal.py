@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import random
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, NamedTuple, Sequence
 
 import torch
@@ -188,7 +188,7 @@ class _DeviceSamples:
     then_host: torch.Tensor  # pinned; valid once ``copied`` has completed
     copied: torch.cuda.Event
     answer: tuple[torch.Tensor, torch.cuda.Event] | None = None  # the seal's per-tensor mismatch counts (host)
-    landed: bool = field(default=False)  # ``copied`` was seen complete (by the copy thread)
+    landed: bool = False  # ``copied`` was seen complete (by the copy thread)
 
 
 class Seal:
