@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 
 from benchmarks.rawread import READERS, raw_read
-from benchmarks.restore_cold import cold_markdown
+from benchmarks.restore_cold import cold_markdown, merge_raw
 
 
 def test_raw_readers_read_every_byte_cold_with_each_reader(tmp_path) -> None:
@@ -63,7 +63,7 @@ def test_verdicts_hold_each_loader_to_torch_load_and_its_own_ceiling() -> None:
     assert "| 0.900 | 0.90x | 1.06x | direct | True | PASS |" in rows["fastckpt load()"]  # vs the fresh-memory ceiling
     assert "1.04x | - | True | PASS |" in rows["torch zip reader (Lightning plugin load)"]  # vs the torch file's
     assert "| 1.200 | 1.20x | 1.50x |" in rows["fastckpt load_into()"] and rows["fastckpt load_into()"].endswith("FAIL |")
-    assert "Ceiling: **sequential**, 0.800 s." in md
+    assert "Ceiling: **sequential** (lowest median), 0.800 s." in md
     # no record of where its memory lay (a run before the harness recorded it): the page-aligned readers, as before
     assert "0% of the bytes lay off a page boundary, so it is held to the readers into page-aligned memory" in md
     assert "(against the other: 1.20x)" in md
@@ -91,3 +91,24 @@ def test_load_into_is_held_to_the_readers_into_the_kind_of_memory_it_filled() ->
     aligned = case({"0": 9 * 10 ** 8, "64": 10 ** 8})
     assert "| 0.980 | 0.98x | 1.22x |" in aligned["row"] and aligned["row"].endswith("FAIL |")
     assert "held to the readers into page-aligned memory (against the other: 0.98x)" in aligned["md"]
+
+
+def test_the_rounds_raw_runs_are_merged_and_the_ceiling_is_the_reader_with_the_lowest_median() -> None:
+    """Five rounds of one run each: ``parallel`` had one lucky run (0.60) but is slower as a rule; the ceiling is
+    ``direct``, the reader that is fastest in the middle, at its own best run, not the lucky minimum over readers."""
+    runs = {"sequential": [1.5, 1.4, 1.6, 1.5, 1.7], "parallel": [0.60, 1.10, 1.05, 1.20, 1.00],
+            "direct": [0.90, 0.85, 0.95, 0.92, 0.88]}
+
+    def kind(k: int) -> dict:
+        readers = {n: {"runs": [r[k]], "seconds": r[k], "GBps": 1 / r[k]} for n, r in runs.items()}
+        return {"bytes": 10 ** 9, "reps": 1, "readers": readers, "best": min(readers, key=lambda n: readers[n]["seconds"])}
+
+    rounds = [{"ok": True, "result": dict(kind(k), fresh=kind(k), torch_file=kind(k), unaligned=kind(k))}
+              for k in range(5)]
+    merged = merge_raw(rounds)
+    assert merged["ok"]
+    for raw in (merged["result"], merged["result"]["fresh"], merged["result"]["unaligned"]):
+        assert raw["reps"] == 5 and raw["best"] == "direct" and raw["readers"]["direct"]["seconds"] == 0.85
+        assert raw["readers"]["parallel"]["runs"] == runs["parallel"] and raw["readers"]["parallel"]["seconds"] == 0.60
+    failed = {"ok": False, "error": "disk gone"}
+    assert merge_raw([rounds[0], failed, rounds[1]]) is failed  # a failed round is reported, never averaged away
