@@ -280,7 +280,7 @@ class ReadOptions(_Freezable):
     """How cold local files are read: ``sequential`` (buffered, in file order, the kernel's readahead ahead of
     two threads), ``parallel`` (8 threads of buffered 8 MiB reads), ``direct`` (the same with O_DIRECT where the
     bytes land in a fresh buffer), or ``auto``: each strategy timed twice, in turns, on the first cold load of a
-    device big enough to tell (at least 256 MiB; 32 MiB regions of its own files), the fastest (``direct`` unless
+    device big enough to tell (at least 256 MiB; 32 MiB regions of its own files), the fastest (``parallel`` unless
     another is 10% faster) kept in memory and in ``ROOT/.fastckpt-read.json``. Every strategy verifies the same
     checksums; warm files are always copied on several threads."""
 

@@ -57,7 +57,9 @@ def test_resident_fraction_follows_the_page_cache(saved) -> None:
 
 
 def test_cold_shards_are_read_with_o_direct_and_cached_ones_are_mapped(saved, monkeypatch) -> None:
-    ckpt, state, folder = saved
+    """``read.strategy: direct`` (``auto`` reads buffered unless the probe finds O_DIRECT faster)."""
+    first, state, folder = saved
+    ckpt = Checkpointer(CheckpointConfig(root=first.config.root, read={"strategy": "direct"}))
     shards = _shards(folder)
     assert len(shards) >= 2
     for s in shards:
@@ -86,6 +88,7 @@ def test_cold_shards_are_read_with_o_direct_and_cached_ones_are_mapped(saved, mo
     drop_page_cache(shards[0])  # one cold, the others cached
     assert_bit_equal(state, ckpt.load(step=1))
     assert ckpt.last_load_stats.method == "map+read"
+    ckpt.close()
 
 
 def test_tensors_of_a_cold_load_are_fresh_memory_not_the_file(saved) -> None:

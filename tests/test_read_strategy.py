@@ -292,7 +292,7 @@ def test_the_real_probe_times_every_strategy_and_picks_one(tmp_path, monkeypatch
     assert sorted(s for s, _ in timed) == sorted(STRATEGIES * 2) and all(t > 0 for _, t in timed)
     best = {how: min(t for s, t in timed if s == how) for how in STRATEGIES}
     fastest = min(best, key=lambda how: best[how])
-    expected = "direct" if best["direct"] <= best[fastest] * 1.1 else fastest  # the default, unless clearly beaten
+    expected = "parallel" if best["parallel"] <= best[fastest] * 1.1 else fastest  # the default, unless clearly beaten
     assert list(strategy.verdicts().values()) == [expected]
     ck.close()
 
@@ -341,12 +341,12 @@ def test_unread_is_the_complement_of_the_probed_regions() -> None:
 
 
 def test_a_probe_within_its_noise_keeps_the_default(tmp_path, monkeypatch) -> None:
-    measured = _auto(monkeypatch, {"sequential": 0.0095, "parallel": 0.0099, "direct": 0.0100})
+    measured = _auto(monkeypatch, {"sequential": 0.0095, "direct": 0.0096, "parallel": 0.0100})
     ck, state = _saved(tmp_path, "auto")
     _cold(_shards(ck))
     used, _ = _spy(monkeypatch, strategy)
     assert_bit_equal(state, ck.load())
-    assert len(measured) == 6 and used == [strategy.DEFAULT] == ["direct"]  # 5% faster is no verdict
+    assert len(measured) == 6 and used == [strategy.DEFAULT] == ["parallel"]  # 5% faster is no verdict
     ck.close()
 
 

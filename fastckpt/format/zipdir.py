@@ -22,8 +22,8 @@ try:  # 5x the speed of the stdlib's crc32 here, and it releases the GIL on larg
 except ImportError:  # pragma: no cover - the dependency is declared; keep working without it
     _crc32 = zlib.crc32
 
-__all__ = ["DESC_SIG", "Sparse", "central_entries", "crc_less", "data_offset", "is_zip", "record_spans",
-           "verify_torch_bytes", "verify_torch_file"]
+__all__ = ["DESC_SIG", "Sparse", "central_entries", "central_records", "crc_less", "data_offset", "is_zip",
+           "record_spans", "verify_torch_bytes", "verify_torch_file"]
 
 _LOCAL_SIG, DESC_SIG, _CENTRAL_SIG = b"PK\x03\x04", b"PK\x07\x08", b"PK\x01\x02"
 _EOCD_SIG, _EOCD64_SIG, _LOC64_SIG = b"PK\x05\x06", b"PK\x06\x06", b"PK\x06\x07"
@@ -72,6 +72,14 @@ def is_zip(head: bytes) -> bool:
 
 def _records(view: Any) -> Iterator[tuple[str, int, int, int]]:
     """Every zip entry of ``view``: (name, data offset, size, CRC-32 its entry records), in directory order."""
+    for name, header, usize, want in central_records(view):
+        yield name, data_offset(view, header), usize, want
+
+
+def central_records(view: Any) -> Iterator[tuple[str, int, int, int]]:
+    """Every zip entry of ``view`` as its central directory records it: (name, local header offset, size, CRC-32),
+    in directory order. Reads only the directory (``view.read``), never the local headers: what a reader that
+    has the end of a file but not yet its records can know (``fastckpt.read.zipcheck``)."""
     for name, header, central in central_entries(view):
         (method,) = struct.unpack("<H", view.read(central + 10, 2))
         want, csize, usize = struct.unpack("<III", view.read(central + 16, 12))
@@ -85,7 +93,7 @@ def _records(view: Any) -> Iterator[tuple[str, int, int, int]]:
             # one would be read as its compressed bytes (torch.load would inflate it)
             raise IntegrityError(f"record {name!r} is compressed (method {method}, {csize} bytes for {usize}); "
                                  "torch.save never compresses a record: not a torch checkpoint, or damaged")
-        yield name, data_offset(view, header), usize, want
+        yield name, header, usize, want
 
 
 def crc_less(spans: list[tuple[str, int, int, int]]) -> bool:

@@ -85,6 +85,9 @@ class Range:
     what: str = ""
     direct: bool = False  # ``offset`` and ``out`` are page-aligned: read with O_DIRECT where the filesystem allows
     culprit: Callable[[memoryview], str] | None = None  # on a mismatch: what in ``out`` is corrupt (else ``what``)
+    # ``on_piece(start, length)``: ``out[start:start + length]`` has landed (called by the thread that read it, after
+    # its CRC, in no order); what it raises fails the read like a checksum mismatch (fastckpt.read.zipcheck)
+    on_piece: Callable[[int, int], None] | None = None
     _crcs: list[int | None] = field(default_factory=list)
     _piece: int = PIECE_BYTES
 
@@ -251,6 +254,8 @@ class _Job:
     def _arrived(self, p: Piece, value: int) -> None:
         """Record the piece's checksum; the thread completing a range verifies it."""
         r = p.range
+        if r.on_piece is not None:
+            r.on_piece(p.start, min(r._piece, len(r.out) - p.start))
         with self.lock:
             r._crcs[p.index] = value
             complete = all(c is not None for c in r._crcs)
