@@ -50,6 +50,15 @@ class ProxiedS3:
         return self.server.fresh_url(prefix)
 
 
+@pytest.fixture(autouse=True)
+def _private_read_cache(tmp_path_factory, monkeypatch):
+    """Each test (and the processes it starts) keeps read-strategy verdicts in a folder of its own, not in the
+    user's cache: no verdict of the machine or of another test decides whether a load probes."""
+    from fastckpt.read.strategy import CACHE_ENV
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path_factory.mktemp("fastckpt-cache")))
+
+
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory) -> S3Server:
     """One SeaweedFS `weed mini` on loopback for the whole session; stopped by pid at the end."""

@@ -374,3 +374,86 @@ def test_load_probes_into_its_own_buffers_and_still_verifies_every_byte(tmp_path
     with pytest.raises(IntegrityError, match=rf"{last.name}: checksum mismatch in tensor"):
         ck.load()
     ck.close()
+
+
+def _zip_probe(monkeypatch) -> list[str]:
+    """A probe-sized torch file load: the strategies the probe measured (the real reads, timings injected)."""
+    monkeypatch.setattr(strategy, "PROBE_BYTES", 64 << 10)
+    measured: list[str] = []
+    real = strategy.measure_read
+    timings = {"sequential": 0.02, "parallel": 0.03, "direct": 0.03}  # sequential clearly fastest: a verdict of its own
+
+    def measure(*a):  # type: ignore[no-untyped-def]
+        real(*a)
+        measured.append(a[4])
+        return timings[a[4]]
+
+    monkeypatch.setattr(strategy, "measure_read", measure)
+    return measured
+
+
+def test_the_torch_zip_reader_keeps_its_verdict_in_the_user_cache(tmp_path, monkeypatch) -> None:
+    """A Lightning resume is a new process: the verdict outlives it in the user's cache, not in the dirpath."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv(strategy.CACHE_ENV, str(cache))
+    measured = _zip_probe(monkeypatch)
+    path = tmp_path / "ckpts" / "model.ckpt"
+    path.parent.mkdir()
+    torch.save(_state(), path)
+    _cold([path])
+    got = load_torch_file(str(path))  # first: torch.load would warm the file
+    assert_bit_equal(torch.load(path, weights_only=True), got)
+    device = path.stat().st_dev
+    folder = Path(strategy.user_root(device))
+    assert folder == cache / "read-strategy" / str(device) and folder.stat().st_mode & 0o777 == 0o700
+    assert json.loads((folder / strategy.VERDICT_NAME).read_text())["strategy"] == "sequential"
+    assert sorted(p.name for p in path.parent.iterdir()) == ["model.ckpt"]  # the dirpath keeps only its own files
+    assert len(measured) == 6
+    strategy.forget()  # a new process
+    _cold([path])
+    used, _ = _spy(monkeypatch, strategy)
+    got = load_torch_file(str(path))  # first: torch.load would warm the file
+    assert_bit_equal(torch.load(path, weights_only=True), got)
+    assert len(measured) == 6 and used == ["sequential"]  # no second probe: the saved verdict served
+
+
+@pytest.mark.parametrize("cache", ["", "a-file"], ids=["disabled", "unwritable"])
+def test_without_a_usable_user_cache_the_verdict_stays_in_memory(tmp_path, monkeypatch, cache) -> None:
+    if cache:
+        (tmp_path / cache).write_text("not a folder")
+        monkeypatch.setenv(strategy.CACHE_ENV, str(tmp_path / cache))
+    else:
+        monkeypatch.setenv(strategy.CACHE_ENV, "")
+    assert (strategy.user_root(1) is None) == (not cache)
+    measured = _zip_probe(monkeypatch)
+    path = tmp_path / "model.ckpt"
+    torch.save(_state(), path)
+    _cold([path])
+    got = load_torch_file(str(path))  # first: torch.load would warm the file
+    assert_bit_equal(torch.load(path, weights_only=True), got)
+    assert list(strategy.verdicts().values()) == ["sequential"] and len(measured) == 6
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["model.ckpt"] + ([cache] if cache else []))
+    strategy.forget()
+    _cold([path])
+    load_torch_file(str(path))
+    assert len(measured) == 12  # nothing was kept: the next process probes again
+
+
+def test_a_planted_verdict_in_the_user_cache_is_ignored_and_replaced(tmp_path, monkeypatch) -> None:
+    cache = tmp_path / "cache"
+    monkeypatch.setenv(strategy.CACHE_ENV, str(cache))
+    path = tmp_path / "model.ckpt"
+    torch.save(_state(), path)
+    folder = Path(strategy.user_root(path.stat().st_dev))
+    folder.mkdir(parents=True)
+    secret = tmp_path / "secret.json"
+    secret.write_text(json.dumps({"device": path.stat().st_dev, "strategy": "direct"}))
+    (folder / strategy.VERDICT_NAME).symlink_to(secret)
+    measured = _zip_probe(monkeypatch)
+    _cold([path])
+    got = load_torch_file(str(path))  # first: torch.load would warm the file
+    assert_bit_equal(torch.load(path, weights_only=True), got)
+    assert len(measured) == 6  # the symlink was not followed: probed
+    verdict = folder / strategy.VERDICT_NAME
+    assert not verdict.is_symlink() and json.loads(verdict.read_text())["strategy"] == "sequential"
+    assert json.loads(secret.read_text())["strategy"] == "direct"  # its target untouched

@@ -56,7 +56,8 @@ def load_torch_file(path: str, *, map_location: Any = None, workers: int = 2, ve
                     strategy: str = "auto") -> Any:
     """``torch.load(path, map_location=map_location, weights_only=True)``, its records CRC-checked in parallel;
     ``strategy``: how a cold file is read (``read.strategy``; ``auto``: the device's verdict, kept in this process's
-    memory only: a Lightning ``dirpath`` holds nothing but Lightning's files)."""
+    memory and the user's cache, ``strategy.user_root``: a Lightning ``dirpath`` holds nothing but Lightning's
+    files)."""
     size = os.path.getsize(path)
     storage = LocalStorage(os.path.dirname(path) or ".")
     early = None
