@@ -8,13 +8,14 @@ reader), and the fastest serves the load and every later one. The
 verdict is kept in memory per device (``st_dev``) and on disk, so that a restarted process does not probe again: in
 ``VERDICT_NAME`` under a ``Checkpointer``'s root, and for a load without a root of its own (the torch zip reader: a
 Lightning ``dirpath`` holds nothing but Lightning's files) in the user's cache (``user_root``). Every resume of a
-Lightning run is a new process: probing in each cost ~0.08 s of a 1.2 s cold load of 1.48 GB on the benchmark VM. A load whose files sit mostly in the page cache never probes (the
-timings would measure memory copies, not the device) and reads in ``parallel``: memory copies on several threads.
-A probe reads 2 x 3 x ``PROBE_BYTES`` (the strategies in turns, twice: a noisy spell hits them alike) and keeps
-``DEFAULT`` (``parallel``) unless another strategy is ``_MARGIN`` faster. ``load()`` and the torch zip reader probe straight into
-the memory the load fills (``read_whole``: nothing is read twice; a file the probe touched is verified by one
-CRC32C pass once complete); ``load_into`` probes into a small scratch buffer (its targets are not page-aligned) and
-finds the buffered regions in the page cache afterwards.
+Lightning run is a new process: probing in each cost ~0.08 s of a 1.2 s cold load of 1.48 GB on the benchmark VM.
+A load whose files sit mostly in the page cache never probes (the timings would measure memory copies, not the
+device) and reads in ``parallel``: memory copies on several threads. A probe reads 2 x 3 x ``PROBE_BYTES`` (the
+strategies in turns, twice: a noisy spell hits them alike) and keeps ``DEFAULT`` (``parallel``) unless another
+strategy is ``_MARGIN`` faster. ``load()`` and the torch zip reader probe straight into the memory the load fills
+(``read_whole``: nothing is read twice; a file the probe touched is verified by one CRC32C pass once complete);
+``load_into`` probes into a small scratch buffer (its targets are not page-aligned) and finds the buffered regions
+in the page cache afterwards.
 
 The verdict only picks among strategies that all read the same verified bytes, so a damaged or planted verdict
 file can cost speed, never correctness: it is read bounded, a non-regular file or a symlink is ignored, and a

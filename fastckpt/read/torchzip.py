@@ -14,8 +14,8 @@ rename (as fastckpt's Lightning plugin writes it) or deleted, never truncated in
 A file that is not in the page cache (``fastckpt.read.pagecache``) is read instead, on several threads
 (``read.strategy``) into one fresh page-aligned buffer (``fastckpt.read.readers``), and the storages view that
 buffer: the same zero-copy load without waiting on one readahead stream. Its zip directory is read first, and
-each record is checked by the thread whose read completed it (``fastckpt.read.zipcheck``), not in a pass after. Faulting fresh 4 KiB pages in
-from user space was what made an earlier buffered read slower than the mapping here.
+each record is checked by the thread whose read completed it (``fastckpt.read.zipcheck``), not in a pass after.
+Faulting fresh 4 KiB pages in from user space was what made an earlier buffered read slower than the mapping here.
 
 Measured on the 2-core benchmark VM (1.48 GB, cold cache, noisy): 1.3-1.6 s against 2.2-5.3 s for
 ``torch.load`` and 1.4-2.0 s for the check pass plus ``torch.load`` (mapped, before cold reads). With cold
