@@ -182,3 +182,34 @@ def test_pieces_landing_in_any_order_check_each_record_exactly_once(tmp_path, mo
     view.release()
     mm.close()
     assert os.path.getsize(path) == size
+
+
+@pytest.mark.parametrize("field", ["size", "header"])
+def test_a_directory_entry_pointing_past_the_file_is_refused_cold_as_cached(tmp_path, field) -> None:
+    """A crafted central directory: a record's size, or its local header offset, points past the end of the file.
+    The early check leaves such a record alone (nothing outside the file is read) and the load is refused, naming
+    the file, as a cached load refuses it."""
+    import struct
+
+    from fastckpt.format.zipdir import _Mapped, central_entries
+
+    path, _ = _saved(tmp_path)
+    data = bytearray(path.read_bytes())
+    name, header, pos = max(central_entries(_Mapped(memoryview(bytes(data)), len(data))),
+                            key=lambda e: next(s[2] for s in record_spans(str(path)) if s[0] == e[0]))
+    if field == "size":  # compressed and uncompressed size alike: still a "stored" record
+        data[pos + 20:pos + 28] = struct.pack("<II", len(data), len(data))
+    else:
+        data[pos + 42:pos + 46] = struct.pack("<I", len(data) - 10)
+    path.write_bytes(bytes(data))
+    errors = []
+    for cold in (True, False):
+        if cold:
+            drop_page_cache(path)
+        else:
+            path.read_bytes()  # cached: the mapped path
+        with pytest.raises(IntegrityError) as ei:
+            load_torch_file(str(path))
+        assert str(path) in str(ei.value)
+        errors.append(str(ei.value))
+    assert errors[0] == errors[1]  # the same refusal either way
