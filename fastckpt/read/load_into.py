@@ -155,8 +155,8 @@ def read_into(reader: "CheckpointReader", target: Any) -> tuple[Any, int] | None
     paths = sorted({r.path for r in targets.ranges} | {b[0] for b in targets.buffered})
     # No WILLNEED readahead of every file first (load() and the torch zip reader have none either): with 8 reads in
     # flight the disk never idles between files, and the kernel's extra readahead competed with them. Cold 1.48 GB,
-    # fresh process per load, 15 runs each in turns on the benchmark VM (2026-11-28): median 1.04 s without it
-    # against 1.07 s with it in ``parallel``, 1.04 s against 1.25 s in ``sequential``.
+    # fresh process per load, in turns on the benchmark VM (2026-11-28): median 1.04 s without it against 1.07 s
+    # with it in ``parallel`` (15 runs each), 1.04 s against 1.25 s in ``sequential`` (5 runs each).
     how = reader.read_strategy([(f.path, f.size) for f in plan if f.path in paths])
     targets.prepare_cuda()
     try:
