@@ -19,7 +19,7 @@ import struct
 import threading
 import zlib
 from ..errors import IntegrityError
-from ..format.zipdir import central_records, crc_less
+from ..format.zipdir import central_records, crc_less, data_offset
 
 try:  # the CRC-32 torchzip uses (zlib-ng: several GB/s, and it releases the GIL)
     from zlib_ng.zlib_ng import crc32 as _crc32
@@ -111,11 +111,10 @@ class EarlyCheck:
         header, _, size, _ = self._records[i]
         if header + _LOCAL_HEADER > self.size or not self._has(header, header + _LOCAL_HEADER):
             return None
-        view = self.view
-        if bytes(view[header:header + 4]) != b"PK\x03\x04":
+        try:  # zipdir's own parse of a local header, over the bytes that have landed
+            data = data_offset(_Tail(self.view, header), header)
+        except IntegrityError:
             return None  # not a local header: the parse of the whole file says so, naming the record
-        n, e = struct.unpack("<HH", view[header + 26:header + 30])
-        data = header + _LOCAL_HEADER + n + e
         if data + size > self.size or not self._has(header, data + size):
             return None
         return i, data
