@@ -19,7 +19,6 @@ import io
 import struct
 import types
 import warnings
-import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +26,7 @@ import torch
 
 from ..errors import IntegrityError
 from ..storage.xattr import attrs_for
+from .checksum import crc32
 from .health import HEALTH_ATTR, attr_bytes, sidecar_bytes, sidecar_path, storage_dtype, uses_sidecar
 from .layout import CheckpointInfo, FileRecord
 from .torchrecords import hash_staged, write_with_records
@@ -34,10 +34,6 @@ from .torchrecords import hash_staged, write_with_records
 from .zipdir import (DESC_SIG, Sparse, central_entries, crc_less, data_offset, is_zip, record_spans,
                      verify_torch_bytes, verify_torch_file)
 
-try:  # 5x the speed of the stdlib's crc32 here, and it releases the GIL on large buffers
-    from zlib_ng.zlib_ng import crc32 as _crc32
-except ImportError:  # pragma: no cover - the dependency is declared; keep working without it
-    _crc32 = zlib.crc32
 
 __all__ = ["TorchRecord", "TorchFileLayout", "TorchFileFormat", "plan_torch_file", "verify_torch_file",
            "verify_torch_bytes", "is_zip", "storage_bytes", "record_spans", "crc_less"]
@@ -187,7 +183,7 @@ class TorchFileFormat:
     path: str
     # each record's CRC-32 by shard, when the I/O worker's health pass took it (healthpass.py): no second read
     pass_crcs: dict[int, list[int]] = field(default_factory=dict)
-    pass_checksum = staticmethod(_crc32)  # the checksum that pass takes: zlib's CRC-32, which the zip fields need
+    pass_checksum = staticmethod(crc32)  # the checksum that pass takes: zlib's CRC-32, which the zip fields need
     catalogued = False  # a framework's file (Lightning's): not listed, retained or uploaded by fastckpt
     keeps_shards = True  # the records are written back to back at the commit, from the slot
 
@@ -210,7 +206,7 @@ class TorchFileFormat:
 
     def checksum(self, data: memoryview, entries: Any) -> dict[int, int]:
         """Called by an I/O worker once a shard is staged: the CRC-32 of each record it holds."""
-        return {e.index: _crc32(data[e.offset:e.offset + e.nbytes]) & 0xFFFFFFFF for e in entries}
+        return {e.index: crc32(data[e.offset:e.offset + e.nbytes]) for e in entries}
 
     def write_shard(self, storage: Any, snap: Any, shard: Any, data: memoryview) -> tuple[int, Any, list[int]]:
         """``FileFormat``: called by an I/O worker once a shard is staged; checksums it (the commit writes it)."""

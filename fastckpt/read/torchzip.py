@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import logging
 import os
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Collection
 
 import torch
 
 from ..errors import IntegrityError, StorageError
+from ..format.checksum import crc32
 from .pagecache import resident_fraction
 from .readers import Range, pread_all
 from .zipcheck import TAIL, EarlyCheck, mismatch
@@ -46,10 +46,6 @@ __all__ = ["check_records", "load_torch_file", "load_zip_buffer"]
 log = logging.getLogger("fastckpt")
 _ADVICE = "the checkpoint is damaged: resume from an earlier one"
 
-try:  # the same CRC-32 torchfile uses (zlib-ng is faster where installed); both release the GIL
-    from zlib_ng.zlib_ng import crc32 as _crc32
-except ImportError:  # pragma: no cover - depends on the environment
-    _crc32 = zlib.crc32
 
 
 def load_torch_file(path: str, *, map_location: Any = None, workers: int = 2, verify: bool = True,
@@ -152,7 +148,7 @@ def check_records(path: str, view: memoryview, spans: list[tuple[str, int, int, 
 
     def one(span: tuple[str, int, int, int]) -> None:
         name, offset, size, want = span
-        got = _crc32(view[offset:offset + size]) & 0xFFFFFFFF
+        got = crc32(view[offset:offset + size])
         if got != want:
             raise mismatch(path, name, got, want, advice)
 

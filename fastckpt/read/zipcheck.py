@@ -17,14 +17,11 @@ from __future__ import annotations
 import bisect
 import struct
 import threading
-import zlib
+
 from ..errors import IntegrityError
+from ..format.checksum import crc32
 from ..format.zipdir import central_records, crc_less, data_offset
 
-try:  # the CRC-32 torchzip uses (zlib-ng: several GB/s, and it releases the GIL)
-    from zlib_ng.zlib_ng import crc32 as _crc32
-except ImportError:  # pragma: no cover - depends on the environment
-    _crc32 = zlib.crc32
 
 __all__ = ["TAIL", "EarlyCheck", "mismatch"]
 
@@ -121,7 +118,7 @@ class EarlyCheck:
 
     def _check(self, i: int, data: int) -> None:
         _, name, size, want = self._records[i]
-        got = _crc32(self.view[data:data + size]) & 0xFFFFFFFF
+        got = crc32(self.view[data:data + size])
         if got != want:
             raise mismatch(self.path, name, got, want, self.advice)
         with self._lock:
