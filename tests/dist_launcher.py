@@ -25,6 +25,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -34,6 +35,22 @@ _TAIL = 8000  # characters of each rank's log in a failure message
 # Under pytest-timeout (300 s in pyproject.toml), so that the launcher, not pytest, reports a hang with the ranks'
 # stacks. FASTCKPT_RANKS_DEADLINE_S overrides it (a debugging session that wants to attach py-spy first).
 DEADLINE_S = float(os.environ.get("FASTCKPT_RANKS_DEADLINE_S", "270"))
+
+
+def same_replicas(model: torch.nn.Module, opt: torch.optim.Optimizer | None = None) -> None:
+    """Rank 0's parameters, buffers and optimizer state on every rank (a collective), as DDP keeps its replicas.
+
+    Ranks that compute the same training steps each on its own need not agree to the last bit: a fresh-clone CI run
+    (2026-11-28) had a 2-rank and a 4-rank test's replicas differ after two or three AdamW steps, on a quiet machine,
+    where they had agreed in 16 loaded passes. A CPU kernel's rounding can depend on where its memory lies, and AdamW
+    turns a last-bit difference in a near-zero gradient (a bias before BatchNorm has one) into a whole step of
+    ``lr``. A test whose premise is identical replicas makes them so, as DDP's all-reduce does."""
+    tensors = list(model.state_dict().values())  # parameters and buffers, sharing the module's storage
+    if opt is not None:
+        tensors += [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    with torch.no_grad():
+        for t in tensors:
+            dist.broadcast(t, src=0)
 
 
 class RanksFailed(RuntimeError):

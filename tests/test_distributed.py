@@ -11,7 +11,7 @@ from torch import nn
 
 from fastckpt import CheckpointConfig, Checkpointer, StateMismatchError, StorageError
 from fastckpt.storage.protocol import open_storage
-from tests.dist_launcher import run_ranks
+from tests.dist_launcher import run_ranks, same_replicas
 from tests.helpers import FaultyStorage, WrappedStorage, assert_bit_equal, clone_state
 
 pytestmark = pytest.mark.slow
@@ -53,6 +53,7 @@ def _shared_writes(rank: int, world: int, root: str, out: str) -> None:
             opt.zero_grad()
             model(x).square().mean().backward()
             opt.step()
+            same_replicas(model, opt)  # the premise of the shared writes: every rank holds the same bits
             state = {"model": model.state_dict(), "optim": opt.state_dict(), "step": step}
             ref = clone_state(state)
             h = ckpt.save(state, step=step)

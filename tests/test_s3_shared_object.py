@@ -22,7 +22,7 @@ from torch import nn
 
 from fastckpt import CheckpointConfig, Checkpointer, StorageError
 from fastckpt.engine.partplan import MIN_PART
-from tests.dist_launcher import rank_report, run_ranks
+from tests.dist_launcher import rank_report, run_ranks, same_replicas
 from tests.helpers import assert_bit_equal, assert_same_torch_file, clone_state, s3_uploads
 
 pytestmark = pytest.mark.slow
@@ -39,6 +39,7 @@ def _replica(rank: int, layers: int = 7) -> tuple[nn.Module, torch.optim.Optimiz
     opt.zero_grad()
     model(x).square().mean().backward()
     opt.step()
+    same_replicas(model, opt)
     with torch.no_grad():  # this rank's own batch: BatchNorm's running statistics now differ per rank
         model(torch.randn(16, 512, generator=torch.Generator().manual_seed(100 + rank)) * (rank + 1))
     return model, opt

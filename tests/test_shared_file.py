@@ -15,7 +15,7 @@ from torch import nn
 from fastckpt import CheckpointConfig, Checkpointer, ConfigError, StorageError
 from fastckpt.format.health import HEALTH_ATTR
 from fastckpt.storage.protocol import open_storage
-from tests.dist_launcher import run_ranks
+from tests.dist_launcher import run_ranks, same_replicas
 from tests.helpers import WrappedStorage, assert_bit_equal, clone_state
 
 pytestmark = pytest.mark.slow
@@ -31,6 +31,7 @@ def _replica(rank: int) -> tuple[nn.Module, torch.optim.Optimizer]:
         opt.zero_grad()
         model(x).square().mean().backward()
         opt.step()
+    same_replicas(model, opt)
     with torch.no_grad():  # a forward on this rank's own batch: BatchNorm's running stats now differ per rank
         model(torch.randn(16, 32, generator=torch.Generator().manual_seed(100 + rank)) * (rank + 1))
     return model, opt
