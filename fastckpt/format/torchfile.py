@@ -39,7 +39,6 @@ __all__ = ["TorchRecord", "TorchFileLayout", "TorchFileFormat", "plan_torch_file
            "verify_torch_bytes", "is_zip", "storage_bytes", "record_spans", "crc_less"]
 
 
-
 @dataclass(frozen=True)
 class TorchRecord:
     """One storage's bytes in the file."""

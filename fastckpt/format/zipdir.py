@@ -115,7 +115,6 @@ def _check_records(view: "_Mapped", progress: Progress | None = None) -> list[st
             got = crc32(view.mv[at:end], got)
             if progress is not None:
                 progress(end - at)
-        got &= 0xFFFFFFFF
         if got != want:
             problems.append(f"record {name!r} has CRC-32 {got:08x}, its zip entry says {want:08x}")
     return problems

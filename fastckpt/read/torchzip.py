@@ -47,7 +47,6 @@ log = logging.getLogger("fastckpt")
 _ADVICE = "the checkpoint is damaged: resume from an earlier one"
 
 
-
 def load_torch_file(path: str, *, map_location: Any = None, workers: int = 2, verify: bool = True,
                     strategy: str = "auto") -> Any:
     """``torch.load(path, map_location=map_location, weights_only=True)``, its records CRC-checked in parallel;
