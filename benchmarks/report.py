@@ -112,7 +112,8 @@ def _fw_rows(section: dict[str, Any], configs: list[str], labels: dict[str, str]
                "n_ckpt": r["n_ckpt"], "flush_s": r["flush_s"], "block_s": r["save_block_median_s"],
                "peak_rss": r["peak_rss"], "rss_before": base_peak, "bytes_on_disk": r["bytes_on_disk"]}
         if "stall_pairs_s" in r:  # paired windows in the run itself (frameworks.py)
-            row.update(stall_s=r["stall_s"], noise_s=r["noise_s"], window_steps=r["window_steps"])
+            row.update(stall_s=r["stall_s"], noise_s=r["noise_s"], window_steps=r["window_steps"],
+                       pooled=r.get("pooled"))
         elif base_steps and r["n_ckpt"]:  # a results.json from before the windows: whole run vs the baseline's
             row.update(stall_estimate(r["loop_s"], r["n_steps"], base_steps, r["n_ckpt"]))
         else:
@@ -186,7 +187,7 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
                          "state_bytes": r["state_bytes"], "n_ckpt": r["n_ckpt"], "n_steps": r["n_steps"],
                          "base_step_s": r["base_step_mean_s"], "bytes_per_ckpt": r["bytes_on_disk_per_ckpt"],
                          "figures": r.get("peer_figures") or {}, "stall_mean_s": r.get("stall_mean_s"),
-                         "floor": r.get("floor"),
+                         "floor": r.get("floor"), "pooled": r.get("pooled"),
                          "restore": r.get("restore")})
         s["core"] = rows
     if "busy" in results:
@@ -376,7 +377,9 @@ def _gb(x: float | None) -> str:
 def _pm(row: dict[str, Any]) -> str:
     if row.get("stall_s") is None:
         return "-"
-    return f"{_s(row['stall_s'])} ± {_s(row['noise_s'])}"
+    pooled = row.get("pooled")
+    more = f" ({pooled['windows']} windows, {pooled['runs']} runs pooled)" if pooled and pooled.get("windows") else ""
+    return f"{_s(row['stall_s'])} ± {_s(row['noise_s'])}{more}"
 
 
 def _vs(fast: float | None, other: float | None) -> str:
@@ -500,7 +503,9 @@ def markdown(results: dict[str, Any], s: dict[str, Any], chart_rel: str) -> str:
         "--merge-into benchmarks/results.json` (or `restore`, `cli`) replaces that section with one measured by its "
         "own run, labelled as such. Stall verdicts are "
         "three-way: met only if fastckpt's stall plus its noise beats the target against the reference minus "
-        "its noise, NOT met only if it misses even the other way round, inconclusive otherwise. "
+        "its noise, NOT met only if it misses even the other way round, inconclusive otherwise; an inconclusive "
+        "stall verdict gets more windows of fastckpt and its reference (`--verdict-rounds N`, default 1, 0 for "
+        "none; benchmarks/verdicts.py). "
         f"Raw numbers: `{os.path.relpath(Path(chart_rel).with_suffix('.json'))}`, per-task logs: `bench_out/logs/`.",
         "",
         "## Machine",
@@ -747,8 +752,17 @@ def markdown(results: dict[str, Any], s: dict[str, Any], chart_rel: str) -> str:
         "paired windows (whole runs against a separate baseline run): one standard error from the spread of the "
         "baseline step times, which leaves out the drift between processes. A stall smaller than its noise is "
         "not distinguishable from zero.",
-        "",
     ]
+    if plan.get("verdict_rounds"):
+        md.append(
+            "- **More windows where a verdict needs them**: where a stall verdict (plain loop, Lightning, Accelerate) "
+            "is inconclusive after every peer's run, fastckpt and the configuration it is compared with each run "
+            f"again in a fresh process with {plan.get('verdict_n_ckpt', '?')} checkpointed windows, at most "
+            f"{plan['verdict_rounds']} time(s), and their paired differences are pooled with the first run's "
+            "(benchmarks/verdicts.py); a verdict already decided either way is not measured again. A pooled stall "
+            "says how many windows and runs it holds; its other figures (save() blocks, RSS, restore) are the first "
+            "run's.")
+    md.append("")
     return "\n".join(md)
 
 

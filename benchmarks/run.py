@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from . import frameworks, gpu_report, peers
+from . import frameworks, gpu_report, peers, verdicts
 from . import workload as wl
 
 REPO = Path(__file__).resolve().parent.parent
@@ -60,6 +60,11 @@ class Plan:
     busy_n_ckpt: int = 4
     busy_durable_reps: int = 3
     busy_neighbours: int | None = None  # None: one more than the host's cores
+    # Where a stall verdict (plain loop, Lightning, Accelerate) is inconclusive, fastckpt and its reference run
+    # again with ``verdict_n_ckpt`` windows each, pooled with the first run, at most ``verdict_rounds`` times
+    # (benchmarks/verdicts.py).
+    verdict_rounds: int = 0
+    verdict_n_ckpt: int = 12  # 8 + 12 windows: the noise x0.63; 25 windows of the slowest loop fit task_timeout
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -86,7 +91,8 @@ class Plan:
 # at 3 s windows DCP's flush alone was ~4 s), so the stall measures what a checkpoint costs the loop, not
 # whether the peer keeps up with a very high checkpoint rate. Lightning/Accelerate keep K=6.
 FULL_PLAN = Plan(shape=wl.FULL, warmup=2, every=12, n_ckpt=6, fw_every=6, fw_n_ckpt=8, base_steps=4, io_reps=3,
-                 cold_load=True, rss_saves=20, rss_every=4, task_timeout=600, window_s=8.0, core_budget_s=150.0)
+                 cold_load=True, rss_saves=20, rss_every=4, task_timeout=600, window_s=8.0, core_budget_s=150.0,
+                 verdict_rounds=1)
 QUICK_PLAN = Plan(shape=wl.QUICK, warmup=1, every=2, n_ckpt=2, fw_every=2, fw_n_ckpt=2, base_steps=4, io_reps=1,
                   cold_load=True, rss_saves=3, rss_every=2, task_timeout=120, busy_shape=wl.QUICK, busy_every=2,
                   busy_n_ckpt=1, busy_durable_reps=1)
@@ -179,6 +185,10 @@ def run_all(plan: Plan, workdir: Path, isolate: bool, sections: tuple[str, ...],
     if "io" in sections:
         results["io"] = run("io: durable commit + load", "io",
                             dict(shape=shape, root=ck, reps=plan.io_reps, cold=plan.cold_load))
+    def core_args(name: str, n_ckpt: int) -> dict[str, Any]:
+        return dict(peer=name, shape=shape, root=ck, warmup=plan.warmup, every=plan.every, n_ckpt=n_ckpt,
+                    base_steps=plan.base_steps)
+
     if "core" in sections:
         results["core"] = {}
         for name in peer_names:
@@ -187,9 +197,8 @@ def run_all(plan: Plan, workdir: Path, isolate: bool, sections: tuple[str, ...],
                 log(f"core loop: {name}: skipped, {why}")
                 results["core"][name] = {"ok": False, "skipped": why, "error": f"skipped: {why}"}
                 continue
-            results["core"][name] = run(f"core loop: {name}", "core",
-                                        dict(peer=name, shape=shape, root=ck, warmup=plan.warmup,
-                                             every=plan.every, n_ckpt=plan.n_ckpt, base_steps=plan.base_steps))
+            results["core"][name] = run(f"core loop: {name}", "core", core_args(name, plan.n_ckpt))
+        verdicts.top_up(run, results, "core", "core", core_args, plan.verdict_rounds, plan.verdict_n_ckpt, log)
     if "rss" in sections:
         results["rss"] = run(f"rss: fastckpt x{plan.rss_saves} saves", "rss",
                              dict(shape=shape, root=ck, warmup=plan.warmup, every=plan.rss_every,
@@ -223,6 +232,8 @@ def run_all(plan: Plan, workdir: Path, isolate: bool, sections: tuple[str, ...],
             else:
                 res[cfg] = r
         results[section] = res
+        verdicts.top_up(run, results, section, section, lambda cfg, n: dict(fw, config=cfg, n_ckpt=n),
+                        plan.verdict_rounds, plan.verdict_n_ckpt, log)
     return results
 
 
@@ -297,6 +308,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --only among " + ",".join(MERGEABLE) + ": add this run's sections (each labelled "
                          "with its own command, machine and date) to a saved results.json, then re-render that "
                          "run's report")
+    ap.add_argument("--verdict-rounds", type=int, default=None,
+                    help="extra runs (more windows) of fastckpt and its reference where a stall verdict is "
+                         "inconclusive (default: 1 in a full run, 0 with --quick; 0 turns them off)")
     ap.add_argument("--breakdown-reps", type=int, default=3, help="runs of each configuration in --only breakdown")
     args = ap.parse_args(argv)
 
@@ -321,6 +335,10 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(args.workdir) if args.workdir else REPO / "bench_out"
     workdir.mkdir(parents=True, exist_ok=True)
     plan = QUICK_PLAN if args.quick else FULL_PLAN
+    if args.verdict_rounds is not None:
+        if args.verdict_rounds < 0:
+            ap.error(f"--verdict-rounds must be 0 or more, got {args.verdict_rounds}")
+        plan = replace(plan, verdict_rounds=args.verdict_rounds)
     isolate = (not args.quick) if args.isolate is None else args.isolate
     sections = tuple(s for s in args.only.split(",") if s)
     bad = [s for s in sections if s not in SECTIONS + OPTIONAL]

@@ -1,0 +1,84 @@
+"""More windows where a stall verdict needs them (issue 27).
+
+A stall verdict is three-way (``report._stall_target``): met only if fastckpt's stall plus its noise beats the target
+against the reference minus its noise. One run of 8 checkpointed windows at the calibrated ~1.5 s steps measures
+fastckpt's stall with a noise of ±70-80 ms on the 2-core box, and the plain-loop target (a quarter of the best peer's
+~400 ms) is ~100 ms: three full runs in a row came out inconclusive, in different rows each time. The noise shrinks
+with the square root of the windows, so when a verdict is inconclusive the two configurations it compares (fastckpt
+and its reference) each run once more, in fresh processes, with ``verdict_n_ckpt`` windows, and their paired
+differences are pooled with the first run's (every difference pairs a checkpointed window with the clean windows on
+either side of it in the same process, so pairs from several processes are alike). At most ``verdict_rounds`` such
+rounds per comparison; a comparison already decided either way (met *or* NOT met) is never measured again, so the
+extra windows buy precision, not a chosen answer. The report names, per stall, the runs and windows it pools.
+"""
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+from fastckpt.timeline import median_and_noise
+
+from . import report
+
+# (section, the target's name in report.targets, the reference config; None: the best peer of the plain loop)
+COMPARISONS: dict[str, tuple[str, str | None]] = {
+    "core": ("(b) per-checkpoint stall, plain loop", None),
+    "lightning": ("Lightning Trainer.fit per-checkpoint stall", "async_io"),
+    "accelerate": ("Accelerate per-checkpoint stall", "stock"),
+}
+
+Run = Callable[[str, str, dict[str, Any]], dict[str, Any]]
+
+
+def verdict(section: str, results: dict[str, Any]) -> bool | None:
+    """The section's stall verdict as the report would give it: True met, False NOT met, None inconclusive."""
+    name, _ = COMPARISONS[section]
+    for t in report.summarize({section: results[section]})["targets"]:
+        if t["name"] == name:
+            return t["met"]
+    raise KeyError(f"no target {name!r} in the {section} section")
+
+
+def reference(section: str, results: dict[str, Any]) -> str | None:
+    """The configuration fastckpt is compared with: the fixed one, or the plain loop's best peer (lowest stall)."""
+    _, ref = COMPARISONS[section]
+    if ref is not None:
+        return ref
+    stalls = {name: res["result"]["stall_s"] for name, res in results[section].items()
+              if name != "fastckpt" and res.get("ok") and res["result"].get("stall_s") is not None}
+    return min(stalls, key=stalls.__getitem__) if stalls else None
+
+
+def pool(entry: dict[str, Any], extra: dict[str, Any]) -> None:
+    """Fold ``extra`` (a run of the same task) into ``entry``: its paired differences join the first run's and the
+    stall and its noise are taken again over all of them. The other figures (save() blocks, RSS, restore) stay the
+    first run's; the extra run is kept whole under ``extra_runs``."""
+    entry.setdefault("extra_runs", []).append(extra)
+    if not extra.get("ok"):
+        return  # reported as is: the first run's figures stand
+    res = entry["result"]
+    pooled = res.setdefault("pooled", {"runs": 1, "first": {k: res[k] for k in ("stall_s", "noise_s")}})
+    pairs = list(res["stall_pairs_s"]) + list(extra["result"]["stall_pairs_s"])
+    res["stall_s"], res["noise_s"] = median_and_noise(pairs)
+    res["stall_mean_s"] = statistics.fmean(pairs)
+    res["stall_pairs_s"] = pairs
+    pooled["runs"] += 1
+    pooled["windows"] = len(pairs)
+
+
+def top_up(run: Run, results: dict[str, Any], section: str, task: str, args_for: Callable[[str, int], dict[str, Any]],
+           rounds: int, n_ckpt: int, log: Callable[[str], None]) -> None:
+    """Run fastckpt and its reference again (``n_ckpt`` windows each) while ``section``'s verdict is inconclusive,
+    at most ``rounds`` times. ``args_for(config, n_ckpt)``: the task's arguments for one configuration."""
+    for i in range(rounds):
+        if verdict(section, results) is not None:
+            return
+        ref = reference(section, results)
+        if ref is None or not results[section].get("fastckpt", {}).get("ok"):
+            return  # nothing to compare: the report says why
+        log(f"{section}: the stall verdict is inconclusive: fastckpt and {ref} run again with {n_ckpt} windows "
+            f"each (round {i + 1} of {rounds})")
+        for config in ("fastckpt", ref):
+            extra = run(f"{section}: {config} (more windows, round {i + 1})", task, args_for(config, n_ckpt))
+            pool(results[section][config], extra)
