@@ -57,7 +57,7 @@ class Plan:
     # a checkpoint every ``busy_every`` steps, ``busy_n_ckpt`` windows, then ``busy_durable_reps`` save + flush.
     busy_shape: wl.Shape = wl.BUSY
     busy_every: int = 10
-    busy_n_ckpt: int = 4
+    busy_n_ckpt: int = 12  # 4 windows left the busy stall's noise at +-180 ms (2026-11-28): 3x the windows, /1.7
     busy_durable_reps: int = 3
     busy_neighbours: int | None = None  # None: one more than the host's cores
     # Where a stall verdict (plain loop, Lightning, Accelerate) is inconclusive, fastckpt and its reference run
