@@ -50,6 +50,10 @@ def reference(section: str, results: dict[str, Any]) -> str | None:
     return min(stalls, key=stalls.__getitem__) if stalls else None
 
 
+def _measured(entry: dict[str, Any] | None) -> bool:
+    return bool(entry and entry.get("ok") and entry["result"].get("stall_pairs_s"))
+
+
 def pool(entry: dict[str, Any], extra: dict[str, Any]) -> None:
     """Fold ``extra`` (a run of the same task) into ``entry``: its paired differences join the first run's and the
     stall and its noise are taken again over all of them. The other figures (save() blocks, RSS, restore) stay the
@@ -75,8 +79,8 @@ def top_up(run: Run, results: dict[str, Any], section: str, task: str, args_for:
         if verdict(section, results) is not None:
             return
         ref = reference(section, results)
-        if ref is None or not results[section].get("fastckpt", {}).get("ok"):
-            return  # nothing to compare: the report says why
+        if ref is None or not all(_measured(results[section].get(c)) for c in ("fastckpt", ref)):
+            return  # n/a rather than inconclusive (a run failed or was skipped): the report says why
         log(f"{section}: the stall verdict is inconclusive: fastckpt and {ref} run again with {n_ckpt} windows "
             f"each (round {i + 1} of {rounds})")
         for config in ("fastckpt", ref):

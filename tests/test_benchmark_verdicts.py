@@ -128,3 +128,14 @@ def test_no_reference_means_no_extra_run() -> None:
     run = FakeRun(lambda config, args: pytest.fail("ran a task with nothing to compare"))
     _top_up_core(results, run)
     assert run.calls == []
+
+
+def test_a_failed_reference_is_not_measured_again() -> None:
+    """A verdict with no reference is n/a, not inconclusive: nothing to pool into, nothing to run."""
+    results = {"accelerate": {"baseline": [], "stock": {"ok": False, "error": "worker exited with 1"},
+                              "fastckpt": _fw_result([0.8, -0.3, 0.4, -0.1, 0.2, 0.3, -0.2, 0.5])}}
+    assert verdicts.verdict("accelerate", results) is None
+    run = FakeRun(lambda config, args: pytest.fail("re-ran a failed reference"))
+    verdicts.top_up(run, results, "accelerate", "accelerate", lambda cfg, n: {"config": cfg, "n_ckpt": n}, 1, 12,
+                    lambda msg: None)
+    assert run.calls == []
