@@ -185,6 +185,7 @@ def run_all(plan: Plan, workdir: Path, isolate: bool, sections: tuple[str, ...],
     if "io" in sections:
         results["io"] = run("io: durable commit + load", "io",
                             dict(shape=shape, root=ck, reps=plan.io_reps, cold=plan.cold_load))
+
     def core_args(name: str, n_ckpt: int) -> dict[str, Any]:
         return dict(peer=name, shape=shape, root=ck, warmup=plan.warmup, every=plan.every, n_ckpt=n_ckpt,
                     base_steps=plan.base_steps)
@@ -198,7 +199,7 @@ def run_all(plan: Plan, workdir: Path, isolate: bool, sections: tuple[str, ...],
                 results["core"][name] = {"ok": False, "skipped": why, "error": f"skipped: {why}"}
                 continue
             results["core"][name] = run(f"core loop: {name}", "core", core_args(name, plan.n_ckpt))
-        verdicts.top_up(run, results, "core", "core", core_args, plan.verdict_rounds, plan.verdict_n_ckpt, log)
+        verdicts.top_up(run, results, "core", core_args, plan.verdict_rounds, plan.verdict_n_ckpt, log)
     if "rss" in sections:
         results["rss"] = run(f"rss: fastckpt x{plan.rss_saves} saves", "rss",
                              dict(shape=shape, root=ck, warmup=plan.warmup, every=plan.rss_every,
@@ -211,7 +212,7 @@ def run_all(plan: Plan, workdir: Path, isolate: bool, sections: tuple[str, ...],
     if "restore" in sections:
         from .restore_run import run_restore
 
-        results["restore"] = run_restore(run, shape, workdir, peer_names, plan.cold_load, 4 if plan is QUICK_PLAN else 150)
+        results["restore"] = run_restore(run, shape, workdir, peer_names, plan.cold_load, 4 if plan.shape == wl.QUICK else 150)
     fw = dict(shape=shape, root=ck, warmup=plan.warmup, every=plan.fw_every, n_ckpt=plan.fw_n_ckpt)
     if "cli" in sections:
         results["cli"] = _cli_help(5)
@@ -232,7 +233,7 @@ def run_all(plan: Plan, workdir: Path, isolate: bool, sections: tuple[str, ...],
             else:
                 res[cfg] = r
         results[section] = res
-        verdicts.top_up(run, results, section, section, lambda cfg, n: dict(fw, config=cfg, n_ckpt=n),
+        verdicts.top_up(run, results, section, lambda cfg, n: dict(fw, config=cfg, n_ckpt=n),
                         plan.verdict_rounds, plan.verdict_n_ckpt, log)
     return results
 

@@ -71,10 +71,11 @@ def pool(entry: dict[str, Any], extra: dict[str, Any]) -> None:
     pooled["windows"] = len(pairs)
 
 
-def top_up(run: Run, results: dict[str, Any], section: str, task: str, args_for: Callable[[str, int], dict[str, Any]],
+def top_up(run: Run, results: dict[str, Any], section: str, args_for: Callable[[str, int], dict[str, Any]],
            rounds: int, n_ckpt: int, log: Callable[[str], None]) -> None:
     """Run fastckpt and its reference again (``n_ckpt`` windows each) while ``section``'s verdict is inconclusive,
-    at most ``rounds`` times. ``args_for(config, n_ckpt)``: the task's arguments for one configuration."""
+    at most ``rounds`` times. ``args_for(config, n_ckpt)``: the arguments of the section's task (the worker task of
+    the same name) for one configuration."""
     for i in range(rounds):
         if verdict(section, results) is not None:
             return
@@ -84,5 +85,5 @@ def top_up(run: Run, results: dict[str, Any], section: str, task: str, args_for:
         log(f"{section}: the stall verdict is inconclusive: fastckpt and {ref} run again with {n_ckpt} windows "
             f"each (round {i + 1} of {rounds})")
         for config in ("fastckpt", ref):
-            extra = run(f"{section}: {config} (more windows, round {i + 1})", task, args_for(config, n_ckpt))
+            extra = run(f"{section}: {config} (more windows, round {i + 1})", section, args_for(config, n_ckpt))
             pool(results[section][config], extra)

@@ -52,7 +52,7 @@ def _core(fast: list[float]) -> dict[str, Any]:
 
 
 def _top_up_core(results: dict[str, Any], run: FakeRun, rounds: int = 1) -> None:
-    verdicts.top_up(run, results, "core", "core", lambda name, n: {"peer": name, "n_ckpt": n}, rounds, 12,
+    verdicts.top_up(run, results, "core", lambda name, n: {"peer": name, "n_ckpt": n}, rounds, 12,
                     lambda msg: None)
 
 
@@ -114,7 +114,7 @@ def test_a_framework_section_is_compared_with_its_fixed_reference() -> None:
         "fastckpt": _fw_result([0.8, -0.3, 0.4, -0.1, 0.2, 0.3, -0.2, 0.5])}}
     assert verdicts.verdict("lightning", results) is None
     run = FakeRun(lambda config, args: _fw_result([0.0] * 12 if config == "fastckpt" else [0.7] * 12))
-    verdicts.top_up(run, results, "lightning", "lightning", lambda cfg, n: {"config": cfg, "n_ckpt": n}, 1, 12,
+    verdicts.top_up(run, results, "lightning", lambda cfg, n: {"config": cfg, "n_ckpt": n}, 1, 12,
                     lambda msg: None)
     assert [c[2]["config"] for c in run.calls] == ["fastckpt", "async_io"]
     rows = report.summarize(results)["lightning"]
@@ -136,6 +136,6 @@ def test_a_failed_reference_is_not_measured_again() -> None:
                               "fastckpt": _fw_result([0.8, -0.3, 0.4, -0.1, 0.2, 0.3, -0.2, 0.5])}}
     assert verdicts.verdict("accelerate", results) is None
     run = FakeRun(lambda config, args: pytest.fail("re-ran a failed reference"))
-    verdicts.top_up(run, results, "accelerate", "accelerate", lambda cfg, n: {"config": cfg, "n_ckpt": n}, 1, 12,
+    verdicts.top_up(run, results, "accelerate", lambda cfg, n: {"config": cfg, "n_ckpt": n}, 1, 12,
                     lambda msg: None)
     assert run.calls == []
