@@ -155,3 +155,25 @@ def test_a_load_onto_a_device_maps_even_cold_shards(saved) -> None:
         drop_page_cache(s)
     assert_bit_equal(state, ckpt.load(step=1, map_location="cpu"))  # CPU tensors: private memory, read
     assert ckpt.last_load_stats.method == "read"
+
+
+@pytest.mark.parametrize("step", [2 << 20, (3 << 20) + 1, 1 << 30])
+@pytest.mark.parametrize("how", ["parallel", "sequential"])
+def test_buffered_reads_checksummed_in_steps_verify_every_byte(tmp_path, monkeypatch, step, how) -> None:
+    """A buffered piece is read and CRC'd in LOCAL_CRC_STEP steps: every step's bytes count (a step size that cuts
+    pieces unevenly, or exceeds them), and a flip in any step of any piece fails the range, naming the file."""
+    monkeypatch.setattr(readers, "LOCAL_CRC_STEP", step)
+    data = bytearray(os.urandom(3 * LOCAL_PIECE_BYTES + 777))
+    path = tmp_path / "shard.bin"
+    path.write_bytes(data)
+    out = bytearray(len(data))
+    r = Range(str(path), 0, memoryview(out), crc32c(bytes(data)))
+    assert read_ranges(LocalStorage(str(tmp_path)), [r], 2, strategy=how) == len(data)
+    assert out == data
+    for at in (5, LOCAL_PIECE_BYTES + (2 << 20) + 9, len(data) - 1):  # first step, a later step, the tail
+        bad = bytearray(data)
+        bad[at] ^= 0x10
+        path.write_bytes(bad)
+        r = Range(str(path), 0, memoryview(bytearray(len(data))), crc32c(bytes(data)), what=" in tensor 'w'")
+        with pytest.raises(IntegrityError, match=r"shard\.bin: checksum mismatch in tensor 'w'"):
+            read_ranges(LocalStorage(str(tmp_path)), [r], 2, strategy=how)
