@@ -184,7 +184,7 @@ def run_all(plan: Plan, workdir: Path, isolate: bool, sections: tuple[str, ...],
         results["breakdown"] = run_breakdown(run, shape, ck, plan.warmup, plan.every, min(plan.n_ckpt, 4), reps)
     if "io" in sections:
         results["io"] = run("io: durable commit + load", "io",
-                            dict(shape=shape, root=ck, reps=plan.io_reps, cold=plan.cold_load))
+                            dict(shape=shape, root=ck, reps=plan.io_reps))
 
     def core_args(name: str, n_ckpt: int) -> dict[str, Any]:
         return dict(peer=name, shape=shape, root=ck, warmup=plan.warmup, every=plan.every, n_ckpt=n_ckpt,
