@@ -82,6 +82,38 @@ def test_hung_ranks_are_dumped_and_killed_before_pytest_timeout(monkeypatch) -> 
     assert "rank 1 was here" in rank1 and "in _ranks_hang" in rank1 and "in wait" in rank1
 
 
+
+def _rank_leaves_work_for_its_exit(rank: int, world: int, folder: str) -> None:
+    import atexit
+    import threading
+
+    gate = threading.Event()
+
+    def late() -> None:  # a non-daemon thread with work left when the function returns
+        gate.wait()
+        total = 0
+        for i in range(3_000_000):  # bytecode, not one C call: the GIL passes to the exiting main thread meanwhile
+            total += i  # ~0.2 s: an exit that did not join this thread would cut it short
+        Path(folder, f"thread{rank}").write_text(str(total))
+
+    threading.Thread(target=late, name="late-writer").start()
+    atexit.register(lambda: Path(folder, f"hook{rank}").write_text("ran"))
+    print(f"rank {rank} returns", flush=True)
+    gate.set()
+
+
+def test_a_rank_that_returned_ends_as_the_interpreter_would_but_without_finalizing(tmp_path) -> None:
+    """A rank that succeeded used to die at exit now and then (SIGABRT, "terminate called without an active
+    exception": a gloo worker of torch's default group, which FSDP keeps alive past destroy_process_group, needed
+    the GIL while the interpreter finalized). The launcher now ends a successful rank with ``os._exit(0)``, after
+    what the interpreter's exit would have done: its exit hooks run and its non-daemon threads finish."""
+    from tests.dist_launcher import run_ranks
+
+    run_ranks(_rank_leaves_work_for_its_exit, 2, str(tmp_path))
+    for rank in (0, 1):
+        assert (tmp_path / f"hook{rank}").read_text() == "ran"
+        assert (tmp_path / f"thread{rank}").read_text() == str(sum(range(3_000_000)))
+
 HANGING = """
 import os, signal, subprocess, sys
 folder = sys.argv[1]
