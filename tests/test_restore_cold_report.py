@@ -60,9 +60,11 @@ def test_verdicts_hold_each_loader_to_torch_load_and_its_own_ceiling() -> None:
                       load("fastckpt_load", 0.95), load("fastckpt_load", 0.90), load("fastckpt_load_into", 1.2)]}
     md = "\n".join(cold_markdown({"cases": {"150 x 4 MiB": case}, "rounds": 2}))
     rows = {line.split(" | ")[0].lstrip("| "): line for line in md.splitlines() if line.startswith("| ")}
-    assert "| 0.900 | 0.90x | 1.06x | direct | True | PASS |" in rows["fastckpt load()"]  # vs the fresh-memory ceiling
-    assert "1.04x | - | True | PASS |" in rows["torch zip reader (Lightning plugin load)"]  # vs the torch file's
-    assert "| 1.200 | 1.20x | 1.50x |" in rows["fastckpt load_into()"] and rows["fastckpt load_into()"].endswith("FAIL |")
+    # best vs the fresh-memory ceiling's best, then (for reading) the median 0.925 vs the ceiling's median 0.85
+    assert "| 0.900 | 0.90x | 1.06x | 1.09x | direct | True | PASS |" in rows["fastckpt load()"]
+    assert "1.04x | 1.04x | - | True | PASS |" in rows["torch zip reader (Lightning plugin load)"]  # vs the torch file's
+    assert "| 1.200 | 1.20x | 1.50x | 1.50x |" in rows["fastckpt load_into()"]
+    assert rows["fastckpt load_into()"].endswith("FAIL |")
     assert "Ceiling: **sequential** (lowest median), 0.800 s." in md
     # no record of where its memory lay (a run before the harness recorded it): the page-aligned readers, as before
     assert "0% of the bytes lay off a page boundary, so it is held to the readers into page-aligned memory" in md
