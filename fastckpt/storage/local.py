@@ -15,6 +15,7 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Callable, Sequence
 
 from .deadline import storage_error
+from .directwrite import DIRECT_MIN, open_unnamed, pwrite_all as _pwrite_all, write_through_bounce
 from .heldlink import UNNAMED_OK as _UNNAMED_OK, link_fd  # a test turns _UNNAMED_OK off here
 from .tempmark import mark_bytes, mark_name, temp_basename
 from .xattr import get_attr, set_attrs, take_attrs
@@ -210,14 +211,18 @@ class LocalStorage:
         ``folder``: ``FileNotFoundError``, never recreated)."""
         if not _UNNAMED_OK:
             return None
+        # a big file O_DIRECT, through a bounce buffer: its parts need not be aligned (directwrite.py)
+        want = self._direct != "off" and self._direct_works is not False and sum(map(len, parts)) >= DIRECT_MIN
+        fd, direct = open_unnamed(folder, want)
+        if fd is None:
+            return None
         try:
-            fd = os.open(folder, os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, 0o644)
-        except OSError as e:
-            if e.errno in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
-                return None
-            raise
-        try:
-            self._write_parts(fd, parts)
+            if not (direct and write_through_bounce(fd, parts, self.cpu_section)):
+                if want and self._direct == "on":
+                    raise OSError(errno.EINVAL, f"O_DIRECT refused under {folder} (direct_io: on)")
+                if want:
+                    self._note_direct(False, OSError(errno.EINVAL, "O_DIRECT refused for a new file"))
+                self._write_parts(fd, parts)
             if attrs:  # on the unnamed file: the record is there the moment the file has a name
                 set_attrs(fd, attrs)
             if self._fsync:
@@ -472,13 +477,6 @@ def _write_all(fd: int, data: memoryview) -> None:
     while len(data):
         n = os.write(fd, data[: 1 << 30])
         data = data[n:]
-
-
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    data = memoryview(data).cast("B")
-    while len(data):
-        n = os.pwrite(fd, data[: 1 << 30], offset)
-        data, offset = data[n:], offset + n
 
 
 def _fsync_dir(path: str) -> None:
