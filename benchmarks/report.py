@@ -680,7 +680,8 @@ def markdown(results: dict[str, Any], s: dict[str, Any], chart_rel: str) -> str:
         md += [
             "## Lightning `Trainer.fit` (issue #3)",
             "",
-            _fw_intro(s["lightning"], plan, "`ModelCheckpoint(save_top_k=-1)` (its trigger gated to the checkpointed "
+            *own_run_label(results["lightning"].get("meta")),
+            _fw_intro(s["lightning"], results["lightning"].get("plan", plan), "`ModelCheckpoint(save_top_k=-1)` (its trigger gated to the checkpointed "
                       "windows' first step)", "a fit without checkpointing", "`on_train_end`",
                       "the checkpoint IO's `teardown`")
             + " 'checkpoint call' = `ModelCheckpoint._save_checkpoint` (dump_checkpoint + "
@@ -694,8 +695,9 @@ def markdown(results: dict[str, Any], s: dict[str, Any], chart_rel: str) -> str:
         md += [
             "## Accelerate loop (issue #4)",
             "",
+            *own_run_label(results["accelerate"].get("meta")),
             "`Accelerator(cpu=True, project_config=ProjectConfiguration(automatic_checkpoint_naming=True))`; "
-            + _fw_intro(s["accelerate"], plan, "`accelerator.save_state()`", "a loop without checkpointing",
+            + _fw_intro(s["accelerate"], results["accelerate"].get("plan", plan), "`accelerator.save_state()`", "a loop without checkpointing",
                         "the last step", "`accelerator.end_training()`")
             + " fastckpt via `fastckpt_accelerate.enable(accelerator, CheckpointConfig(root=...))`; the flush "
             "that ends a checkpointed window: its `wait()` (stock `save_state()` has nothing pending).",

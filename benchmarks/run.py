@@ -25,7 +25,7 @@ SECTIONS = ("io", "core", "rss", "lightning", "lightning_load", "accelerate", "b
 DEFAULT_SECTIONS = SECTIONS[:-1]  # dedup (benchmarks/dedup.py) needs peft and transformers: only on --only dedup
 # Sections whose report needs nothing from the rest of the run (no shared calibration): a later run may
 # replace them in a saved report with --merge-into, each labelled with the run that measured it.
-MERGEABLE = ("busy", "restore", "cli", "dedup")
+MERGEABLE = ("busy", "restore", "cli", "dedup", "lightning", "accelerate")  # the framework sections carry their plan
 # Run only when named (``--only breakdown``): it writes its own section into the report and leaves the rest.
 OPTIONAL = ("breakdown",)
 
@@ -225,7 +225,9 @@ def run_all(plan: Plan, workdir: Path, isolate: bool, sections: tuple[str, ...],
                              ("accelerate", frameworks.ACCELERATE_CONFIGS)):
         if section not in sections:
             continue
-        res: dict[str, Any] = {"baseline": []}
+        # the plan its windows were cut by: the section then reads alone (--merge-into into another run's report)
+        res: dict[str, Any] = {"baseline": [], "plan": {"fw_every": plan.fw_every, "fw_n_ckpt": plan.fw_n_ckpt,
+                                                        "step_s": plan.step_s}}
         for cfg in configs:  # the stall is paired inside each run; the baseline run is the RSS reference
             r = run(f"{section}: {cfg}", section, dict(fw, config=cfg))
             if cfg == "baseline":
