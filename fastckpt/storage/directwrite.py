@@ -23,9 +23,8 @@ import os
 from contextlib import AbstractContextManager
 from typing import Callable, Sequence
 
-import numpy as np
 
-__all__ = ["ALIGN", "BOUNCE_BYTES", "DIRECT_MIN", "open_unnamed", "pwrite_all", "write_through_bounce"]
+__all__ = ["ALIGN", "BOUNCE_BYTES", "DIRECT_MIN", "address", "open_unnamed", "pwrite_all", "write_through_bounce"]
 
 ALIGN = 4096  # O_DIRECT's alignment of offsets, lengths and addresses (the page; ext4 and xfs accept it)
 BOUNCE_BYTES = 16 << 20  # one buffer: 2 or 4 threads with a buffer each measured no faster (above)
@@ -46,8 +45,10 @@ def open_unnamed(folder: str, direct: bool) -> tuple[int | None, bool]:
         raise
 
 
-def _address(part: memoryview) -> int:
+def address(part: memoryview) -> int:
     """The address of ``part``'s first byte (a read-only buffer too: numpy takes it, ctypes would not)."""
+    import numpy as np  # here, not at import: importing the storage layer need not load numpy
+
     return int(np.frombuffer(part, dtype=np.uint8).ctypes.data)
 
 
@@ -59,16 +60,17 @@ def write_through_bounce(fd: int, parts: Sequence[memoryview],
     Any other ``OSError`` (a full disk) is raised as it is."""
     keep = mmap.mmap(-1, BOUNCE_BYTES)
     bounce = memoryview(keep)
-    base = _address(bounce)
+    base = address(bounce)
     filled = offset = 0
     try:
         for part in parts:
             part = memoryview(part).cast("B")
+            src = address(part) if len(part) else 0
             at = 0
             while at < len(part):
                 n = min(len(part) - at, BOUNCE_BYTES - filled)
                 with cpu_section():
-                    ctypes.memmove(base + filled, _address(part[at:at + n]), n)
+                    ctypes.memmove(base + filled, src + at, n)
                 filled, at = filled + n, at + n
                 if filled == BOUNCE_BYTES:
                     pwrite_all(fd, bounce, offset)

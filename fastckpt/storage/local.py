@@ -15,7 +15,8 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Callable, Sequence
 
 from .deadline import storage_error
-from .directwrite import DIRECT_MIN, open_unnamed, pwrite_all as _pwrite_all, write_through_bounce
+from .directwrite import ALIGN as _DIRECT_ALIGN, DIRECT_MIN, address, open_unnamed, pwrite_all as _pwrite_all
+from .directwrite import write_through_bounce
 from .heldlink import UNNAMED_OK as _UNNAMED_OK, link_fd  # a test turns _UNNAMED_OK off here
 from .tempmark import mark_bytes, mark_name, temp_basename
 from .xattr import get_attr, set_attrs, take_attrs
@@ -25,7 +26,6 @@ __all__ = ["LocalStorage", "aligned_buffer", "open_regular"]
 
 log = logging.getLogger("fastckpt")
 
-_DIRECT_ALIGN = 4096
 # Every file fastckpt creates is new (O_EXCL) and never reached through a symlink (O_NOFOLLOW): a name planted in
 # the root (a link to a user's file, a hard link, a FIFO) is refused, never written through or truncated.
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -467,10 +467,8 @@ def open_regular(path: str, flags: int = 0) -> int:
 
 
 def _aligned(parts: Sequence[memoryview]) -> bool:
-    import numpy as np
-
     return not any(len(part) % _DIRECT_ALIGN for part in parts[:-1]) and not any(
-        len(part) and np.frombuffer(part, dtype=np.uint8).ctypes.data % _DIRECT_ALIGN for part in parts)
+        len(part) and address(part) % _DIRECT_ALIGN for part in parts)
 
 
 def _write_all(fd: int, data: memoryview) -> None:
