@@ -1,31 +1,49 @@
 """Content records (fastckpt/format/contenthash.py): each shard's XXH3-128 ranges in the manifest, hashed on the I/O
-workers from the staged bytes, tiling the file; a hostile manifest's records are dropped, never trusted."""
+workers from the staged bytes, tiling the file, where something reads them (an upload with dedup, clones); a
+hostile manifest's records are dropped, never trusted."""
 from __future__ import annotations
 
 import json
 import threading
+import uuid
 from pathlib import Path
+from typing import Any, Iterator
+
+import fsspec
+import pytest
 
 import torch
 import xxhash
 
+import fastckpt.engine.dedupwrite as dedupwrite_mod
 import fastckpt.format.openlayout as openlayout_mod
 from fastckpt import CheckpointConfig, Checkpointer
 from fastckpt.format.contenthash import FIELD, file_records
 
 
-def _save(tmp_path: Path) -> Path:
-    ck = Checkpointer(CheckpointConfig(root=str(tmp_path), persist={"chunk_bytes": 1 << 20},
-                                       staging={"mode": "eager"}))
+@pytest.fixture
+def remote() -> Iterator[dict]:
+    """A remote tier that uploads with dedup (the default): the reader of the records."""
+    url = f"memory://fastckpt-records-{uuid.uuid4().hex[:12]}"
+    yield {"url": url}
+    fs = fsspec.filesystem("memory")
+    if fs.exists(url.removeprefix("memory://")):
+        fs.rm(url.removeprefix("memory://"), recursive=True)
+
+
+def _save(tmp_path: Path, **extra: Any) -> Path:
+    root = tmp_path / "root"
+    ck = Checkpointer(CheckpointConfig(root=str(root), persist={"chunk_bytes": 1 << 20, **extra.pop("persist", {})},
+                                       staging={"mode": "eager"}, **extra))
     g = torch.Generator().manual_seed(3)
     ck.save({"a": torch.randn(300_000, generator=g), "b": torch.arange(7, dtype=torch.int16),
              "c": torch.randn(50, 3, generator=g).to(torch.bfloat16)}, step=1)
     ck.close()
-    return next(tmp_path.glob("*/manifest.json"))
+    return next(root.glob("*/manifest.json"))
 
 
-def test_every_shard_lists_records_that_tile_it_with_the_hash_of_its_bytes(tmp_path):
-    manifest = _save(tmp_path)
+def test_every_shard_lists_records_that_tile_it_with_the_hash_of_its_bytes(tmp_path, remote):
+    manifest = _save(tmp_path, remote=remote)
     files = json.loads(manifest.read_text())["files"]
     shards = {n: r for n, r in files.items() if n.startswith("shard-")}
     assert len(shards) >= 2
@@ -38,7 +56,7 @@ def test_every_shard_lists_records_that_tile_it_with_the_hash_of_its_bytes(tmp_p
     assert all(FIELD not in r for n, r in files.items() if not n.startswith("shard-"))
 
 
-def test_records_are_hashed_on_io_workers_never_the_training_thread(tmp_path, monkeypatch):
+def test_records_are_hashed_on_io_workers_never_the_training_thread(tmp_path, monkeypatch, remote):
     threads: list[str] = []
     real = openlayout_mod.hash_records
 
@@ -47,9 +65,33 @@ def test_records_are_hashed_on_io_workers_never_the_training_thread(tmp_path, mo
         return real(*args)
 
     monkeypatch.setattr(openlayout_mod, "hash_records", recording)
-    _save(tmp_path)
+    _save(tmp_path, remote=remote)
     assert threads and threading.current_thread().name not in threads
     assert all(n.startswith(("fastckpt-io-", "fastckpt-boost-")) for n in threads), threads
+
+
+@pytest.mark.parametrize("how", ["no remote tier", "remote without dedup"])
+def test_nothing_reads_records_so_none_are_hashed(tmp_path, monkeypatch, remote, how):
+    """A local root without reflinks and no upload with dedup: nothing would ever read the records, so no pass over
+    every byte is spent on them (the I/O workers' CPU is taken from training on a busy host); the checkpoint loads
+    and verifies as before."""
+    calls: list[int] = []
+    real = openlayout_mod.hash_records
+    monkeypatch.setattr(openlayout_mod, "hash_records", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(dedupwrite_mod, "supports_reflink", lambda url: False)
+    extra = {} if how == "no remote tier" else {"remote": {**remote, "dedup": False}}
+    manifest = _save(tmp_path, **extra)
+    files = json.loads(manifest.read_text())["files"]
+    assert calls == [] and not any(FIELD in r for r in files.values())
+    with Checkpointer(CheckpointConfig(root=str(manifest.parent.parent))) as ck:
+        assert ck.load(1)["b"].tolist() == list(range(7))
+
+
+def test_a_root_with_reflinks_gets_records_without_a_remote_tier(tmp_path, monkeypatch):
+    """Clones need the newest checkpoint's records, so a root whose file system has reflinks keeps them."""
+    monkeypatch.setattr(dedupwrite_mod, "supports_reflink", lambda url: True)
+    files = json.loads(_save(tmp_path).read_text())["files"]
+    assert all(FIELD in r for n, r in files.items() if n.startswith("shard-"))
 
 
 def test_malformed_records_are_dropped():

@@ -114,6 +114,28 @@ def test_the_big_blocks_of_many_cpu_hosts_give_the_same_statistics(dtype: torch.
                 assert small[0]["l2"] == big[0]["l2"]
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_blocks_grow_only_where_no_reduction_can_fan_out(monkeypatch, threads: int) -> None:
+    """On a host of few CPUs a block holds GRAIN values while torch's intra-op pool has several threads (a larger
+    reduction would fan out beside training), and GRAIN * 32 once it has one (none can: fewer calls, fewer GIL
+    hand-offs); the statistics and the CRC are the same either way."""
+    monkeypatch.setattr(healthpass, "BLOCK", GRAIN)  # what a host of fewer than 8 CPUs computes at import
+    before = torch.get_num_threads()
+    t = (torch.randn(GRAIN * 40 + 3 * GROUP + 7) * 3)
+    want = tensor_pass(t.view(torch.uint8), torch.float32, crc=True, block=GRAIN)
+    sizes: list[int] = []
+    real = torch.aminmax
+    monkeypatch.setattr(torch, "aminmax", lambda v, **kw: sizes.append(v.numel()) or real(v, **kw))
+    torch.set_num_threads(threads)
+    try:
+        got = tensor_pass(t.view(torch.uint8), torch.float32, crc=True)
+    finally:
+        torch.set_num_threads(before)
+    assert max(sizes) == (GRAIN * 32 if threads == 1 else GRAIN)
+    assert got[1] == want[1] and all(got[0][k] == want[0][k] for k in ("n", "nan", "inf", "absmax", "fp"))
+    assert abs(got[0]["l2"] - want[0]["l2"]) / want[0]["l2"] < 1e-6
+
+
 def test_odd_byte_count_is_measured_as_bytes() -> None:
     raw = torch.arange(GRAIN + 11, dtype=torch.int64).to(torch.uint8)  # 4-byte dtype, not a multiple of 4
     got = _check(raw, torch.float32)

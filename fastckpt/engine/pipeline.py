@@ -94,6 +94,9 @@ class Job:
     health_doc: dict[str, Any] | None = None  # their summary (format/health.py), set by the committer
     stale_mark: Any = None  # engine/stale.py: optimizer steps before this save, and its parameter keys
     dedup: Any = None  # engine/dedupwrite.py: a direct object-store root's copy source (single writer), or None
+    # the open layout's shards list their content records (format/contenthash.py): only where something reads them
+    # (an upload with dedup, a copy source, clones); a pass over every byte otherwise spent for nothing
+    records: bool = True
     cpu_section: Callable[[], Any] = nullcontext  # entered by a format around its CPU-bound work (engine/cpugate.py)
 
     # what a FileFormat reads of a save (format/protocol.py's Snapshot)

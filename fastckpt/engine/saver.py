@@ -300,6 +300,7 @@ class Saver:
         job = Job(handle=handle, plan=plan, slot=slot, tensors=flat.tensors, keys=flat.keys, numpy=flat.numpy,
                   tree=flat.tree, objects=objects, dirpath=dirpath, t0=t0, dtensors=dtensors or [],
                   file_format=file_format, version_src=version_src, dedup=self.dedup.source(file_format.catalogued))
+        job.records = job.dedup is not None
         self.stale.prepare(job, self._optimizer_ptrs(params=False), version_src or flat.lazy_src)
         if self._coord is not None:
             job.uid = self._coord.next_uid()

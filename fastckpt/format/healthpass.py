@@ -17,7 +17,12 @@ and stays serial. But each block costs some Python calls, and every call takes t
 needs: on an H200 host (16 CPUs) the health pass of 1.96 GB in 128 KiB blocks added about 200 ms to the first
 step after a save and 5 to 15 ms to each later one (gpu_bench, health on vs off). Where CPUs are many (``BLOCK``:
 at least ``_MANY_CPUS``), a block holds ``GRAIN * 32`` values: 32 times fewer calls, and the reductions fan out
-over CPUs the training thread does not use.
+over CPUs the training thread does not use. So does a block where torch's intra-op pool is one thread
+(``torch.set_num_threads(1)``, a common setting beside DataLoader workers): no reduction can fan out then, whatever
+its size, and the calls per block are all that the small blocks cost. On 2 CPUs beside three CPU-bound processes
+(the busy-host loop, 63 MB of float32 a checkpoint) the I/O workers' CPU per checkpoint went from 44.9 to about
+39 ms (``python -m benchmarks.run --only busy``; a pass over 69 MB alone: 20.8 ms in 128 KiB blocks, 14.7 ms in
+4 MiB ones, the reductions' floor about 13 ms).
 """
 from __future__ import annotations
 
@@ -30,7 +35,7 @@ import xxhash
 
 from .checksum import crc32c
 
-__all__ = ["tensor_pass", "shard_pass", "fingerprint", "usable_cpus", "BLOCK", "GROUP", "GRAIN"]
+__all__ = ["tensor_pass", "shard_pass", "fingerprint", "usable_cpus", "block_values", "BLOCK", "GROUP", "GRAIN"]
 
 GROUP = 512  # values normed together in float32; the groups' squares are summed in float64
 GRAIN = 32768  # torch's GRAIN_SIZE: a reduction over more values may run on every core
@@ -45,11 +50,12 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def _block_values() -> int:
-    return GRAIN * 32 if usable_cpus() >= _MANY_CPUS else GRAIN
+def block_values() -> int:
+    """Values per block of the pass (a multiple of GROUP), decided at each pass: torch's thread count may change."""
+    return GRAIN * 32 if BLOCK > GRAIN or torch.get_num_threads() == 1 else GRAIN
 
 
-BLOCK = _block_values()  # values per block of the pass (a multiple of GROUP)
+BLOCK = GRAIN * 32 if usable_cpus() >= _MANY_CPUS else GRAIN  # the block while torch's pool has several threads
 _CHUNK = 1 << 22  # values measured at once when squares overflow float32 (rare): bounds float64 temporaries
 _WINDOWS = 64  # sampled windows of the fingerprint...
 _WINDOW = 64  # ...of this many bytes each: 4 KiB read per tensor, whatever its size
@@ -110,7 +116,7 @@ def tensor_pass(raw: torch.Tensor, dtype: torch.dtype, crc: bool | Checksum = Fa
     nbytes, count = raw.numel(), kind.count
     groups = count // GROUP
     norms = torch.empty(groups, dtype=kind.norm_dtype)
-    per_block = max(1, (block or BLOCK) // GROUP)  # groups per block: a whole number of groups, at most BLOCK values
+    per_block = max(1, (block or block_values()) // GROUP)  # groups per block: a whole number of groups
     step = per_block * GROUP // kind.per_elem * kind.size  # bytes per block
     grouped = groups * GROUP // kind.per_elem * kind.size  # bytes of the whole groups; the rest is the tail
     blocks = -(-grouped // step)

@@ -50,8 +50,9 @@ class OpenLayout:
                 tensor_crcs.append(c)
                 crc = combine(crc, c, e.nbytes)
                 data_crc = combine(data_crc, c, e.nbytes)
-            # content records for the next upload's dedup, hashed here from the staged bytes (an I/O worker)
-            hashes = hash_records(header, data[: shard.nbytes], [e.offset for e in shard.entries])
+            # content records for the next upload's dedup or clone, hashed here from the staged bytes (an I/O worker)
+            hashes = (hash_records(header, data[: shard.nbytes], [e.offset for e in shard.entries])
+                      if getattr(snap, "records", True) else None)
         name = shard_file_name(shard.index, snap.uid)
         head_mm, head = aligned_buffer(len(header))  # page-aligned so O_DIRECT can take it
         head[:] = header
@@ -59,7 +60,7 @@ class OpenLayout:
             path = storage.join(snap.dirpath, name)
             # on an object store, the ranges the newest committed checkpoint holds are copied server-side; on a
             # local file system with reflinks, an unchanged shard is a clone of the newest checkpoint's
-            source, recs = getattr(snap, "dedup", None), as_records(hashes)
+            source, recs = getattr(snap, "dedup", None), as_records(hashes or [])
             if not (write_deduped(storage, path, [head, data], recs, source)
                     or write_cloned(path, head, data[: shard.nbytes], data_crc, recs, source)):
                 storage.write_file(path, [head, data])

@@ -47,6 +47,7 @@ class Snapshot(Protocol):
     staged_crcs: dict[int, list[int]]  # per shard, each tensor's CRC32C once taken (shm, copy or health pass)
     health_doc: dict[str, Any] | None  # the health record to commit (format/health.py); None: not measured
     dedup: Any  # objectdedup.DedupSource of a direct object-store root (its shards' copy source), or None
+    records: bool  # list each shard's content records (format/contenthash.py): an upload, a copy or a clone reads them
 
 
 class FileFormat(Protocol):

@@ -58,6 +58,8 @@ class Persister:
         p = config.persist
         self.opts = {"root": storage.url, "direct_io": p.direct_io, "fsync": p.fsync, "workers": p.workers,
                      "priority": p.priority, "health": config.health.enabled, "shm_dir": config.staging.shm_dir,
+                     # content records only for the remote tier's dedup: the child has no copy source, no clones
+                     "records": bool(config.remote.url) and config.remote.dedup,
                      # resolved here: the child cannot see how many threads training uses (engine/cpugate.py)
                      "cpu_threads": auto_limit() if p.cpu_threads == "auto" else p.cpu_threads}
         self.proc: subprocess.Popen | None = None

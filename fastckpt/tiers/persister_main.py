@@ -141,6 +141,7 @@ class PersisterServer:
                   objects=rec.objects, dirpath=rec.dirpath, t0=time.perf_counter(), uid=rec.uid,
                   dtensors=rec.dtensors, staged_crcs=rec.crcs)
         job.health = {} if self.opts["health"] else None
+        job.records = self.opts.get("records", True)
         self.jobs[uid] = (job, rec)
         self.pipeline.submit_gated(job)
 
