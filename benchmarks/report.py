@@ -132,7 +132,7 @@ def _busy_row(name: str, label: str, res: dict[str, Any]) -> dict[str, Any]:
             "flush_s": r["flush_s"], "flush_max_s": max(r["flushes_s"]), "durable_s": r["durable_s"],
             "persist_s": figs.get("persist_s") or [], "base_step_s": r["base_step_mean_s"],
             "state_bytes": r["state_bytes"], "every": r["every"], "n_ckpt": r["n_ckpt"],
-            "restore": r.get("restore")}
+            "restore": r.get("restore"), "pooled": r.get("pooled")}
 
 
 def _busy_rows(busy: dict[str, Any]) -> list[dict[str, Any]]:
@@ -770,7 +770,8 @@ def markdown(results: dict[str, Any], s: dict[str, Any], chart_rel: str) -> str:
         md.append(
             "- **More windows where a verdict needs them**: where a stall verdict (plain loop, Lightning, Accelerate) "
             "is inconclusive after every peer's run, fastckpt and the configuration it is compared with each run "
-            f"again in a fresh process with {plan.get('verdict_n_ckpt', '?')} checkpointed windows, at most "
+            f"again in a fresh process with {plan.get('verdict_n_ckpt', '?')} checkpointed windows (the busy host: "
+            f"fastckpt beside the neighbours and on the quiet host, {plan.get('busy_n_ckpt', '?')} each), at most "
             f"{plan['verdict_rounds']} time(s), and their paired differences are pooled with the first run's "
             "(benchmarks/verdicts.py); a verdict already decided either way is not measured again. A pooled stall "
             "says how many windows and runs it holds; its other figures (save() blocks, RSS, restore) are the first "

@@ -60,9 +60,9 @@ class Plan:
     busy_n_ckpt: int = 12  # 4 windows left the busy stall's noise at +-180 ms (2026-11-28): 3x the windows, /1.7
     busy_durable_reps: int = 3
     busy_neighbours: int | None = None  # None: one more than the host's cores
-    # Where a stall verdict (plain loop, Lightning, Accelerate) is inconclusive, fastckpt and its reference run
-    # again with ``verdict_n_ckpt`` windows each, pooled with the first run, at most ``verdict_rounds`` times
-    # (benchmarks/verdicts.py).
+    # Where a stall verdict (plain loop, Lightning, Accelerate, busy host) is inconclusive, fastckpt and its reference
+    # run again with ``verdict_n_ckpt`` windows each (``busy_n_ckpt`` on the busy host), pooled with the first run, at
+    # most ``verdict_rounds`` times (benchmarks/verdicts.py).
     verdict_rounds: int = 0
     verdict_n_ckpt: int = 12  # 8 + 12 windows: the noise x0.63; 25 windows of the slowest loop fit task_timeout
 
@@ -271,12 +271,16 @@ def run_busy(run: Runner, plan: Plan, ck: str, peer_names: list[str]) -> dict[st
                                       every=plan.busy_every, n_ckpt=plan.busy_n_ckpt, base_steps=plan.base_steps,
                                       durable_reps=plan.busy_durable_reps, n_neighbours=n,
                                       limit_s=float(plan.task_timeout)))
+    def fastckpt_args(with_neighbours: bool, n_ckpt: int) -> dict[str, Any]:
+        return dict(peer="fastckpt", shape=plan.busy_shape.to_dict(), root=ck, warmup=plan.warmup,
+                    every=plan.busy_every, n_ckpt=n_ckpt, base_steps=plan.base_steps,
+                    durable_reps=plan.busy_durable_reps, n_neighbours=n if with_neighbours else 0,
+                    limit_s=float(plan.task_timeout))
+
     if "fastckpt" in peer_names:  # the same loop without neighbours: issue 27's "no worse than 2x the quiet stall"
-        out["quiet"] = run("busy host: fastckpt with no neighbours (reference)", "busy",
-                           dict(peer="fastckpt", shape=plan.busy_shape.to_dict(), root=ck, warmup=plan.warmup,
-                                every=plan.busy_every, n_ckpt=plan.busy_n_ckpt, base_steps=plan.base_steps,
-                                durable_reps=plan.busy_durable_reps, n_neighbours=0,
-                                limit_s=float(plan.task_timeout)))
+        out["quiet"] = run("busy host: fastckpt with no neighbours (reference)", "busy", fastckpt_args(False,
+                                                                                                    plan.busy_n_ckpt))
+        verdicts.top_up_busy(run, out, fastckpt_args, plan.verdict_rounds, plan.busy_n_ckpt, log)
     return out
 
 

@@ -10,6 +10,9 @@ differences are pooled with the first run's (every difference pairs a checkpoint
 either side of it in the same process, so pairs from several processes are alike). At most ``verdict_rounds`` such
 rounds per comparison; a comparison already decided either way (met *or* NOT met) is never measured again, so the
 extra windows buy precision, not a chosen answer. The report names, per stall, the runs and windows it pools.
+
+The busy-host stall is judged the same way against fastckpt's own loop on the quiet host (``top_up_busy``): its two
+runs are the ones measured again.
 """
 from __future__ import annotations
 
@@ -27,6 +30,8 @@ COMPARISONS: dict[str, tuple[str, str | None]] = {
     "lightning": ("Lightning Trainer.fit per-checkpoint stall", "async_io"),
     "accelerate": ("Accelerate per-checkpoint stall", "stock"),
 }
+
+BUSY = "Busy host: per-checkpoint stall"  # compares results["busy"]["peers"]["fastckpt"] with results["busy"]["quiet"]
 
 Run = Callable[[str, str, dict[str, Any]], dict[str, Any]]
 
@@ -87,3 +92,28 @@ def top_up(run: Run, results: dict[str, Any], section: str, args_for: Callable[[
         for config in ("fastckpt", ref):
             extra = run(f"{section}: {config} (more windows, round {i + 1})", section, args_for(config, n_ckpt))
             pool(results[section][config], extra)
+
+
+def busy_verdict(busy: dict[str, Any]) -> bool | None:
+    """The busy-host stall's verdict as the report would give it (``busy``: the section's results)."""
+    for t in report.summarize({"busy": busy})["targets"]:
+        if t["name"] == BUSY:
+            return t["met"]
+    raise KeyError(f"no target {BUSY!r} in the busy section")
+
+
+def top_up_busy(run: Run, busy: dict[str, Any], args_for: Callable[[bool, int], dict[str, Any]], rounds: int,
+                n_ckpt: int, log: Callable[[str], None]) -> None:
+    """Run fastckpt beside the neighbours and on the quiet host again (``n_ckpt`` windows each) while the busy
+    stall's verdict is inconclusive, at most ``rounds`` times. ``args_for(busy, n_ckpt)``: the busy task's
+    arguments, with the neighbours (True) or without them (False)."""
+    for i in range(rounds):
+        entries = {True: busy.get("peers", {}).get("fastckpt"), False: busy.get("quiet")}
+        if not all(_measured(e) for e in entries.values()) or busy_verdict(busy) is not None:
+            return
+        log(f"busy host: the stall verdict is inconclusive: fastckpt with and without the neighbours runs again "
+            f"with {n_ckpt} windows each (round {i + 1} of {rounds})")
+        for with_neighbours, entry in entries.items():
+            what = "beside the neighbours" if with_neighbours else "with no neighbours"
+            pool(entry, run(f"busy host: fastckpt {what} (more windows, round {i + 1})", "busy",
+                            args_for(with_neighbours, n_ckpt)))

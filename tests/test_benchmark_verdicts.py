@@ -139,3 +139,54 @@ def test_a_failed_reference_is_not_measured_again() -> None:
     verdicts.top_up(run, results, "accelerate", lambda cfg, n: {"config": cfg, "n_ckpt": n}, 1, 12,
                     lambda msg: None)
     assert run.calls == []
+
+
+def _busy_result(pairs: list[float]) -> dict[str, Any]:
+    stall, noise = median_and_noise(pairs)
+    return {"ok": True, "result": {
+        "save_block_median_s": 0.008, "save_block_s": [0.008] * len(pairs), "stall_s": stall, "noise_s": noise,
+        "stall_mean_s": statistics.fmean(pairs), "stall_pairs_s": list(pairs), "flush_s": 0.0,
+        "flushes_s": [0.0] * len(pairs), "durable_s": [0.15, 0.16, 0.15], "base_step_mean_s": 0.08,
+        "state_bytes": 63_080_652, "every": 10, "n_ckpt": len(pairs), "peer_figures": {}}}
+
+
+def _busy(fast: list[float], quiet: list[float]) -> dict[str, Any]:
+    return {"neighbours": 3, "peers": {"fastckpt": _busy_result(fast)}, "quiet": _busy_result(quiet)}
+
+
+def _top_up_busy(busy: dict[str, Any], run: FakeRun, rounds: int = 1) -> None:
+    verdicts.top_up_busy(run, busy, lambda with_neighbours, n: {"peer": "fastckpt", "n_ckpt": n,
+                                                                "n_neighbours": 3 if with_neighbours else 0},
+                         rounds, 12, lambda msg: None)
+
+
+BUSY_WIDE = [0.01, 0.09, 0.03, 0.12, 0.02, 0.08, 0.05, 0.1, 0.0, 0.07, 0.04, 0.11]  # ~0.06 +- ~0.03
+QUIET = [0.024, 0.026, 0.025, 0.023, 0.027, 0.025, 0.024, 0.026, 0.025, 0.025, 0.024, 0.026]
+
+
+def test_an_inconclusive_busy_verdict_reruns_fastckpt_with_and_without_the_neighbours_and_pools_them() -> None:
+    busy = _busy(BUSY_WIDE, QUIET)
+    assert verdicts.busy_verdict(busy) is None
+    run = FakeRun(lambda config, args: _busy_result([0.04, 0.041, 0.039, 0.04] * 3 if args["n_neighbours"]
+                                                    else QUIET))
+    _top_up_busy(busy, run)
+    assert [(c[1], c[2]["n_neighbours"], c[2]["n_ckpt"]) for c in run.calls] == [("busy", 3, 12), ("busy", 0, 12)]
+    fast = busy["peers"]["fastckpt"]["result"]
+    assert fast["pooled"]["windows"] == 24 and busy["quiet"]["result"]["pooled"]["runs"] == 2
+    assert verdicts.busy_verdict(busy) is True
+    row = report._row(report.summarize({"busy": busy})["busy"], "fastckpt")
+    assert "(24 windows, 2 runs pooled)" in report._pm(row)
+
+
+@pytest.mark.parametrize("fast, decided", [([0.03] * 12, True), ([0.2] * 12, False)])
+def test_a_decided_busy_verdict_is_never_measured_again(fast: list[float], decided: bool) -> None:
+    busy = _busy(fast, QUIET)
+    assert verdicts.busy_verdict(busy) is decided
+    _top_up_busy(busy, FakeRun(lambda config, args: pytest.fail("a decided verdict ran a task")), rounds=3)
+    assert "pooled" not in busy["peers"]["fastckpt"]["result"]
+
+
+def test_a_busy_section_without_its_quiet_run_is_not_measured_again() -> None:
+    busy = {"neighbours": 3, "peers": {"fastckpt": _busy_result(BUSY_WIDE)},
+            "quiet": {"ok": False, "error": "worker exited with 1"}}
+    _top_up_busy(busy, FakeRun(lambda config, args: pytest.fail("ran with nothing to compare")))
