@@ -796,7 +796,11 @@ def busy_markdown(busy: dict[str, Any], rows: list[dict[str, Any]], plan: dict[s
     md += [
         f"The plain loop (model `{shape.get('layers')} x d{shape.get('d_model')}`, vocab {shape.get('vocab')}: "
         f"{ok[0]['state_bytes'] / 1e6 if ok else 0:.1f} MB of state) with **{busy.get('neighbours')} CPU-bound neighbour "
-        "processes** (pure-Python spin loops, one more than the host has cores) started before each peer and "
+        + ("processes** (pure-Python spin loops, two pinned to each CPU: wherever the training thread runs it shares "
+           "its CPU with two of them; free-running, one more than the cores, they left it a CPU of its own for "
+           "spells of several windows, and the paired stall swung by 150 ms between runs, benchmarks/busy.py) "
+           if busy.get("pinned") else "processes** (pure-Python spin loops, one more than the host has cores) ") +
+        "started before each peer and "
         f"stopped after it: a checkpoint every {plan.get('busy_every')} steps, {plan.get('busy_n_ckpt')} "
         "checkpointed windows between clean ones, stall paired as in the plain loop. Then "
         f"{plan.get('busy_durable_reps')} back-to-back `save()` + flush pairs: the time to a durable commit "
@@ -821,9 +825,10 @@ def busy_markdown(busy: dict[str, Any], rows: list[dict[str, Any]], plan: dict[s
     md += [_table(["peer", "save() blocks median / max (median / fastckpt's)", "per-ckpt stall ± noise",
                    "flush at window end median / max", "save + flush = durable, median (/ fastckpt's)",
                    "save -> committed in the loop, median / max (fastckpt's SaveStats)", "restore"], body), "",
-           "fastckpt's commit time in the loop spans the K training steps, during which its idle threads yield the "
-           "CPU to training; the flush at the window's end (`ckpt.wait()`) raises them and finishes the checkpoint. "
-           "A loop that never waits gets them raised by its next `save()` instead.", ""]
+           "fastckpt's commit in the loop (save -> committed) overlaps the K training steps: its background threads "
+           "run at the training thread's priority (`persist.priority: normal`), and at most `persist.cpu_threads` "
+           "of them burn CPU at once (1 here: the CPUs minus training's torch threads), so a checkpoint is durable "
+           "well before the window's flush.", ""]
     skipped = [f"{r['label']} ({r['skipped']})" for r in rows if r.get("skipped")]
     if skipped:
         md += ["**Peers not measured in this scenario**: " + "; ".join(skipped) + ".", ""]

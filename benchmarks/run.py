@@ -59,7 +59,8 @@ class Plan:
     busy_every: int = 10
     busy_n_ckpt: int = 12  # 4 windows left the busy stall's noise at +-180 ms (2026-11-28): 3x the windows, /1.7
     busy_durable_reps: int = 3
-    busy_neighbours: int | None = None  # None: one more than the host's cores
+    busy_neighbours: int | None = None  # None: two per CPU (benchmarks/busy.py says why)
+    busy_pin: bool = True  # each neighbour pinned to one CPU, round robin
     # Where a stall verdict (plain loop, Lightning, Accelerate, busy host) is inconclusive, fastckpt and its reference
     # run again with ``verdict_n_ckpt`` windows each (``busy_n_ckpt`` on the busy host), pooled with the first run, at
     # most ``verdict_rounds`` times (benchmarks/verdicts.py).
@@ -257,7 +258,7 @@ def run_busy(run: Runner, plan: Plan, ck: str, peer_names: list[str]) -> dict[st
 
     n = plan.busy_neighbours or default_neighbours()
     log(f"busy host: {n} CPU-bound neighbour processes beside every peer's loop")
-    out: dict[str, Any] = {"neighbours": n, "peers": {}, "plan": {  # self-contained: a section may be merged
+    out: dict[str, Any] = {"neighbours": n, "pinned": plan.busy_pin, "peers": {}, "plan": {  # a section may be merged
         "busy_shape": plan.busy_shape.to_dict(), "busy_every": plan.busy_every, "busy_n_ckpt": plan.busy_n_ckpt,
         "busy_durable_reps": plan.busy_durable_reps}}
     for name in peer_names:
@@ -270,12 +271,12 @@ def run_busy(run: Runner, plan: Plan, ck: str, peer_names: list[str]) -> dict[st
                                  dict(peer=name, shape=plan.busy_shape.to_dict(), root=ck, warmup=plan.warmup,
                                       every=plan.busy_every, n_ckpt=plan.busy_n_ckpt, base_steps=plan.base_steps,
                                       durable_reps=plan.busy_durable_reps, n_neighbours=n,
-                                      limit_s=float(plan.task_timeout)))
+                                      limit_s=float(plan.task_timeout), pin=plan.busy_pin))
     def fastckpt_args(with_neighbours: bool, n_ckpt: int) -> dict[str, Any]:
         return dict(peer="fastckpt", shape=plan.busy_shape.to_dict(), root=ck, warmup=plan.warmup,
                     every=plan.busy_every, n_ckpt=n_ckpt, base_steps=plan.base_steps,
                     durable_reps=plan.busy_durable_reps, n_neighbours=n if with_neighbours else 0,
-                    limit_s=float(plan.task_timeout))
+                    limit_s=float(plan.task_timeout), pin=plan.busy_pin)
 
     if "fastckpt" in peer_names:  # the same loop without neighbours: issue 27's "no worse than 2x the quiet stall"
         out["quiet"] = run("busy host: fastckpt with no neighbours (reference)", "busy", fastckpt_args(False,
