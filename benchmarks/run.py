@@ -261,27 +261,22 @@ def run_busy(run: Runner, plan: Plan, ck: str, peer_names: list[str]) -> dict[st
     out: dict[str, Any] = {"neighbours": n, "pinned": plan.busy_pin, "peers": {}, "plan": {  # a section may be merged
         "busy_shape": plan.busy_shape.to_dict(), "busy_every": plan.busy_every, "busy_n_ckpt": plan.busy_n_ckpt,
         "busy_durable_reps": plan.busy_durable_reps}}
+    def args(peer: str, with_neighbours: bool = True, n_ckpt: int = plan.busy_n_ckpt) -> dict[str, Any]:
+        return dict(peer=peer, shape=plan.busy_shape.to_dict(), root=ck, warmup=plan.warmup, every=plan.busy_every,
+                    n_ckpt=n_ckpt, base_steps=plan.base_steps, durable_reps=plan.busy_durable_reps,
+                    n_neighbours=n if with_neighbours else 0, limit_s=float(plan.task_timeout), pin=plan.busy_pin)
+
     for name in peer_names:
         why = peers.PEERS[name].missing()
         if why:
             log(f"busy host: {name}: skipped, {why}")
             out["peers"][name] = {"ok": False, "skipped": why, "error": f"skipped: {why}"}
             continue
-        out["peers"][name] = run(f"busy host: {name}", "busy",
-                                 dict(peer=name, shape=plan.busy_shape.to_dict(), root=ck, warmup=plan.warmup,
-                                      every=plan.busy_every, n_ckpt=plan.busy_n_ckpt, base_steps=plan.base_steps,
-                                      durable_reps=plan.busy_durable_reps, n_neighbours=n,
-                                      limit_s=float(plan.task_timeout), pin=plan.busy_pin))
-    def fastckpt_args(with_neighbours: bool, n_ckpt: int) -> dict[str, Any]:
-        return dict(peer="fastckpt", shape=plan.busy_shape.to_dict(), root=ck, warmup=plan.warmup,
-                    every=plan.busy_every, n_ckpt=n_ckpt, base_steps=plan.base_steps,
-                    durable_reps=plan.busy_durable_reps, n_neighbours=n if with_neighbours else 0,
-                    limit_s=float(plan.task_timeout), pin=plan.busy_pin)
-
+        out["peers"][name] = run(f"busy host: {name}", "busy", args(name))
     if "fastckpt" in peer_names:  # the same loop without neighbours: issue 27's "no worse than 2x the quiet stall"
-        out["quiet"] = run("busy host: fastckpt with no neighbours (reference)", "busy", fastckpt_args(False,
-                                                                                                    plan.busy_n_ckpt))
-        verdicts.top_up_busy(run, out, fastckpt_args, plan.verdict_rounds, plan.busy_n_ckpt, log)
+        out["quiet"] = run("busy host: fastckpt with no neighbours (reference)", "busy", args("fastckpt", False))
+        verdicts.top_up_busy(run, out, lambda with_neighbours, n_ckpt: args("fastckpt", with_neighbours, n_ckpt),
+                             plan.verdict_rounds, plan.busy_n_ckpt, log)
     return out
 
 
