@@ -94,6 +94,22 @@ def test_a_root_with_reflinks_gets_records_without_a_remote_tier(tmp_path, monke
     assert all(FIELD in r for n, r in files.items() if n.startswith("shard-"))
 
 
+@pytest.mark.parametrize("reflinks", [False, True])
+def test_the_persister_process_lists_records_exactly_when_the_saver_would(tmp_path, monkeypatch, reflinks):
+    """The training process's saver decides (``Job.records``) and the persister process follows it per snapshot."""
+    monkeypatch.setattr(dedupwrite_mod, "supports_reflink", lambda url: reflinks)
+    root = tmp_path / "root"
+    config = CheckpointConfig(root=str(root), staging={"shm": True, "shm_dir": str(tmp_path / "shm")},
+                              persist={"chunk_bytes": 1 << 20, "fsync": False, "process": "on"})
+    with Checkpointer(config) as ck:
+        h = ck.save({"a": torch.randn(300_000), "b": torch.arange(7, dtype=torch.int16)}, step=1)
+        h.wait()
+        assert ck._saver.pipeline.persister.pid is not None  # written by the child, not this process's threads
+    files = json.loads(next(root.glob("*/manifest.json")).read_text())["files"]
+    shards = [r for n, r in files.items() if n.startswith("shard-")]
+    assert shards and all((FIELD in r) is reflinks for r in shards)
+
+
 def test_malformed_records_are_dropped():
     h = "ab" * 16
     good = {FIELD: [[0, 10, h], [10, 6, h]]}

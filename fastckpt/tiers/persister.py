@@ -58,8 +58,6 @@ class Persister:
         p = config.persist
         self.opts = {"root": storage.url, "direct_io": p.direct_io, "fsync": p.fsync, "workers": p.workers,
                      "priority": p.priority, "health": config.health.enabled, "shm_dir": config.staging.shm_dir,
-                     # content records only for the remote tier's dedup: the child has no copy source, no clones
-                     "records": bool(config.remote.url) and config.remote.dedup,
                      # resolved here: the child cannot see how many threads training uses (engine/cpugate.py)
                      "cpu_threads": auto_limit() if p.cpu_threads == "auto" else p.cpu_threads}
         self.proc: subprocess.Popen | None = None
@@ -104,9 +102,10 @@ class Persister:
     def pid(self) -> int | None:
         return None if self.proc is None else self.proc.pid
 
-    def staged(self, slot_dir: str, uid: str) -> None:
-        """Called by the copy thread once ``uid``'s record is in place, before ``wait_staged()`` returns."""
-        self._send(("staged", slot_dir, uid))
+    def staged(self, slot_dir: str, uid: str, records: bool) -> None:
+        """Called by the copy thread once ``uid``'s record is in place, before ``wait_staged()`` returns; ``records``:
+        the save's shards list content records (the saver decided: ``Job.records``)."""
+        self._send(("staged", slot_dir, uid, records))
 
     def priority(self, raised: bool) -> None:
         """Called when this process's background threads are raised (saves pending, a ``wait()``) or settle: the
@@ -251,7 +250,7 @@ class PersistedPipeline(Pipeline):
 
     def _on_record(self, job: Job) -> None:
         if self._routes.get(job):
-            self.persister.staged(job.slot.dir or "", job.uid)
+            self.persister.staged(job.slot.dir or "", job.uid, job.records)
             if job.cuda is not None:
                 # The record claims only checked bytes: every CUDA copy was seen done before its CRC. The thread
                 # path times its CUDA copies where its writers wait for them; here the child writes, so time it now.

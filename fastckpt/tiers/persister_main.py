@@ -3,7 +3,8 @@
 Started by ``fastckpt.tiers.persister`` as ``python -m fastckpt.tiers.persister_main FD OPTIONS``, one per
 ``Checkpointer``, it reads the staged bytes from the shared-memory buffers (``fastckpt.tiers.shm``) and runs the
 same ``Pipeline`` the thread path runs, so the files are the same bytes. Messages on the socket ``FD`` (pickled
-tuples, from its own parent only): ``("staged", slot, uid)`` when a snapshot's record is in place, ``("commit", slot,
+tuples, from its own parent only): ``("staged", slot, uid, records)`` when a snapshot's record is in place (``records``:
+whether its shards list content records, as the parent's saver decided), ``("commit", slot,
 uid)`` once its seal passed, ``("drop", slot, uid)`` when it was refused, ``None`` to stop. It answers each commit
 with ``("done", uid, info, written_bytes, health_doc)`` or ``("failed", uid, message)``.
 
@@ -87,9 +88,9 @@ class PersisterServer:
                 break
             if msg is None:
                 break
-            kind, slot_dir, uid = msg
+            kind, slot_dir, uid, *more = msg
             if kind == "staged":
-                self._staged(slot_dir, uid)
+                self._staged(slot_dir, uid, *more)
             elif kind == "raise":
                 self.priorities.raise_("the training process waits", behind=False)
             elif kind == "settle":
@@ -127,7 +128,7 @@ class PersisterServer:
         finally:
             os.close(fd)
 
-    def _staged(self, slot_dir: str, uid: str) -> None:
+    def _staged(self, slot_dir: str, uid: str, records: bool) -> None:
         try:
             rec = self._record(slot_dir, uid)
             slot = self.tier.open_slot(rec, verify=False)  # staged a moment ago by the live training process
@@ -141,7 +142,7 @@ class PersisterServer:
                   objects=rec.objects, dirpath=rec.dirpath, t0=time.perf_counter(), uid=rec.uid,
                   dtensors=rec.dtensors, staged_crcs=rec.crcs)
         job.health = {} if self.opts["health"] else None
-        job.records = self.opts.get("records", True)
+        job.records = records
         self.jobs[uid] = (job, rec)
         self.pipeline.submit_gated(job)
 
