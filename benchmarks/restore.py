@@ -172,7 +172,7 @@ def task_restore_load(shape: dict, root: str, loader: str, cold: bool, shm_dir: 
     stats = getattr(closer, "last_load_stats", None)
     if stats is not None:
         out.update(tier=stats.tier, method=stats.method, nbytes=stats.nbytes, verified=stats.verified)
-    out["strategy"] = _verdict(r / folder) if folder and loader.startswith("fastckpt") else None
+    out["strategy"] = _verdict(r / folder, loader) if folder and loader.startswith("fastckpt") else None
     if template is not None:
         out["dest_bytes_by_page_offset"] = _page_offsets(template)
     if check:
@@ -197,13 +197,15 @@ def _page_offsets(obj: Any) -> dict[str, int]:
     return out
 
 
-def _verdict(where: Path) -> list[str] | None:
-    """The read strategy probed on this device (``read.strategy: auto``: a cold load's choice), from the verdict
-    file a Checkpointer keeps in its root (docs/FORMAT.md)."""
+def _verdict(where: Path, loader: str) -> list[str] | None:
+    """The read strategy chosen on this device for ``loader``'s kind of load (``read.strategy: auto``: a cold
+    load's probe, or ``load_into``'s trial), from the verdict file a Checkpointer keeps in its root
+    (docs/FORMAT.md)."""
     import json
 
     try:
-        return [json.loads((where / ".fastckpt-read.json").read_text())["strategy"]]
+        return [json.loads((where / ".fastckpt-read.json").read_text())["into" if loader.endswith("_into")
+                                                                         else "strategy"]]
     except (OSError, ValueError, KeyError, TypeError):
         return None
 

@@ -5,7 +5,7 @@ Two states: the workload's (model + AdamW, ~1.48 GB, the files the restore secti
 (the files' pages dropped first, every byte of the result compared with the saved state afterwards), loaders in
 turns so that a noisy spell hits them alike: ``torch.load(weights_only=True)``, the torch zip reader (the
 Lightning plugin's load), fastckpt ``load()`` and ``load_into()`` (read strategy ``auto``: the first cold load
-on the device probes, every run is reported). Then the raw readers of benchmarks/rawread.py over the same files;
+on the device probes, ``load_into``'s first is its trial; every run is reported). Then the raw readers of benchmarks/rawread.py over the same files;
 the ceiling is the best of them. Verdicts: each loader's best cold time <= torch.load's best (1.00x) and <= 1.10x
 the best raw reader's.
 """
@@ -160,7 +160,8 @@ def cold_markdown(res: dict[str, Any]) -> list[str]:
           "fresh memory. Verdict: best "
           f"cold time <= {VS_TORCH:.2f}x torch.load's best and <= {VS_RAW:.2f}x that ceiling (the median column is for reading, not the verdict). fastckpt reads with "
           "`read.strategy: auto`: the first cold load on the device times each strategy once (its run included "
-          "below), later ones reuse the verdict.", ""]
+          "below), later ones reuse the verdict; `load_into()` keeps a verdict of its own, its first cold load being "
+          "the trial (its 128 MiB segments read `sequential` and `parallel` in turns).", ""]
     for name, case in res.get("cases", {}).items():
         if "error" in case:
             md += [f"- {name}: n/a ({str(case['error'])[:200]})", ""]

@@ -277,12 +277,14 @@ class ReadOptions(_Freezable):
 
     _prefix = "read."
     strategy: str = "auto"
-    """How cold local files are read: ``sequential`` (buffered, in file order, the kernel's readahead ahead of
-    two threads), ``parallel`` (8 threads of buffered 8 MiB reads), ``direct`` (the same with O_DIRECT where the
-    bytes land in a fresh buffer), or ``auto``: each strategy timed twice, in turns, on the first cold load of a
-    device big enough to tell (at least 256 MiB; 32 MiB regions of its own files), the fastest (``parallel`` unless
-    another is 10% faster) kept in memory and in ``ROOT/.fastckpt-read.json``. Every strategy verifies the same
-    checksums; warm files are always copied on several threads."""
+    """How cold local files are read: ``sequential`` (buffered, in file order, one reading thread with the kernel's
+    readahead ahead of it, the checksums on a second), ``parallel`` (8 threads of buffered 8 MiB reads), ``direct``
+    (the same with O_DIRECT where the bytes land in a fresh buffer), or ``auto``: on the first cold load of a device
+    big enough to tell (at least 256 MiB), each strategy timed twice, in turns, on 32 MiB regions of its own files
+    (``load()``, the torch zip reader), or, for ``load_into``, sequential and parallel in turns on its own 128 MiB
+    segments; the fastest (``parallel`` unless another is 10% faster) kept per device and kind of load, in memory
+    and in ``ROOT/.fastckpt-read.json``. Every strategy verifies the same checksums; warm files are always copied on
+    several threads."""
 
     def validate(self) -> None:
         _check_choice("read.", "strategy", self.strategy, _READ_STRATEGIES)

@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
-from fastckpt import CheckpointConfig, Checkpointer, IntegrityError
+from fastckpt import CheckpointConfig, Checkpointer, IntegrityError, StorageError
 from fastckpt.read import readers
 from fastckpt.format.checksum import crc32c
 from fastckpt.read.pagecache import resident_fraction
@@ -160,8 +161,9 @@ def test_a_load_onto_a_device_maps_even_cold_shards(saved) -> None:
 @pytest.mark.parametrize("step", [2 << 20, (3 << 20) + 1, 1 << 30])
 @pytest.mark.parametrize("how", ["parallel", "sequential"])
 def test_buffered_reads_checksummed_in_steps_verify_every_byte(tmp_path, monkeypatch, step, how) -> None:
-    """A buffered piece is read and CRC'd in LOCAL_CRC_STEP steps: every step's bytes count (a step size that cuts
-    pieces unevenly, or exceeds them), and a flip in any step of any piece fails the range, naming the file."""
+    """A buffered piece is read and CRC'd in LOCAL_CRC_STEP steps (``sequential``: whole, CRC'd by the checker
+    thread): every step's bytes count (a step size that cuts pieces unevenly, or exceeds them), and a flip in any
+    step of any piece fails the range, naming the file."""
     monkeypatch.setattr(readers, "LOCAL_CRC_STEP", step)
     data = bytearray(os.urandom(3 * LOCAL_PIECE_BYTES + 777))
     path = tmp_path / "shard.bin"
@@ -177,3 +179,89 @@ def test_buffered_reads_checksummed_in_steps_verify_every_byte(tmp_path, monkeyp
         r = Range(str(path), 0, memoryview(bytearray(len(data))), crc32c(bytes(data)), what=" in tensor 'w'")
         with pytest.raises(IntegrityError, match=r"shard\.bin: checksum mismatch in tensor 'w'"):
             read_ranges(LocalStorage(str(tmp_path)), [r], 2, strategy=how)
+
+
+def _files(tmp_path: Path, sizes: list[int]) -> list[tuple[Path, bytes]]:
+    out = []
+    for k, n in enumerate(sizes):
+        data = os.urandom(n)
+        (tmp_path / f"f{k}.bin").write_bytes(data)
+        out.append((tmp_path / f"f{k}.bin", data))
+    return out
+
+
+def _tensor_ranges(files: list[tuple[Path, bytes]], size: int) -> list[Range]:
+    """Each file cut into ``size`` ranges (tensors), listed out of order, each verified."""
+    ranges = [Range(str(p), at, memoryview(bytearray(len(data[at:at + size]))), crc32c(data[at:at + size]),
+                    what=f" in tensor {p.name}@{at}") for p, data in files for at in range(0, len(data), size)]
+    return ranges[::-1]
+
+
+def _checkers() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name == "fastckpt-read-check"]
+
+
+def test_sequential_reads_on_one_thread_in_file_order_and_checksums_behind_it(tmp_path, monkeypatch) -> None:
+    """``sequential``: one thread issues every read, in file order, one pread per piece; the CRC32C of each piece is
+    taken by the checker thread, which is gone when the read returns."""
+    monkeypatch.setattr(readers, "SEQUENTIAL_PIECE_BYTES", 1 << 20)
+    files = _files(tmp_path, [(5 << 20) + 99, (3 << 20) + 7])
+    reads: list[tuple[str, int, int, int]] = []
+    crcs: list[str] = []
+    real_pread, real_crc = readers.pread_all, readers.crc32c
+
+    def pread(fd, out, offset):  # type: ignore[no-untyped-def]
+        reads.append((threading.current_thread().name, os.fstat(fd).st_size, offset, len(out)))
+        real_pread(fd, out, offset)
+
+    def crc(data, value=0):  # type: ignore[no-untyped-def]
+        crcs.append(threading.current_thread().name)
+        return real_crc(data, value)
+
+    monkeypatch.setattr(readers, "pread_all", pread)
+    monkeypatch.setattr(readers, "crc32c", crc)
+    ranges = _tensor_ranges(files, (1 << 20) + (1 << 19))  # pieces of 1 MiB and 0.5 MiB: ranges split unevenly
+    assert read_ranges(LocalStorage(str(tmp_path)), ranges, 8, strategy="sequential") == sum(len(d) for _, d in files)
+    for r in ranges:
+        assert bytes(r.out) == dict((str(p), d) for p, d in files)[r.path][r.offset: r.offset + len(r.out)]
+    assert {name for name, *_ in reads} == {threading.current_thread().name}
+    sizes = [size for _, size, _, _ in reads]
+    assert sizes == [len(files[0][1])] * sizes.count(len(files[0][1])) + [len(files[1][1])] * sizes.count(
+        len(files[1][1]))  # one file after the other, in path order
+    for size in {s for _, s, _, _ in reads}:
+        offsets = [at for _, s, at, _ in reads if s == size]
+        assert offsets == sorted(offsets) and len(offsets) == len(set(offsets))  # in order, each byte once
+    assert max(n for *_, n in reads) == 1 << 20 and len(crcs) == len(reads)  # one pread and one CRC a piece
+    assert set(crcs) == {"fastckpt-read-check"} and _checkers() == []
+
+
+@pytest.mark.parametrize("fault", ["corrupt", "truncated", "on_done"])
+def test_a_sequential_failure_stops_both_threads_and_is_raised_once(tmp_path, monkeypatch, fault) -> None:
+    """A checksum mismatch (found by the checker), a file that ends early (found by the reader) or a failing
+    ``on_done`` (run by the checker): the one error reaches the caller, naming the file, and no thread is left."""
+    monkeypatch.setattr(readers, "SEQUENTIAL_PIECE_BYTES", 256 << 10)
+    files = _files(tmp_path, [4 << 20])
+    path, data = files[0]
+    ranges = _tensor_ranges(files, 256 << 10)
+    done: list[Range] = []
+
+    def on_done(r: Range) -> None:
+        done.append(r)
+        if fault == "on_done" and len(done) == 3:
+            raise RuntimeError("the copy of the third tensor failed")
+
+    if fault == "corrupt":
+        bad = bytearray(data)
+        bad[(1 << 20) + 5] ^= 1
+        path.write_bytes(bad)
+        expected: tuple[type, str] = (IntegrityError, rf"f0\.bin: checksum mismatch in tensor f0\.bin@{1 << 20}")
+    elif fault == "truncated":
+        path.write_bytes(data[: 3 << 20])
+        expected = (StorageError, r"reading '.*f0\.bin' failed: file ended after")
+    else:
+        expected = (RuntimeError, "the copy of the third tensor failed")
+    with pytest.raises(expected[0], match=expected[1]):
+        read_ranges(LocalStorage(str(tmp_path)), ranges, 2, on_done=on_done, strategy="sequential")
+    assert _checkers() == []
+    if fault == "on_done":
+        assert len(done) == 3  # nothing ran after the failure

@@ -159,7 +159,7 @@ def _auto(monkeypatch, timings: dict[str, float]) -> list[str]:
     real = strategy.measure_read
 
     def measure(storage, path, offset, length, how, workers, out=None):  # type: ignore[no-untyped-def]
-        assert length == 64 << 10 and offset % 4096 == 0 and offset + length <= os.path.getsize(path)
+        assert length in (64 << 10, 128 << 10) and offset % 4096 == 0 and offset + length <= os.path.getsize(path)
         measured.append(how)
         _probing.append(True)
         try:
@@ -181,7 +181,7 @@ def test_auto_probes_once_per_device_and_keeps_the_verdict(tmp_path, monkeypatch
     assert sorted(measured) == sorted(STRATEGIES * 2) and used == ["sequential"] and not _o_direct(flags)
     rec = json.loads((tmp_path / "root" / strategy.VERDICT_NAME).read_text())
     assert rec["strategy"] == "sequential" and rec["device"] == os.stat(tmp_path / "root").st_dev
-    assert strategy.verdicts() == {rec["device"]: "sequential"}
+    assert strategy.verdicts() == {(rec["device"], "fresh"): "sequential"}
 
     _cold(_shards(ck))  # the same process: the verdict in memory, no second probe
     assert_bit_equal(state, ck.load())
@@ -457,3 +457,121 @@ def test_a_planted_verdict_in_the_user_cache_is_ignored_and_replaced(tmp_path, m
     verdict = folder / strategy.VERDICT_NAME
     assert not verdict.is_symlink() and json.loads(verdict.read_text())["strategy"] == "sequential"
     assert json.loads(secret.read_text())["strategy"] == "direct"  # its target untouched
+
+
+def _trial_clock(monkeypatch, rates: dict[str, float], segment: int = 64 << 10) -> list[tuple[str, int]]:
+    """A trial's segments are timed on a clock that each segment read advances by its bytes / ``rates[strategy]``
+    (the reads are real): the (strategy, bytes) of every segment read."""
+    import types
+
+    from fastckpt.read import load_into as load_into_mod
+
+    clock = [0.0]
+    seen: list[tuple[str, int]] = []
+    real = strategy.read_ranges
+    monkeypatch.setattr(strategy, "SEGMENT_BYTES", segment)
+    monkeypatch.setattr(strategy, "time", types.SimpleNamespace(perf_counter=lambda: clock[0], time=lambda: 1.0))
+
+    def read(storage, ranges, workers, on_done=None, strategy="direct"):  # type: ignore[no-untyped-def]
+        n = real(storage, ranges, workers, on_done, strategy=strategy)
+        if trialing:  # not a probe's reads (measure_read), nor load()'s (read_whole)
+            clock[0] += n / rates[strategy]
+            seen.append((strategy, n))
+        return n
+
+    def trial(*a):  # type: ignore[no-untyped-def]
+        trialing.append(True)
+        try:
+            return real_trial(*a)
+        finally:
+            trialing.pop()
+
+    trialing: list[bool] = []
+    real_trial = load_into_mod.trial_read
+    monkeypatch.setattr(strategy, "read_ranges", read)
+    monkeypatch.setattr(load_into_mod, "trial_read", trial)
+    return seen
+
+
+def _zeros(state: dict) -> dict:
+    return {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+
+
+def test_the_first_cold_load_into_is_the_trial_of_its_own_kind_and_the_file_keeps_both(tmp_path, monkeypatch) -> None:
+    """Into a model's faulted-in memory one stream won on the benchmark VM, into fresh memory parallel readers did,
+    and short probes could not tell the first apart: the first big cold ``load_into`` on a device reads its
+    segments with ``sequential`` and ``parallel`` in turns, keeps the faster (kind ``into``), and never probes."""
+    from fastckpt.read import load_into
+
+    measured = _auto(monkeypatch, {"sequential": 0.01, "parallel": 0.02, "direct": 0.005})
+    seen = _trial_clock(monkeypatch, {"sequential": 2e9, "parallel": 1e9})
+    ck, state = _saved(tmp_path, "auto")
+    target = _zeros(state)
+    _cold(_shards(ck))
+    used, flags = _spy(monkeypatch, load_into)
+    got = ck.load_into(target)
+    assert_bit_equal(state, got) and all(got[k] is target[k] for k in ("w", "b", "ids", "half"))
+    assert measured == [] and used == [] and not _o_direct(flags)  # no probe, no second read: the trial was the load
+    hows = [h for h, _ in seen]
+    assert len(hows) >= 4 and hows == (["sequential", "parallel"] * len(hows))[:len(hows)]
+    assert sum(n for _, n in seen) == sum(t.numel() * t.element_size() for t in state.values()
+                                          if isinstance(t, torch.Tensor))
+    device = os.stat(tmp_path / "root").st_dev
+    verdict = tmp_path / "root" / strategy.VERDICT_NAME
+    assert json.loads(verdict.read_text()) == {"device": device, "into": "sequential", "probed_at": 1.0}
+    _cold(_shards(ck))
+    assert_bit_equal(state, ck.load())  # the other kind: probed on every strategy, the file keeps both verdicts
+    assert len(measured) == 6 and strategy.verdicts() == {(device, "into"): "sequential", (device, "fresh"): "direct"}
+    assert json.loads(verdict.read_text()) == {"device": device, "into": "sequential", "strategy": "direct",
+                                               "probed_at": 1.0}
+    strategy.forget()  # a restarted process: both verdicts from the file, no probe, no trial
+    trials = len(seen)
+    _cold(_shards(ck))
+    flags.clear()
+    assert_bit_equal(state, ck.load_into(_zeros(state)))
+    assert used == ["sequential"] and not _o_direct(flags)
+    _cold(_shards(ck))
+    assert_bit_equal(state, ck.load())
+    assert len(measured) == 6 and len(seen) == trials and _o_direct(flags)  # load()'s own verdict: direct
+    ck.close()
+
+
+@pytest.mark.parametrize("rates, segment, expected", [
+    ({"sequential": 1.05e9, "parallel": 1e9}, 64 << 10, "parallel"),  # within the margin: the default
+    ({"sequential": 0.5e9, "parallel": 1e9}, 64 << 10, "parallel"),
+    ({"sequential": 2e9, "parallel": 1e9}, 1 << 30, None),  # one segment: no verdict, nothing saved
+], ids=["margin", "parallel-faster", "too-short"])
+def test_a_trial_keeps_the_default_unless_clearly_beaten(tmp_path, monkeypatch, rates, segment, expected) -> None:
+    _auto(monkeypatch, {"sequential": 0.01, "parallel": 0.02, "direct": 0.03})
+    seen = _trial_clock(monkeypatch, rates, segment)
+    ck, state = _saved(tmp_path, "auto")
+    _cold(_shards(ck))
+    assert_bit_equal(state, ck.load_into(_zeros(state)))
+    verdict = tmp_path / "root" / strategy.VERDICT_NAME
+    if expected is None:
+        first = len(seen)  # a segment per file: fewer than two per strategy
+        assert not verdict.exists() and strategy.verdicts() == {} and 0 < first < 4
+        _cold(_shards(ck))
+        assert_bit_equal(state, ck.load_into(_zeros(state)))
+        assert len(seen) == 2 * first  # tried again: a later, longer load may decide
+    else:
+        assert json.loads(verdict.read_text())["into"] == expected
+    ck.close()
+
+
+def test_an_older_verdict_file_serves_load_and_a_planted_into_field_is_tried_again(tmp_path, monkeypatch) -> None:
+    measured = _auto(monkeypatch, {"sequential": 0.03, "parallel": 0.01, "direct": 0.02})
+    seen = _trial_clock(monkeypatch, {"sequential": 1e9, "parallel": 3e9})
+    ck, state = _saved(tmp_path, "auto")
+    verdict = tmp_path / "root" / strategy.VERDICT_NAME
+    device = os.stat(tmp_path / "root").st_dev
+    verdict.write_text(json.dumps({"device": device, "strategy": "direct", "into": "direct"}))  # no such choice
+    _cold(_shards(ck))
+    assert_bit_equal(state, ck.load_into(_zeros(state)))
+    assert seen and strategy.verdicts() == {(device, "into"): "parallel"}
+    _cold(_shards(ck))
+    assert_bit_equal(state, ck.load())
+    assert measured == []  # the older file's verdict served load(), and survived the into verdict's write
+    assert json.loads(verdict.read_text()) == {"device": device, "strategy": "direct", "into": "parallel",
+                                               "probed_at": 1.0}
+    ck.close()

@@ -26,12 +26,13 @@ caller must load again (an earlier checkpoint) before training on.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import torch
 
 from ..errors import IntegrityError, StateMismatchError
 from .readers import Range, read_ranges, tensor_bytes
+from .strategy import trial_read
 from ..storage.fsspec import FsspecStorage
 from ..format.table import TableEntry
 
@@ -157,10 +158,18 @@ def read_into(reader: "CheckpointReader", target: Any) -> tuple[Any, int] | None
     # flight the disk never idles between files, and the kernel's extra readahead competed with them. Cold 1.48 GB,
     # fresh process per load, in turns on the benchmark VM (2026-11-28): median 1.04 s without it against 1.07 s
     # with it in ``parallel`` (15 runs each), 1.04 s against 1.25 s in ``sequential`` (5 runs each).
-    how = reader.read_strategy([(f.path, f.size) for f in plan if f.path in paths])
     targets.prepare_cuda()
+    tried: list[int] = []  # the bytes a trial read (the device's first big cold load_into: it chose the strategy)
+
+    def trial(strategies: Sequence[str]) -> str | None:
+        verdict = trial_read(reader.storage, targets.ranges, reader.workers, targets.done, strategies)
+        tried.append(sum(len(r.out) for r in targets.ranges))
+        return verdict
+
     try:
-        nbytes = read_ranges(reader.storage, targets.ranges, reader.workers, targets.done, strategy=how)
+        how = reader.read_strategy([(f.path, f.size) for f in plan if f.path in paths], kind="into", trial=trial)
+        nbytes = tried[0] if tried else read_ranges(reader.storage, targets.ranges, reader.workers, targets.done,
+                                                    strategy=how)
         for batch in targets.batches():
             nbytes += read_ranges(reader.storage, batch, reader.workers, targets.done, strategy=how)
     except IntegrityError as e:

@@ -34,7 +34,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -232,9 +232,13 @@ class CheckpointReader:
                    self.strategy, self.workers, self.verdict_root)  # a probe (read.strategy: auto) reads into them
         return {f.name: self._wrap(f, *got[f.name]) for f in files}
 
-    def read_strategy(self, files: list[tuple[str, int]]) -> str:
-        """How this load reads ``files`` (``(path, size)``): ``read.strategy``, or the device's probed verdict."""
-        return choose(self.storage, files, self.strategy, self.workers, self.verdict_root) if files else "direct"
+    def read_strategy(self, files: list[tuple[str, int]], kind: str = "fresh",
+                      trial: Callable[[Sequence[str]], str | None] | None = None) -> str:
+        """How this load reads ``files`` (``(path, size)``) into destinations of ``kind``
+        (``fastckpt.read.strategy.KINDS``): ``read.strategy``, or the device's verdict for that kind (probed, or
+        found by ``trial``: ``fastckpt.read.strategy.choose``)."""
+        return (choose(self.storage, files, self.strategy, self.workers, self.verdict_root, kind=kind, trial=trial)
+                if files else "direct")
 
     def _wrap(self, f: ShardFile, keep: Any, view: memoryview) -> torch.Tensor:
         buf = torch.frombuffer(keep, dtype=torch.uint8)

@@ -17,6 +17,13 @@ strategy is ``_MARGIN`` faster. ``load()`` and the torch zip reader probe straig
 ``load_into`` probes into a small scratch buffer (its targets are not page-aligned) and finds the buffered regions
 in the page cache afterwards.
 
+A device keeps one verdict per ``KINDS`` of destination, because the two kinds of load like different readers: into
+fresh memory (``load()``, the torch zip reader: every page is faulted in by the read, which several threads share)
+and into memory already faulted in (``load_into``'s model, whose tensors are never page-aligned, so ``direct`` is not
+among its choices). Raw readers of the same 0.63 GB of shards on the benchmark VM, cold, two full harness runs
+(2026-11-29): into faulted-in memory one sequential stream 0.36-0.40 s against 0.42-0.49 s for 8 parallel readers;
+into fresh memory of 1.48 GB parallel 1.04 s against sequential 1.22 s.
+
 The verdict only picks among strategies that all read the same verified bytes, so a damaged or planted verdict
 file can cost speed, never correctness: it is read bounded, a non-regular file or a symlink is ignored, and a
 verdict for another device or an unknown strategy is probed again and replaced.
@@ -27,6 +34,7 @@ import json
 import logging
 import os
 import stat
+import statistics
 import threading
 import time
 from typing import Callable, Sequence
@@ -39,11 +47,20 @@ from ..storage.local import LocalStorage, aligned_buffer
 from .pagecache import resident_fraction
 from .readers import STRATEGIES, Range, read_ranges
 
-__all__ = ["CACHE_ENV", "CHOICES", "PROBE_BYTES", "VERDICT_NAME", "choose", "measure_read", "forget", "read_whole",
+__all__ = ["CACHE_ENV", "CHOICES", "KINDS", "PROBE_BYTES", "VERDICT_NAME", "choose", "measure_read", "forget", "read_whole", "trial_read",
            "unread", "user_root", "verdicts"]
 log = logging.getLogger("fastckpt")
 
 CHOICES = ("auto",) + STRATEGIES  # what ``read.strategy`` accepts
+# The kinds of destination a verdict is for (see above) -> the strategies probed for it
+KINDS: dict[str, tuple[str, ...]] = {"fresh": STRATEGIES, "into": ("sequential", "parallel")}
+# ``load_into`` is never probed: its first cold load on a device is the trial (``trial_read``). One sequential
+# stream needs its readahead to ramp up, which short probe regions do not show: cold reads into a faulted-in scratch
+# on the benchmark VM (2026-11-29) of 32 MiB took 36 ms sequential against 31 ms parallel (medians of 4) and 64 MiB
+# regions within a load ~50 ms either way (5 probes), while whole 0.63 GB loads took 0.41 against 0.48 s: probes of
+# 32 and 64 MiB chose ``parallel`` 11 times out of 11.
+SEGMENT_BYTES = 128 << 20  # a trial's segment: one strategy reads it, timed
+_FIELD = {"fresh": "strategy", "into": "into"}  # a kind's field in the verdict file ("strategy": the older files')
 PROBE_BYTES = 32 << 20  # per strategy: several of each reader's pieces, a few tens of ms on a ~1.5 GB/s disk
 _ROUNDS = 2  # each strategy timed this many times, in turns, on regions of its own
 # Another strategy replaces DEFAULT only if the probe found it this much faster: ~30 ms probes on a shared VM
@@ -64,7 +81,7 @@ DEFAULT = "parallel"
 CACHE_ENV = "FASTCKPT_CACHE_DIR"  # the user cache's folder (default: $XDG_CACHE_HOME/fastckpt or ~/.cache/fastckpt)
 
 _lock = threading.Lock()
-_verdicts: dict[int, str] = {}  # st_dev -> the strategy probed fastest there, for this process
+_verdicts: dict[tuple[int, str], str] = {}  # (st_dev, kind) -> the strategy probed fastest there, for this process
 
 
 def measure_read(storage: LocalStorage, path: str, offset: int, length: int, strategy: str, workers: int,
@@ -126,6 +143,41 @@ def read_whole(storage: object, ranges: Sequence[Range], setting: str, workers: 
     return how
 
 
+def trial_read(storage: object, ranges: Sequence[Range], workers: int, on_done: Callable[[Range], None] | None,
+               strategies: Sequence[str]) -> str | None:
+    """Read ``ranges`` (a whole cold load) in segments of at most ``SEGMENT_BYTES`` and one file each, in file order,
+    the ``strategies`` in turns, timing each: the verdict is the strategy whose median segment read the most bytes
+    per second (``DEFAULT`` unless another is ``_MARGIN`` faster), None when the load is too short to give each
+    strategy ``_ROUNDS`` segments. Nothing is read twice: the trial costs the difference between the strategies on
+    the slower's segments, once per device."""
+    order = sorted(ranges, key=lambda r: (r.path, r.offset))
+    segments: list[list[Range]] = []
+    size = 0
+    for r in order:
+        if not segments or size >= SEGMENT_BYTES or segments[-1][-1].path != r.path:
+            segments.append([])
+            size = 0
+        segments[-1].append(r)
+        size += len(r.out)
+    rates: dict[str, list[float]] = {how: [] for how in strategies}  # bytes per second of each segment
+    for k, part in enumerate(segments):
+        how = strategies[k % len(strategies)]
+        t0 = time.perf_counter()
+        n = read_ranges(storage, part, workers, on_done, strategy=how)  # type: ignore[arg-type]
+        rates[how].append(n / max(time.perf_counter() - t0, 1e-9))
+    if len(segments) < len(strategies) * _ROUNDS:
+        return None
+    # The median segment of each: the last file of a load is often shorter and read slower (0.92 against 1.5 GB/s
+    # on the benchmark VM), and a noisy spell hits one segment, not a strategy
+    rate = {how: statistics.median(r) for how, r in rates.items()}
+    best = max(rate, key=lambda how: rate[how])
+    if DEFAULT in rate and rate[DEFAULT] * (1 + _MARGIN) >= rate[best]:
+        best = DEFAULT
+    log.info("fastckpt: cold reads into loaded memory on this device are fastest with the %r strategy (trial of %d "
+             "segments: %s)", best, len(segments), ", ".join(f"{h} {r / 1e9:.2f} GB/s" for h, r in rate.items()))
+    return best
+
+
 def _shifted(on_piece: Callable[[int, int], None] | None, by: int) -> Callable[[int, int], None] | None:
     """``on_piece`` of a range, for a part of it that starts ``by`` bytes in."""
     if on_piece is None:
@@ -133,8 +185,8 @@ def _shifted(on_piece: Callable[[int, int], None] | None, by: int) -> Callable[[
     return lambda start, n: on_piece(by + start, n)
 
 
-def verdicts() -> dict[int, str]:
-    """This process's verdicts: device (``st_dev``) -> strategy."""
+def verdicts() -> dict[tuple[int, str], str]:
+    """This process's verdicts: (device (``st_dev``), kind of ``KINDS``) -> strategy."""
     with _lock:
         return dict(_verdicts)
 
@@ -147,19 +199,25 @@ def forget() -> None:
 
 def choose(storage: object, files: Sequence[tuple[str, int]], setting: str, workers: int,
            root: str | None = None, into: Callable[[str, int, int], memoryview] | None = None,
-           probed: list[tuple[str, int, int]] | None = None) -> str:
-    """The strategy that reads ``files`` (``(path, size)``, the whole load) under ``setting`` (``read.strategy``).
+           probed: list[tuple[str, int, int]] | None = None, kind: str = "fresh",
+           trial: Callable[[Sequence[str]], str | None] | None = None) -> str:
+    """The strategy that reads ``files`` (``(path, size)``, the whole load) under ``setting`` (``read.strategy``)
+    into destinations of ``kind`` (one of ``KINDS``).
 
     ``auto``: the device's verdict (this process's, else the one saved under ``root``, or without a root in the
     user's cache, ``user_root``), else a probe when the
     files are cold and big enough, else ``DEFAULT``; ``parallel`` whenever the files are warm. Any storage but a
     local one: ``DEFAULT`` (it ignores the strategy). With ``into(path, offset, length)`` (page-aligned memory where
     the load wants those bytes) the probe reads into it and appends each region it read to ``probed``
-    (``(path, offset, length)``): the load then reads only the rest (``read_whole``), so the probe costs nothing."""
+    (``(path, offset, length)``): the load then reads only the rest (``read_whole``), so the probe costs nothing.
+    With ``trial(strategies)`` the load itself stands in for the probe: it reads everything, timing ``strategies``
+    on its parts, and returns the verdict (``trial_read``), or None to keep ``DEFAULT`` unsaved."""
     if setting not in CHOICES:
         raise ConfigError(f"read.strategy must be one of {', '.join(CHOICES)}; got {setting!r}")
     if setting != "auto":
         return setting
+    if kind not in KINDS:
+        raise ValueError(f"kind {kind!r} is not one of {', '.join(KINDS)}")
     files = [(p, n) for p, n in files if n > 0]
     if not isinstance(storage, LocalStorage) or not files:
         return DEFAULT
@@ -172,42 +230,44 @@ def choose(storage: object, files: Sequence[tuple[str, int]], setting: str, work
     except OSError:
         return DEFAULT  # the read itself reports the missing file, naming it
     with _lock:
-        known = _verdicts.get(device)
+        known = _verdicts.get((device, kind))
     keep = root if root is not None else user_root(device)
     if known is None and keep is not None:
-        known = _load_verdict(keep, device)
+        known = _load_verdict(keep, device, kind)
     if known is None:
         if total - cached < _PROBE_BELOW * PROBE_BYTES:
             return DEFAULT
-        known = _probe(storage, files, workers, into, probed)
+        known = trial(KINDS[kind]) if trial is not None else _probe(storage, files, workers, into, probed, KINDS[kind])
         if known is None:
             return DEFAULT
         if keep is not None:
             if root is None:
                 _make_private_dir(keep)
-            _save_verdict(keep, device, known)
+            _save_verdict(keep, device, kind, known)
     with _lock:
-        _verdicts[device] = known
+        _verdicts[(device, kind)] = known
     return known
 
 
 def _probe(storage: LocalStorage, files: Sequence[tuple[str, int]], workers: int,
-           into: Callable[[str, int, int], memoryview] | None, probed: list[tuple[str, int, int]] | None) -> str | None:
-    """Time every strategy ``_ROUNDS`` times, each on a cold region of its own (the last ones of the load: read again
+           into: Callable[[str, int, int], memoryview] | None, probed: list[tuple[str, int, int]] | None,
+           strategies: Sequence[str] = STRATEGIES) -> str | None:
+    """Time every one of ``strategies`` ``_ROUNDS`` times, each on a cold region of its own (the last ones of the load: read again
     later, from the page cache or the disk, unless they were read ``into`` the load's memory); the fastest, or None
     if no region is cold or a read fails (the load reports it)."""
-    regions = _regions(files, len(STRATEGIES) * _ROUNDS)
+    size = PROBE_BYTES
+    regions = _regions(files, len(strategies) * _ROUNDS, size)
     if regions is None:
         return None
     timings: dict[str, float] = {}
     try:  # in turns (a noisy spell hits every strategy alike), each strategy's best
         for k, (path, offset) in enumerate(regions):
-            strategy = STRATEGIES[k % len(STRATEGIES)]
-            out = into(path, offset, PROBE_BYTES) if into is not None else None
-            seconds = measure_read(storage, path, offset, PROBE_BYTES, strategy, workers, out)
+            strategy = strategies[k % len(strategies)]
+            out = into(path, offset, size) if into is not None else None
+            seconds = measure_read(storage, path, offset, size, strategy, workers, out)
             timings[strategy] = min(seconds, timings.get(strategy, seconds))
             if out is not None and probed is not None:
-                probed.append((path, offset, PROBE_BYTES))
+                probed.append((path, offset, size))
     except Exception as e:  # noqa: BLE001 - the load itself reads these files and raises what is wrong, named
         log.debug("read strategy probe failed: %s", e)
         return None
@@ -215,26 +275,26 @@ def _probe(storage: LocalStorage, files: Sequence[tuple[str, int]], workers: int
     if timings[DEFAULT] <= timings[best] * (1 + _MARGIN):
         best = DEFAULT  # within the probe's noise of the fastest: what whole loads measured fastest (above)
     log.info("fastckpt: cold reads on this device are fastest with the %r strategy (probe of %d MiB each: %s)",
-             best, PROBE_BYTES >> 20, ", ".join(f"{s} {t * 1e3:.0f} ms" for s, t in timings.items()))
+             best, size >> 20, ", ".join(f"{s} {t * 1e3:.0f} ms" for s, t in timings.items()))
     return best
 
 
-def _regions(files: Sequence[tuple[str, int]], count: int) -> list[tuple[str, int]] | None:
-    """``count`` disjoint page-aligned ``PROBE_BYTES`` regions, from the end of the load backwards, none cached."""
+def _regions(files: Sequence[tuple[str, int]], count: int, size: int) -> list[tuple[str, int]] | None:
+    """``count`` disjoint page-aligned regions of ``size``, from the end of the load backwards, none cached."""
     out: list[tuple[str, int]] = []
-    for path, size in reversed(files):
-        at = (size - PROBE_BYTES) // 4096 * 4096
+    for path, file_size in reversed(files):
+        at = (file_size - size) // 4096 * 4096
         while at >= 0 and len(out) < count:
             out.append((path, at))
-            at -= PROBE_BYTES
-    if len(out) < count or any(_cached(p, at) for p, at in out):
+            at -= size
+    if len(out) < count or any(_cached(p, at, size) for p, at in out):
         return None
     return out
 
 
-def _cached(path: str, offset: int) -> bool:
+def _cached(path: str, offset: int, size: int) -> bool:
     # resident_fraction looks at a file's first bytes: a region counts as cached when its file is mostly
-    return resident_fraction(path, offset + PROBE_BYTES) > _WARM
+    return resident_fraction(path, offset + size) > _WARM
 
 
 def user_root(device: int) -> str | None:
@@ -256,8 +316,16 @@ def _make_private_dir(path: str) -> None:
         log.debug("could not create the read strategy cache %s: %s", path, e)
 
 
-def _load_verdict(root: str, device: int) -> str | None:
-    """The verdict saved under ``root`` for ``device``; None if absent, unreadable, foreign or malformed."""
+def _load_verdict(root: str, device: int, kind: str) -> str | None:
+    """The verdict saved under ``root`` for ``device`` and ``kind``; None if absent, unreadable, foreign or
+    malformed."""
+    rec = _load_record(root, device)
+    got = rec.get(_FIELD[kind]) if rec is not None else None
+    return got if got in KINDS[kind] else None
+
+
+def _load_record(root: str, device: int) -> dict | None:
+    """The verdict file under ``root`` if it is ``device``'s: a regular file, small, a JSON object; else None."""
     path = os.path.join(root, VERDICT_NAME)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -275,20 +343,24 @@ def _load_verdict(root: str, device: int) -> str | None:
         rec = json.loads(raw) if len(raw) <= _VERDICT_MAX else None
     except (ValueError, UnicodeDecodeError):
         return None
-    if not isinstance(rec, dict) or rec.get("device") != device or rec.get("strategy") not in STRATEGIES:
+    if not isinstance(rec, dict) or rec.get("device") != device:
         return None
-    return rec["strategy"]
+    return rec
 
 
-def _save_verdict(root: str, device: int, strategy: str) -> None:
-    """Write the verdict under ``root`` by rename (readers see the old one or the new one); a read-only root
-    keeps it in memory only."""
+def _save_verdict(root: str, device: int, kind: str, strategy: str) -> None:
+    """Write the verdict under ``root`` by rename (readers see the old one or the new one), keeping the verdicts of
+    the other kinds that are valid; a read-only root keeps it in memory only. Two processes probing two kinds at
+    once may lose one of the two: that kind is probed again by a later load, nothing worse."""
+    old = _load_record(root, device) or {}
+    rec = {"device": device, **{f: old[f] for k, f in _FIELD.items() if old.get(f) in KINDS[k]}}
+    rec.update({_FIELD[kind]: strategy, "probed_at": time.time()})
     path = os.path.join(root, VERDICT_NAME)
     tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         try:
-            os.write(fd, json.dumps({"device": device, "strategy": strategy, "probed_at": time.time()}).encode())
+            os.write(fd, json.dumps(rec).encode())
         finally:
             os.close(fd)
         os.replace(tmp, path)
