@@ -282,8 +282,8 @@ class ReadOptions(_Freezable):
     (the same with O_DIRECT where the bytes land in a fresh buffer), or ``auto``: on the first cold load of a device
     big enough to tell (at least 256 MiB), each strategy timed twice, in turns, on 32 MiB regions of its own files
     (``load()``, the torch zip reader), or, for ``load_into``, sequential and parallel in turns on its own 128 MiB
-    segments; the fastest (``parallel`` unless another is 10% faster) kept per device and kind of load, in memory
-    and in ``ROOT/.fastckpt-read.json``. Every strategy verifies the same checksums; warm files are always copied on
+    segments; the fastest (unless the default is within 10% of it: ``parallel``, for ``load_into`` ``sequential``)
+    kept per device and kind of load, in memory and in ``ROOT/.fastckpt-read.json``. Every strategy verifies the same checksums; warm files are always copied on
     several threads."""
 
     def validate(self) -> None:

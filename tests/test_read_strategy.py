@@ -262,6 +262,13 @@ def test_a_small_cold_load_is_not_worth_a_probe(tmp_path, monkeypatch) -> None:
     used, _ = _spy(monkeypatch, strategy)
     assert_bit_equal(state, ck.load())
     assert measured == [] and used == [strategy.DEFAULT]
+    from fastckpt.read import load_into
+
+    _cold(_shards(ck))
+    into_used, _ = _spy(monkeypatch, load_into)
+    assert_bit_equal(state, ck.load_into({k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v
+                                          for k, v in state.items()}))
+    assert measured == [] and into_used == [strategy.DEFAULTS["into"]] == ["sequential"]  # no trial either
     ck.close()
 
 
@@ -537,7 +544,7 @@ def test_the_first_cold_load_into_is_the_trial_of_its_own_kind_and_the_file_keep
 
 
 @pytest.mark.parametrize("rates, segment, expected", [
-    ({"sequential": 1.05e9, "parallel": 1e9}, 64 << 10, "parallel"),  # within the margin: the default
+    ({"sequential": 1e9, "parallel": 1.05e9}, 64 << 10, "sequential"),  # within the margin: the kind's default
     ({"sequential": 0.5e9, "parallel": 1e9}, 64 << 10, "parallel"),
     ({"sequential": 2e9, "parallel": 1e9}, 1 << 30, None),  # one segment: no verdict, nothing saved
 ], ids=["margin", "parallel-faster", "too-short"])

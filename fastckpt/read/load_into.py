@@ -161,8 +161,8 @@ def read_into(reader: "CheckpointReader", target: Any) -> tuple[Any, int] | None
     targets.prepare_cuda()
     tried: list[int] = []  # the bytes a trial read (the device's first big cold load_into: it chose the strategy)
 
-    def trial(strategies: Sequence[str]) -> str | None:
-        verdict = trial_read(reader.storage, targets.ranges, reader.workers, targets.done, strategies)
+    def trial(strategies: Sequence[str], default: str) -> str | None:
+        verdict = trial_read(reader.storage, targets.ranges, reader.workers, targets.done, strategies, default)
         tried.append(sum(len(r.out) for r in targets.ranges))
         return verdict
 

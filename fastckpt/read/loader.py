@@ -233,7 +233,7 @@ class CheckpointReader:
         return {f.name: self._wrap(f, *got[f.name]) for f in files}
 
     def read_strategy(self, files: list[tuple[str, int]], kind: str = "fresh",
-                      trial: Callable[[Sequence[str]], str | None] | None = None) -> str:
+                      trial: Callable[[Sequence[str], str], str | None] | None = None) -> str:
         """How this load reads ``files`` (``(path, size)``) into destinations of ``kind``
         (``fastckpt.read.strategy.KINDS``): ``read.strategy``, or the device's verdict for that kind (probed, or
         found by ``trial``: ``fastckpt.read.strategy.choose``)."""

@@ -47,8 +47,8 @@ from ..storage.local import LocalStorage, aligned_buffer
 from .pagecache import resident_fraction
 from .readers import STRATEGIES, Range, read_ranges
 
-__all__ = ["CACHE_ENV", "CHOICES", "KINDS", "PROBE_BYTES", "VERDICT_NAME", "choose", "measure_read", "forget", "read_whole", "trial_read",
-           "unread", "user_root", "verdicts"]
+__all__ = ["CACHE_ENV", "CHOICES", "DEFAULTS", "KINDS", "PROBE_BYTES", "VERDICT_NAME", "choose", "measure_read",
+           "forget", "read_whole", "trial_read", "unread", "user_root", "verdicts"]
 log = logging.getLogger("fastckpt")
 
 CHOICES = ("auto",) + STRATEGIES  # what ``read.strategy`` accepts
@@ -77,6 +77,12 @@ _SCRATCH = 16 << 20  # the probe's buffer: one sequential piece, two parallel on
 # by the torch zip reader, median 1.20 s parallel against 1.46 s direct; 0.63 GB of shards by load(), 0.56 s
 # against 0.62 s. The kernel's readahead keeps more of the disk's queue busy than 8 requests of 8 MiB.
 DEFAULT = "parallel"
+# Per kind: into a model's faulted-in memory (``load_into``) one stream read at least as fast as 8 parallel readers in
+# every measurement on the benchmark VM (raw, cold, medians of 9: 0.63 GB 0.37 against 0.45 s, 0.40 against 0.49 s;
+# 1.48 GB 0.84 against 0.89 s, 0.91 against 1.03 s; three harness runs, 2026-11-29) and is the one it keeps when a
+# trial cannot tell them apart: a trial on the 1.48 GB state, where they are 5-12% apart, kept ``parallel`` under a
+# ``parallel`` default, and load_into then read 1.18x the ceiling.
+DEFAULTS = {"fresh": DEFAULT, "into": "sequential"}
 
 CACHE_ENV = "FASTCKPT_CACHE_DIR"  # the user cache's folder (default: $XDG_CACHE_HOME/fastckpt or ~/.cache/fastckpt)
 
@@ -144,10 +150,10 @@ def read_whole(storage: object, ranges: Sequence[Range], setting: str, workers: 
 
 
 def trial_read(storage: object, ranges: Sequence[Range], workers: int, on_done: Callable[[Range], None] | None,
-               strategies: Sequence[str]) -> str | None:
+               strategies: Sequence[str], default: str = DEFAULT) -> str | None:
     """Read ``ranges`` (a whole cold load) in segments of at most ``SEGMENT_BYTES`` and one file each, in file order,
     the ``strategies`` in turns, timing each: the verdict is the strategy whose median segment read the most bytes
-    per second (``DEFAULT`` unless another is ``_MARGIN`` faster), None when the load is too short to give each
+    per second (``default`` unless another is ``_MARGIN`` faster), None when the load is too short to give each
     strategy ``_ROUNDS`` segments. Nothing is read twice: the trial costs the difference between the strategies on
     the slower's segments, once per device."""
     order = sorted(ranges, key=lambda r: (r.path, r.offset))
@@ -171,8 +177,8 @@ def trial_read(storage: object, ranges: Sequence[Range], workers: int, on_done: 
     # on the benchmark VM), and a noisy spell hits one segment, not a strategy
     rate = {how: statistics.median(r) for how, r in rates.items()}
     best = max(rate, key=lambda how: rate[how])
-    if DEFAULT in rate and rate[DEFAULT] * (1 + _MARGIN) >= rate[best]:
-        best = DEFAULT
+    if default in rate and rate[default] * (1 + _MARGIN) >= rate[best]:
+        best = default
     log.info("fastckpt: cold reads into loaded memory on this device are fastest with the %r strategy (trial of %d "
              "segments: %s)", best, len(segments), ", ".join(f"{h} {r / 1e9:.2f} GB/s" for h, r in rate.items()))
     return best
@@ -200,27 +206,28 @@ def forget() -> None:
 def choose(storage: object, files: Sequence[tuple[str, int]], setting: str, workers: int,
            root: str | None = None, into: Callable[[str, int, int], memoryview] | None = None,
            probed: list[tuple[str, int, int]] | None = None, kind: str = "fresh",
-           trial: Callable[[Sequence[str]], str | None] | None = None) -> str:
+           trial: Callable[[Sequence[str], str], str | None] | None = None) -> str:
     """The strategy that reads ``files`` (``(path, size)``, the whole load) under ``setting`` (``read.strategy``)
     into destinations of ``kind`` (one of ``KINDS``).
 
     ``auto``: the device's verdict (this process's, else the one saved under ``root``, or without a root in the
     user's cache, ``user_root``), else a probe when the
-    files are cold and big enough, else ``DEFAULT``; ``parallel`` whenever the files are warm. Any storage but a
-    local one: ``DEFAULT`` (it ignores the strategy). With ``into(path, offset, length)`` (page-aligned memory where
+    files are cold and big enough, else the kind's default (``DEFAULTS``); ``parallel`` whenever the files are
+    warm. Any storage but a local one: the default (it ignores the strategy). With ``into(path, offset, length)`` (page-aligned memory where
     the load wants those bytes) the probe reads into it and appends each region it read to ``probed``
     (``(path, offset, length)``): the load then reads only the rest (``read_whole``), so the probe costs nothing.
-    With ``trial(strategies)`` the load itself stands in for the probe: it reads everything, timing ``strategies``
-    on its parts, and returns the verdict (``trial_read``), or None to keep ``DEFAULT`` unsaved."""
+    With ``trial(strategies, default)`` the load itself stands in for the probe: it reads everything, timing
+    ``strategies`` on its parts, and returns the verdict (``trial_read``), or None to keep the default unsaved."""
     if setting not in CHOICES:
         raise ConfigError(f"read.strategy must be one of {', '.join(CHOICES)}; got {setting!r}")
     if setting != "auto":
         return setting
     if kind not in KINDS:
         raise ValueError(f"kind {kind!r} is not one of {', '.join(KINDS)}")
+    default = DEFAULTS[kind]
     files = [(p, n) for p, n in files if n > 0]
     if not isinstance(storage, LocalStorage) or not files:
-        return DEFAULT
+        return default
     total = sum(n for _, n in files)
     cached = sum(n * resident_fraction(p, n) for p, n in files)
     if cached >= _WARM * total:
@@ -228,7 +235,7 @@ def choose(storage: object, files: Sequence[tuple[str, int]], setting: str, work
     try:
         device = os.stat(files[0][0]).st_dev
     except OSError:
-        return DEFAULT  # the read itself reports the missing file, naming it
+        return default  # the read itself reports the missing file, naming it
     with _lock:
         known = _verdicts.get((device, kind))
     keep = root if root is not None else user_root(device)
@@ -236,10 +243,11 @@ def choose(storage: object, files: Sequence[tuple[str, int]], setting: str, work
         known = _load_verdict(keep, device, kind)
     if known is None:
         if total - cached < _PROBE_BELOW * PROBE_BYTES:
-            return DEFAULT
-        known = trial(KINDS[kind]) if trial is not None else _probe(storage, files, workers, into, probed, KINDS[kind])
+            return default
+        known = (trial(KINDS[kind], default) if trial is not None
+                 else _probe(storage, files, workers, into, probed, KINDS[kind]))
         if known is None:
-            return DEFAULT
+            return default
         if keep is not None:
             if root is None:
                 _make_private_dir(keep)
