@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -466,9 +467,10 @@ def test_a_planted_verdict_in_the_user_cache_is_ignored_and_replaced(tmp_path, m
     assert json.loads(secret.read_text())["strategy"] == "direct"  # its target untouched
 
 
-def _trial_clock(monkeypatch, rates: dict[str, float], segment: int = 64 << 10) -> list[tuple[str, int]]:
+def _trial_clock(monkeypatch, rates: dict[str, Any], segment: int = 64 << 10) -> list[tuple[str, int]]:
     """A trial's segments are timed on a clock that each segment read advances by its bytes / ``rates[strategy]``
-    (the reads are real): the (strategy, bytes) of every segment read."""
+    (a rate, or a function of the segment's index) (the reads are real): the (strategy, bytes) of every segment
+    read."""
     import types
 
     from fastckpt.read import load_into as load_into_mod
@@ -482,7 +484,8 @@ def _trial_clock(monkeypatch, rates: dict[str, float], segment: int = 64 << 10) 
     def read(storage, ranges, workers, on_done=None, strategy="direct"):  # type: ignore[no-untyped-def]
         n = real(storage, ranges, workers, on_done, strategy=strategy)
         if trialing:  # not a probe's reads (measure_read), nor load()'s (read_whole)
-            clock[0] += n / rates[strategy]
+            rate = rates[strategy]
+            clock[0] += n / (rate(len(seen)) if callable(rate) else rate)
             seen.append((strategy, n))
         return n
 
@@ -520,7 +523,7 @@ def test_the_first_cold_load_into_is_the_trial_of_its_own_kind_and_the_file_keep
     assert_bit_equal(state, got) and all(got[k] is target[k] for k in ("w", "b", "ids", "half"))
     assert measured == [] and used == [] and not _o_direct(flags)  # no probe, no second read: the trial was the load
     hows = [h for h, _ in seen]
-    assert len(hows) >= 4 and hows == (["sequential", "parallel"] * len(hows))[:len(hows)]
+    assert len(hows) >= 4 and hows == (["sequential", "parallel", "parallel", "sequential"] * len(hows))[:len(hows)]
     assert sum(n for _, n in seen) == sum(t.numel() * t.element_size() for t in state.values()
                                           if isinstance(t, torch.Tensor))
     device = os.stat(tmp_path / "root").st_dev
@@ -581,4 +584,17 @@ def test_an_older_verdict_file_serves_load_and_a_planted_into_field_is_tried_aga
     assert measured == []  # the older file's verdict served load(), and survived the into verdict's write
     assert json.loads(verdict.read_text()) == {"device": device, "strategy": "direct", "into": "parallel",
                                                "probed_at": 1.0}
+    ck.close()
+
+
+def test_a_noisy_spell_in_one_segment_does_not_decide_the_trial(tmp_path, monkeypatch) -> None:
+    """Noise only ever slows a segment down: each strategy is judged by its fastest segment. Here the first
+    sequential segment crawls (a spell); by the median of its two it would lose to parallel, by its best it wins."""
+    _auto(monkeypatch, {"sequential": 0.01, "parallel": 0.02, "direct": 0.03})
+    seen = _trial_clock(monkeypatch, {"sequential": lambda k: 0.2e9 if k == 0 else 2e9, "parallel": 1.5e9})
+    ck, state = _saved(tmp_path, "auto")
+    _cold(_shards(ck))
+    assert_bit_equal(state, ck.load_into(_zeros(state)))
+    assert [h for h, _ in seen][:4] == ["sequential", "parallel", "parallel", "sequential"]
+    assert json.loads((tmp_path / "root" / strategy.VERDICT_NAME).read_text())["into"] == "sequential"
     ck.close()
