@@ -5,9 +5,9 @@ Two states: the workload's (model + AdamW, ~1.48 GB, the files the restore secti
 (the files' pages dropped first, every byte of the result compared with the saved state afterwards), loaders in
 turns so that a noisy spell hits them alike: ``torch.load(weights_only=True)``, the torch zip reader (the
 Lightning plugin's load), fastckpt ``load()`` and ``load_into()`` (read strategy ``auto``: the first cold load
-on the device probes, ``load_into``'s first is its trial; every run is reported). Then the raw readers of benchmarks/rawread.py over the same files;
-the ceiling is the best of them. Verdicts: each loader's best cold time <= torch.load's best (1.00x) and <= 1.10x
-the best raw reader's.
+on the device probes, ``load_into``'s first is its trial; every run is reported). Then the raw readers of
+benchmarks/rawread.py over the same files; the ceiling is the best of them. Verdicts: each loader's best cold
+time <= torch.load's best (1.00x) and <= 1.10x the best raw reader's.
 """
 from __future__ import annotations
 

@@ -80,7 +80,9 @@ DEFAULT = "parallel"
 # every measurement on the benchmark VM (raw, cold, medians of 9: 0.63 GB 0.37 against 0.45 s, 0.40 against 0.49 s;
 # 1.48 GB 0.84 against 0.89 s, 0.91 against 1.03 s; three harness runs, 2026-11-29) and is the one it keeps when a
 # trial cannot tell them apart: a trial on the 1.48 GB state, where they are 5-12% apart, kept ``parallel`` under a
-# ``parallel`` default, and load_into then read 1.18x the ceiling.
+# ``parallel`` default, and load_into then read 1.18x the ceiling. Not a steady win: at times one buffered stream
+# reads this disk at 0.65-1.0 GB/s instead of 1.6-1.8 (the first in a process, after another process read and
+# dropped the same files), where 8 parallel readers hold 1.3-1.5; a trial then in progress chooses ``parallel``.
 DEFAULTS = {"fresh": DEFAULT, "into": "sequential"}
 
 CACHE_ENV = "FASTCKPT_CACHE_DIR"  # the user cache's folder (default: $XDG_CACHE_HOME/fastckpt or ~/.cache/fastckpt)
@@ -219,10 +221,10 @@ def choose(storage: object, files: Sequence[tuple[str, int]], setting: str, work
     into destinations of ``kind`` (one of ``KINDS``).
 
     ``auto``: the device's verdict (this process's, else the one saved under ``root``, or without a root in the
-    user's cache, ``user_root``), else a probe when the
-    files are cold and big enough, else the kind's default (``DEFAULTS``); ``parallel`` whenever the files are
-    warm. Any storage but a local one: the default (it ignores the strategy). With ``into(path, offset, length)`` (page-aligned memory where
-    the load wants those bytes) the probe reads into it and appends each region it read to ``probed``
+    user's cache, ``user_root``), else a probe when the files are cold and big enough, else the kind's default
+    (``DEFAULTS``); ``parallel`` whenever the files are warm. Any storage but a local one: the default (it ignores
+    the strategy). With ``into(path, offset, length)`` (page-aligned memory where the load wants those bytes) the
+    probe reads into it and appends each region it read to ``probed``
     (``(path, offset, length)``): the load then reads only the rest (``read_whole``), so the probe costs nothing.
     With ``trial(strategies, default)`` the load itself stands in for the probe: it reads everything, timing
     ``strategies`` on its parts, and returns the verdict (``trial_read``), or None to keep the default unsaved."""
@@ -268,9 +270,9 @@ def choose(storage: object, files: Sequence[tuple[str, int]], setting: str, work
 def _probe(storage: LocalStorage, files: Sequence[tuple[str, int]], workers: int,
            into: Callable[[str, int, int], memoryview] | None, probed: list[tuple[str, int, int]] | None,
            strategies: Sequence[str] = STRATEGIES) -> str | None:
-    """Time every one of ``strategies`` ``_ROUNDS`` times, each on a cold region of its own (the last ones of the load: read again
-    later, from the page cache or the disk, unless they were read ``into`` the load's memory); the fastest, or None
-    if no region is cold or a read fails (the load reports it)."""
+    """Time every one of ``strategies`` ``_ROUNDS`` times, each on a cold region of its own (the last ones of the
+    load: read again later, from the page cache or the disk, unless they were read ``into`` the load's memory); the
+    fastest, or None if no region is cold or a read fails (the load reports it)."""
     size = PROBE_BYTES
     regions = _regions(files, len(strategies) * _ROUNDS, size)
     if regions is None:
