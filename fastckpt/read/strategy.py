@@ -80,9 +80,12 @@ DEFAULT = "parallel"
 # every measurement on the benchmark VM (raw, cold, medians of 9: 0.63 GB 0.37 against 0.45 s, 0.40 against 0.49 s;
 # 1.48 GB 0.84 against 0.89 s, 0.91 against 1.03 s; three harness runs, 2026-11-29) and is the one it keeps when a
 # trial cannot tell them apart: a trial on the 1.48 GB state, where they are 5-12% apart, kept ``parallel`` under a
-# ``parallel`` default, and load_into then read 1.18x the ceiling. Not a steady win: at times one buffered stream
-# reads this disk at 0.65-1.0 GB/s instead of 1.6-1.8 (the first in a process, after another process read and
-# dropped the same files), where 8 parallel readers hold 1.3-1.5; a trial then in progress chooses ``parallel``.
+# ``parallel`` default, and load_into then read 1.18x the ceiling. Not a steady win: right after a process that
+# read the same files into fresh memory (load(), torch.load), one buffered stream reads them at 0.65-1.0 GB/s
+# instead of 1.6-1.8, where 8 parallel readers hold 1.3-1.5 (raw readers, each in a fresh process, 0.63 GB into
+# faulted-in memory, 4-5 rounds on the benchmark VM, 2026-11-29: one stream 0.667 s median after a raw parallel
+# read into fresh memory, 0.714 s after fastckpt load(), 0.374-0.425 s after a read into faulted-in memory or with
+# O_DIRECT; compacting memory in between did not restore it); a trial run then chooses ``parallel``.
 DEFAULTS = {"fresh": DEFAULT, "into": "sequential"}
 
 CACHE_ENV = "FASTCKPT_CACHE_DIR"  # the user cache's folder (default: $XDG_CACHE_HOME/fastckpt or ~/.cache/fastckpt)
