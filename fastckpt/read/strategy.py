@@ -276,19 +276,18 @@ def _probe(storage: LocalStorage, files: Sequence[tuple[str, int]], workers: int
     """Time every one of ``strategies`` ``_ROUNDS`` times, each on a cold region of its own (the last ones of the
     load: read again later, from the page cache or the disk, unless they were read ``into`` the load's memory); the
     fastest, or None if no region is cold or a read fails (the load reports it)."""
-    size = PROBE_BYTES
-    regions = _regions(files, len(strategies) * _ROUNDS, size)
+    regions = _regions(files, len(strategies) * _ROUNDS)
     if regions is None:
         return None
     timings: dict[str, float] = {}
     try:  # in turns (a noisy spell hits every strategy alike), each strategy's best
         for k, (path, offset) in enumerate(regions):
             strategy = strategies[k % len(strategies)]
-            out = into(path, offset, size) if into is not None else None
-            seconds = measure_read(storage, path, offset, size, strategy, workers, out)
+            out = into(path, offset, PROBE_BYTES) if into is not None else None
+            seconds = measure_read(storage, path, offset, PROBE_BYTES, strategy, workers, out)
             timings[strategy] = min(seconds, timings.get(strategy, seconds))
             if out is not None and probed is not None:
-                probed.append((path, offset, size))
+                probed.append((path, offset, PROBE_BYTES))
     except Exception as e:  # noqa: BLE001 - the load itself reads these files and raises what is wrong, named
         log.debug("read strategy probe failed: %s", e)
         return None
@@ -296,26 +295,26 @@ def _probe(storage: LocalStorage, files: Sequence[tuple[str, int]], workers: int
     if timings[DEFAULT] <= timings[best] * (1 + _MARGIN):
         best = DEFAULT  # within the probe's noise of the fastest: what whole loads measured fastest (above)
     log.info("fastckpt: cold reads on this device are fastest with the %r strategy (probe of %d MiB each: %s)",
-             best, size >> 20, ", ".join(f"{s} {t * 1e3:.0f} ms" for s, t in timings.items()))
+             best, PROBE_BYTES >> 20, ", ".join(f"{s} {t * 1e3:.0f} ms" for s, t in timings.items()))
     return best
 
 
-def _regions(files: Sequence[tuple[str, int]], count: int, size: int) -> list[tuple[str, int]] | None:
-    """``count`` disjoint page-aligned regions of ``size``, from the end of the load backwards, none cached."""
+def _regions(files: Sequence[tuple[str, int]], count: int) -> list[tuple[str, int]] | None:
+    """``count`` disjoint page-aligned ``PROBE_BYTES`` regions, from the end of the load backwards, none cached."""
     out: list[tuple[str, int]] = []
-    for path, file_size in reversed(files):
-        at = (file_size - size) // 4096 * 4096
+    for path, size in reversed(files):
+        at = (size - PROBE_BYTES) // 4096 * 4096
         while at >= 0 and len(out) < count:
             out.append((path, at))
-            at -= size
-    if len(out) < count or any(_cached(p, at, size) for p, at in out):
+            at -= PROBE_BYTES
+    if len(out) < count or any(_cached(p, at) for p, at in out):
         return None
     return out
 
 
-def _cached(path: str, offset: int, size: int) -> bool:
+def _cached(path: str, offset: int) -> bool:
     # resident_fraction looks at a file's first bytes: a region counts as cached when its file is mostly
-    return resident_fraction(path, offset + size) > _WARM
+    return resident_fraction(path, offset + PROBE_BYTES) > _WARM
 
 
 def user_root(device: int) -> str | None:
