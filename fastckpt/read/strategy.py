@@ -14,8 +14,7 @@ device) and reads in ``parallel``: memory copies on several threads. A probe rea
 strategies in turns, twice: a noisy spell hits them alike) and keeps ``DEFAULT`` (``parallel``) unless another
 strategy is ``_MARGIN`` faster. ``load()`` and the torch zip reader probe straight into the memory the load fills
 (``read_whole``: nothing is read twice; a file the probe touched is verified by one CRC32C pass once complete);
-``load_into`` probes into a small scratch buffer (its targets are not page-aligned) and finds the buffered regions
-in the page cache afterwards.
+``load_into`` is never probed: its first big cold load is its own trial (``trial_read``, below).
 
 A device keeps one verdict per ``KINDS`` of destination, because the two kinds of load like different readers: into
 fresh memory (``load()``, the torch zip reader: every page is faulted in by the read, which several threads share)
@@ -38,11 +37,9 @@ import threading
 import time
 from typing import Callable, Sequence
 
-import torch
-
 from ..errors import ConfigError, IntegrityError
 from ..format.checksum import crc32c
-from ..storage.local import LocalStorage, aligned_buffer
+from ..storage.local import LocalStorage
 from .pagecache import resident_fraction
 from .readers import STRATEGIES, Range, read_ranges
 
@@ -69,7 +66,6 @@ _PROBE_BELOW = 8  # a load of fewer than this many PROBE_BYTES (cold) is too sma
 _WARM = 0.5  # at least this fraction of the files in the page cache: warm, read in parallel, never probed
 VERDICT_NAME = ".fastckpt-read.json"  # a leading dot: never a checkpoint name, never collected
 _VERDICT_MAX = 4096
-_SCRATCH = 16 << 20  # the probe's buffer: one sequential piece, two parallel ones
 # Before a verdict (a small cold load), and the verdict when the probe cannot tell the strategies apart. Buffered
 # parallel reads, not O_DIRECT: on the benchmark VM (2026-11-28, cold, fresh process per load, 5 rounds in turns)
 # the 32-64 MiB probe regions read as fast either way (27 ms each), but whole loads did not: the 1.48 GB torch file
@@ -95,24 +91,12 @@ _verdicts: dict[tuple[int, str], str] = {}  # (st_dev, kind) -> the strategy pro
 
 
 def measure_read(storage: LocalStorage, path: str, offset: int, length: int, strategy: str, workers: int,
-                 out: memoryview | None = None) -> float:
-    """Seconds to read ``length`` bytes of ``path`` at ``offset`` with ``strategy`` (the probe's one measurement;
-    tests replace it to inject timings), into ``out`` (page-aligned: where the load wants these bytes) or else
-    ``_SCRATCH`` bytes at a time into one page-aligned scratch buffer, faulted in before the clock starts: the probe
-    adds little to a load's peak memory (``load_into``'s is the model plus a few MiB)."""
-    keep = None
-    if out is not None:
-        ranges = [Range(path, offset, out[:length], direct=True)]
-    else:
-        keep, view = aligned_buffer(_SCRATCH)
-        torch.frombuffer(keep, dtype=torch.uint8).fill_(0)  # faulted in: page faults are no part of the comparison
-        ranges = [Range(path, at, view[:min(_SCRATCH, offset + length - at)], direct=True)
-                  for at in range(offset, offset + length, _SCRATCH)]  # every range lands in the same scratch
+                 out: memoryview) -> float:
+    """Seconds to read ``length`` bytes of ``path`` at ``offset`` with ``strategy`` into ``out`` (page-aligned:
+    where the load wants these bytes): the probe's one measurement; tests replace it to inject timings."""
     t0 = time.perf_counter()
-    read_ranges(storage, ranges, workers, strategy=strategy)
-    seconds = time.perf_counter() - t0
-    del ranges, keep
-    return seconds
+    read_ranges(storage, [Range(path, offset, out[:length], direct=True)], workers, strategy=strategy)
+    return time.perf_counter() - t0
 
 
 def unread(size: int, probed: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:  # (offset, length) of one file
@@ -230,7 +214,8 @@ def choose(storage: object, files: Sequence[tuple[str, int]], setting: str, work
     probe reads into it and appends each region it read to ``probed``
     (``(path, offset, length)``): the load then reads only the rest (``read_whole``), so the probe costs nothing.
     With ``trial(strategies, default)`` the load itself stands in for the probe: it reads everything, timing
-    ``strategies`` on its parts, and returns the verdict (``trial_read``), or None to keep the default unsaved."""
+    ``strategies`` on its parts, and returns the verdict (``trial_read``), or None to keep the default unsaved.
+    With neither, there is nothing to probe into: a cold load without a verdict reads with the default."""
     if setting not in CHOICES:
         raise ConfigError(f"read.strategy must be one of {', '.join(CHOICES)}; got {setting!r}")
     if setting != "auto":
@@ -257,8 +242,10 @@ def choose(storage: object, files: Sequence[tuple[str, int]], setting: str, work
     if known is None:
         if total - cached < _PROBE_BELOW * PROBE_BYTES:
             return default
-        known = (trial(KINDS[kind], default) if trial is not None
-                 else _probe(storage, files, workers, into, probed, KINDS[kind]))
+        if trial is not None:
+            known = trial(KINDS[kind], default)
+        elif into is not None:
+            known = _probe(storage, files, workers, into, probed, KINDS[kind])
         if known is None:
             return default
         if keep is not None:
@@ -271,11 +258,11 @@ def choose(storage: object, files: Sequence[tuple[str, int]], setting: str, work
 
 
 def _probe(storage: LocalStorage, files: Sequence[tuple[str, int]], workers: int,
-           into: Callable[[str, int, int], memoryview] | None, probed: list[tuple[str, int, int]] | None,
+           into: Callable[[str, int, int], memoryview], probed: list[tuple[str, int, int]] | None,
            strategies: Sequence[str] = STRATEGIES) -> str | None:
     """Time every one of ``strategies`` ``_ROUNDS`` times, each on a cold region of its own (the last ones of the
-    load: read again later, from the page cache or the disk, unless they were read ``into`` the load's memory); the
-    fastest, or None if no region is cold or a read fails (the load reports it)."""
+    load), read ``into`` the load's memory; the fastest, or None if no region is cold or a read fails (the load
+    reports it)."""
     regions = _regions(files, len(strategies) * _ROUNDS)
     if regions is None:
         return None
@@ -283,10 +270,10 @@ def _probe(storage: LocalStorage, files: Sequence[tuple[str, int]], workers: int
     try:  # in turns (a noisy spell hits every strategy alike), each strategy's best
         for k, (path, offset) in enumerate(regions):
             strategy = strategies[k % len(strategies)]
-            out = into(path, offset, PROBE_BYTES) if into is not None else None
+            out = into(path, offset, PROBE_BYTES)
             seconds = measure_read(storage, path, offset, PROBE_BYTES, strategy, workers, out)
             timings[strategy] = min(seconds, timings.get(strategy, seconds))
-            if out is not None and probed is not None:
+            if probed is not None:
                 probed.append((path, offset, PROBE_BYTES))
     except Exception as e:  # noqa: BLE001 - the load itself reads these files and raises what is wrong, named
         log.debug("read strategy probe failed: %s", e)
