@@ -86,16 +86,17 @@ def _bounced(files: list[str], bufs: list[memoryview]) -> None:
     _in_pieces(files, bufs, getattr(os, "O_DIRECT", 0), read)
 
 
-def raw_read(files: list[str], reps: int = 3, fresh: bool = False, offset: int = 0) -> dict[str, Any]:
-    """Each reader of ``READERS`` run ``reps`` times, cold, in turns (so that a noisy spell hits them alike):
+def raw_read(files: list[str], reps: int = 3, fresh: bool = False, offset: int = 0,
+             readers: tuple[str, ...] = READERS) -> dict[str, Any]:
+    """Each of ``readers`` run ``reps`` times, cold, in turns (so that a noisy spell hits them alike):
     ``{"bytes", "reps", "fresh", "readers": {name: {"runs": [s...], "seconds": best, "GBps"}}, "best": name}``.
     ``fresh``: into newly mapped memory, faulted in by the reads themselves (what a loader that returns new tensors
     must do, ``load()`` and torch.load); else into memory faulted in before the clock starts (``load_into``'s model).
     ``offset``: each destination that many bytes past a page (see the module's docstring)."""
     sizes = [os.path.getsize(f) - os.path.getsize(f) % 4096 for f in files]  # whole pages: O_DIRECT needs them
-    times: dict[str, list[float]] = {name: [] for name in READERS}
+    times: dict[str, list[float]] = {name: [] for name in readers}
     for _ in range(reps):
-        for name in READERS:
+        for name in readers:
             maps = [mmap.mmap(-1, max(n + offset, 1)) for n in sizes]
             if not fresh:
                 for m in maps:

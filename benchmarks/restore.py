@@ -232,17 +232,22 @@ def task_restore_s3_whole(s3: dict) -> dict[str, Any]:
     return {"objects": len(paths), "bytes": nbytes, "seconds": seconds, "GBps": nbytes / seconds / 1e9}
 
 
-def task_restore_raw_read(root: str, reps: int = 3) -> dict[str, Any]:
-    """The device's ceiling for a cold load: the best of several raw readers (benchmarks/rawread.py) of
-    fastckpt's shard files into faulted-in and into fresh memory, and of the torch file into fresh memory."""
-    from .rawread import raw_read, shard_files
+# The ceiling's kinds of memory (benchmarks/restore_cold.py holds each loader to one): the shard files into faulted-in
+# page-aligned memory, into faulted-in memory 64 bytes past a page (where a model's tensors lie, load_into's
+# destination), into fresh memory (load()'s new tensors), and the torch file into fresh memory (torch.load's).
+RAW_KINDS = {"aligned": ("fc", False, 0), "unaligned": ("fc", False, 64), "fresh": ("fc", True, 0),
+             "torch_file": ("torch.pt", True, 0)}
 
-    out = raw_read(shard_files(Path(root) / "fc"), reps)  # into faulted-in memory: the ceiling of load_into
-    out["fresh"] = raw_read(shard_files(Path(root) / "fc"), reps, fresh=True)  # of load()
-    out["torch_file"] = raw_read([str(Path(root) / "torch.pt")], reps, fresh=True)  # of torch.load, the zip reader
-    # load_into's real destination: a model's tensors, 64 bytes past a page, where O_DIRECT needs a bounce copy
-    out["unaligned"] = raw_read(shard_files(Path(root) / "fc"), reps, offset=64)
-    return out
+
+def task_restore_raw_read(root: str, kind: str, reader: str | None = None, reps: int = 1) -> dict[str, Any]:
+    """One part of the device's ceiling for a cold load (benchmarks/rawread.py): ``reader`` (else each raw reader)
+    of ``kind``'s files into ``kind``'s memory (``RAW_KINDS``), ``{"kind", **raw_read(...)}``. The cold-load rounds
+    run each reader in a process of its own, placed among the loaders' (restore_cold.py says why)."""
+    from .rawread import READERS, raw_read, shard_files
+
+    where, fresh, offset = RAW_KINDS[kind]
+    files = shard_files(Path(root) / where) if where == "fc" else [str(Path(root) / where)]
+    return {"kind": kind, **raw_read(files, reps, fresh=fresh, offset=offset, readers=(reader,) if reader else READERS)}
 
 
 def _fill_shm(path: str, nbytes: int) -> None:

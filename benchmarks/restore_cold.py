@@ -2,16 +2,18 @@
 
 Two states: the workload's (model + AdamW, ~1.48 GB, the files the restore section already saved) and
 ``FLAT_TENSORS`` tensors of 4 MiB (~0.63 GB). For each, ``ROUNDS`` rounds of cold loads, each in a fresh process
-(the files' pages dropped first, every byte of the result compared with the saved state afterwards), loaders in
-turns so that a noisy spell hits them alike: ``torch.load(weights_only=True)``, the torch zip reader (the
-Lightning plugin's load), fastckpt ``load()`` and ``load_into()`` (read strategy ``auto``: the first cold load
-on the device probes, ``load_into``'s first is its trial; every run is reported). Then the raw readers of
-benchmarks/rawread.py over the same files; the ceiling is the best of them. Verdicts: each loader's best cold
-time <= torch.load's best (1.00x) and <= 1.10x the best raw reader's.
+(the files' pages dropped first, every byte of the result compared with the saved state afterwards):
+``torch.load(weights_only=True)``, the torch zip reader (the Lightning plugin's load), fastckpt ``load()`` and
+``load_into()`` (read strategy ``auto``: the first cold load on the device probes, ``load_into``'s first is its
+trial; every run is reported), and each raw reader of benchmarks/rawread.py into each kind of memory, also in a
+process of its own, all in an order shuffled per round so that a noisy spell, or a neighbour, hits them alike
+(``round_order``). The ceiling is the best of the raw readers. Verdicts: each loader's best cold time <=
+torch.load's best (1.00x) and <= 1.10x the best raw reader's.
 """
 from __future__ import annotations
 
 import os
+import random
 import statistics
 from pathlib import Path
 from typing import Any, Callable
@@ -72,36 +74,65 @@ def run_cold(run: Runner, shape: dict, root: Path, n_flat: int = FLAT_TENSORS) -
         cases[f"{n_flat} x 4 MiB"] = {"error": saved.get("error")}
     for name, where, flat, nbytes in todo:
         loads, raws = [], []
-        for k in range(ROUNDS):  # the raw readers in every round too: a slow spell of the disk hits both sides
-            for loader in LOADERS:
-                loads.append(run(f"restore cold ({name}): {loader}, round {k + 1}", "restore_load",
-                                 dict(shape=shape, root=str(where), loader=loader, cold=True, flat=flat)))
-            raws.append(run(f"restore cold ({name}): raw readers (disk ceiling), round {k + 1}", "restore_raw_read",
-                            dict(root=str(where), reps=1)))
+        for k in range(ROUNDS):
+            for item in round_order(k):
+                if item[0] == "load":
+                    loads.append(run(f"restore cold ({name}): {item[1]}, round {k + 1}", "restore_load",
+                                     dict(shape=shape, root=str(where), loader=item[1], cold=True, flat=flat)))
+                else:
+                    raws.append(run(f"restore cold ({name}): raw {item[2]} into {item[1]} memory (disk ceiling), "
+                                    f"round {k + 1}", "restore_raw_read", dict(root=str(where), kind=item[1],
+                                                                              reader=item[2])))
         cases[name] = {"state_bytes": nbytes, "loads": loads, "raw": merge_raw(raws)}
     return {"cases": cases, "rounds": ROUNDS}
 
 
+def round_order(k: int) -> list[tuple[str, ...]]:
+    """Round ``k``'s processes: each loader (``("load", loader)``) and each raw reader into each kind of memory
+    (``("raw", kind, reader)``), one process apiece, in an order shuffled per round (seeded: a rerun repeats it).
+
+    Why a process per raw reader, among the loaders': on this VM a cold read's speed depends on what the processes
+    before it did. One buffered stream into faulted-in memory read the shard files in 0.34-0.38 s inside a process
+    that had just run other readers, but in 0.68 s (median) in a fresh process right after a loader's process,
+    where every loader runs (parallel 0.53, direct 0.54). The ceiling measured in the easier conditions held
+    ``load_into()`` to a bound no reader reached where ``load_into()`` runs. Shuffled, rather than in a fixed
+    turn, so that no loader or reader always follows the same neighbour (``load_into()`` always came after
+    ``load()``)."""
+    from .rawread import READERS
+    from .restore import RAW_KINDS
+
+    order: list[tuple[str, ...]] = [("load", loader) for loader in LOADERS]
+    order += [("raw", kind, reader) for kind in RAW_KINDS for reader in READERS]
+    random.Random(k).shuffle(order)
+    return order
+
+
 def merge_raw(raws: list[dict[str, Any]]) -> dict[str, Any]:
-    """One ``run`` result of ``task_restore_raw_read`` from the rounds' (the first failure, if any), each kind of
-    memory's readers with every round's runs, and ``best`` re-chosen by ``pick``."""
+    """One result from the raw readers' processes (the first failure, if any): each kind of memory's readers with
+    every run (``"aligned"``'s at the top, the others under their kind), ``best`` chosen by ``pick``."""
     bad = next((r for r in raws if not r.get("ok")), None)
     if bad is not None or not raws:
-        return bad or {"ok": False, "error": "no raw reader round ran"}
+        return bad or {"ok": False, "error": "no raw reader ran"}
+    by_kind: dict[str, list[dict[str, Any]]] = {}
+    for r in raws:
+        by_kind.setdefault(r["result"]["kind"], []).append(r["result"])
 
     def merged(parts: list[dict[str, Any]]) -> dict[str, Any]:
-        out = dict(parts[0], reps=sum(p["reps"] for p in parts), readers={})
-        for name in parts[0]["readers"]:
-            runs = [x for p in parts for x in p["readers"][name]["runs"]]
-            out["readers"][name] = {"runs": runs, "seconds": min(runs), "GBps": out["bytes"] / min(runs) / 1e9}
+        runs: dict[str, list[float]] = {}
+        for p in parts:
+            for name, reader in p["readers"].items():
+                runs.setdefault(name, []).extend(reader["runs"])
+        out = {k: v for k, v in parts[0].items() if k not in ("kind", "readers", "best")}
+        out["reps"] = max(len(r) for r in runs.values())
+        out["readers"] = {n: {"runs": r, "seconds": min(r), "GBps": out["bytes"] / min(r) / 1e9}
+                          for n, r in runs.items()}
         out["best"] = pick(out["readers"])
         return out
 
-    results = [r["result"] for r in raws]
-    out = merged(results)
-    for kind in ("fresh", "torch_file", "unaligned"):
-        if all(kind in r for r in results):
-            out[kind] = merged([r[kind] for r in results])
+    if "aligned" not in by_kind:
+        return {"ok": False, "error": "no raw reader into faulted-in page-aligned memory ran"}
+    out = merged(by_kind.pop("aligned"))
+    out.update({kind: merged(parts) for kind, parts in by_kind.items()})
     return dict(raws[0], result=out)
 
 
@@ -147,10 +178,13 @@ def _raw_line(raw: dict[str, Any], what: str) -> str:
 def cold_markdown(res: dict[str, Any]) -> list[str]:
     """The report's cold-load verdicts: per case, each loader's runs and best, against torch.load and the ceiling."""
     md = ["### Cold load vs torch.load and the disk ceiling (issue 27)", "",
-          f"Each loader cold (pages dropped) in a fresh process, {res.get('rounds', ROUNDS)} rounds in turns, every "
+          f"Each loader cold (pages dropped) in a fresh process, {res.get('rounds', ROUNDS)} rounds, every "
           "byte compared with the saved state. Raw readers (benchmarks/rawread.py): `sequential` = one thread, "
           "buffered 16 MiB `preadv` with POSIX_FADV_SEQUENTIAL; `parallel` = 8 threads of buffered 8 MiB; `direct` = "
-          "the same with O_DIRECT; no checksum; one run of each per round, after the loaders; the ceiling is the "
+          "the same with O_DIRECT; no checksum; each reader into each kind of memory in a fresh process of its own, "
+          "one run per round, placed among the loaders' processes in an order shuffled per round (a cold read on "
+          "this VM ran up to twice as fast in a process that had just read than in a fresh one after a loader's, "
+          "where every loader runs: `round_order` in benchmarks/restore_cold.py); the ceiling is the "
           "reader with the lowest median, held at its best run (the lowest run over all readers would give the "
           "ceiling three times a loader's samples: a minimum biased low by the noise alone). Each loader is held to the raw "
           "readers of its own files into its own kind of memory: `load_into()` fills a model's memory, faulted in "

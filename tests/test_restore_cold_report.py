@@ -4,7 +4,8 @@ from __future__ import annotations
 import os
 
 from benchmarks.rawread import READERS, raw_read
-from benchmarks.restore_cold import cold_markdown, merge_raw
+from benchmarks.restore import RAW_KINDS
+from benchmarks.restore_cold import LOADERS, ROUNDS, cold_markdown, merge_raw, round_order
 
 
 def test_raw_readers_read_every_byte_cold_with_each_reader(tmp_path) -> None:
@@ -96,21 +97,58 @@ def test_load_into_is_held_to_the_readers_into_the_kind_of_memory_it_filled() ->
 
 
 def test_the_rounds_raw_runs_are_merged_and_the_ceiling_is_the_reader_with_the_lowest_median() -> None:
-    """Five rounds of one run each: ``parallel`` had one lucky run (0.60) but is slower as a rule; the ceiling is
-    ``direct``, the reader that is fastest in the middle, at its own best run, not the lucky minimum over readers."""
+    """Five rounds of one process per reader and kind: ``parallel`` had one lucky run (0.60) but is slower as a
+    rule; the ceiling is ``direct``, the reader that is fastest in the middle, at its own best run, not the lucky
+    minimum over readers."""
     runs = {"sequential": [1.5, 1.4, 1.6, 1.5, 1.7], "parallel": [0.60, 1.10, 1.05, 1.20, 1.00],
             "direct": [0.90, 0.85, 0.95, 0.92, 0.88]}
 
-    def kind(k: int) -> dict:
-        readers = {n: {"runs": [r[k]], "seconds": r[k], "GBps": 1 / r[k]} for n, r in runs.items()}
-        return {"bytes": 10 ** 9, "reps": 1, "readers": readers, "best": min(readers, key=lambda n: readers[n]["seconds"])}
+    def one(kind: str, reader: str, k: int) -> dict:
+        s = runs[reader][k]
+        return {"ok": True, "result": {"kind": kind, "bytes": 10 ** 9, "reps": 1, "fresh": kind == "fresh",
+                                       "readers": {reader: {"runs": [s], "seconds": s, "GBps": 1 / s}},
+                                       "best": reader}}
 
-    rounds = [{"ok": True, "result": dict(kind(k), fresh=kind(k), torch_file=kind(k), unaligned=kind(k))}
-              for k in range(5)]
+    rounds = [one(kind, reader, k) for k in range(5) for kind in ("unaligned", "aligned", "fresh", "torch_file")
+              for reader in runs]
     merged = merge_raw(rounds)
     assert merged["ok"]
+    assert set(merged["result"]) >= {"fresh", "torch_file", "unaligned"} and "aligned" not in merged["result"]
+    assert merged["result"]["fresh"]["fresh"] is True and merged["result"]["unaligned"]["fresh"] is False
     for raw in (merged["result"], merged["result"]["fresh"], merged["result"]["unaligned"]):
         assert raw["reps"] == 5 and raw["best"] == "direct" and raw["readers"]["direct"]["seconds"] == 0.85
         assert raw["readers"]["parallel"]["runs"] == runs["parallel"] and raw["readers"]["parallel"]["seconds"] == 0.60
     failed = {"ok": False, "error": "disk gone"}
-    assert merge_raw([rounds[0], failed, rounds[1]]) is failed  # a failed round is reported, never averaged away
+    assert merge_raw([rounds[0], failed, rounds[1]]) is failed  # a failed process is reported, never averaged away
+    no_aligned = merge_raw([r for r in rounds if r["result"]["kind"] != "aligned"])
+    assert not no_aligned["ok"] and "page-aligned" in no_aligned["error"]
+
+
+def test_each_round_runs_every_loader_and_raw_reader_once_in_its_own_shuffled_order() -> None:
+    """One process per loader and per raw reader into each kind of memory, every round; the order changes from one
+    round to the next (so no loader always follows the same neighbour) and a rerun repeats it."""
+    expected = {("load", loader) for loader in LOADERS} | {("raw", kind, reader) for kind in RAW_KINDS
+                                                          for reader in READERS}
+    orders = [round_order(k) for k in range(ROUNDS)]
+    for order in orders:
+        assert sorted(order) == sorted(expected) and len(order) == len(expected)
+    assert orders == [round_order(k) for k in range(ROUNDS)]
+    before_into = {order[order.index(("load", "fastckpt_load_into")) - 1] if order[0] != ("load", "fastckpt_load_into")
+                   else None for order in orders}
+    assert len(before_into) > 1, "load_into() followed the same neighbour every round"
+
+
+def test_a_raw_reader_process_reads_one_kind_with_one_reader(tmp_path) -> None:
+    """``restore_raw_read`` as the rounds call it: one reader into one kind of memory, every byte of that kind's
+    files (the shard files for three kinds, the torch file for ``torch_file``)."""
+    from benchmarks.restore import task_restore_raw_read
+    from benchmarks.restore_cold import task_restore_cold_save
+
+    task_restore_cold_save(str(tmp_path), n=2)
+    shard_bytes = sum(p.stat().st_size // 4096 * 4096 for p in (tmp_path / "fc").rglob("shard-*.safetensors"))
+    torch_bytes = (tmp_path / "torch.pt").stat().st_size // 4096 * 4096
+    for kind in RAW_KINDS:
+        got = task_restore_raw_read(str(tmp_path), kind=kind, reader="parallel")
+        assert got["kind"] == kind and list(got["readers"]) == ["parallel"] and got["best"] == "parallel"
+        assert got["bytes"] == (torch_bytes if kind == "torch_file" else shard_bytes) > 0, kind
+        assert got["fresh"] == (kind in ("fresh", "torch_file")) and got["offset"] == (64 if kind == "unaligned" else 0)
