@@ -239,15 +239,27 @@ RAW_KINDS = {"aligned": ("fc", False, 0), "unaligned": ("fc", False, 64), "fresh
              "torch_file": ("torch.pt", True, 0)}
 
 
-def task_restore_raw_read(root: str, kind: str, reader: str | None = None, reps: int = 1) -> dict[str, Any]:
+def task_restore_raw_read(root: str, kind: str, reader: str | None = None, reps: int = 1, shape: dict | None = None,
+                          flat: int = 0) -> dict[str, Any]:
     """One part of the device's ceiling for a cold load (benchmarks/rawread.py): ``reader`` (else each raw reader)
     of ``kind``'s files into ``kind``'s memory (``RAW_KINDS``), ``{"kind", **raw_read(...)}``. The cold-load rounds
-    run each reader in a process of its own, placed among the loaders' (restore_cold.py says why)."""
+    run each reader in a process of its own, placed among the loaders' (restore_cold.py says why).
+
+    Into faulted-in memory (the ceiling of ``load_into``), with ``shape``: the process first does what
+    ``load_into``'s does before its clock (``task_restore_load``: the state built, a zeroed copy of it kept as the
+    model to fill), so that the reader and the loader start from the same memory. Without it the reader started
+    lighter: in one window, 8 rounds in turns on the benchmark VM (2026-11-29, 1.48 GB), raw ``parallel`` into
+    memory past a page read in 1.129 s median (best 1.006) in a bare process and in 1.194 s (best 1.119) after the
+    same steps as ``load_into``, whose own median was 1.101 s (best 1.021)."""
     from .rawread import READERS, raw_read, shard_files
 
     where, fresh, offset = RAW_KINDS[kind]
+    model = zeroed_like(_state(shape, flat)[1]) if shape is not None and not fresh else None
+    gc.collect()
     files = shard_files(Path(root) / where) if where == "fc" else [str(Path(root) / where)]
-    return {"kind": kind, **raw_read(files, reps, fresh=fresh, offset=offset, readers=(reader,) if reader else READERS)}
+    out = {"kind": kind, **raw_read(files, reps, fresh=fresh, offset=offset, readers=(reader,) if reader else READERS)}
+    del model  # alive through the reads, as load_into's model is
+    return out
 
 
 def _fill_shm(path: str, nbytes: int) -> None:

@@ -82,7 +82,7 @@ def run_cold(run: Runner, shape: dict, root: Path, n_flat: int = FLAT_TENSORS) -
                 else:
                     raws.append(run(f"restore cold ({name}): raw {item[2]} into {item[1]} memory (disk ceiling), "
                                     f"round {k + 1}", "restore_raw_read", dict(root=str(where), kind=item[1],
-                                                                              reader=item[2])))
+                                                                              reader=item[2], shape=shape, flat=flat)))
         cases[name] = {"state_bytes": nbytes, "loads": loads, "raw": merge_raw(raws)}
     return {"cases": cases, "rounds": ROUNDS}
 
@@ -184,7 +184,8 @@ def cold_markdown(res: dict[str, Any]) -> list[str]:
           "the same with O_DIRECT; no checksum; each reader into each kind of memory in a fresh process of its own, "
           "one run per round, placed among the loaders' processes in an order shuffled per round (a cold read on "
           "this VM ran up to twice as fast in a process that had just read than in a fresh one after a loader's, "
-          "where every loader runs: `round_order` in benchmarks/restore_cold.py); the ceiling is the "
+          "where every loader runs: `round_order` in benchmarks/restore_cold.py), those into faulted-in memory after "
+          "the same steps as `load_into()`'s process (its model built first); the ceiling is the "
           "reader with the lowest median, held at its best run (the lowest run over all readers would give the "
           "ceiling three times a loader's samples: a minimum biased low by the noise alone). Each loader is held to the raw "
           "readers of its own files into its own kind of memory: `load_into()` fills a model's memory, faulted in "

@@ -138,7 +138,7 @@ def test_each_round_runs_every_loader_and_raw_reader_once_in_its_own_shuffled_or
     assert len(before_into) > 1, "load_into() followed the same neighbour every round"
 
 
-def test_a_raw_reader_process_reads_one_kind_with_one_reader(tmp_path) -> None:
+def test_a_raw_reader_process_reads_one_kind_with_one_reader(tmp_path, monkeypatch) -> None:
     """``restore_raw_read`` as the rounds call it: one reader into one kind of memory, every byte of that kind's
     files (the shard files for three kinds, the torch file for ``torch_file``)."""
     from benchmarks.restore import task_restore_raw_read
@@ -152,3 +152,13 @@ def test_a_raw_reader_process_reads_one_kind_with_one_reader(tmp_path) -> None:
         assert got["kind"] == kind and list(got["readers"]) == ["parallel"] and got["best"] == "parallel"
         assert got["bytes"] == (torch_bytes if kind == "torch_file" else shard_bytes) > 0, kind
         assert got["fresh"] == (kind in ("fresh", "torch_file")) and got["offset"] == (64 if kind == "unaligned" else 0)
+    # into faulted-in memory, after the same steps as load_into's process: its model (the flat state) built first;
+    # into fresh memory, as load()'s and torch.load's processes, nothing before
+    import benchmarks.restore as restore
+
+    built, real = [], restore._state
+    monkeypatch.setattr(restore, "_state", lambda shape, flat=0: built.append(flat) or real(shape, flat))
+    got = task_restore_raw_read(str(tmp_path), kind="unaligned", reader="sequential", shape={}, flat=2)
+    assert got["bytes"] == shard_bytes and list(got["readers"]) == ["sequential"] and built == [2]
+    task_restore_raw_read(str(tmp_path), kind="fresh", reader="sequential", shape={}, flat=2)
+    assert built == [2]
