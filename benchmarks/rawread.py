@@ -40,6 +40,11 @@ SEQ_PIECE = 16 << 20
 PIECE = 8 << 20
 THREADS = 8
 READERS = ("sequential", "parallel", "direct")
+# The ceiling's kinds of memory (benchmarks/restore_cold.py holds each loader to one): the shard files into faulted-in
+# page-aligned memory, into faulted-in memory 64 bytes past a page (where a model's tensors lie, load_into's
+# destination), into fresh memory (load()'s new tensors), and the torch file into fresh memory (torch.load's).
+RAW_KINDS = {"aligned": ("fc", False, 0), "unaligned": ("fc", False, 64), "fresh": ("fc", True, 0),
+             "torch_file": ("torch.pt", True, 0)}
 
 
 def _sequential(files: list[str], bufs: list[memoryview]) -> None:

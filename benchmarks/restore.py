@@ -232,13 +232,6 @@ def task_restore_s3_whole(s3: dict) -> dict[str, Any]:
     return {"objects": len(paths), "bytes": nbytes, "seconds": seconds, "GBps": nbytes / seconds / 1e9}
 
 
-# The ceiling's kinds of memory (benchmarks/restore_cold.py holds each loader to one): the shard files into faulted-in
-# page-aligned memory, into faulted-in memory 64 bytes past a page (where a model's tensors lie, load_into's
-# destination), into fresh memory (load()'s new tensors), and the torch file into fresh memory (torch.load's).
-RAW_KINDS = {"aligned": ("fc", False, 0), "unaligned": ("fc", False, 64), "fresh": ("fc", True, 0),
-             "torch_file": ("torch.pt", True, 0)}
-
-
 def task_restore_raw_read(root: str, kind: str, reader: str | None = None, reps: int = 1, shape: dict | None = None,
                           flat: int = 0) -> dict[str, Any]:
     """One part of the device's ceiling for a cold load (benchmarks/rawread.py): ``reader`` (else each raw reader)
@@ -251,7 +244,7 @@ def task_restore_raw_read(root: str, kind: str, reader: str | None = None, reps:
     lighter: in one window, 8 rounds in turns on the benchmark VM (2026-11-29, 1.48 GB), raw ``parallel`` into
     memory past a page read in 1.129 s median (best 1.006) in a bare process and in 1.194 s (best 1.119) after the
     same steps as ``load_into``, whose own median was 1.101 s (best 1.021)."""
-    from .rawread import READERS, raw_read, shard_files
+    from .rawread import RAW_KINDS, READERS, raw_read, shard_files
 
     where, fresh, offset = RAW_KINDS[kind]
     model = zeroed_like(_state(shape, flat)[1]) if shape is not None and not fresh else None

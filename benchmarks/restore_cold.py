@@ -20,6 +20,8 @@ from typing import Any, Callable
 
 import torch
 
+from .rawread import RAW_KINDS, READERS
+
 FLAT_TENSORS = 150
 FLAT_NUMEL = 1 << 20  # fp32: 4 MiB each
 ROUNDS = 9  # 3 left the ceiling and the loaders' best runs ~30% apart from one full run to the next; 5 left
@@ -98,9 +100,6 @@ def round_order(k: int) -> list[tuple[str, ...]]:
     ``load_into()`` to a bound no reader reached where ``load_into()`` runs. Shuffled, rather than in a fixed
     turn, so that no loader or reader always follows the same neighbour (``load_into()`` always came after
     ``load()``)."""
-    from .rawread import READERS
-    from .restore import RAW_KINDS
-
     order: list[tuple[str, ...]] = [("load", loader) for loader in LOADERS]
     order += [("raw", kind, reader) for kind in RAW_KINDS for reader in READERS]
     random.Random(k).shuffle(order)

@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import os
 
-from benchmarks.rawread import READERS, raw_read
-from benchmarks.restore import RAW_KINDS
+from benchmarks.rawread import RAW_KINDS, READERS, raw_read
 from benchmarks.restore_cold import LOADERS, ROUNDS, cold_markdown, merge_raw, round_order
 
 
