@@ -282,9 +282,9 @@ class ReadOptions(_Freezable):
     (the same with O_DIRECT where the bytes land in a fresh buffer), or ``auto``: on the first cold load of a device
     big enough to tell (at least 256 MiB), each strategy timed twice, in turns, on 32 MiB regions of its own files
     (``load()``, the torch zip reader), or, for ``load_into``, sequential and parallel in turns on its own 128 MiB
-    segments; the fastest (unless the default is within 10% of it: ``parallel``, for ``load_into`` ``sequential``)
-    kept per device and kind of load, in memory and in ``ROOT/.fastckpt-read.json``. Every strategy verifies the
-    same checksums; warm files are always copied on several threads."""
+    segments; the fastest kept per device and kind of load (the default, ``parallel``, unless another is 10% faster:
+    for ``load_into``, in every one of its segments), in memory and in ``ROOT/.fastckpt-read.json``. Every strategy
+    verifies the same checksums; warm files are always copied on several threads."""
 
     def validate(self) -> None:
         _check_choice("read.", "strategy", self.strategy, _READ_STRATEGIES)
