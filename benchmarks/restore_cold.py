@@ -147,6 +147,10 @@ def _best(raw: dict[str, Any]) -> float:
     return raw["readers"][raw["best"]]["seconds"]
 
 
+def _median(raw: dict[str, Any]) -> float:
+    return statistics.median(raw["readers"][raw["best"]]["runs"])
+
+
 def _off_page(rows: list[dict[str, Any]]) -> tuple[int, int]:
     """Bytes of an in-place loader's destination tensors off a page boundary, and in all (its first run's)."""
     where = next((r["dest_bytes_by_page_offset"] for r in rows if r.get("dest_bytes_by_page_offset")), {})
@@ -173,11 +177,9 @@ def _bound(raw: dict[str, Any], held: dict[str, Any]) -> tuple[float, float, boo
     caught a fast spell of the disk, not a faster way to read; that ceiling is therefore never below the
     page-aligned one's. Not so for fresh memory: its readers run in bare processes, without the model built before,
     measured ~5% faster for it (one such window, 1.48 GB), so the page-aligned bound is no bound on theirs."""
-    best, median = _best(held), statistics.median(held["readers"][held["best"]]["runs"])
     if held is not raw.get("unaligned"):
-        return best, median, False
-    floor, floor_median = _best(raw), statistics.median(raw["readers"][raw["best"]]["runs"])
-    return max(best, floor), max(median, floor_median), floor > best
+        return _best(held), _median(held), False
+    return max(_best(held), _best(raw)), max(_median(held), _median(raw)), _best(raw) > _best(held)
 
 
 def _ms(xs: list[float]) -> str:
@@ -191,9 +193,8 @@ def _raw_line(raw: dict[str, Any], what: str, top: dict[str, Any] | None = None)
              f"{_ms(r['runs'])})" for name, r in readers.items()]
     line = (f"- {what}, {raw['bytes'] / 1e9:.2f} GB, best of {raw['reps']} cold: " + "; ".join(parts)
             + f". Ceiling: **{raw['best']}** (lowest median), {readers[raw['best']]['seconds']:.3f} s")
-    best, _, raised = _bound(top, raw) if top is not None else (0.0, 0.0, False)
-    if raised:
-        line += (f", held at the page-aligned readers' {best:.3f} s: a reader into this "
+    if top is not None and _bound(top, raw)[2]:
+        line += (f", held at the page-aligned readers' {_best(top):.3f} s: a reader into this "
                  "memory does their work and more, so a run under theirs was the disk's fast spell")
     return line + "."
 
