@@ -158,6 +158,39 @@ def test_a_tensor_swapped_or_resized_after_save_is_named() -> None:
     assert sorted(s.moved()) == ["t0", "t1", "t2"]
 
 
+def test_the_seal_reads_the_views_of_save_while_the_sources_hold_their_memory(monkeypatch) -> None:
+    """No window is built again at the seal while every source holds the memory of save() (the windows then show
+    its bytes now): a write through ``.data`` into a sampled line is still found, in a large and a small tensor."""
+    tensors = [torch.randn(_BIG), torch.randn(100), torch.randn(_BIG, dtype=torch.float64)]
+    s, entries = _seal(tensors)
+    s.record(_stage(tensors, entries), entries)
+    s.recorded()
+
+    def no_window(*_a, **_k):
+        raise AssertionError("a window was built again at the seal")
+
+    monkeypatch.setattr(seal_mod, "_window", no_window)
+    assert s.moved() == []
+    _raw(tensors[0])[_sampled_bytes(s, 0, tensors[0].nbytes)[-1]] ^= 0x04
+    _raw(tensors[1])[7] ^= 0x01
+    assert sorted(s.moved()) == ["t0", "t1"]
+
+
+def test_a_source_moved_to_other_memory_is_compared_through_a_new_window() -> None:
+    """``t.data = other`` of the same size: its new memory is compared (built anew), equal values pass, different
+    ones are named; the other tensors, still in their memory, are read through save()'s views as usual."""
+    torch.manual_seed(3)
+    tensors = [torch.randn(_BIG), torch.randn(_BIG), torch.randn(100)]
+    s, entries = _seal(tensors)
+    s.record(_stage(tensors, entries), entries)
+    s.recorded()
+    tensors[0].data = tensors[0].data.clone()  # other memory, the same bytes
+    assert s.moved() == []
+    tensors[1].data = tensors[1].data + 1  # other memory, other bytes
+    _raw(tensors[2])[0] ^= 0x01
+    assert sorted(s.moved()) == ["t1", "t2"]
+
+
 def test_a_copy_still_running_at_the_seal_is_left_to_the_verdict() -> None:
     """A CPU tensor whose staged bytes the copy thread has not compared yet (its shard also holds CUDA tensors, copied
     after the seal): the seal leaves it pending and ``verdict()`` waits for the copy thread's answer."""
