@@ -51,6 +51,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "no_health": {"health": {"enabled": False}},
     # the release before 2026-11-26's CPU gate (persist.cpu_threads: auto): every background thread's CPU work at once
     "no gate": {"persist": {"cpu_threads": 64}},
+    # the release before 2026-11-29's placement (persist.background_cpus: auto): the background threads on any core
+    "no pin": {"persist": {"background_cpus": "all"}},
 }
 
 _TICK = os.sysconf("SC_CLK_TCK")

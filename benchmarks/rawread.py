@@ -40,6 +40,9 @@ SEQ_PIECE = 16 << 20
 PIECE = 8 << 20
 THREADS = 8
 READERS = ("sequential", "parallel", "direct")
+# The destinations are private memory, as a model's tensors, torch.load's and fastckpt load()'s are (aligned_buffer):
+# shared anonymous memory (``mmap.mmap(-1, n)`` alone) costs ~20% more to fault in on the benchmark VM.
+_PRIVATE = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
 # The ceiling's kinds of memory (benchmarks/restore_cold.py holds each loader to one): the shard files into faulted-in
 # page-aligned memory, into faulted-in memory 64 bytes past a page (where a model's tensors lie, load_into's
 # destination), into fresh memory (load()'s new tensors), and the torch file into fresh memory (torch.load's).
@@ -102,7 +105,7 @@ def raw_read(files: list[str], reps: int = 3, fresh: bool = False, offset: int =
     times: dict[str, list[float]] = {name: [] for name in readers}
     for _ in range(reps):
         for name in readers:
-            maps = [mmap.mmap(-1, max(n + offset, 1)) for n in sizes]
+            maps = [mmap.mmap(-1, max(n + offset, 1), flags=_PRIVATE) for n in sizes]
             if not fresh:
                 for m in maps:
                     torch.frombuffer(m, dtype=torch.uint8).fill_(0)  # faulted in, as a model's memory is

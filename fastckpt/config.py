@@ -42,6 +42,7 @@ _ON_MUTATION = ("raise", "retake")
 _WHEN_BUSY = ("wait", "skip")
 _DIRECT_IO = ("auto", "on", "off")
 _REFLINK = ("auto", "off")  # persist.reflink: clone unchanged shards on a local root (fastckpt/storage/reflink.py)
+_BACKGROUND_CPUS = ("auto", "all")  # or a list of CPU ids: persist.background_cpus (fastckpt/engine/affinity.py)
 _PROCESS = ("off", "on", "auto")  # persist.process: who writes staged snapshots (fastckpt/tiers/persister.py)
 _UNHEALTHY = ("count", "delete", "keep")
 _READ_STRATEGIES = ("auto", "sequential", "parallel", "direct")  # fastckpt/read/strategy.py's CHOICES
@@ -107,6 +108,11 @@ class PersistOptions(_Freezable):
     content hashes, buffered writes); the I/O waits themselves are not counted. ``auto``: the CPUs this process may
     use minus those training uses (``torch.get_num_threads()`` for a CPU state, one thread for a GPU state), at
     least one; the copy thread goes first (fastckpt/engine/cpugate.py). An integer >= 1 sets it."""
+    background_cpus: str | list[int] = "auto"
+    """Where the background threads (the copy, I/O and commit threads, and a persister process's) run: ``auto``
+    on the last ``cpu_threads`` CPUs this process may use (at most all but one; none where it may use one), so that
+    they do not take turns with training on its core; ``all`` wherever the scheduler puts them; or a list of CPU ids
+    (fastckpt/engine/affinity.py). Training's own threads are never moved."""
     chunk_bytes: int = 128 * 1024 * 1024
     """Target size of one tensor file; the unit of the copy -> write pipeline."""
     verify_on_load: bool = True
@@ -149,6 +155,13 @@ class PersistOptions(_Freezable):
         if self.cpu_threads != "auto" and (isinstance(self.cpu_threads, bool) or not isinstance(self.cpu_threads, int)
                                            or self.cpu_threads < 1):
             raise ConfigError(f"persist.cpu_threads must be auto or an integer >= 1, got {self.cpu_threads!r}")
+        cpus = self.background_cpus
+        if isinstance(cpus, (list, tuple)) and cpus and all(isinstance(c, int) and not isinstance(c, bool) and c >= 0
+                                                            for c in cpus):
+            self.background_cpus = sorted(set(cpus))
+        elif not isinstance(cpus, str) or cpus not in _BACKGROUND_CPUS:
+            raise ConfigError("persist.background_cpus must be auto, all or a non-empty list of CPU ids (integers "
+                              f">= 0), got {cpus!r}")
         _check_int("persist.", "chunk_bytes", self.chunk_bytes, 4096)
         if not isinstance(self.verify_on_load, bool):
             raise ConfigError(f"persist.verify_on_load must be true or false, got {self.verify_on_load!r}")

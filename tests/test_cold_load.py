@@ -105,6 +105,24 @@ def test_tensors_of_a_cold_load_are_fresh_memory_not_the_file(saved) -> None:
     assert_bit_equal(state, ckpt.load(step=1))
 
 
+def test_a_forked_child_writing_a_cold_loads_tensors_leaves_the_parents_alone(saved) -> None:
+    """The fresh buffers are private memory, as torch's own tensors are: a forked DataLoader worker that writes a
+    loaded tensor writes its own copy (shared anonymous memory would carry the write into the trainer)."""
+    ckpt, state, folder = saved
+    for s in _shards(folder):
+        _cold_capable(s)
+        drop_page_cache(s)
+    got = ckpt.load(step=1)
+    pid = os.fork()
+    if pid == 0:  # the child: write (small slices: no OpenMP region after a fork), leave without any cleanup
+        got["big"][:1000].fill_(42.0)
+        got["ids"][:10].zero_()
+        os._exit(0 if float(got["big"][999]) == 42.0 else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert_bit_equal(state, got)
+
+
 @pytest.mark.parametrize("cached", [False, True], ids=["cold-read", "cached-map"])
 def test_a_flipped_byte_names_the_file_and_tensor(saved, cached) -> None:
     ckpt, _, folder = saved

@@ -41,6 +41,7 @@ from .stagedcheck import StagedChecker, check_staged
 from .sealing import await_seal, record_staged, seal_job
 from .priority import ThreadPriorities
 from .sharedfile import SharedFileWrite
+from .affinity import ThreadPlacement
 from .cpugate import CpuGate, auto_limit
 from .onepass import copy_with_crcs, plain_sources
 from .staging import HostArena, Slot, copy_entries
@@ -123,16 +124,18 @@ class Pipeline:
         self._on_commit = on_commit
         self._on_failure = on_failure
         n = next(_ids)  # several Checkpointers may live in one process
+        self.placement = ThreadPlacement()  # persist.background_cpus: which CPUs these threads run on (affinity.py)
         self._io = ThreadPoolExecutor(workers, thread_name_prefix=f"fastckpt-io-{n}",
-                                      initializer=self._priorities.enlist)
+                                      initializer=self.placement.with_(self._priorities.enlist))
         # Never lowered (its threads start from the copy or training thread): takes the writes while the
         # lowered ones are behind and the kernel refused to raise them (ThreadPriorities.boost).
-        self._boost = ThreadPoolExecutor(workers, thread_name_prefix=f"fastckpt-boost-{n}")
+        self._boost = ThreadPoolExecutor(workers, thread_name_prefix=f"fastckpt-boost-{n}",
+                                         initializer=self.placement.enlist)
         self._copy_q: queue.Queue[Job | None] = queue.Queue()
         self._commit_q: queue.Queue[Any] = queue.Queue()
         self._copier = threading.Thread(target=self._copy_loop, name=f"fastckpt-copy-{n}", daemon=True)
         self._committer = threading.Thread(target=self._commit_loop, name=f"fastckpt-commit-{n}", daemon=True)
-        self._checker = StagedChecker(f"fastckpt-crc-{n}")  # shm: the staged bytes' CRCs, in parallel
+        self._checker = StagedChecker(f"fastckpt-crc-{n}", self.placement.enlist)  # shm: staged bytes' CRCs
         self._copier.start()
         self._committer.start()
         self._closed = False
@@ -168,6 +171,7 @@ class Pipeline:
     def submit(self, job: Job, lazy: list[Shard]) -> None:
         """Queue ``job``: the copy thread stages ``lazy`` shards, then the committer commits."""
         self._on_gpu = job.cuda is not None
+        self.placement.refresh()  # a state on a GPU leaves training's CPU threads to the background (auto)
         job.cpu_section = self.gate.held
         if lazy:
             # Still on the training thread inside save(): the counters are those of the snapshot's moment.
@@ -222,6 +226,7 @@ class Pipeline:
     def _copy_loop(self) -> None:
         # Normal priority: the next optimizer step waits for this thread, so starving it
         # would turn overlap into a stall. Checksums and writes (below) can yield.
+        self.placement.enlist()
         while True:
             item = self._copy_q.get()
             if item is None:
@@ -338,6 +343,7 @@ class Pipeline:
 
     def _commit_loop(self) -> None:
         self._priorities.enlist()
+        self.placement.enlist()
         while True:
             item = self._commit_q.get()
             if item is None:

@@ -31,6 +31,7 @@ from ..format.shm_record import StagedRecord
 from ..format.safetensorsobject import plan_file
 from ..format.torchfile import TorchFileFormat
 from ..storage.protocol import Storage
+from .affinity import resolve
 from .dedupwrite import DirectDedup
 from .distributed import Coordinator
 from .futures import settle
@@ -74,12 +75,15 @@ class Saver:
         self.stats: list[SaveStats] = []
         self.stale = StaleWatch(config.health.enabled, config.health.stale_warning)  # also asks for health
         self.dedup = DirectDedup.of(config, storage, coord is None, uploads)  # an s3:// root's source, clones, records
+        resolve(config.persist.background_cpus, 1)  # a CPU this process may not use: ConfigError, no thread started
         self.pipeline = pipeline(storage, arena, config.persist.workers, self.dedup.watching(on_commit),
                                  self._on_failure, coord, priorities=priorities)
         self.pipeline.on_refused = self._on_refused
         self.pipeline.crc_in_copy = config.staging.crc_in_copy
         self.pipeline.pacer = WritePacer(config.persist.chunk_bytes) if config.persist.pace_writes else None
         self.pipeline.cpu_threads(config.persist.cpu_threads)
+        gate = self.pipeline.gate
+        self.pipeline.placement.follow(config.persist.background_cpus, lambda: gate.limit() if gate.limit else 1)
         self._moved: set[str] = set()  # keys a seal found moved (on_mutation retake): staged eagerly from then on
         self._retaking: SaveHandle | None = None  # set while a refused snapshot is taken again under its handle
 

