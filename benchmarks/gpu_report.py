@@ -28,7 +28,7 @@ def section(result: dict[str, Any] | None) -> str:
 
 # Sections other commands write by hand-run measurements (benchmarks.health, benchmarks.preempt_flush), kept like
 # the GPU section when benchmarks.run rewrites the report.
-CARRIED = ("## Health statistics cost", "## Where the stall goes")
+CARRIED = ("## Health statistics cost", "## Where the stall goes", "## Background thread placement")
 
 
 def merge(report: str, sect: str, heading: str = "## GPU") -> str:

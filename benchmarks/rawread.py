@@ -18,6 +18,14 @@ past one). O_DIRECT needs the file offset and the memory address aligned alike, 
 with O_DIRECT directly: ``direct`` then reads each piece into a page-aligned buffer of its thread and copies it
 (``ctypes.memmove``, the GIL released). This is the raw ceiling of ``load_into`` into memory it cannot choose; the
 aligned one (``offset=0``) is the bound no reader reaches there without a page-aligned model.
+
+Why cold reads run at two speeds on the benchmark VM (a Firecracker guest with a memory balloon that reports free
+pages to the host), measured 2026-11-29: it is memory, not the disk. Touching 4 GiB of new private memory, 64 MiB at
+a time, took 22-31 ms per 64 MiB for ~75% of the chunks and 179-203 ms for the rest; one buffered stream over the
+0.63 GB of shards read each 126 MB file in ~90 ms or in 240-470 ms, with the same 50 disk requests of ~2.6 MB, the same
+page allocations and faults (/proc/vmstat) and no steal time, but 4-5x the kernel CPU time (60-70 against 240-440 ms):
+pages the host has taken back cost a host fault at their first touch. A reader that needs fewer new pages (O_DIRECT:
+no page cache) is steadier, not always faster; torch.load's fast runs are the runs whose new pages were cheap.
 """
 from __future__ import annotations
 

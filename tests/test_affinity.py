@@ -49,6 +49,15 @@ def test_nothing_is_pinned_on_one_cpu_with_all_or_where_the_os_cannot_say() -> N
     assert resolve("auto", 1, []) is None and resolve([0], 1, []) is None
 
 
+def test_auto_leaves_several_ranks_of_one_node_to_the_scheduler(monkeypatch) -> None:
+    """torchrun's ranks on one node would all pick the same last cores: auto pins none of them, a list still does."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert resolve("auto", 3, [0, 1, 2, 3, 4, 5, 6, 7]) is None
+    assert resolve([6], 3, [0, 1, 2, 3, 4, 5, 6, 7]) == frozenset({6})
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert resolve("auto", 3, [0, 1, 2, 3, 4, 5, 6, 7]) == frozenset({5, 6, 7})
+
+
 def test_a_list_is_taken_as_is_and_a_cpu_the_process_may_not_use_names_the_field() -> None:
     assert resolve([0, 2], 1, [0, 1, 2, 3]) == frozenset({0, 2})
     with pytest.raises(ConfigError, match=r"persist.background_cpus lists CPUs \[7\].*may use \[0, 1\]"):

@@ -11,7 +11,9 @@ against 16 +- 11 ms (median 23) with ``auto``. (Pinning the training thread too,
 
 ``auto``: where this process may use two CPUs or more, the background threads run on the last ``limit`` of them
 (``limit``: the gate's count of cores training leaves over, at most all but one), so the first ones stay for the
-training thread and the scheduler's placement of it. ``all``: no pinning. A list of CPU ids: exactly those (a CPU
+training thread and the scheduler's placement of it; not where torchrun started several ranks on the node
+(``LOCAL_WORLD_SIZE`` > 1): every rank would put its threads on the same last cores, so there each rank's threads
+are left to the scheduler (a list per rank places them). ``all``: no pinning. A list of CPU ids: exactly those (a CPU
 the process may not use is a ``ConfigError`` naming the field and the usable ones). An OS without per-thread
 affinity, or a kernel that refuses, leaves the threads where they are: placement is an optimisation, never a
 reason to fail a checkpoint.
@@ -47,7 +49,7 @@ def resolve(setting: str | Collection[int], limit: int, cpus: list[int] | None =
     if setting == "all" or not cpus:
         return None
     if setting == "auto":
-        if len(cpus) < 2:
+        if len(cpus) < 2 or _local_ranks() > 1:
             return None
         return frozenset(cpus[-max(1, min(limit, len(cpus) - 1)):])
     chosen = frozenset(setting)  # type: ignore[arg-type]
@@ -55,6 +57,14 @@ def resolve(setting: str | Collection[int], limit: int, cpus: list[int] | None =
         raise ConfigError(f"persist.background_cpus lists CPUs {sorted(chosen - set(cpus))} this process may not "
                           f"use (it may use {cpus}); list some of those, or set it to auto or all")
     return chosen
+
+
+def _local_ranks() -> int:
+    """How many ranks torchrun started on this node (``LOCAL_WORLD_SIZE``; 1 outside it)."""
+    try:
+        return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
 
 
 class ThreadPlacement:

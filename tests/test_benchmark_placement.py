@@ -1,0 +1,30 @@
+"""benchmarks/placement.py's report: each setting's mean, standard error and median over every checkpoint of its
+runs, and a section that a full report's re-render keeps."""
+from __future__ import annotations
+
+import statistics
+
+from benchmarks import gpu_report, placement
+
+
+def _runs() -> list[dict]:
+    return [{"setting": "all", "stalls_s": [0.06, 0.08, 0.10], "step_s": 1.5, "threads": [("fastckpt-copy", (0, 1))]},
+            {"setting": "auto", "stalls_s": [0.01, -0.02, 0.03], "step_s": 1.6, "threads": [("fastckpt-copy", (1,))]},
+            {"setting": "all", "stalls_s": [0.05, 0.07, 0.09], "step_s": 1.5, "threads": [("fastckpt-copy", (0, 1))]},
+            {"setting": "auto", "stalls_s": [0.02, 0.00, 0.04], "step_s": 1.5, "threads": [("fastckpt-copy", (1,))]}]
+
+
+def test_every_checkpoint_of_every_run_counts_once_per_setting() -> None:
+    got = placement.summary(_runs())
+    xs = [0.06, 0.08, 0.10, 0.05, 0.07, 0.09]
+    assert got["all"]["n"] == 6 and abs(got["all"]["mean_s"] - statistics.mean(xs)) < 1e-12
+    assert abs(got["all"]["se_s"] - statistics.stdev(xs) / 6 ** 0.5) < 1e-12
+    assert abs(got["auto"]["median_s"] - 0.015) < 1e-12
+
+
+def test_the_section_names_the_settings_their_figures_and_where_the_threads_ran() -> None:
+    md = placement.markdown(_runs(), "python -m benchmarks.placement --runs 2", "test machine")
+    assert md.startswith(placement.HEADING)
+    assert "| `all` | 6 | 75 +- 8 ms | 75 ms | fastckpt-copy: [0, 1] |" in md
+    assert "| `auto` | 6 | 13 +- 9 ms | 15 ms | fastckpt-copy: [1] |" in md
+    assert placement.HEADING in gpu_report.CARRIED  # a full run's re-render keeps it
