@@ -4,10 +4,11 @@ The CPU gate (engine/cpugate.py) bounds how many background threads burn CPU at 
 places a thread the training thread wakes (the copy thread at ``save()``, an I/O worker at a queued write) on the
 training thread's own core when it can, and the two then share that core in turns while the other one idles. In the
 plain loop on the 2-core benchmark host (1.48 GB every 6 steps of ~1.55 s, one training thread, 2026-11-29) the
-training thread was preempted ~175-700 times in each step that saved, against ~3 in the others. Stall per checkpoint,
-3 runs of 9 checkpoints per setting, interleaved: 66 +- 10 ms (mean, standard error; median 64) with ``all``
-against 16 +- 11 ms (median 23) with ``auto``. (Pinning the training thread too, which a library must not do, gave
-27 +- 10 ms in an earlier trial: the background threads' placement is what counts.)
+training thread was preempted ~175-700 times in each step that saved, against ~3 in the others. Stall per checkpoint
+(``python -m benchmarks.placement``: 3 runs of 9 checkpoints per setting, in turns): 52 +- 8 ms (mean, standard
+error; median 43) with ``all`` against 11 +- 9 ms (median 16) with ``auto``; an earlier trial of the same, 66 +- 10
+against 16 +- 11 ms. (Pinning the training thread too, which a library must not do, gave 27 +- 10 ms in a trial:
+the background threads' placement is what counts.)
 
 ``auto``: where this process may use two CPUs or more, the background threads run on the last ``limit`` of them
 (``limit``: the gate's count of cores training leaves over, at most all but one), so the first ones stay for the
