@@ -225,7 +225,10 @@ class CheckpointReader:
 
         Plain 4 KiB pages, faulted in by the reads themselves: on the benchmark VM populating the buffers ahead
         (MAP_POPULATE, on two threads) measured 1.6-1.9 s against 1.0-1.3 s, and transparent huge pages
-        2.2-4.6 s (compaction) for a cold 1.48 GB load."""
+        2.2-4.6 s (compaction) for a cold 1.48 GB load. A thread faulting them in just ahead of the reads
+        (madvise MADV_POPULATE_WRITE, 16 MiB steps; 0.63 GB, a fresh process per load, 6-8 rounds in turns,
+        2026-11-30) halved one raw buffered stream in one batch (0.89 -> 0.46 s median) and slowed the
+        ``sequential`` load in another (0.64 -> 0.97 s): not kept."""
         got = {f.name: aligned_buffer(f.size) for f in files}
         read_whole(self.storage, [Range(f.path, 0, got[f.name][1], f.crc if self.verify else None, direct=True,
                                         culprit=functools.partial(self._culprit, f.name)) for f in files],
