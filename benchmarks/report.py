@@ -69,7 +69,10 @@ def machine_info(workdir: Path, disk: dict[str, str]) -> dict[str, Any]:
         "kernel": platform.release(),
         "disk": {**disk, "free_gb": usage.free / 2**30},
         "versions": versions,
-        "git": {"commit": _git("rev-parse", "--short", "HEAD"), "dirty": bool(_git("status", "--porcelain"))},
+        # Tracked files only: an untracked file (the run's own log, `nohup ... > LOG` in the tree) is not a change to
+        # the code measured, and marked the clean clone of 2026-11-30's run "+ uncommitted changes".
+        "git": {"commit": _git("rev-parse", "--short", "HEAD"),
+                "dirty": bool(_git("status", "--porcelain", "--untracked-files=no"))},
         "train_threads": wl.TRAIN_THREADS,
         "loadavg_start": os.getloadavg(),
     }
