@@ -13,6 +13,8 @@ from tests.faultproxy import FaultProxy
 from tests.s3server import S3Server, s3_storage_options, start_s3_server
 
 _S3_FIXTURES = {"s3_server", "s3_root", "s3_fault_proxy"}
+# The session's server once started, so a failed S3 test's report can quote the server's side of the story.
+_SERVERS: list[S3Server] = []
 
 
 def pytest_collection_modifyitems(items):
@@ -20,6 +22,16 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if _S3_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.s3)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed S3 test's report carries weed's recent warnings and errors: an S3 "InternalError" names
+    nothing, while weed's log says why (a full volume set, a failed assign, a refused signature)."""
+    report = yield
+    if report.failed and _SERVERS and "s3" in item.keywords:
+        report.sections.append(("weed log: recent warnings and errors", _SERVERS[0].problems() or "<none>"))
+    return report
 
 
 class S3Root(NamedTuple):
@@ -63,9 +75,11 @@ def _private_read_cache(tmp_path_factory, monkeypatch):
 def s3_server(tmp_path_factory) -> S3Server:
     """One SeaweedFS `weed mini` on loopback for the whole session; stopped by pid at the end."""
     server = start_s3_server(tmp_path_factory.mktemp("seaweedfs"))
+    _SERVERS.append(server)
     try:
         yield server
     finally:
+        _SERVERS.remove(server)
         server.stop()
 
 

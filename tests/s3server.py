@@ -41,6 +41,15 @@ _PORT_FLAGS = ("s3.port", "s3.port.grpc", "master.port", "master.port.grpc", "fi
                "filer.port.grpc", "volume.port", "volume.port.grpc", "admin.port",
                "admin.port.grpc")
 _BUCKET_GRACE_S = 5.0
+# `weed mini` sizes its volumes and their count from the disk's free space at startup (free / size, 64 MB to 1 GB
+# each): on a machine with a few GB free it allows ~5 volumes of 1 GB, the suite's ~3.3 GB of objects fill them, and
+# every later write fails with S3 InternalError ("No writable volumes and no free volumes left"; a CI run lost 3
+# tests to it). A fixed, generous count of smaller volumes leaves the real disk as the only limit: volumes are not
+# preallocated, so an unused one costs nothing.
+VOLUME_SIZE_MB = 256
+# Source files of weed's log lines that are noise for a failed test: mini's admin worker reconnecting all along.
+_CHATTER = frozenset({"worker.go", "client.go"})
+MAX_VOLUMES = 100
 # Looked up in the parent: the child between fork and exec should do as little as possible.
 _PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
 _PR_SET_PDEATHSIG = 1
@@ -67,6 +76,17 @@ class S3Server:
     bucket: str
     log_path: Path
     process: subprocess.Popen = field(repr=False)
+    master_port: int = 0
+
+    def problems(self, lines: int = 20) -> str:
+        """The last `lines` warnings and errors of weed's log (its E/W lines, minus the admin-worker chatter
+        that mini prints all along): what a failed S3 test's report shows about the server's side."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError as e:
+            return f"<no log: {e}>"
+        bad = [line for line in text.splitlines() if _is_problem(line)]
+        return "\n".join(bad[-lines:] if lines > 0 else [])
 
     @property
     def storage_options(self) -> dict:
@@ -143,6 +163,7 @@ def _command(weed: str, run_dir: Path, bucket: str, ports: dict[str, int]) -> li
         f"-dir={run_dir / 'data'}", f"-ip={HOST}", f"-ip.bind={HOST}", f"-bucket={bucket}",
         "-admin.ui=false", "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
         "-master.telemetry=false", "-volume.preStopSeconds=0",
+        f"-master.volumeSizeLimitMB={VOLUME_SIZE_MB}", f"-volume.max={MAX_VOLUMES}",
         # Unix sockets default to /tmp/seaweedfs-*-<port>.sock and outlive a killed server.
         f"-filer.localSocket={run_dir / 'filer.sock'}", f"-s3.localSocket={run_dir / 's3.sock'}",
         *(f"-{flag}={port}" for flag, port in ports.items()),
@@ -162,7 +183,7 @@ def _launch(weed: str, run_dir: Path, bucket: str) -> S3Server:
             preexec_fn=_die_with_parent if _PRCTL is not None else None,
         )
     return S3Server(endpoint_url=f"http://{HOST}:{ports['s3.port']}", bucket=bucket,
-                    log_path=log_path, process=process)
+                    log_path=log_path, process=process, master_port=ports["master.port"])
 
 
 def _die_with_parent() -> None:
@@ -237,6 +258,13 @@ def _stop_process(process: subprocess.Popen, grace_s: float) -> None:
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
+
+
+def _is_problem(line: str) -> bool:
+    """A glog warning or error line ("E1130 03:22:36.276030 upload_chunked.go:281 ...") not from `_CHATTER`."""
+    parts = line.split(" ", 3)
+    return (len(parts) > 3 and parts[0][:1] in ("E", "W") and parts[0][1:].isdigit()
+            and parts[2].split(":")[0] not in _CHATTER)
 
 
 def _tail(path: Path, lines: int) -> str:

@@ -38,6 +38,35 @@ def test_bucket_exists_and_urls_are_fresh(s3_server):
     assert s3_server.process.poll() is None
 
 
+def test_the_volume_count_is_fixed_not_sized_from_the_free_disk(s3_server):
+    """weed mini's own default (free disk / volume size at startup) gave a CI machine with a few GB free about five
+    volumes; the suite's objects filled them and later writes failed with InternalError. The master must report the
+    fixed count, whatever this disk holds."""
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{s3_server.master_port}/dir/status", timeout=5) as r:
+        topology = json.load(r)["Topology"]
+    assert topology["Max"] == s3server.MAX_VOLUMES, topology
+
+
+def test_a_failed_s3_tests_report_quotes_weeds_errors_not_its_chatter(tmp_path):
+    log = tmp_path / "weed.log"
+    log.write_text(
+        "I1130 03:22:36.1 master_grpc_server_assign.go:227 assign count:1\n"
+        "W1130 03:22:36.2 worker.go:180 Plugin worker stream ended: connection refused\n"
+        "W1130 03:22:36.3 client.go:379 [session e6f5] Reconnection attempt 50 failed\n"
+        "E1130 03:22:36.4 upload_chunked.go:281 chunked upload failed: No writable volumes and no free volumes left\n"
+        "╔════ a banner line ═══╗\n"
+        "E\n")
+    server = s3server.S3Server(endpoint_url="http://127.0.0.1:1", bucket="b", log_path=log, process=None)
+    assert server.problems().splitlines() == [
+        "E1130 03:22:36.4 upload_chunked.go:281 chunked upload failed: No writable volumes and no free volumes left"]
+    assert server.problems(lines=0) == ""
+    assert s3server.S3Server("http://127.0.0.1:1", "b", tmp_path / "missing.log", None).problems().startswith(
+        "<no log:")
+
+
 def test_put_get_ls_roundtrip(s3_root):
     fs = _fs(s3_root.storage_options)
     fs.pipe(f"{s3_root.url}/ckpt/a.bin", b"alpha")
