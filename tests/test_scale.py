@@ -94,6 +94,10 @@ def _simulate_fsdp(conn: Any) -> None:
             getattr(again, name).extend(getattr(flat, name)[len(getattr(again, name)):])
         assert planner.plan(again, lambda t: True) is plan
         times["again"] = time.perf_counter() - t0
+        from fastckpt.format.identity import address
+
+        fresh = flatten(state)  # the identities flatten records as it walks are address() of each block's source
+        assert fresh.ids == [address(src) for src in fresh.lazy_src]
         from fastckpt.format.dtensor import _layout
 
         conn.send((load, len(flat.tensors), len(plan.shards), times, _layout.cache_info().misses))

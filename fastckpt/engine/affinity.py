@@ -27,20 +27,13 @@ import threading
 from typing import Callable, Collection
 
 from ..errors import ConfigError
+from ..format.healthpass import usable_cpu_ids as usable  # the CPUs this process may run on, ascending
 
 __all__ = ["CHOICES", "ThreadPlacement", "resolve", "usable"]
 
 log = logging.getLogger("fastckpt")
 
 CHOICES = ("auto", "all")  # or a list of CPU ids
-
-
-def usable() -> list[int]:
-    """The CPUs this process may run on, ascending ([] where the OS cannot say)."""
-    try:
-        return sorted(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return []
 
 
 def resolve(setting: str | Collection[int], limit: int, cpus: list[int] | None = None) -> frozenset[int] | None:

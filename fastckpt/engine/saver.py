@@ -44,7 +44,7 @@ from .sharedobject import can_share_object, shared_write, sweep_once
 from .stale import Hooks, StaleWatch
 from .staging import HostArena, Slot
 from .streams import CopyStreams, CudaCopy, cuda_devices, gpu_wait
-from .watch import WatchHandle
+from .watch import WatchHandle, Watched, watched_identities
 from .writepace import WritePacer
 
 __all__ = ["Saver", "WatchHandle"]
@@ -134,12 +134,12 @@ class Saver:
         # After the checks of the arguments, before anything is written: a dead folder of this very name (a
         # resumed run re-saving the step it died in) is removed first, so none of its files outlive the commit.
         self._claim_root()
-        lazy_ptrs = self._lazy_ptrs(named_addresses(flat, lazy, "lazy"), named_addresses(flat, eager, "eager"))
+        lazy_ptrs, watched = self._lazy_ptrs(named_addresses(flat, lazy, "lazy"), named_addresses(flat, eager, "eager"))
         dirpath = self.storage.join(self.storage.url, name)
         if self.config.staging.mode == "lazy" and flat.tensors and self._retaking is None and not any(
-                address(src) in lazy_ptrs for src in flat.lazy_src):
+                i in lazy_ptrs for i in flat.identities()):
             warn_all_eager(name, flat.tensors)  # the whole copy happens inside this call: say so, with the fix
-        return self._submit(flat, step, name, dirpath, t0, lazy_ptrs, objects=objects,
+        return self._submit(flat, step, name, dirpath, t0, lazy_ptrs, watched, objects=objects,
                             dtensors=[rec.as_json() for rec in flat.dtensors],
                             retake=lambda: self.save(state, step, name=name, eager=eager, lazy=lazy))
 
@@ -172,8 +172,9 @@ class Saver:
             raise StateMismatchError(f"cannot save this state as a torch file {path!r}: {e}") from e
         owners = [-1] * len(tensors)
         chunk = None
+        lazy_ptrs, watched = self._lazy_ptrs()
         if self._coord is not None:  # only what DDP keeps identical on every rank may come from another rank
-            shared = self._optimizer_ptrs()
+            shared = watched[0] | watched[1]
             owners = [-1 if address(t) in shared else self._coord.leader for t in tensors]
             chunk = _shared_chunk(self.config.persist.chunk_bytes, [r.nbytes for r in fmt.layout.records],
                                   self._coord.world)
@@ -182,7 +183,7 @@ class Saver:
         self._check_fits(fmt.layout.size, f"the torch file {path!r}", "is")
         # No root lock or garbage collection here: the folder is the framework's (Lightning lists it), and a
         # file appears by rename only once complete, so a killed save leaves no folder to collect.
-        return self._submit(flat, step, name, path, t0, self._lazy_ptrs(set(), set()), file_format=fmt,
+        return self._submit(flat, step, name, path, t0, lazy_ptrs, watched, file_format=fmt,
                             version_src=sources, chunk_bytes=chunk, shared_file=fmt if self._coord is not None else None,
                             retake=lambda: self.save_file(state, name, step=step, kind=kind))
 
@@ -220,8 +221,8 @@ class Saver:
             fmt.mark(self.storage)
         flat = FlatState(tree=None, tensors=tensors, keys=keys, numpy=[False] * len(tensors), objects=[],
                          owners=[-1] * len(tensors), lazy_src=list(tensors))
-        return self._submit(flat, step, name, dirpath, t0, self._lazy_ptrs(set(), set()), file_format=fmt,
-                            version_src=sources,
+        lazy_ptrs, watched = self._lazy_ptrs()
+        return self._submit(flat, step, name, dirpath, t0, lazy_ptrs, watched, file_format=fmt, version_src=sources,
                             retake=lambda: self.save_files(files, name, step=step, user=user, made=made,
                                                            loaders=loaders))
 
@@ -254,7 +255,8 @@ class Saver:
             raise ConfigError(f"staging.max_host_bytes ({limit}) is smaller than {what} ({size} bytes), which "
                               f"{verb} written whole; raise the limit or unset it")
 
-    def _submit(self, flat: FlatState, step: int, name: str, dirpath: str, t0: float, lazy_ptrs: set[Hashable], *,
+    def _submit(self, flat: FlatState, step: int, name: str, dirpath: str, t0: float, lazy_ptrs: set[Hashable],
+                watched: Watched, *,
                 objects: bytes | None = None, dtensors: list[dict[str, Any]] | None = None,
                 file_format: FileFormat = OPEN_LAYOUT, version_src: list[Any] | None = None,
                 chunk_bytes: int | None = None, shared_file: TorchFileFormat | None = None,
@@ -262,8 +264,8 @@ class Saver:
         """Plan, take a staging slot, copy the eager shards now and queue the rest (every save path). ``retake``:
         the same save again (staging.on_mutation retake), run all eager under this save's handle if refused."""
         if self._moved and lazy_ptrs:  # a seal found these moved outside step(): copied inside save() from now on
-            lazy_ptrs = lazy_ptrs - {address(src) for src, key in zip(flat.lazy_src, flat.keys) if key in self._moved}
-        plan = self._planner.plan(flat, lambda t: address(t) in lazy_ptrs, chunk_bytes)
+            lazy_ptrs = lazy_ptrs - {i for i, key in zip(flat.identities(), flat.keys) if key in self._moved}
+        plan = self._planner.plan(flat, lazy_ptrs, chunk_bytes)
         writers = None
         if self._coord is not None and shared_file is not None:
             writers = self._coord.assign_file(plan, contiguous=can_share_object(self.storage))
@@ -305,7 +307,8 @@ class Saver:
                   tree=flat.tree, objects=objects, dirpath=dirpath, t0=t0, dtensors=dtensors or [],
                   file_format=file_format, version_src=version_src, dedup=self.dedup.source(file_format.catalogued))
         job.records = job.dedup is not None
-        self.stale.prepare(job, self._optimizer_ptrs(params=False), version_src or flat.lazy_src)
+        self.stale.prepare(job, watched[1], lambda: flat.identities() if version_src is None else
+                           [address(src) for src in version_src])
         if self._coord is not None:
             job.uid = self._coord.next_uid()
         elif retake is not None and self.config.staging.on_mutation == "retake":
@@ -359,23 +362,13 @@ class Saver:
         self.stats.append(handle.stats)
         return handle
 
-    def _lazy_ptrs(self, also: set[Hashable], never: set[Hashable]) -> set[Hashable]:
+    def _lazy_ptrs(self, also: set[Hashable] = frozenset(), never: set[Hashable] = frozenset()
+                   ) -> tuple[set[Hashable], Watched]:
+        """The identities to copy lazily, and the watched optimizers' own (``watched_identities``)."""
+        watched = watched_identities(list(self._watched))
         if self.config.staging.mode != "lazy" or self._retaking is not None:
-            return set()  # eager mode: save(lazy=...) is ignored too; a retake is taken whole, at the seal
-        return (self._optimizer_ptrs() | also) - never
-
-    def _optimizer_ptrs(self, params: bool = True) -> set[Hashable]:
-        """The identities of the watched optimizers' parameters and state tensors (``fastckpt.format.identity``)."""
-        # Addresses, not tensor objects: state_dict() hands out detached aliases. A tensor is
-        # lazy only if it starts exactly where a watched param/state tensor starts (an empty one: same storage).
-        ptrs: set[Hashable] = set()
-        for opt in list(self._watched):
-            for group in opt.param_groups if params else ():
-                ptrs.update(address(p) for p in group["params"])
-            for st in opt.state.values():
-                ptrs.update(address(v) for v in st.values() if isinstance(v, torch.Tensor))
-        ptrs.discard(0)
-        return ptrs
+            return set(), watched  # eager mode: save(lazy=...) is ignored too; a retake is taken whole, at the seal
+        return (watched[0] | watched[1] | also) - never, watched
 
     # ---- the ledger: saves in flight, errors not yet raised --------------------------
 

@@ -12,11 +12,10 @@ import logging
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import Any, Hashable
+from typing import Any, Callable, Hashable, Sequence
 
 from ..errors import StaleCheckpointWarning
 from ..format.health import fingerprints
-from ..format.identity import address
 
 __all__ = ["StaleWatch", "Hooks"]
 
@@ -58,15 +57,15 @@ class StaleWatch:
         """A watched optimizer's step post-hook (training thread)."""
         self.steps += 1
 
-    def prepare(self, job: Any, state_ptrs: set[Hashable], sources: list[Any]) -> None:
+    def prepare(self, job: Any, state_ptrs: set[Hashable], identities: Callable[[], Sequence[Hashable]]) -> None:
         """Called in ``save()`` once the job exists: ask the workers to measure it, and mark which keys are
-        parameters (every tensor but the watched optimizers' state, ``state_ptrs``; ``sources``: each key's
-        tensor) and how many optimizer steps came before it."""
+        parameters (every tensor but the watched optimizers' state, ``state_ptrs``; ``identities()``: each key's
+        tensor's identity, asked for only here) and how many optimizer steps came before it."""
         if not self.measure:
             return
         job.health = {}
         if self.warn:
-            params = frozenset(k for k, src in zip(job.keys, sources) if address(src) not in state_ptrs)
+            params = frozenset(k for k, i in zip(job.keys, identities()) if i not in state_ptrs)
             job.stale_mark = StaleMark(self.steps, params)
 
     def committed(self, job: Any) -> None:

@@ -35,19 +35,26 @@ import xxhash
 
 from .checksum import crc32c
 
-__all__ = ["tensor_pass", "shard_pass", "fingerprint", "usable_cpus", "block_values", "BLOCK", "GROUP", "GRAIN"]
+__all__ = ["tensor_pass", "shard_pass", "fingerprint", "usable_cpus", "usable_cpu_ids", "block_values", "BLOCK", "GROUP",
+           "GRAIN"]
 
 GROUP = 512  # values normed together in float32; the groups' squares are summed in float64
 GRAIN = 32768  # torch's GRAIN_SIZE: a reduction over more values may run on every core
 _MANY_CPUS = 8
 
 
-def usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity mask: a container's CPU set), else the machine's count."""
+def usable_cpu_ids() -> list[int]:
+    """The CPUs this process may run on (its affinity mask: a container's CPU set), ascending; [] where the OS
+    cannot say."""
     try:
-        return len(os.sched_getaffinity(0))
+        return sorted(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        return os.cpu_count() or 1
+        return []
+
+
+def usable_cpus() -> int:
+    """How many CPUs this process may run on (``usable_cpu_ids``), else the machine's count."""
+    return len(usable_cpu_ids()) or os.cpu_count() or 1
 
 
 def block_values() -> int:

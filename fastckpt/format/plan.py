@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Collection, Hashable
 
 import torch
 
@@ -96,9 +96,19 @@ class FlatState:
     lazy_src: list[torch.Tensor] = field(default_factory=list)  # what decides the copy class (a block: its local tensor)
     dtensors: list[DTensorRecord] = field(default_factory=list)
     object_keys: list[str] = field(default_factory=list)  # key path of each pickled-object leaf (for errors)
+    ids: list[Hashable] = field(default_factory=list)  # address() of each lazy_src: see ``identities``
+
+    def identities(self) -> list[Hashable]:
+        """``address()`` of each entry's ``lazy_src``: which tensor it is (format/identity.py). Known to ``flatten``
+        as it walks; a save asks for them three times (copy class, moved keys, stale parameters), each a torch call
+        per tensor, on the training thread."""
+        if len(self.ids) != len(self.lazy_src):
+            self.ids = [address(src) for src in self.lazy_src]
+        return self.ids
 
 
 _key = path_name
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # address() is their data_ptr() when not empty (format/identity.py)
 
 
 def _data_ptr(t: torch.Tensor, path: tuple) -> int:
@@ -118,6 +128,8 @@ def _data_ptr(t: torch.Tensor, path: tuple) -> int:
 
 def _refuse_tensor(t: torch.Tensor, path: tuple) -> None:
     """Raise ``StateMismatchError`` for a tensor fastckpt cannot store bit-exactly (called inside save())."""
+    if not (t.is_nested or t.layout is not torch.strided or t.is_quantized or t.is_meta):
+        return  # every tensor of every save() passes here: its message is built only for a refusal
     where = f"cannot checkpoint the tensor at {_key(path)!r}"
     if t.is_nested:
         raise StateMismatchError(f"{where}: it is a nested tensor; save t.unbind() (a list of tensors) or "
@@ -128,9 +140,8 @@ def _refuse_tensor(t: torch.Tensor, path: tuple) -> None:
     if t.is_quantized:
         raise StateMismatchError(f"{where}: it is quantized ({t.dtype}) and its scale and zero point would be lost; "
                                  "save t.dequantize(), or t.int_repr() with t.q_scale() and t.q_zero_point()")
-    if t.is_meta:
-        raise StateMismatchError(f"{where}: it is a meta tensor and holds no data (a module built on the meta "
-                                 "device); materialize it first (module.to_empty(device=...), then initialize or load)")
+    raise StateMismatchError(f"{where}: it is a meta tensor and holds no data (a module built on the meta "
+                             "device); materialize it first (module.to_empty(device=...), then initialize or load)")
 
 
 def _view(t: torch.Tensor, ptr: int) -> tuple:
@@ -157,8 +168,10 @@ def flatten(state: Any) -> FlatState:
         used.add(key)
         return key
 
-    def add(t: torch.Tensor, key: str, is_numpy: bool, owner: int = -1, lazy_src: torch.Tensor | None = None) -> int:
+    def add(t: torch.Tensor, key: str, is_numpy: bool, ident: Hashable, owner: int = -1,
+            lazy_src: torch.Tensor | None = None) -> int:
         flat.tensors.append(t)
+        flat.ids.append(ident)
         flat.keys.append(key)
         flat.numpy.append(is_numpy)
         flat.owners.append(owner)
@@ -176,7 +189,8 @@ def flatten(state: Any) -> FlatState:
             for index in shared:
                 if _view(flat.tensors[index], ptr) == mine:
                     return index
-        index = add(t, unique(_key(path)), is_numpy)
+        # address(t) without a second data_ptr(): a plain tensor's identity is its data address, unless empty
+        index = add(t, unique(_key(path)), is_numpy, ptr if ptr and type(t) in _PLAIN else address(t))
         if ptr and not is_numpy:
             by_address.setdefault(ptr, []).append(index)
         return index
@@ -184,7 +198,7 @@ def flatten(state: Any) -> FlatState:
     def on_dtensor(path: tuple, t: Any) -> int:
         local = t._local_tensor
         # By address(), not data_ptr(): a rank whose block of a tied DTensor is empty must dedup it as the others do
-        where = address(local)
+        where = ident_local = address(local)
         ident = ("dtensor", where, tuple(t.shape), t.dtype, tuple(t.placements), id(t.device_mesh))
         if where != 0 and ident in seen:  # a tied DTensor (0: a meta block has no identity)
             return seen[ident]
@@ -202,7 +216,7 @@ def flatten(state: Any) -> FlatState:
                 block = metas.get((chunk.shape, t.dtype))
                 if block is None:
                     block = metas[(chunk.shape, t.dtype)] = torch.empty(chunk.shape, dtype=t.dtype, device="meta")
-            record.entries.append(add(block, f"{key}#dtensor@{where}", False, chunk.owner, local))
+            record.entries.append(add(block, f"{key}#dtensor@{where}", False, ident_local, chunk.owner, local))
         flat.dtensors.append(record)
         seen[ident] = record.entries[0]
         return record.entries[0]
@@ -259,10 +273,16 @@ class Planner:
         self._lock = threading.Lock()
         self.plans_built = 0
 
-    def plan(self, flat: FlatState, is_lazy: Callable[[torch.Tensor], bool], chunk_bytes: int | None = None) -> Plan:
-        """Return the cached plan for this structure, building it on the first sight. ``chunk_bytes``: this
-        plan's shard size instead of the Planner's (a smaller one splits a shared file finer between ranks)."""
-        lazy = [(not n) and is_lazy(src) for src, n in zip(flat.lazy_src, flat.numpy)]
+    def plan(self, flat: FlatState, is_lazy: Callable[[torch.Tensor], bool] | Collection[Hashable],
+             chunk_bytes: int | None = None) -> Plan:
+        """Return the cached plan for this structure, building it on the first sight. ``is_lazy``: whether a
+        tensor (its ``lazy_src``) is copied lazily, or the identities (``FlatState.identities``) of those that are.
+        ``chunk_bytes``: this plan's shard size instead of the Planner's (a smaller one splits a shared file finer
+        between ranks)."""
+        if callable(is_lazy):
+            lazy = [(not n) and is_lazy(src) for src, n in zip(flat.lazy_src, flat.numpy)]
+        else:
+            lazy = [(not n) and i in is_lazy for i, n in zip(flat.identities(), flat.numpy)]
         # Names are not part of the key: a state whose keys change every save (Lightning's
         # best_k_models is keyed by file path) still reuses one plan and one set of buffers.
         key = tuple((t.dtype, tuple(t.shape), lz, o) for t, lz, o in zip(flat.tensors, lazy, flat.owners))
