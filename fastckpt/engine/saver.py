@@ -13,7 +13,7 @@ import pickle
 import threading
 import time
 import weakref
-from typing import Any, Callable, Hashable
+from typing import AbstractSet, Any, Callable, Hashable
 
 import torch
 
@@ -362,7 +362,7 @@ class Saver:
         self.stats.append(handle.stats)
         return handle
 
-    def _lazy_ptrs(self, also: set[Hashable] = frozenset(), never: set[Hashable] = frozenset()
+    def _lazy_ptrs(self, also: AbstractSet[Hashable] = frozenset(), never: AbstractSet[Hashable] = frozenset()
                    ) -> tuple[set[Hashable], Watched]:
         """The identities to copy lazily, and the watched optimizers' own (``watched_identities``)."""
         watched = watched_identities(list(self._watched))
