@@ -58,3 +58,11 @@ def test_a_plan_from_identities_is_the_plan_from_the_predicate(lazy_keys):
     assert [e.lazy for e in by_ids.entries] == [e.lazy for e in by_predicate.entries]
     lazy_now = {flat.keys[e.index] for e in by_ids.entries if e.lazy}
     assert lazy_now == lazy_keys - {"numpy"}  # a numpy array is never lazy: it is no optimizer's tensor
+
+
+def test_address_read_is_address_given_the_pointer_already_read():
+    from fastckpt.format.identity import address_read
+
+    for t in (torch.ones(3), torch.nn.Parameter(torch.ones(2)), torch.empty(0), torch.arange(8.0)[2:5],
+              torch.tensor(1.0)):
+        assert address_read(t, t.data_ptr()) == address(t)

@@ -17,7 +17,7 @@ import torch
 
 from ..errors import ConfigError
 
-__all__ = ["address", "named_addresses"]
+__all__ = ["address", "address_read", "named_addresses"]
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -34,6 +34,12 @@ def address(t: torch.Tensor) -> Hashable:
         return ptr
     # A tuple never equals an int address, so an empty tensor never matches a non-empty one by accident.
     return ("storage", t.untyped_storage()._cdata)
+
+
+def address_read(t: torch.Tensor, ptr: int) -> Hashable:
+    """``address(t)`` where ``ptr`` is ``t.data_ptr()``, already read: a plain tensor's identity is its data address,
+    unless empty (``flatten`` reads every tensor's address anyway, and a save walks hundreds)."""
+    return ptr if ptr and type(t) in _PLAIN else address(t)
 
 
 def named_addresses(flat: Any, names: Any, what: str) -> set[Hashable]:

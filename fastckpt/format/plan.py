@@ -20,7 +20,7 @@ import torch
 
 from . import dtensor as dt
 from .codec import encode_tree, path_name
-from .identity import address
+from .identity import address, address_read
 from ..errors import StateMismatchError
 
 __all__ = ["TensorEntry", "Shard", "Plan", "FlatState", "DTensorRecord", "flatten", "Planner"]
@@ -108,7 +108,6 @@ class FlatState:
 
 
 _key = path_name
-_PLAIN = (torch.Tensor, torch.nn.Parameter)  # address() is their data_ptr() when not empty (format/identity.py)
 
 
 def _data_ptr(t: torch.Tensor, path: tuple) -> int:
@@ -189,8 +188,7 @@ def flatten(state: Any) -> FlatState:
             for index in shared:
                 if _view(flat.tensors[index], ptr) == mine:
                     return index
-        # address(t) without a second data_ptr(): a plain tensor's identity is its data address, unless empty
-        index = add(t, unique(_key(path)), is_numpy, ptr if ptr and type(t) in _PLAIN else address(t))
+        index = add(t, unique(_key(path)), is_numpy, address_read(t, ptr))
         if ptr and not is_numpy:
             by_address.setdefault(ptr, []).append(index)
         return index
