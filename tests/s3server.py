@@ -20,6 +20,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 HOST = "127.0.0.1"
 DEFAULT_BUCKET = "fastckpt-test"
@@ -47,9 +48,9 @@ _BUCKET_GRACE_S = 5.0
 # tests to it). A fixed, generous count of smaller volumes leaves the real disk as the only limit: volumes are not
 # preallocated, so an unused one costs nothing.
 VOLUME_SIZE_MB = 256
+MAX_VOLUMES = 100
 # Source files of weed's log lines that are noise for a failed test: mini's admin worker reconnecting all along.
 _CHATTER = frozenset({"worker.go", "client.go"})
-MAX_VOLUMES = 100
 # Looked up in the parent: the child between fork and exec should do as little as possible.
 _PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
 _PR_SET_PDEATHSIG = 1
@@ -81,12 +82,7 @@ class S3Server:
     def problems(self, lines: int = 20) -> str:
         """The last `lines` warnings and errors of weed's log (its E/W lines, minus the admin-worker chatter
         that mini prints all along): what a failed S3 test's report shows about the server's side."""
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError as e:
-            return f"<no log: {e}>"
-        bad = [line for line in text.splitlines() if _is_problem(line)]
-        return "\n".join(bad[-lines:] if lines > 0 else [])
+        return _tail(self.log_path, lines, _is_problem)
 
     @property
     def storage_options(self) -> dict:
@@ -267,13 +263,14 @@ def _is_problem(line: str) -> bool:
             and parts[2].split(":")[0] not in _CHATTER)
 
 
-def _tail(path: Path, lines: int) -> str:
+def _tail(path: Path, lines: int, keep: Callable[[str], bool] | None = None) -> str:
+    """The last ``lines`` lines of the log at ``path`` (those ``keep`` accepts, if given)."""
     try:
         text = path.read_text(errors="replace")
     except OSError as e:
         return f"<no log: {e}>"
-    return "\n".join(text.splitlines()[-lines:])
-
+    kept = [line for line in text.splitlines() if keep is None or keep(line)]
+    return "\n".join(kept[-lines:] if lines > 0 else [])
 
 if __name__ == "__main__":
     import tempfile

@@ -326,7 +326,7 @@ def test_pinned_buffers_are_exact_registered_and_released(tmp_path, monkeypatch,
     cudart = FakeCudart()
     monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
     flat = flatten({"a": torch.ones(1000), "b": torch.ones(3000)})
-    plan = Planner(4096 * 2).plan(flat, lambda t: False)
+    plan = Planner(4096 * 2).plan(flat, set())
     tier = ShmTier(str(tmp_path), "file:///x") if shm else None
     arena = HostArena(1, None, tier)
     slot = arena.acquire(plan, pin=True, block=False)
@@ -355,7 +355,7 @@ def test_shared_memory_on_a_disk_file_system_names_the_folder_and_tmpfs(tmp_path
     if fs_type(str(tmp_path)) in ("tmpfs", "ramfs", "hugetlbfs", None):
         pytest.skip(f"needs pytest's tmp_path on a disk file system (it is on {fs_type(str(tmp_path))})")
     monkeypatch.setattr(torch.cuda, "cudart", lambda: RefusingCudart())
-    plan = Planner(4096 * 2).plan(flatten({"a": torch.ones(1000)}), lambda t: False)
+    plan = Planner(4096 * 2).plan(flatten({"a": torch.ones(1000)}), set())
     arena = HostArena(1, None, ShmTier(str(tmp_path), "file:///x"))
     with pytest.raises(FastCkptError, match=r"is on \w+, and the kernel page-locks file-backed memory only on "
                                             r"tmpfs; set staging.shm_dir to a tmpfs folder"):
@@ -370,7 +370,7 @@ def test_shared_memory_on_a_disk_file_system_names_the_folder_and_tmpfs(tmp_path
 def test_pinned_memory_is_not_unregistered_in_a_forked_child(tmp_path, monkeypatch) -> None:
     cudart = FakeCudart()
     monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
-    plan = Planner(4096 * 2).plan(flatten({"a": torch.ones(1000)}), lambda t: False)
+    plan = Planner(4096 * 2).plan(flatten({"a": torch.ones(1000)}), set())
     arena = HostArena(1, None, None)
     slot = arena.acquire(plan, pin=True, block=False)
     slot.buffer(plan.shards[0])

@@ -48,14 +48,12 @@ def test_identities_are_computed_where_a_save_path_builds_the_table_itself():
 
 
 @pytest.mark.parametrize("lazy_keys", [set(), {"model/emb.weight", "step"}, {"base", "view", "numpy", "param"}])
-def test_a_plan_from_identities_is_the_plan_from_the_predicate(lazy_keys):
-    state = _state()
-    flat = flatten(state)
+def test_a_plan_from_identities_marks_lazy_what_address_names(lazy_keys):
+    flat = flatten(_state())
     lazy = {i for i, k in zip(flat.ids, flat.keys) if k in lazy_keys}
     by_ids = Planner(1 << 20).plan(flat, lazy)
-    by_predicate = Planner(1 << 20).plan(flatten(state), lambda t: address(t) in lazy)
-    assert by_ids.key == by_predicate.key
-    assert [e.lazy for e in by_ids.entries] == [e.lazy for e in by_predicate.entries]
+    expected = [(not n) and address(src) in lazy for src, n in zip(flat.lazy_src, flat.numpy)]
+    assert [by_ids.entries[i].lazy for i in range(len(flat.tensors))] == expected
     lazy_now = {flat.keys[e.index] for e in by_ids.entries if e.lazy}
     assert lazy_now == lazy_keys - {"numpy"}  # a numpy array is never lazy: it is no optimizer's tensor
 

@@ -83,7 +83,7 @@ def _simulate_fsdp(conn: Any) -> None:
             flat.tensors.append(t), flat.keys.append(key), flat.numpy.append(False)
             flat.owners.append(-1), flat.lazy_src.append(t)
         planner = Planner(chunk_bytes=1 << 20)
-        plan = planner.plan(flat, lambda t: True)
+        plan = planner.plan(flat, set(flat.identities()))
         times["first"] = time.perf_counter() - t0
         load = _loads(plan, WORLD)
         times["assign"] = time.perf_counter() - t0 - times["first"]
@@ -92,7 +92,7 @@ def _simulate_fsdp(conn: Any) -> None:
         again.tensors += flat.tensors[len(again.tensors):]
         for name in ("keys", "numpy", "owners", "lazy_src"):
             getattr(again, name).extend(getattr(flat, name)[len(getattr(again, name)):])
-        assert planner.plan(again, lambda t: True) is plan
+        assert planner.plan(again, set(again.identities())) is plan
         times["again"] = time.perf_counter() - t0
         from fastckpt.format.identity import address
 
@@ -143,7 +143,7 @@ def test_replicated_plan_for_1024_ranks_is_balanced() -> None:
     flat = FlatState(tree=None, tensors=tensors, keys=[f"t{i}" for i in range(len(sizes))], numpy=[False] * len(sizes),
                      objects=[], owners=[-1] * len(sizes), lazy_src=tensors)
     t0 = time.perf_counter()
-    plan = Planner(chunk_bytes=1 << 20).plan(flat, lambda t: True)
+    plan = Planner(chunk_bytes=1 << 20).plan(flat, set(flat.identities()))
     load = _loads(plan, WORLD)
     elapsed = time.perf_counter() - t0
     mean = sum(load) / WORLD
@@ -160,5 +160,5 @@ def test_replicated_shards_fill_the_ranks_the_blocks_left_light() -> None:
     tensors = [torch.empty(n, device="meta") for n in sizes]
     flat = FlatState(tree=None, tensors=tensors, keys=["a", "b", "r1", "r2"], numpy=[False] * 4, objects=[],
                      owners=owners, lazy_src=tensors)
-    plan = Planner(chunk_bytes=4096).plan(flat, lambda t: True)
+    plan = Planner(chunk_bytes=4096).plan(flat, set(flat.identities()))
     assert _loads(plan, 2) == [10_000, 10_000]  # both replicated shards on rank 1, not one each

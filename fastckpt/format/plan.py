@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Collection, Hashable
+from typing import Any, Collection, Hashable
 
 import torch
 
@@ -196,9 +196,9 @@ def flatten(state: Any) -> FlatState:
     def on_dtensor(path: tuple, t: Any) -> int:
         local = t._local_tensor
         # By address(), not data_ptr(): a rank whose block of a tied DTensor is empty must dedup it as the others do
-        where = ident_local = address(local)
-        ident = ("dtensor", where, tuple(t.shape), t.dtype, tuple(t.placements), id(t.device_mesh))
-        if where != 0 and ident in seen:  # a tied DTensor (0: a meta block has no identity)
+        local_id = address(local)
+        ident = ("dtensor", local_id, tuple(t.shape), t.dtype, tuple(t.placements), id(t.device_mesh))
+        if local_id != 0 and ident in seen:  # a tied DTensor (0: a meta block has no identity)
             return seen[ident]
         key = unique(_key(path))
         layout = dt.layout_of(t, key)
@@ -214,7 +214,7 @@ def flatten(state: Any) -> FlatState:
                 block = metas.get((chunk.shape, t.dtype))
                 if block is None:
                     block = metas[(chunk.shape, t.dtype)] = torch.empty(chunk.shape, dtype=t.dtype, device="meta")
-            record.entries.append(add(block, f"{key}#dtensor@{where}", False, ident_local, chunk.owner, local))
+            record.entries.append(add(block, f"{key}#dtensor@{where}", False, local_id, chunk.owner, local))
         flat.dtensors.append(record)
         seen[ident] = record.entries[0]
         return record.entries[0]
@@ -271,16 +271,11 @@ class Planner:
         self._lock = threading.Lock()
         self.plans_built = 0
 
-    def plan(self, flat: FlatState, is_lazy: Callable[[torch.Tensor], bool] | Collection[Hashable],
-             chunk_bytes: int | None = None) -> Plan:
-        """Return the cached plan for this structure, building it on the first sight. ``is_lazy``: whether a
-        tensor (its ``lazy_src``) is copied lazily, or the identities (``FlatState.identities``) of those that are.
-        ``chunk_bytes``: this plan's shard size instead of the Planner's (a smaller one splits a shared file finer
-        between ranks)."""
-        if callable(is_lazy):
-            lazy = [(not n) and is_lazy(src) for src, n in zip(flat.lazy_src, flat.numpy)]
-        else:
-            lazy = [(not n) and i in is_lazy for i, n in zip(flat.identities(), flat.numpy)]
+    def plan(self, flat: FlatState, lazy_ids: Collection[Hashable], chunk_bytes: int | None = None) -> Plan:
+        """Return the cached plan for this structure, building it on the first sight. ``lazy_ids``: the identities
+        (``FlatState.identities``) of the tensors copied lazily. ``chunk_bytes``: this plan's shard size instead of
+        the Planner's (a smaller one splits a shared file finer between ranks)."""
+        lazy = [(not n) and i in lazy_ids for i, n in zip(flat.identities(), flat.numpy)]
         # Names are not part of the key: a state whose keys change every save (Lightning's
         # best_k_models is keyed by file path) still reuses one plan and one set of buffers.
         key = tuple((t.dtype, tuple(t.shape), lz, o) for t, lz, o in zip(flat.tensors, lazy, flat.owners))
