@@ -28,7 +28,8 @@ def section(result: dict[str, Any] | None) -> str:
 
 # Sections other commands write by hand-run measurements (benchmarks.health, benchmarks.preempt_flush), kept like
 # the GPU section when benchmarks.run rewrites the report.
-CARRIED = ("## Health statistics cost", "## Where the stall goes", "## Background thread placement")
+CARRIED = ("## Health statistics cost", "## Where the stall goes", "## Background thread placement",
+           "## Background thread placement, busy host")
 
 
 def merge(report: str, sect: str, heading: str = "## GPU") -> str:

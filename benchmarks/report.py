@@ -394,6 +394,9 @@ def _pm(row: dict[str, Any]) -> str:
         return "-"
     pooled = row.get("pooled")
     more = f" ({pooled['windows']} windows, {pooled['runs']} runs pooled)" if pooled and pooled.get("windows") else ""
+    if pooled and pooled.get("between_runs_noise_s") is not None:
+        runs = ", ".join(_s(x) for x in pooled["run_stalls_s"])
+        more = more[:-1] + f"; the runs: {runs}, ± {_s(pooled['between_runs_noise_s'])} between them)"
     return f"{_s(row['stall_s'])} ± {_s(row['noise_s'])}{more}"
 
 
@@ -778,7 +781,8 @@ def markdown(results: dict[str, Any], s: dict[str, Any], chart_rel: str) -> str:
             f"{plan['verdict_rounds']} time(s), and their paired differences are pooled with the first run's "
             "(benchmarks/verdicts.py); a verdict already decided either way is not measured again. A pooled stall "
             "says how many windows and runs it holds; its other figures (save() blocks, RSS, restore) are the first "
-            "run's.")
+            "run's. Over 3 runs or more a pooled stall's noise is the larger of its windows' standard error and its "
+            "runs' (the spread of their stalls over the root of their count).")
     md.append("")
     return "\n".join(md)
 
@@ -809,7 +813,10 @@ def busy_markdown(busy: dict[str, Any], rows: list[dict[str, Any]], plan: dict[s
         f"{plan.get('busy_durable_reps')} back-to-back `save()` + flush pairs: the time to a durable commit "
         "when the caller waits for it. fastckpt runs its default `persist.priority` (`normal` since 2026-11-26: "
         "lowered I/O threads that hold the GIL when preempted stalled training for seconds here; see docs/API.md). "
-        "The last row is fastckpt's same loop with no neighbours: the reference of the busy stall.",
+        "The last row is fastckpt's same loop with no neighbours: the reference of the busy stall."
+        + (f" Both fastckpt rows are measured in {plan['busy_min_runs']} runs at least, decided or not, their windows "
+           "pooled: one run's noise, taken over its own windows, hid a spread of 31 to 50 ms between two runs of the "
+           "same code minutes apart (benchmarks/verdicts.py)." if plan.get("busy_min_runs", 1) > 1 else ""),
         "",
     ]
     body = []

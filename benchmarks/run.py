@@ -59,6 +59,7 @@ class Plan:
     busy_every: int = 10
     busy_n_ckpt: int = 12  # 4 windows left the busy stall's noise at +-180 ms (2026-11-28): 3x the windows, /1.7
     busy_durable_reps: int = 3
+    busy_min_runs: int = verdicts.BUSY_MIN_RUNS  # runs of each before the busy stall's verdict (verdicts.py)
     busy_neighbours: int | None = None  # None: two per CPU (benchmarks/busy.py says why)
     busy_pin: bool = True  # each neighbour pinned to one CPU, round robin
     # Where a stall verdict (plain loop, Lightning, Accelerate, busy host) is inconclusive, fastckpt and its reference
@@ -96,7 +97,7 @@ FULL_PLAN = Plan(shape=wl.FULL, warmup=2, every=12, n_ckpt=6, fw_every=6, fw_n_c
                  verdict_rounds=1)
 QUICK_PLAN = Plan(shape=wl.QUICK, warmup=1, every=2, n_ckpt=2, fw_every=2, fw_n_ckpt=2, base_steps=4, io_reps=1,
                   cold_load=True, rss_saves=3, rss_every=2, task_timeout=120, busy_shape=wl.QUICK, busy_every=2,
-                  busy_n_ckpt=1, busy_durable_reps=1)
+                  busy_n_ckpt=1, busy_durable_reps=1, busy_min_runs=1)
 
 
 def log(msg: str) -> None:
@@ -260,7 +261,7 @@ def run_busy(run: Runner, plan: Plan, ck: str, peer_names: list[str]) -> dict[st
     log(f"busy host: {n} CPU-bound neighbour processes beside every peer's loop")
     out: dict[str, Any] = {"neighbours": n, "pinned": plan.busy_pin, "peers": {}, "plan": {  # a section may be merged
         "busy_shape": plan.busy_shape.to_dict(), "busy_every": plan.busy_every, "busy_n_ckpt": plan.busy_n_ckpt,
-        "busy_durable_reps": plan.busy_durable_reps}}
+        "busy_durable_reps": plan.busy_durable_reps, "busy_min_runs": plan.busy_min_runs}}
     def args(peer: str, with_neighbours: bool = True, n_ckpt: int = plan.busy_n_ckpt) -> dict[str, Any]:
         return dict(peer=peer, shape=plan.busy_shape.to_dict(), root=ck, warmup=plan.warmup, every=plan.busy_every,
                     n_ckpt=n_ckpt, base_steps=plan.base_steps, durable_reps=plan.busy_durable_reps,
@@ -276,7 +277,7 @@ def run_busy(run: Runner, plan: Plan, ck: str, peer_names: list[str]) -> dict[st
     if "fastckpt" in peer_names:  # the same loop without neighbours: issue 27's "no worse than 2x the quiet stall"
         out["quiet"] = run("busy host: fastckpt with no neighbours (reference)", "busy", args("fastckpt", False))
         verdicts.top_up_busy(run, out, lambda with_neighbours, n_ckpt: args("fastckpt", with_neighbours, n_ckpt),
-                             plan.verdict_rounds, plan.busy_n_ckpt, log)
+                             plan.verdict_rounds, plan.busy_n_ckpt, log, plan.busy_min_runs)
     return out
 
 

@@ -12,7 +12,14 @@ rounds per comparison; a comparison already decided either way (met *or* NOT met
 extra windows buy precision, not a chosen answer. The report names, per stall, the runs and windows it pools.
 
 The busy-host stall is judged the same way against fastckpt's own loop on the quiet host (``top_up_busy``): its two
-runs are the ones measured again.
+runs are the ones measured again, and never fewer than ``BUSY_MIN_RUNS`` times each, decided or not: the same code
+gave 31 +- 4 ms (met) and 50 +- 5 ms (NOT met) in two busy runs minutes apart (2026-11-30), a spread between runs
+that one run's noise, taken over its own windows, does not show.
+
+Pooled over three runs or more, a stall's noise is the larger of the pooled windows' standard error and that of the
+runs' own stalls (their standard deviation over the square root of their count): windows of one run share its
+spells of the host (which CPU the scheduler left the training thread, the disk's mood), so pooling them across runs
+must not claim more precision than the runs agree to.
 """
 from __future__ import annotations
 
@@ -23,6 +30,8 @@ from typing import Any
 from fastckpt.timeline import median_and_noise
 
 from . import report
+
+BUSY_MIN_RUNS = 3  # runs of fastckpt beside the neighbours and on the quiet host before the busy verdict counts
 
 # (section, the target's name in report.targets, the reference config; None: the best peer of the plain loop)
 COMPARISONS: dict[str, tuple[str, str | None]] = {
@@ -68,8 +77,13 @@ def pool(entry: dict[str, Any], extra: dict[str, Any]) -> None:
         return  # reported as is: the first run's figures stand
     res = entry["result"]
     pooled = res.setdefault("pooled", {"runs": 1, "first": {k: res[k] for k in ("stall_s", "noise_s")}})
+    per_run = pooled.setdefault("run_stalls_s", [pooled["first"]["stall_s"]])
+    per_run.append(median_and_noise(extra["result"]["stall_pairs_s"])[0])
     pairs = list(res["stall_pairs_s"]) + list(extra["result"]["stall_pairs_s"])
     res["stall_s"], res["noise_s"] = median_and_noise(pairs)
+    if len(per_run) >= 3:  # enough runs to see their spread: the windows of one run are not independent draws
+        pooled["between_runs_noise_s"] = statistics.stdev(per_run) / len(per_run) ** 0.5
+        res["noise_s"] = max(res["noise_s"], pooled["between_runs_noise_s"])
     res["stall_mean_s"] = statistics.fmean(pairs)
     res["stall_pairs_s"] = pairs
     pooled["runs"] += 1
@@ -102,18 +116,30 @@ def busy_verdict(busy: dict[str, Any]) -> bool | None:
     raise KeyError(f"no target {BUSY!r} in the busy section")
 
 
+def _runs(entry: dict[str, Any]) -> int:
+    return int((entry["result"].get("pooled") or {}).get("runs", 1))
+
+
 def top_up_busy(run: Run, busy: dict[str, Any], args_for: Callable[[bool, int], dict[str, Any]], rounds: int,
-                n_ckpt: int, log: Callable[[str], None]) -> None:
-    """Run fastckpt beside the neighbours and on the quiet host again (``n_ckpt`` windows each) while the busy
-    stall's verdict is inconclusive, at most ``rounds`` times. ``args_for(busy, n_ckpt)``: the busy task's
-    arguments, with the neighbours (True) or without them (False)."""
-    for i in range(rounds):
+                n_ckpt: int, log: Callable[[str], None], min_runs: int = BUSY_MIN_RUNS) -> None:
+    """Run fastckpt beside the neighbours and on the quiet host again (``n_ckpt`` windows each) until each holds
+    ``min_runs`` runs, decided or not, then while the busy stall's verdict is inconclusive, at most ``rounds`` more
+    times. ``args_for(busy, n_ckpt)``: the busy task's arguments, with the neighbours (True) or without them
+    (False)."""
+    extra = 0
+    for _ in range(max(0, min_runs - 1) + rounds):  # bounded: a failed run is kept, not counted (``pool``)
         entries = {True: busy.get("peers", {}).get("fastckpt"), False: busy.get("quiet")}
-        if not all(_measured(e) for e in entries.values()) or busy_verdict(busy) is not None:
+        if not all(_measured(e) for e in entries.values()):
             return
-        log(f"busy host: the stall verdict is inconclusive: fastckpt with and without the neighbours runs again "
-            f"with {n_ckpt} windows each (round {i + 1} of {rounds})")
+        if min(_runs(e) for e in entries.values()) < min_runs:  # type: ignore[arg-type]
+            why = f"each is measured in {min_runs} runs at least"
+        elif busy_verdict(busy) is None and extra < rounds:
+            extra += 1
+            why = f"the stall verdict is inconclusive (round {extra} of {rounds})"
+        else:
+            return
+        i = max(_runs(e) for e in entries.values())  # type: ignore[arg-type]
+        log(f"busy host: {why}: fastckpt with and without the neighbours runs again with {n_ckpt} windows each")
         for with_neighbours, entry in entries.items():
             what = "beside the neighbours" if with_neighbours else "with no neighbours"
-            pool(entry, run(f"busy host: fastckpt {what} (more windows, round {i + 1})", "busy",
-                            args_for(with_neighbours, n_ckpt)))
+            pool(entry, run(f"busy host: fastckpt {what} (run {i + 1})", "busy", args_for(with_neighbours, n_ckpt)))

@@ -111,7 +111,8 @@ class PersistOptions(_Freezable):
     background_cpus: str | list[int] = "auto"
     """Where the background threads (the copy, I/O and commit threads, and a persister process's) run: ``auto``
     on the last ``cpu_threads`` CPUs this process may use (at most all but one; none where it may use one, or where
-    torchrun started several ranks on the node), so that they do not take turns with training on its core; ``all``
+    torchrun started several ranks on the node), and at each ``save()`` never on the CPU the training thread runs on
+    then, so that they do not take turns with training on its core; ``all``
     wherever the scheduler puts them; or a list of CPU ids (fastckpt/engine/affinity.py). Training's own threads are
     never moved."""
     chunk_bytes: int = 128 * 1024 * 1024

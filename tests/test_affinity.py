@@ -104,8 +104,59 @@ def test_placement_moves_enlisted_threads_and_places_later_ones_on_arrival() -> 
     assert calls == [(me, frozenset(CPUS))]
 
 
+def test_auto_keeps_off_the_cpu_the_training_thread_runs_on_now() -> None:
+    assert resolve("auto", 1, [0, 1], avoid=1) == frozenset({0})
+    assert resolve("auto", 1, [0, 1], avoid=0) == frozenset({1})
+    assert resolve("auto", 1, [0, 1], avoid=None) == frozenset({1})  # the OS cannot say: the last one
+    assert resolve("auto", 1, [0, 1], avoid=5) == frozenset({1})  # not one of ours (the mask changed): as unknown
+    assert resolve("auto", 3, [0, 1, 2, 3, 4, 5, 6, 7], avoid=6) == frozenset({4, 5, 7})
+    assert resolve("auto", 8, [0, 1, 2, 3], avoid=3) == frozenset({0, 1, 2})  # still all but one
+    assert resolve([1], 1, [0, 1], avoid=1) == frozenset({1})  # a list is obeyed as it is
+    assert resolve("all", 1, [0, 1], avoid=1) is None
+
+
+def test_refresh_follows_the_calling_threads_cpu_under_auto_only(monkeypatch) -> None:
+    monkeypatch.setattr(affinity, "usable", lambda: [0, 1])
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    now = [1]
+    asked: list[int] = []
+
+    def where() -> int:
+        asked.append(now[0])
+        return now[0]
+
+    p = ThreadPlacement(apply=lambda tid, cpus: None, where=where)
+    p.follow("auto", lambda: 1)
+    assert p.cpus == frozenset({0})
+    now[0] = 0
+    p.refresh()
+    assert p.cpus == frozenset({1})
+    asked.clear()
+    p.follow([1], lambda: 1)
+    assert p.cpus == frozenset({1}) and asked == []  # a list: where training runs is not even asked
+
+
+def test_current_cpu_is_one_this_thread_may_run_on() -> None:
+    cpu = affinity.current_cpu()
+    if cpu is None:
+        pytest.skip("this OS cannot say which CPU a thread runs on (no sched_getcpu)")
+    assert cpu in set(os.sched_getaffinity(0))
+
+
 @needs_two
-def test_a_checkpointers_threads_run_on_the_last_cpu_and_training_is_never_moved(tmp_path) -> None:
+def test_a_checkpointers_threads_run_off_the_training_threads_cpu_and_training_is_never_moved(
+        tmp_path, monkeypatch) -> None:
+    """Where the training thread runs is asked on the training thread, inside each ``save()``; the scheduler moving it
+    onto the background's CPU moves the background at the next save. (The CPU is faked: pinning the test's thread
+    would change the mask ``auto`` reads.)"""
+    now = [CPUS[0]]
+    askers: set[int] = set()
+
+    def where() -> int:
+        askers.add(threading.get_ident())
+        return now[0]
+
+    monkeypatch.setattr(affinity, "current_cpu", where)
     before = set(os.sched_getaffinity(0))
     state = {"w": torch.randn(1 << 16), "b": torch.randn(7)}
     alive = _alive()
@@ -113,7 +164,13 @@ def test_a_checkpointers_threads_run_on_the_last_cpu_and_training_is_never_moved
         ck.save(state, 1).wait()
         ours = _ours(alive)
         assert ours and all(cpus == {CPUS[-1]} for cpus in ours.values()), ours
-        assert set(os.sched_getaffinity(0)) == before  # the training thread's own mask
+        now[0] = CPUS[-1]
+        state["w"].add_(1)
+        ck.save(state, 2).wait()
+        ours = _ours(alive)
+        assert ours and all(cpus == {CPUS[-2]} for cpus in ours.values()), ours
+        assert set(os.sched_getaffinity(0)) == before  # the training thread's own mask, untouched
+        assert askers == {threading.get_ident()}
         got = ck.load()
     assert torch.equal(got["w"], state["w"]) and torch.equal(got["b"], state["b"])
 

@@ -28,3 +28,27 @@ def test_the_section_names_the_settings_their_figures_and_where_the_threads_ran(
     assert "| `all` | 6 | 75 +- 8 ms | 75 ms | fastckpt-copy: [0, 1] |" in md
     assert "| `auto` | 6 | 13 +- 9 ms | 15 ms | fastckpt-copy: [1] |" in md
     assert placement.HEADING in gpu_report.CARRIED  # a full run's re-render keeps it
+
+
+def _busy_runs() -> list[dict]:
+    return [{"setting": "last", "stalls_s": [0.03, 0.04, 0.05], "step_s": 0.06, "threads": [("background_cpus", (1,))]},
+            {"setting": "auto", "stalls_s": [0.01, 0.02, 0.03], "step_s": 0.06, "threads": [("background_cpus",
+                                                                                             ("auto",))]},
+            {"setting": "auto", "stalls_s": [0.05, 0.04, 0.06], "step_s": 0.07, "threads": [("background_cpus",
+                                                                                             ("auto",))]},
+            {"setting": "last", "stalls_s": [0.04, 0.03, 0.04], "step_s": 0.06, "threads": [("background_cpus", (1,))]}]
+
+
+def test_the_busy_section_shows_each_runs_own_median_beside_the_pooled_figures() -> None:
+    got = placement.summary(_busy_runs(), placement.BUSY_SETTINGS)
+    assert got["auto"]["run_medians_s"] == [0.02, 0.05] and got["last"]["run_medians_s"] == [0.04, 0.04]
+    md = placement.busy_markdown(_busy_runs(), "python -m benchmarks.placement --busy --runs 2", "test machine")
+    assert md.startswith(placement.BUSY_HEADING + "\n")
+    assert "| `auto` | 6 | 35 +- 8 ms | 35 ms | 20, 50 ms |" in md
+    assert "| `last` | 6 | 38 +- 3 ms | 40 ms | 40, 40 ms |" in md
+    assert placement.BUSY_HEADING in gpu_report.CARRIED
+    # the two sections are told apart by their whole heading: merging one leaves the other
+    both = gpu_report.merge(gpu_report.merge("# r\n\n## Methodology\n", "## Background thread placement\n\nA\n",
+                                             placement.HEADING), md, placement.BUSY_HEADING)
+    assert gpu_report.existing(both, placement.HEADING) == "## Background thread placement\n\nA\n\n"
+    assert gpu_report.existing(both, placement.BUSY_HEADING).startswith(placement.BUSY_HEADING)

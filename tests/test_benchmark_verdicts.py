@@ -69,7 +69,8 @@ def test_an_inconclusive_plain_loop_verdict_reruns_fastckpt_and_the_best_peer_an
     assert fast["stall_pairs_s"] == WIDE + tight["fastckpt"]
     assert (fast["stall_s"], fast["noise_s"]) == median_and_noise(WIDE + tight["fastckpt"])
     assert fast["pooled"] == {"runs": 2, "windows": 20, "first": {"stall_s": median_and_noise(WIDE)[0],
-                                                                  "noise_s": median_and_noise(WIDE)[1]}}
+                                                                  "noise_s": median_and_noise(WIDE)[1]},
+                              "run_stalls_s": [median_and_noise(WIDE)[0], median_and_noise(tight["fastckpt"])[0]]}
     assert len(results["core"]["fastckpt"]["extra_runs"]) == 1
     assert "extra_runs" not in results["core"]["dcp_default"]
     assert verdicts.verdict("core", results) is True
@@ -154,10 +155,10 @@ def _busy(fast: list[float], quiet: list[float]) -> dict[str, Any]:
     return {"neighbours": 3, "peers": {"fastckpt": _busy_result(fast)}, "quiet": _busy_result(quiet)}
 
 
-def _top_up_busy(busy: dict[str, Any], run: FakeRun, rounds: int = 1) -> None:
+def _top_up_busy(busy: dict[str, Any], run: FakeRun, rounds: int = 1, min_runs: int = 1) -> None:
     verdicts.top_up_busy(run, busy, lambda with_neighbours, n: {"peer": "fastckpt", "n_ckpt": n,
                                                                 "n_neighbours": 3 if with_neighbours else 0},
-                         rounds, 12, lambda msg: None)
+                         rounds, 12, lambda msg: None, min_runs)
 
 
 BUSY_WIDE = [0.01, 0.09, 0.03, 0.12, 0.02, 0.08, 0.05, 0.1, 0.0, 0.07, 0.04, 0.11]  # ~0.06 +- ~0.03
@@ -184,6 +185,57 @@ def test_a_decided_busy_verdict_is_never_measured_again(fast: list[float], decid
     assert verdicts.busy_verdict(busy) is decided
     _top_up_busy(busy, FakeRun(lambda config, args: pytest.fail("a decided verdict ran a task")), rounds=3)
     assert "pooled" not in busy["peers"]["fastckpt"]["result"]
+
+
+@pytest.mark.parametrize("fast, decided", [([0.03] * 12, True), ([0.2] * 12, False)])
+def test_a_decided_busy_verdict_still_gets_its_minimum_runs_and_no_more(fast: list[float], decided: bool) -> None:
+    busy = _busy(fast, QUIET)
+    assert verdicts.busy_verdict(busy) is decided
+    run = FakeRun(lambda config, args: _busy_result(fast if args["n_neighbours"] else QUIET))
+    _top_up_busy(busy, run, rounds=3, min_runs=3)
+    assert [c[2]["n_neighbours"] for c in run.calls] == [3, 0, 3, 0]  # two more runs of each, then decided: none
+    assert busy["peers"]["fastckpt"]["result"]["pooled"]["runs"] == 3 == busy["quiet"]["result"]["pooled"]["runs"]
+    assert verdicts.busy_verdict(busy) is decided
+
+
+def test_minimum_runs_come_first_then_rounds_only_while_inconclusive() -> None:
+    busy = _busy(BUSY_WIDE, QUIET)
+    bases = iter([0.03, 0.07, 0.04, 0.06])  # runs that disagree: the verdict stays inconclusive
+    run = FakeRun(lambda config, args: _busy_result([base + 0.001 * (i % 3) for base in [next(bases)]
+                                                     for i in range(12)] if args["n_neighbours"] else QUIET))
+    _top_up_busy(busy, run, rounds=2, min_runs=3)
+    assert len(run.calls) == 2 * (2 + 2)  # 2 to reach 3 runs, then both rounds: still inconclusive after 3 and 4
+    assert busy["peers"]["fastckpt"]["result"]["pooled"]["runs"] == 5
+
+
+def test_a_failing_run_cannot_loop_forever() -> None:
+    busy = _busy([0.03] * 12, QUIET)
+    run = FakeRun(lambda config, args: {"ok": False, "error": "worker exited with 1"})
+    _top_up_busy(busy, run, rounds=1, min_runs=3)
+    assert len(run.calls) == 2 * (2 + 1)  # every attempt failed: bounded by min_runs - 1 + rounds
+    assert len(busy["peers"]["fastckpt"]["extra_runs"]) == 3 and "pooled" not in busy["peers"]["fastckpt"]["result"]
+
+
+def test_three_runs_that_disagree_widen_the_noise_beyond_their_windows() -> None:
+    """Each run tight around its own stall, the runs 30 ms apart: the pooled windows alone claim ~1 ms."""
+    runs = [[base + 0.001 * (i % 3) for i in range(12)] for base in (0.02, 0.05, 0.08)]
+    entry = _busy_result(runs[0])
+    for pairs in runs[1:]:
+        verdicts.pool(entry, _busy_result(pairs))
+    res = entry["result"]
+    windows_only = median_and_noise([x for r in runs for x in r])[1]
+    between = statistics.stdev([median_and_noise(r)[0] for r in runs]) / 3 ** 0.5
+    assert res["pooled"]["between_runs_noise_s"] == pytest.approx(between) and between > windows_only
+    assert res["noise_s"] == pytest.approx(between)
+    assert "the runs: 21 ms, 51 ms, 81 ms, ± 17 ms between them" in report._pm(
+        {"stall_s": res["stall_s"], "noise_s": res["noise_s"], "pooled": res["pooled"]})
+
+
+def test_two_runs_keep_the_windows_noise() -> None:
+    entry = _busy_result([0.02] * 6 + [0.021] * 6)
+    verdicts.pool(entry, _busy_result([0.08] * 12))
+    assert "between_runs_noise_s" not in entry["result"]["pooled"]
+    assert entry["result"]["noise_s"] == pytest.approx(median_and_noise(entry["result"]["stall_pairs_s"])[1])
 
 
 def test_a_busy_section_without_its_quiet_run_is_not_measured_again() -> None:
