@@ -15,8 +15,10 @@ the background threads' placement is what counts.)
 training thread and the scheduler's placement of it; and at each ``save()`` never on the CPU the training thread is
 running on right then (``sched_getcpu``): the scheduler moves the training thread between steps, and on the busy
 host (two CPU-bound neighbours pinned to each of 2 CPUs) it was on the last CPU, sharing it with every background
-thread, in ~40% of the steps. Placed away from it at each save: stall per checkpoint 46.2 +- 3.3 ms against 52.4
-+- 3.8 ms (6 runs of 19 checkpoints each, in turns, 2026-11-30). Not where torchrun started several ranks on the node
+thread, in ~40% of the steps. Placed away from it at each save, the busy host's stall per checkpoint (``python -m
+benchmarks.placement --busy --runs 8``, 96 checkpoints per setting in turns, 2026-11-30): 32 +- 3 ms (median 31)
+against 37 +- 3 ms (median 34) held on the last CPU; two earlier trials of the same, 31.0 +- 3.6 against 37.7 +- 2.6
+and 46.2 +- 3.3 against 52.4 +- 3.8 ms. Not where torchrun started several ranks on the node
 (``LOCAL_WORLD_SIZE`` > 1): every rank would put its threads on the same last cores, so there each rank's threads
 are left to the scheduler (a list per rank places them). ``all``: no pinning. A list of CPU ids: exactly those (a CPU
 the process may not use is a ``ConfigError`` naming the field and the usable ones). An OS without per-thread
