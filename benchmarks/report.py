@@ -392,11 +392,12 @@ def _gb(x: float | None) -> str:
 def _pm(row: dict[str, Any]) -> str:
     if row.get("stall_s") is None:
         return "-"
-    pooled = row.get("pooled")
-    more = f" ({pooled['windows']} windows, {pooled['runs']} runs pooled)" if pooled and pooled.get("windows") else ""
-    if pooled and pooled.get("between_runs_noise_s") is not None:
+    pooled = row.get("pooled") or {}
+    parts = [f"{pooled['windows']} windows, {pooled['runs']} runs pooled"] if pooled.get("windows") else []
+    if pooled.get("between_runs_noise_s") is not None:
         runs = ", ".join(_s(x) for x in pooled["run_stalls_s"])
-        more = more[:-1] + f"; the runs: {runs}, ± {_s(pooled['between_runs_noise_s'])} between them)"
+        parts.append(f"the runs: {runs}, ± {_s(pooled['between_runs_noise_s'])} between them")
+    more = f" ({'; '.join(parts)})" if parts else ""
     return f"{_s(row['stall_s'])} ± {_s(row['noise_s'])}{more}"
 
 
