@@ -78,7 +78,7 @@ def pool(entry: dict[str, Any], extra: dict[str, Any]) -> None:
     res = entry["result"]
     pooled = res.setdefault("pooled", {"runs": 1, "first": {k: res[k] for k in ("stall_s", "noise_s")}})
     per_run = pooled.setdefault("run_stalls_s", [pooled["first"]["stall_s"]])
-    per_run.append(median_and_noise(extra["result"]["stall_pairs_s"])[0])
+    per_run.append(extra["result"]["stall_s"])  # the run's own median, as the first's (measure.paired_stall)
     pairs = list(res["stall_pairs_s"]) + list(extra["result"]["stall_pairs_s"])
     res["stall_s"], res["noise_s"] = median_and_noise(pairs)
     if len(per_run) >= 3:  # enough runs to see their spread: the windows of one run are not independent draws
