@@ -19,12 +19,12 @@ thread, in ~40% of the steps. Placed away from it at each save, the busy host's 
 benchmarks.placement --busy --runs 8``, 96 checkpoints per setting in turns, 2026-11-30): 32 +- 3 ms (median 31)
 against 37 +- 3 ms (median 34) held on the last CPU; two earlier trials of the same, 31.0 +- 3.6 against 37.7 +- 2.6
 and 46.2 +- 3.3 against 52.4 +- 3.8 ms. A persister process's threads (fastckpt/tiers/persister.py) are placed once,
-on the last CPUs: that process cannot see where the training thread runs. Not where torchrun started several ranks on the node
-(``LOCAL_WORLD_SIZE`` > 1): every rank would put its threads on the same last cores, so there each rank's threads
-are left to the scheduler (a list per rank places them). ``all``: no pinning. A list of CPU ids: exactly those (a CPU
-the process may not use is a ``ConfigError`` naming the field and the usable ones). An OS without per-thread
-affinity, or a kernel that refuses, leaves the threads where they are: placement is an optimisation, never a
-reason to fail a checkpoint.
+on the last CPUs: that process cannot see where the training thread runs. Not where torchrun started several ranks on
+the node (``LOCAL_WORLD_SIZE`` > 1): every rank would put its threads on the same last cores, so there each rank's
+threads are left to the scheduler (a list per rank places them). ``all``: no pinning. A list of CPU ids: exactly
+those (a CPU the process may not use is a ``ConfigError`` naming the field and the usable ones). An OS without
+per-thread affinity, or a kernel that refuses, leaves the threads where they are: placement is an optimisation, never
+a reason to fail a checkpoint.
 """
 from __future__ import annotations
 
