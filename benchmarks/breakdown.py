@@ -49,6 +49,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "default": {},
     "priority idle": {"persist": {"priority": "idle"}},
     "no_health": {"health": {"enabled": False}},
+    # staging.crc_in_copy: the copy thread's one pass takes the CRC32C and, since 2026-11-30, the health statistics
+    "single_pass": {"staging": {"crc_in_copy": True}},
     # the release before 2026-11-26's CPU gate (persist.cpu_threads: auto): every background thread's CPU work at once
     "no gate": {"persist": {"cpu_threads": 64}},
     # the release before 2026-11-29's placement (persist.background_cpus: auto): the background threads on any core

@@ -8,6 +8,7 @@ bandwidth and never holds a closing pipeline.
 """
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections import Counter
@@ -106,6 +107,76 @@ def test_copy_with_crcs_matches_a_separate_pass() -> None:
         assert crcs[e.index] == crc32c(memoryview(staged.numpy()))
 
 
+_TENSOR_PASS = healthpass.tensor_pass
+
+
+def _saved_health(root, in_copy: bool, monkeypatch) -> tuple[dict, set[str]]:
+    """One lazy save of a state with a NaN and an Inf; its manifest's health record and the threads that measured."""
+    threads: set[str] = set()
+
+    def seen(*args, **kwargs):
+        threads.add("-".join(threading.current_thread().name.split("-")[:2]))
+        return _TENSOR_PASS(*args, **kwargs)
+
+    monkeypatch.setattr(healthpass, "tensor_pass", seen)
+    monkeypatch.setattr(onepass, "tensor_pass", seen)
+    model = _model()
+    with torch.no_grad():
+        model["big"][100_000], model["odd"][3] = float("nan"), float("-inf")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = {"model": model.state_dict(), "optim": opt.state_dict()}
+    want = clone_state(state)
+    with Checkpointer(CheckpointConfig(root=str(root), staging={"crc_in_copy": in_copy})) as ck:
+        ck.watch(opt)  # lazy: the copy thread stages the parameters
+        ck.save(state, 1)
+        ck.wait()
+        assert_bit_equal(want, ck.load(1))  # every file's CRC checked on load
+    doc = json.loads((root / "step-000000001" / "manifest.json").read_text())
+    return doc["health"], threads
+
+
+def test_health_in_the_copy_pass_equals_the_io_workers(tmp_path, monkeypatch) -> None:
+    """With ``crc_in_copy`` the copy thread's one pass also takes the health statistics (no I/O worker measures
+    again), and the record is the one the I/O workers write: counts, extremes and fingerprints exact, L2 norms
+    within 1e-9 (the same groups, the same sums)."""
+    fused, fused_threads = _saved_health(tmp_path / "fused", True, monkeypatch)
+    apart, apart_threads = _saved_health(tmp_path / "apart", False, monkeypatch)
+    assert fused_threads == {"fastckpt-copy"}, fused_threads
+    assert "fastckpt-copy" not in apart_threads, apart_threads
+    assert fused["healthy"] is False and (fused["nan"], fused["inf"]) == (apart["nan"], apart["inf"]) == (1, 1)
+    assert fused["tensors"].keys() == apart["tensors"].keys() and fused["complete"] and apart["complete"]
+    for key, stats in apart["tensors"].items():
+        got = fused["tensors"][key]
+        assert {k: got[k] for k in ("n", "nan", "inf", "absmax", "fp")} == \
+            {k: stats[k] for k in ("n", "nan", "inf", "absmax", "fp")}, key
+        assert got["l2"] == stats["l2"] or abs(got["l2"] - stats["l2"]) <= 1e-9 * stats["l2"], key
+
+
+def test_copy_with_health_copies_every_byte_and_measures_the_staged_copy() -> None:
+    """Block by block (tensors over several blocks, an odd tail, an empty one): the staged bytes equal the sources,
+    the CRCs equal a separate pass's, the statistics equal ``tensor_pass`` on the staged bytes."""
+    from fastckpt.format.plan import TensorEntry
+
+    torch.manual_seed(2)
+    srcs: list[torch.Tensor | None] = [torch.randn(3 * healthpass.GRAIN + 700), torch.randn(5), torch.empty(0),
+                                       torch.randn(1001).to(torch.bfloat16)]
+    entries, offset = [], 0
+    for i, t in enumerate(srcs):
+        nbytes = t.numel() * t.element_size()  # type: ignore[union-attr]
+        entries.append(TensorEntry(index=i, dtype=t.dtype, shape=tuple(t.shape),  # type: ignore[union-attr]
+                                   nbytes=nbytes, lazy=True, shard=0, offset=offset))
+        offset += nbytes
+    buf = torch.zeros(offset, dtype=torch.uint8)
+    crcs, stats = onepass.copy_with_health(buf, entries, list(srcs), ["a", "b", "c", "d"])
+    for e, t, key in zip(entries, srcs, "abcd"):
+        staged = buf[e.offset: e.offset + e.nbytes]
+        assert torch.equal(staged.view(t.dtype), t)  # type: ignore[union-attr]
+        assert crcs[e.index] == crc32c(memoryview(staged.numpy()))
+        want = healthpass.tensor_pass(staged, e.dtype)[0]
+        assert {k: v for k, v in stats[key].items() if k != "l2"} == {k: v for k, v in want.items() if k != "l2"}
+        assert abs(stats[key]["l2"] - want["l2"]) <= 1e-9 * max(want["l2"], 1.0)
+
+
 @pytest.mark.parametrize("section,field", [("staging", "crc_in_copy"), ("persist", "pace_writes")])
 def test_flags_are_validated(tmp_path, section: str, field: str) -> None:
     with pytest.raises(ConfigError, match=f"{section}.{field} must be true or false"):
@@ -164,27 +235,30 @@ def test_paced_writes_restore_bit_exact(tmp_path) -> None:
     ck.close()
 
 
-def test_a_write_landing_during_the_single_pass_copy_is_refused(tmp_path, monkeypatch) -> None:
-    """The mutation guard's checks around each entry hold on the single-pass path too: a write that lands right
-    after a tensor was copied and checksummed fails the save, and nothing is committed."""
-    import fastckpt.engine.pipeline as pipeline
+@pytest.mark.parametrize("health", [True, False])
+def test_a_write_landing_during_the_single_pass_copy_is_refused(tmp_path, monkeypatch, health: bool) -> None:
+    """The mutation guard's checks around each entry hold on the single-pass path too (with the health statistics
+    in it or not): a write that lands right after a tensor was copied and checksummed fails the save, and nothing
+    is committed."""
     from fastckpt import SnapshotMutatedError
 
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    real = pipeline.copy_with_crcs
+    name = "copy_with_health" if health else "copy_with_crcs"
+    real = getattr(onepass, name)
 
-    def copy_then_write(buf, entries, tensors):  # the "concurrent" write, deterministically placed
+    def copy_then_write(buf, entries, tensors, *rest):  # the "concurrent" write, deterministically placed
         def each():
             for e in entries:
                 yield e
                 if tensors[e.index].data_ptr() == model["odd"].data_ptr():
                     with torch.no_grad():
                         model["odd"].add_(1.0)  # copied and checksummed: its after-copy check must see this
-        return real(buf, each(), tensors)
+        return real(buf, each(), tensors, *rest)
 
-    monkeypatch.setattr(pipeline, "copy_with_crcs", copy_then_write)
-    with Checkpointer(CheckpointConfig(root=str(tmp_path), staging={"crc_in_copy": True})) as ck:
+    monkeypatch.setattr(onepass, name, copy_then_write)
+    with Checkpointer(CheckpointConfig(root=str(tmp_path), staging={"crc_in_copy": True},
+                                       health={"enabled": health})) as ck:
         ck.watch(opt)
         handle = ck.save({"model": model.state_dict()}, step=1)
         with pytest.raises(SnapshotMutatedError, match="model/odd"):

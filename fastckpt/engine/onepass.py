@@ -11,19 +11,25 @@ once it has (the writer or the shared-memory check); any other layout goes throu
 
 The CRC is of the destination, never of the source: a source written during its copy (caught later by the
 mutation guard and the seal) must not leave a file whose recorded CRC differs from its bytes.
+
+Where health statistics are measured (``health.enabled``), the same pass takes them too (``copy_in_one_pass``):
+format/healthpass.py's blocked pass over each staged tensor copies each block right before it checksums and reduces
+it (its ``fill``), so the I/O workers neither checksum nor measure those shards, and read their bytes only to write
+them. The statistics are of the staged bytes, as on the I/O workers.
 """
 from __future__ import annotations
 
 import ctypes
-from typing import Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
 from ..format.checksum import crc32c
-from ..format.plan import TensorEntry
+from ..format.healthpass import block_values, tensor_pass
+from ..format.plan import Shard, TensorEntry
 from .staging import copy_entries
 
-__all__ = ["CHUNK", "copy_with_crcs", "plain_sources"]
+__all__ = ["CHUNK", "copy_in_one_pass", "copy_with_crcs", "copy_with_health", "plain_sources"]
 
 # Small enough to stay in a core's L2 (4 MiB here) between the copy and the checksum, large enough that the two
 # calls per chunk cost nothing next to the bytes.
@@ -39,6 +45,48 @@ def plain_sources(entries: Iterable[TensorEntry], tensors: list[torch.Tensor | N
         if t is None or t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg():
             return False
     return True
+
+
+def copy_in_one_pass(job: Any, shard: Shard, buf: torch.Tensor, entries: Iterable[TensorEntry]) -> None:
+    """The copy thread's one pass over ``shard`` (plain CPU sources, the open layout): its CRC32Cs into
+    ``job.staged_crcs`` and, where measured, its tensors' statistics into ``job.health``, the shard then listed in
+    ``job.staged_health`` so that its I/O worker does not measure it again."""
+    if job.health is None:
+        crcs = copy_with_crcs(buf, entries, job.tensors)
+    else:
+        crcs, stats = copy_with_health(buf, entries, job.tensors, job.keys)
+        job.health.update(stats)
+        job.staged_health.add(shard.index)
+    job.staged_crcs[shard.index] = [crcs[e.index] for e in shard.entries]
+
+
+def copy_with_health(buf: torch.Tensor, entries: Iterable[TensorEntry], tensors: list[torch.Tensor | None],
+                     keys: list[str]) -> tuple[dict[int, int], dict[str, Any]]:
+    """Copy each entry's (plain CPU) source into ``buf`` block by block inside the health pass of its staged bytes:
+    the CRC32C of each entry's staged bytes by entry index, and each tensor's statistics by key."""
+    crcs: dict[int, int] = {}
+    stats: dict[str, Any] = {}
+    block = min(block_values(), CHUNK // 4)  # values: a block the copy just wrote is still in cache when reduced
+    for e in entries:
+        raw = buf[e.offset: e.offset + e.nbytes]
+        fill = _filler(buf, e, tensors) if e.nbytes else None
+        stats[keys[e.index]], crc = tensor_pass(raw, e.dtype, crc=True, block=block, fill=fill)
+        crcs[e.index] = crc or 0
+    return crcs, stats
+
+
+def _filler(buf: torch.Tensor, e: TensorEntry, tensors: list[torch.Tensor | None]) -> Callable[[int, int], None] | None:
+    """What copies entry ``e``'s bytes ``at..at+n`` from its source into ``buf``; None when it was copied whole
+    here (a source that is not a plain CPU tensor any more: a race on the state's layout)."""
+    src = tensors[e.index].detach()  # type: ignore[union-attr]
+    if e.offset + e.nbytes > buf.numel() or src.numel() * src.element_size() != e.nbytes:
+        raise ValueError(f"staging layout mismatch for tensor #{e.index}: the state changed shape "
+                         "while it was being saved")
+    if not (src.device.type == "cpu" and src.is_contiguous() and not src.is_conj() and not src.is_neg()):
+        copy_entries(buf, [e], tensors)
+        return None
+    dst, sp = buf.data_ptr() + e.offset, src.data_ptr()
+    return lambda at, n: ctypes.memmove(dst + at, sp + at, n)
 
 
 def copy_with_crcs(buf: torch.Tensor, entries: Iterable[TensorEntry],

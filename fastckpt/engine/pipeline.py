@@ -43,7 +43,7 @@ from .priority import ThreadPriorities
 from .sharedfile import SharedFileWrite
 from .affinity import ThreadPlacement
 from .cpugate import CpuGate, auto_limit
-from .onepass import copy_with_crcs, plain_sources
+from .onepass import copy_in_one_pass, plain_sources
 from .staging import HostArena, Slot, copy_entries
 from .streams import CudaCopy, host_wait, record_done, shard_events
 from .writepace import WritePacer
@@ -92,6 +92,7 @@ class Job:
     unchecked: list[Shard] = field(default_factory=list)
     to_record: list[Shard] = field(default_factory=list)  # lazy CUDA shards the seal samples once landed
     health: dict[str, Any] | None = None  # health.enabled: each staged tensor's statistics by key (I/O workers)
+    staged_health: set[int] = field(default_factory=set)  # shards whose statistics the copy thread took (one pass)
     health_doc: dict[str, Any] | None = None  # their summary (format/health.py), set by the committer
     stale_mark: Any = None  # engine/stale.py: optimizer steps before this save, and its parameter keys
     dedup: Any = None  # engine/dedupwrite.py: a direct object-store root's copy source (single writer), or None
@@ -289,8 +290,7 @@ class Pipeline:
         # One pass (copy thread only: inside save() it would lengthen the call): the open layout's writer then
         # takes these CRCs instead of reading the staged bytes again; other formats use other checksums.
         if crc and job.file_format is OPEN_LAYOUT and plain_sources(shard.entries, job.tensors):
-            crcs = copy_with_crcs(buf, entries, job.tensors)
-            job.staged_crcs[shard.index] = [crcs[e.index] for e in shard.entries]
+            copy_in_one_pass(job, shard, buf, entries)  # + the health statistics, where measured
         else:
             for d in copy_entries(buf, entries, job.tensors, streams):
                 job.shard_events[(shard.index, d)] = record_done(streams[d])  # type: ignore[index]
@@ -316,8 +316,8 @@ class Pipeline:
                 host_wait(events)  # blocking events: this worker sleeps until the DMA has filled the buffer
                 job.copied_at[shard.index] = time.perf_counter()
             buf = job.slot.held(shard)
-            if job.health is not None:  # measured here, on the staged copy: never on the training thread
-                with self.gate.held():  # + CRC32C, one pass (healthpass.py): CPU-bound
+            if job.health is not None and shard.index not in job.staged_health:  # else the copy thread's pass took
+                with self.gate.held():  # them; on the staged copy, never on the training thread; + CRC32C, CPU-bound
                     job.health.update(shard_health(job, shard, buf, fmt))
             if fmt.keeps_shards:  # a format that writes at the commit: here it only checksums (and hashes)
                 with self.gate.held():

@@ -122,10 +122,13 @@ class _Values:
 
 
 def tensor_pass(raw: torch.Tensor, dtype: torch.dtype, crc: bool | Checksum = False,
-                block: int | None = None) -> tuple[dict[str, Any], int | None]:
+                block: int | None = None, fill: Callable[[int, int], None] | None = None
+                ) -> tuple[dict[str, Any], int | None]:
     """One staged tensor's statistics (format/health.py's ``tensor_health``) and, with ``crc``, the checksum of its
     bytes (True: CRC32C; or a function ``(data, value) -> value`` that continues, zlib's ``crc32`` say), taken in
-    one pass: ``raw`` is a flat uint8 CPU tensor, ``dtype`` its values' dtype."""
+    one pass: ``raw`` is a flat uint8 CPU tensor, ``dtype`` its values' dtype. ``fill(at, n)``, when given, writes
+    bytes ``at..at+n`` of ``raw`` right before the pass first reads them (the copy thread's one pass,
+    engine/onepass.py: each block is measured while the copy has just put it in cache)."""
     checksum = crc32c if crc is True else crc or None
     kind = _Values(raw, dtype)
     nbytes, count = raw.numel(), kind.count
@@ -140,6 +143,8 @@ def tensor_pass(raw: torch.Tensor, dtype: torch.dtype, crc: bool | Checksum = Fa
     los = his = None
     for b, at in enumerate(range(0, grouped, step)):
         block = raw[at:min(at + step, grouped)]
+        if fill is not None:
+            fill(at, block.numel())
         if checksum is not None:
             value = checksum(data[at:at + block.numel()], value)
         vals = kind.of(block)
@@ -155,6 +160,8 @@ def tensor_pass(raw: torch.Tensor, dtype: torch.dtype, crc: bool | Checksum = Fa
         torch.linalg.vector_norm(vals.view(-1, GROUP), 2, dim=1, dtype=kind.norm_dtype,
                                  out=norms[b * per_block:b * per_block + block.numel() * kind.per_elem
                                            // kind.size // GROUP])
+    if fill is not None and grouped < nbytes:
+        fill(grouped, nbytes - grouped)
     if checksum is not None and grouped < nbytes:
         value = checksum(data[grouped:nbytes], value)
     nan = inf = 0
