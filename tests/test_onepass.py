@@ -62,6 +62,12 @@ def _crc_calls(monkeypatch: pytest.MonkeyPatch) -> Counter:
     return calls
 
 
+def _staged_unhurried(handle: Any) -> None:
+    """Wait for staging without the hurry a ``wait_staged()`` sets (it would make the copy thread stage plainly)."""
+    assert handle._staged.wait(60), "staging never finished"
+    assert not handle.hurry.is_set()
+
+
 @pytest.mark.parametrize("in_copy", [True, False])
 def test_crc_taken_once_on_the_copy_thread(tmp_path, monkeypatch, in_copy: bool) -> None:
     calls = _crc_calls(monkeypatch)
@@ -73,8 +79,8 @@ def test_crc_taken_once_on_the_copy_thread(tmp_path, monkeypatch, in_copy: bool)
     ck.watch(opt)  # lazy: the copy thread stages the parameters and moments
     state = {"model": model.state_dict(), "optim": opt.state_dict()}
     want = clone_state(state)
-    ck.save(state, 1)
-    _step(model, opt)  # the seal: staging completes before this step changes anything
+    _staged_unhurried(ck.save(state, 1))
+    _step(model, opt)  # the seal: staging completed before this step changes anything
     ck.wait()
     io_reads = sum(n for (thread, whole), n in calls.items() if thread == "fastckpt-io" and whole)
     copy_crcs = sum(n for (thread, _), n in calls.items() if thread == "fastckpt-copy")
@@ -128,7 +134,7 @@ def _saved_health(root, in_copy: bool, monkeypatch) -> tuple[dict, set[str]]:
     want = clone_state(state)
     with Checkpointer(CheckpointConfig(root=str(root), staging={"crc_in_copy": in_copy})) as ck:
         ck.watch(opt)  # lazy: the copy thread stages the parameters
-        ck.save(state, 1)
+        _staged_unhurried(ck.save(state, 1))
         ck.wait()
         assert_bit_equal(want, ck.load(1))  # every file's CRC checked on load
     doc = json.loads((root / "step-000000001" / "manifest.json").read_text())
@@ -150,6 +156,40 @@ def test_health_in_the_copy_pass_equals_the_io_workers(tmp_path, monkeypatch) ->
         assert {k: got[k] for k in ("n", "nan", "inf", "absmax", "fp")} == \
             {k: stats[k] for k in ("n", "nan", "inf", "absmax", "fp")}, key
         assert got["l2"] == stats["l2"] or abs(got["l2"] - stats["l2"]) <= 1e-9 * stats["l2"], key
+
+
+def test_a_waiting_training_thread_makes_the_copy_stage_the_rest_plainly(tmp_path, monkeypatch) -> None:
+    """Once the training thread blocks on staging (``wait_staged`` at its optimizer step), the copy thread stages
+    the remaining shards plainly: the shard it was in keeps its one pass, the others are checksummed and measured
+    by the I/O workers, and the checkpoint's health record is complete, restores bit for bit."""
+    started, calls = threading.Event(), []
+    real = onepass.copy_with_health
+
+    def first_waits(buf, entries, tensors, keys):
+        calls.append(threading.current_thread().name)
+        started.set()
+        assert handle_box[0].hurry.wait(60)  # held until the training thread is waiting for staging
+        return real(buf, entries, tensors, keys)
+
+    monkeypatch.setattr(onepass, "copy_with_health", first_waits)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = {"model": model.state_dict()}
+    want = clone_state(state)
+    handle_box: list[Any] = []
+    with Checkpointer(CheckpointConfig(root=str(tmp_path), persist={"chunk_bytes": 1 << 20})) as ck:
+        ck.watch(opt)
+        handle_box.append(ck.save(state, 1))
+        assert started.wait(60)
+        handle_box[0].wait_staged()  # the training thread waits: the hurry is set, the copy goes on
+        _step(model, opt)
+        info = handle_box[0].wait()
+        assert_bit_equal(want, ck.load(1))
+    assert len(calls) == 1 and calls[0].startswith("fastckpt-copy"), calls  # the first shard only
+    assert info is not None and len(json.loads((tmp_path / "step-000000001" / "manifest.json").read_text())
+                                    ["files"]) >= 2  # several shards: some staged plainly
+    health = json.loads((tmp_path / "step-000000001" / "manifest.json").read_text())["health"]
+    assert health["complete"] and health["healthy"] and set(health["tensors"]) == {f"model/{k}" for k in _SIZES}
 
 
 def test_copy_with_health_copies_every_byte_and_measures_the_staged_copy() -> None:
@@ -261,6 +301,7 @@ def test_a_write_landing_during_the_single_pass_copy_is_refused(tmp_path, monkey
                                        health={"enabled": health})) as ck:
         ck.watch(opt)
         handle = ck.save({"model": model.state_dict()}, step=1)
+        _staged_unhurried(handle)  # the one pass ran (a wait() right away would have it stage plainly)
         with pytest.raises(SnapshotMutatedError, match="model/odd"):
             handle.wait()
         assert ck.list() == []

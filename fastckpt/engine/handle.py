@@ -77,6 +77,9 @@ class SaveHandle:
     _sealed: threading.Event = field(default_factory=threading.Event)
     _sealer: Callable[[], Callable[[], None] | None] | None = None  # a lazy save's seal (engine/pipeline.py)
     _on_block: Callable[[], None] | None = None  # before blocking on the background threads: raise them
+    # set once a caller blocks on staging (the training thread at its optimizer step, mostly): the copy thread then
+    # stages the rest plainly, leaving the checksums and statistics to the I/O workers (engine/onepass.py)
+    hurry: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.monotonic)
     """When ``save()`` built this handle (``time.monotonic()``): how long persistence lags is measured from it."""
 
@@ -89,6 +92,7 @@ class SaveHandle:
         """
         if not self._staged.is_set():
             t0 = time.perf_counter()
+            self.hurry.set()
             done = self._staged.wait(timeout)
             self.stats.waited_ms += (time.perf_counter() - t0) * 1e3
         else:
@@ -114,7 +118,9 @@ class SaveHandle:
         next ``save``; a no-op for an eager save or once sealed."""
         if self._sealed.is_set():
             return
-        self._staged.wait()
+        if not self._staged.is_set():
+            self.hurry.set()
+            self._staged.wait()
         sealer, self._sealer = self._sealer, None
         after = None
         try:
@@ -132,6 +138,8 @@ class SaveHandle:
     def wait(self, timeout: float | None = None) -> CheckpointInfo | None:
         """Block until committed; raises the background error (and marks it reported)."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._staged.is_set():
+            self.hurry.set()
         if self._staged.wait(timeout):  # a lazy save commits once sealed, here on the caller's thread
             self.seal()
         self.blocking()

@@ -287,10 +287,10 @@ class Pipeline:
                    crc: bool) -> None:
         # The guard knows only the lazy tensors: eager shards (copied inside save()) pass through unchecked.
         entries = shard.entries if job.guard is None else job.guard.around(shard.entries)
-        # One pass (copy thread only: inside save() it would lengthen the call): the open layout's writer then
-        # takes these CRCs instead of reading the staged bytes again; other formats use other checksums.
-        if crc and job.file_format is OPEN_LAYOUT and plain_sources(shard.entries, job.tensors):
-            copy_in_one_pass(job, shard, buf, entries)  # + the health statistics, where measured
+        # One pass (copy thread only: inside save() it would lengthen the call; not once training waits for staging)
+        if crc and not job.handle.hurry.is_set() and job.file_format is OPEN_LAYOUT and plain_sources(
+                shard.entries, job.tensors):
+            copy_in_one_pass(job, shard, buf, entries)  # CRCs for the writer + the health statistics, if measured
         else:
             for d in copy_entries(buf, entries, job.tensors, streams):
                 job.shard_events[(shard.index, d)] = record_done(streams[d])  # type: ignore[index]
