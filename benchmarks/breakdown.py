@@ -41,16 +41,17 @@ from .measure import Trainer, floor, paired_stall, rmtree
 __all__ = ["CONFIGS", "task_breakdown"]
 
 # name -> CheckpointConfig overrides (sections as mappings). "default" is the release's behaviour (health + CRC32C in
-# one pass on the I/O workers, persist.priority normal); "priority idle" the default before 2026-11-26 (I/O and commit
+# the copy thread's one pass, persist.priority normal); "priority idle" the default before 2026-11-26 (I/O and commit
 # threads under SCHED_IDLE); "no gate" the default before the CPU gate; "no_health" the bound of what a cheaper
-# health pass could give. Earlier runs measured "single_pass" (staging.crc_in_copy) and write pacing
-# (persist.pace_writes): no gain, both off (BENCHMARKS.md).
+# health pass could give. Earlier runs measured "single_pass" (staging.crc_in_copy, the CRC alone then) and write
+# pacing (persist.pace_writes): no gain (BENCHMARKS.md); with the health statistics in it the one pass is the default.
 CONFIGS: dict[str, dict[str, Any]] = {
     "default": {},
     "priority idle": {"persist": {"priority": "idle"}},
     "no_health": {"health": {"enabled": False}},
-    # staging.crc_in_copy: the copy thread's one pass takes the CRC32C and, since 2026-11-30, the health statistics
-    "single_pass": {"staging": {"crc_in_copy": True}},
+    # the release before 2026-11-30's one pass (staging.crc_in_copy: true, the CRC32C and health statistics taken
+    # by the copy thread): the I/O workers read the staged bytes again for both
+    "two passes": {"staging": {"crc_in_copy": False}},
     # the release before 2026-11-26's CPU gate (persist.cpu_threads: auto): every background thread's CPU work at once
     "no gate": {"persist": {"cpu_threads": 64}},
     # the release before 2026-11-29's placement (persist.background_cpus: auto): the background threads on any core

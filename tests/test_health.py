@@ -90,18 +90,23 @@ def test_statistics_are_exact_and_measured_on_the_staged_copy() -> None:
 
 
 def test_statistics_run_on_fastckpt_worker_threads_never_the_training_thread(tmp_path: Path, monkeypatch) -> None:
-    threads: list[str] = []
-    real = healthpass.tensor_pass  # the I/O worker's one pass (statistics + CRC32C), format/healthpass.py
+    """The statistics (format/healthpass.py's one pass) run on the copy thread (``staging.crc_in_copy``, lazy
+    copies) or an I/O worker (the rest), never on the training thread."""
+    import fastckpt.engine.onepass as onepass
 
-    def recording(raw, dtype, crc=False):
+    threads: list[str] = []
+    real = healthpass.tensor_pass
+
+    def recording(*args, **kwargs):
         threads.append(threading.current_thread().name)
-        return real(raw, dtype, crc)
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(healthpass, "tensor_pass", recording)
+    monkeypatch.setattr(onepass, "tensor_pass", recording)
     ckpt, _ = _run(tmp_path, 2, nan_at=None)
     ckpt.close()
     assert threads and threading.current_thread().name not in threads
-    assert all(n.startswith(("fastckpt-io-", "fastckpt-boost-")) for n in threads), threads
+    assert all(n.startswith(("fastckpt-io-", "fastckpt-boost-", "fastckpt-copy-")) for n in threads), threads
 
 
 def test_retention_never_deletes_the_newest_healthy_checkpoint(tmp_path: Path) -> None:

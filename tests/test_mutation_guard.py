@@ -20,9 +20,10 @@ from tests.helpers import GatedStorage, assert_bit_equal, clone_state
 _N = 1024  # float32 elements: one 4096-byte tensor per shard (the smallest chunk_bytes)
 
 
-def _setup(tmp_path, mode: str = "lazy") -> tuple[Checkpointer, GatedStorage]:
+def _setup(tmp_path, mode: str = "lazy", one_pass: bool = True) -> tuple[Checkpointer, GatedStorage]:
     inner = GatedStorage(open_storage(str(tmp_path)))
-    cfg = CheckpointConfig(root=str(tmp_path), staging={"mode": mode, "max_host_bytes": 2 * 4 * _N},
+    cfg = CheckpointConfig(root=str(tmp_path), staging={"mode": mode, "max_host_bytes": 2 * 4 * _N,
+                                                        "crc_in_copy": one_pass},
                            persist={"chunk_bytes": 4 * _N})
     return Checkpointer(cfg, storage=inner), inner
 
@@ -146,13 +147,17 @@ def test_no_false_positive_from_the_optimizer_step(tmp_path, kind: str) -> None:
             assert_bit_equal(ref, ckpt.load(step))
 
 
-def test_change_landing_during_the_copy_is_caught_after_it(tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("one_pass", [False, True])
+def test_change_landing_during_the_copy_is_caught_after_it(tmp_path, monkeypatch, one_pass: bool) -> None:
     """A write that lands while its tensor is being copied (after the check before the copy) fails the save too."""
+    import fastckpt.engine.onepass as onepass
     import fastckpt.engine.pipeline as pipeline
+
+    module, name = (onepass, "copy_with_health") if one_pass else (pipeline, "copy_entries")
 
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    real_copy = pipeline.copy_entries
+    real_copy = getattr(module, name)
 
     def copy_then_write(buf, entries, tensors, *rest):  # the "concurrent" write, deterministically placed
         def each():
@@ -163,27 +168,33 @@ def test_change_landing_during_the_copy_is_caught_after_it(tmp_path, monkeypatch
                         model["p2"].add_(1.0)  # p2 was just copied; its after-copy check must see this
         return real_copy(buf, each(), tensors, *rest)
 
-    monkeypatch.setattr(pipeline, "copy_entries", copy_then_write)
-    ckpt, gated = _setup(tmp_path)
+    monkeypatch.setattr(module, name, copy_then_write)
+    ckpt, gated = _setup(tmp_path, one_pass=one_pass)
     gated.gate.set()
     with ckpt:
         ckpt.watch(opt)
         handle = ckpt.save(_state(model, opt), step=1)
+        assert handle._staged.wait(30)  # staged with no caller waiting: no shard is staged plainly in a hurry
         with pytest.raises(SnapshotMutatedError, match="model/p2"):
             handle.wait()
         assert ckpt.list() == []
 
 
-def test_a_write_whose_counter_moves_after_the_copy_checks_is_caught_before_staging_ends(tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("one_pass", [False, True])
+def test_a_write_whose_counter_moves_after_the_copy_checks_is_caught_before_staging_ends(tmp_path, monkeypatch,
+                                                                                         one_pass: bool) -> None:
     """An in-place kernel bumps the version counter only once it has written: a copy that reads a tensor while it
     is being written passes that tensor's checks when the bump comes after them. Here the write lands through
     ``.data`` (no bump) right before ``p1`` is copied, and the counter moves only after ``p1``'s after-copy check,
     while ``p2`` is copied: the snapshot holding the new ``p1`` must be refused, not committed silently."""
+    import fastckpt.engine.onepass as onepass
     import fastckpt.engine.pipeline as pipeline
+
+    module, name = (onepass, "copy_with_health") if one_pass else (pipeline, "copy_entries")
 
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    real_copy = pipeline.copy_entries
+    real_copy = getattr(module, name)
 
     def racing_copy(buf, entries, tensors, *rest):  # the kernel's write and its late bump, deterministically placed
         def each():
@@ -196,12 +207,13 @@ def test_a_write_whose_counter_moves_after_the_copy_checks_is_caught_before_stag
                 yield e
         return real_copy(buf, each(), tensors, *rest)
 
-    monkeypatch.setattr(pipeline, "copy_entries", racing_copy)
-    ckpt, gated = _setup(tmp_path)
+    monkeypatch.setattr(module, name, racing_copy)
+    ckpt, gated = _setup(tmp_path, one_pass=one_pass)
     gated.gate.set()
     with ckpt:
         ckpt.watch(opt)
         handle = ckpt.save(_state(model, opt), step=1)
+        assert handle._staged.wait(30)  # staged with no caller waiting: no shard is staged plainly in a hurry
         with pytest.raises(SnapshotMutatedError, match="model/p1"):
             handle.wait()
         assert ckpt.list() == [], "the snapshot holding the half-swapped p1 was committed"

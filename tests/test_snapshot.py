@@ -220,7 +220,8 @@ def test_waited_ms_records_the_stall_of_the_step_hook(tmp_path, monkeypatch) -> 
     monkeypatch.setattr(pipeline, "copy_entries", held_copy)
     model = nn.Linear(64, 64)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with Checkpointer(CheckpointConfig(root=str(tmp_path))) as ckpt:
+    # the plain copy (staging.crc_in_copy: false), the function parked here; the one pass stalls the hook alike
+    with Checkpointer(CheckpointConfig(root=str(tmp_path), staging={"crc_in_copy": False})) as ckpt:
         ckpt.watch(opt)
         h = ckpt.save({"m": model.state_dict()}, step=0)
         assert copying.wait(30)
