@@ -104,25 +104,19 @@ def copy_with_crcs(buf: torch.Tensor, entries: Iterable[TensorEntry],
     entry index. ``entries`` may be the mutation guard's checking iterator: each entry is fully copied before the
     next is asked for."""
     view = memoryview(buf.numpy())
-    base = buf.data_ptr()
     out: dict[int, int] = {}
     for e in entries:
         if e.nbytes == 0:
             out[e.index] = crc32c(b"")
             continue
-        src = tensors[e.index].detach()  # type: ignore[union-attr]
-        if e.offset + e.nbytes > buf.numel() or src.numel() * src.element_size() != e.nbytes:
-            raise ValueError(f"staging layout mismatch for tensor #{e.index}: the state changed shape "
-                             "while it was being saved")
-        if not (src.device.type == "cpu" and src.is_contiguous() and not src.is_conj() and not src.is_neg()):
-            copy_entries(buf, [e], tensors)  # the caller checked: only a race on the state's layout gets here
+        fill = _filler(buf, e, tensors)
+        if fill is None:  # copied whole: the caller checked, only a race on the state's layout gets here
             out[e.index] = crc32c(view[e.offset: e.offset + e.nbytes])
             continue
         crc = 0
-        sp = src.data_ptr()
         for o in range(0, e.nbytes, CHUNK):
             k = min(CHUNK, e.nbytes - o)
-            ctypes.memmove(base + e.offset + o, sp + o, k)
+            fill(o, k)
             crc = crc32c(view[e.offset + o: e.offset + o + k], crc)
         out[e.index] = crc
     return out
