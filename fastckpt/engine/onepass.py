@@ -47,13 +47,12 @@ CHUNK = 1 << 20
 
 def plain_sources(entries: Iterable[TensorEntry], tensors: list[torch.Tensor | None]) -> bool:
     """Whether every non-empty entry's source is a contiguous CPU tensor holding exactly its values."""
-    for e in entries:
-        if e.nbytes == 0:
-            continue
-        t = tensors[e.index]
-        if t is None or t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg():
-            return False
-    return True
+    return all(e.nbytes == 0 or _plain(tensors[e.index]) for e in entries)
+
+
+def _plain(t: torch.Tensor | None) -> bool:
+    """Whether ``t`` is a contiguous CPU tensor holding exactly its values (no lazy conj/neg bit)."""
+    return t is not None and t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
 
 
 def copy_in_one_pass(job: Any, shard: Shard, buf: torch.Tensor, entries: Iterable[TensorEntry]) -> None:
@@ -91,7 +90,7 @@ def _filler(buf: torch.Tensor, e: TensorEntry, tensors: list[torch.Tensor | None
     if e.offset + e.nbytes > buf.numel() or src.numel() * src.element_size() != e.nbytes:
         raise ValueError(f"staging layout mismatch for tensor #{e.index}: the state changed shape "
                          "while it was being saved")
-    if not (src.device.type == "cpu" and src.is_contiguous() and not src.is_conj() and not src.is_neg()):
+    if not _plain(src):
         copy_entries(buf, [e], tensors)
         return None
     dst, sp = buf.data_ptr() + e.offset, src.data_ptr()
