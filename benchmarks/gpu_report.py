@@ -29,7 +29,8 @@ def section(result: dict[str, Any] | None) -> str:
 # Sections other commands write by hand-run measurements (benchmarks.health, benchmarks.preempt_flush), kept like
 # the GPU section when benchmarks.run rewrites the report.
 CARRIED = ("## Health statistics cost", "## Where the stall goes", "## Background thread placement",
-           "## Background thread placement, busy host")
+           "## Background thread placement, busy host",
+           "## The floor: what each pass over the state costs the training step")  # benchmarks/copyfloor.py
 
 
 def merge(report: str, sect: str, heading: str = "## GPU") -> str:

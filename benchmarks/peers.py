@@ -290,6 +290,15 @@ class FastckptPersister(Fastckpt):
     config = {"staging": {"shm": True}, "persist": {"process": "on"}}
 
 
+class FastckptTwoPass(Fastckpt):
+    """The copy thread copies only; the I/O workers take the CRC32C and health statistics in a second pass over the
+    staged bytes (``staging.crc_in_copy: false``, the default until 2026-11-30): the one pass's A/B reference."""
+
+    name = "fastckpt-2pass"
+    label = "fastckpt (two passes)"
+    config = {"staging": {"crc_in_copy": False}}
+
+
 class TorchSnapshot(Peer):
     name = "torchsnapshot"
     label = "torchsnapshot async_take"
@@ -493,10 +502,10 @@ class ByteCheckpoint(Peer):
 
 PEERS: dict[str, type[Peer]] = {p.name: p for p in (TorchSave, LightningAsync, DcpDefault, DcpStager, TorchSnapshot,
                                                     DlroverFlash, ByteCheckpoint, Fastckpt, FastckptShm,
-                                                    FastckptPersister)}
-# The fastckpt variants of the persister's comparison (``python -m benchmarks.persister``) run only when named:
-# ``python -m benchmarks.run --peers ...,fastckpt-shm,fastckpt-persister`` (two more full runs per section otherwise).
-VARIANTS = ("fastckpt-shm", "fastckpt-persister")
+                                                    FastckptPersister, FastckptTwoPass)}
+# fastckpt's variants, compared in turns by ``python -m benchmarks.persister --peers ...``, run in the harness only when
+# named: ``python -m benchmarks.run --peers ...,fastckpt-shm,fastckpt-persister`` (more full runs per section otherwise).
+VARIANTS = ("fastckpt-shm", "fastckpt-persister", "fastckpt-2pass")
 ORDER = [name for name in PEERS if name not in VARIANTS]
 LABELS = {name: cls.label for name, cls in PEERS.items()}
 # Peers fastckpt is judged against that this suite cannot run, and why.
