@@ -208,12 +208,6 @@ def _as_list(data: dict | list) -> list[dict]:
     return data if isinstance(data, list) else [data]
 
 
-def _machine() -> str:
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), "?") if Path("/proc/cpuinfo").exists() else "?"
-    return (f"{cpu}, {len(os.sched_getaffinity(0))} CPUs, load average at the end {os.getloadavg()[0]:.1f}, "
-            f"{time.strftime('%Y-%m-%d %H:%M')}")
-
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.copyfloor", description=__doc__.split("\n")[0])
@@ -252,10 +246,11 @@ def main(argv: list[str] | None = None) -> int:
         print(summary(res))
     if a.write:
         from .gpu_report import merge
+        from .report import machine_line
 
         command = "python -m benchmarks.copyfloor " + " ".join(argv if argv is not None else sys.argv[1:])
         report = Path(a.write)
-        report.write_text(merge(report.read_text(), markdown(results, command.strip(), _machine()), HEADING))
+        report.write_text(merge(report.read_text(), markdown(results, command.strip(), machine_line()), HEADING))
     return 0
 
 

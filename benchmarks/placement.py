@@ -128,12 +128,6 @@ def markdown(runs: list[dict[str, Any]], command: str, machine: str) -> str:
     return "\n".join(lines + [""])
 
 
-def _machine() -> str:
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), "?") if Path("/proc/cpuinfo").exists() else "?"
-    return (f"{cpu}, {len(os.sched_getaffinity(0))} CPUs, load average at the end {os.getloadavg()[0]:.1f}, "
-            f"{time.strftime('%Y-%m-%d %H:%M')}")
-
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -161,7 +155,9 @@ def main(argv: list[str] | None = None) -> None:
             runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(f"run {r + 1} {s}: {[round(x * 1e3) for x in runs[-1]['stalls_s']]} ms", flush=True)
     command = "python -m benchmarks.placement " + " ".join(argv if argv is not None else sys.argv[1:])
-    md = (busy_markdown if args.busy else markdown)(runs, command.strip(), _machine())
+    from .report import machine_line
+
+    md = (busy_markdown if args.busy else markdown)(runs, command.strip(), machine_line())
     print(md)
     if args.write:
         from .gpu_report import merge

@@ -5,6 +5,7 @@ import os
 import platform
 import statistics
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,12 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "?"
+
+
+def machine_line() -> str:
+    """The machine and the moment, for a hand-run section's "Reproduce" line: CPU model, usable CPUs, load average."""
+    return (f"{_cpu_model()}, {len(os.sched_getaffinity(0))} CPUs, load average at the end {os.getloadavg()[0]:.1f}, "
+            f"{time.strftime('%Y-%m-%d %H:%M')}")
 
 
 def _git(*args: str) -> str:
