@@ -28,12 +28,12 @@ from typing import Any
 
 import torch
 
+from . import REPO, repo_env
 from . import workload as wl
 from .measure import drop_cache, reset_hwm, rss, vm_hwm, warm_cache
 
 __all__ = ["main"]
 
-REPO = Path(__file__).resolve().parents[1]
 _CODE = "FASTCKPT_BENCH_CODE"  # the checkout a child imports fastckpt_accelerate from (empty: this one)
 
 
@@ -109,7 +109,7 @@ def load_once(workdir: Path, config: str) -> dict[str, Any]:
 
 
 def _run_child(workdir: Path, config: str, code: str | None) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", _CODE: code or ""}
+    env = repo_env(OMP_NUM_THREADS="1", **{_CODE: code or ""})
     out = subprocess.run([sys.executable, "-m", "benchmarks.accelerate_load", "--workdir", str(workdir),
                           "--child", config], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     if out.returncode != 0:

@@ -7,24 +7,22 @@ fresh interpreter started with ``subprocess`` and timed from outside, as a user 
 """
 from __future__ import annotations
 
-import os
 import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
+from . import REPO, repo_env
 from .labels import own_run_label
 
-REPO = Path(__file__).resolve().parent.parent
 
 __all__ = ["measure", "markdown"]
 
 
 def measure(reps: int = 7) -> dict[str, Any]:
     """Min and median seconds of ``python -m fastckpt --help`` over ``reps`` fresh interpreters."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = repo_env()
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()

@@ -30,7 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from . import REPO, repo_env
+
 HEADING = "## The floor: what each pass over the state costs the training step"
 KINDS = ("copy_", "memmove", "memmove-nt", "paced", "one-pass", "crc32c", "io-pass", "disk-write")
 STATE = 768 << 20  # bytes the background pass walks: 24x the L3 here, so every pass streams from DRAM
@@ -126,7 +127,7 @@ def measure(kinds: tuple[str, ...], steps: int, reps: int, scratch: str, shape: 
             ts.append(time.perf_counter() - t0)
         return statistics.median(ts)
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    env = repo_env()
     out: dict = {"state_bytes": state, "shape": shape, "tensor_bytes": TENSOR, "steps": steps,
                  "runs": {k: [] for k in kinds}, "idle_s": [],
                  "train_state_bytes": wl.tensor_bytes(wl.make_state(model, opt, 0))}

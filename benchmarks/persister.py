@@ -29,9 +29,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from . import REPO, repo_env
 from . import workload as wl
 
-REPO = Path(__file__).resolve().parent.parent
 SHAPES = {
     "tiny": wl.QUICK,  # ~1 MB of state
     "busy": wl.BUSY,  # ~60 MB
@@ -52,7 +52,7 @@ def one(peer: str, shape: str, every: int, n_ckpt: int, workdir: str, neighbours
         task = "busy"
         args.update(durable_reps=3, n_neighbours=neighbours or default_neighbours(), limit_s=900.0, pin=True)
     out = os.path.join(workdir, "out.json")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    env = repo_env()
     subprocess.run([sys.executable, "-m", "benchmarks.worker", task, json.dumps(args), out], check=True, env=env,
                    cwd=REPO, timeout=900)
     with open(out) as f:

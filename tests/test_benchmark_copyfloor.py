@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import copyfloor
+from benchmarks import copyfloor, repo_env
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -25,7 +25,7 @@ def test_every_kind_runs_and_reports_its_rate_and_the_loss(tmp_path: Path) -> No
     threads to one and tunes malloc, which must not follow the rest of the test session."""
     out = tmp_path / "floor.json"
     kinds = ("one-pass", "crc32c", "disk-write")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    env = repo_env()
     proc = subprocess.run([sys.executable, "-m", "benchmarks.copyfloor", "--kinds", ",".join(kinds), "--steps", "2",
                            "--reps", "1", "--shape", "quick", "--state-mb", "32", "--workdir", str(tmp_path / "w"),
                            "--json", str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
