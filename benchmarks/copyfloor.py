@@ -16,7 +16,9 @@ time), ``one-pass`` (engine/onepass.py's work: each 1 MiB block copied, then its
 in cache), ``crc32c`` (a read-only pass from DRAM), ``io-pass`` (the two-pass path's I/O worker: CRC32C and health
 statistics over the staged bytes, from DRAM), ``disk-write`` (the staged bytes written to a file on the disk under test
 with O_DIRECT, as the I/O workers write a shard, over and over: the device reads them from memory). Each kind runs
-``--reps`` times in turns, between idle spells.
+``--reps`` times in turns, between idle spells. The optimizer step is timed on its own too (its pre and post hooks):
+where a pass's cost falls within the step says whether timing the background work around the optimizer step could
+spare the training any of it.
 """
 from __future__ import annotations
 
@@ -36,6 +38,9 @@ HEADING = "## The floor: what each pass over the state costs the training step"
 KINDS = ("copy_", "memmove", "memmove-nt", "paced", "one-pass", "crc32c", "io-pass", "disk-write")
 STATE = 768 << 20  # bytes the background pass walks: 24x the L3 here, so every pass streams from DRAM
 TENSOR = 16 << 20
+# A kind's loss is split between the optimizer step and the rest only where the step slowed by at least this much
+_SHARE_ABOVE = 0.05
+_ALIKE = 0.15  # the optimizer step's share of the loss within this of its share of the step: the loss is spread alike
 SHAPES = {"full": "FULL", "quick": "QUICK"}  # the training step beside the pass: benchmarks/workload.py's shapes
 
 # The background process: one kind over and over on its own CPU; prints "ready", then its rate in GB of state per
@@ -119,13 +124,26 @@ def measure(kinds: tuple[str, ...], steps: int, reps: int, scratch: str, shape: 
     for _ in range(3):
         wl.train_step(model, opt, batches)
 
-    def spell() -> float:
+    opt_s: list[float] = []  # each optimizer step's own seconds, from its pre and post hooks
+    began = [0.0]
+
+    def pre(*_: object) -> None:
+        began[0] = time.perf_counter()
+
+    def post(*_: object) -> None:
+        opt_s.append(time.perf_counter() - began[0])
+
+    opt.register_step_pre_hook(pre)
+    opt.register_step_post_hook(post)
+
+    def spell() -> tuple[float, float]:
+        """The median step over ``steps`` steps, and the median of their optimizer steps."""
         ts = []
         for _ in range(steps):
             t0 = time.perf_counter()
             wl.train_step(model, opt, batches)
             ts.append(time.perf_counter() - t0)
-        return statistics.median(ts)
+        return statistics.median(ts), statistics.median(opt_s[-steps:])
 
     env = repo_env()
     out: dict = {"state_bytes": state, "shape": shape, "tensor_bytes": TENSOR, "steps": steps,
@@ -133,7 +151,7 @@ def measure(kinds: tuple[str, ...], steps: int, reps: int, scratch: str, shape: 
                  "train_state_bytes": wl.tensor_bytes(wl.make_state(model, opt, 0))}
     for r in range(reps):
         for kind in (kinds if r % 2 == 0 else kinds[::-1]):
-            before = spell()
+            before, opt_before = spell()
             p = subprocess.Popen([sys.executable, "-c", _WORKER, kind, str(cpus[1]), str(state), str(TENSOR),
                                   scratch], stdout=subprocess.PIPE, text=True, env=env, cwd=REPO)
             try:
@@ -141,30 +159,45 @@ def measure(kinds: tuple[str, ...], steps: int, reps: int, scratch: str, shape: 
                 if p.stdout.readline().strip() != "ready":
                     raise RuntimeError(f"background pass {kind!r} did not start")
                 p.stdout.readline()  # its first rate: it runs now
-                busy = spell()
+                busy, opt_busy = spell()
                 rate = float(p.stdout.readline())
             finally:
                 p.kill()
                 p.wait()
-            after = spell()
-            idle = (before + after) / 2
+            after, opt_after = spell()
+            idle, opt_idle = (before + after) / 2, (opt_before + opt_after) / 2
             out["idle_s"] += [before, after]
             lost = (busy - idle) / (rate * busy)  # training seconds lost per GB of state passed over
-            out["runs"][kind].append({"idle_s": idle, "busy_s": busy, "gb_s": rate, "lost_s_per_gb": lost})
-            print(f"{kind:10} step {idle * 1e3:6.0f} -> {busy * 1e3:6.0f} ms beside {rate:5.2f} GB/s: "
-                  f"{lost * 1e3:5.1f} ms lost per GB", flush=True)
+            out["runs"][kind].append({"idle_s": idle, "busy_s": busy, "gb_s": rate, "lost_s_per_gb": lost,
+                                      "opt_idle_s": opt_idle, "opt_busy_s": opt_busy})
+            print(f"{kind:10} step {idle * 1e3:6.0f} -> {busy * 1e3:6.0f} ms (optimizer {opt_idle * 1e3:4.0f} -> "
+                  f"{opt_busy * 1e3:4.0f}) beside {rate:5.2f} GB/s: {lost * 1e3:5.1f} ms lost per GB", flush=True)
     return out
+
+
+def optimizer_share(runs: list[dict]) -> tuple[float, float] | None:
+    """Of the training time a kind's runs lost, the fraction lost inside the optimizer step, and the optimizer step's
+    fraction of the idle step (over the runs that timed it, pooled); None where they did not, or where the step slowed
+    by under ``_SHARE_ABOVE`` (the fraction of a loss within the noise says nothing)."""
+    split = [r for r in runs if "opt_idle_s" in r]
+    lost = sum(r["busy_s"] - r["idle_s"] for r in split)
+    idle = sum(r["idle_s"] for r in split)
+    if not split or lost < _SHARE_ABOVE * idle:
+        return None
+    return sum(r["opt_busy_s"] - r["opt_idle_s"] for r in split) / lost, sum(r["opt_idle_s"] for r in split) / idle
 
 
 def summary(res: dict) -> str:
     gb = res["train_state_bytes"] / 1e9
     per_ckpt = f"per checkpoint of {gb:.2f} GB"
-    lines = [f"{'kind':10} {'GB/s':>6} {'ms lost per GB (median, runs)':>36} {per_ckpt:>24}"]
+    lines = [f"{'kind':10} {'GB/s':>6} {'ms lost per GB (median, runs)':>36} {per_ckpt:>24}  lost in optimizer"]
     for kind, runs in res["runs"].items():
         lost = [r["lost_s_per_gb"] * 1e3 for r in runs]
         m = statistics.median(lost)
+        share = optimizer_share(runs)
         lines.append(f"{kind:10} {statistics.median(r['gb_s'] for r in runs):6.2f} "
-                     f"{m:8.1f} ({', '.join(f'{x:.0f}' for x in lost)}){'':>8} {m * gb:18.0f} ms")
+                     f"{m:8.1f} ({', '.join(f'{x:.0f}' for x in lost)}){'':>8} {m * gb:18.0f} ms  "
+                     + (f"{share[0]:.0%} (of the step: {share[1]:.0%})" if share else "-"))
     return "\n".join(lines)
 
 
@@ -191,12 +224,16 @@ def markdown(results: list[dict], command: str, machine: str) -> str:
              f"training step ({gb:.2f} GB of state, one thread) on one CPU, one kind of pass over a state far larger "
              "than the cache on the other, the step's slowdown divided by the GB the pass got through.", "",
              f"| pass beside the training step | rate | training time lost per GB (median; every run) "
-             f"| per checkpoint of {gb:.2f} GB |", "|---|---|---|---|"]
+             f"| per checkpoint of {gb:.2f} GB | of the time lost, in the optimizer step (its share of the idle "
+             "step) |",
+             "|---|---|---|---|---|"]
     for kind in KINDS:
         if kind in lost:
             m = statistics.median(lost[kind])
+            share = optimizer_share([r for res in results for r in res["runs"].get(kind, ())])
             lines.append(f"| `{kind}` | {statistics.median(rates[kind]):.1f} GB/s | {m:.1f} ms "
-                         f"({', '.join(f'{x:.0f}' for x in sorted(lost[kind]))}) | {m * gb:.0f} ms |")
+                         f"({', '.join(f'{x:.0f}' for x in sorted(lost[kind]))}) | {m * gb:.0f} ms | "
+                         + (f"{share[0]:.0%} ({share[1]:.0%}) |" if share else "- |"))
     if "copy_" in lost and "disk-write" in lost:
         copy, disk = statistics.median(lost["copy_"]), statistics.median(lost["disk-write"])
         lines += ["", f"**Floor.** A checkpoint that snapshots the state (one copy) and makes it durable (the disk "
@@ -204,6 +241,17 @@ def markdown(results: list[dict], command: str, machine: str) -> str:
                   f"{(copy + disk) * gb:.0f} ms per checkpoint of {gb:.2f} GB, whoever does the work and however "
                   "it is paced. Passes that only read (a CRC32C, the health statistics from DRAM) cost next to "
                   "nothing."]
+    share = optimizer_share([r for res in results for r in res["runs"].get("copy_", ())])
+    if share:
+        lost_in, takes = share
+        where = ("so the write passes slow every part of the step alike: timing them around the optimizer step "
+                 "(holding them back during it, or running them only then) cannot lower their cost"
+                 if abs(lost_in - takes) < _ALIKE else
+                 "so the loss gathers " + ("in" if lost_in > takes else "outside") + " the optimizer step: pausing "
+                 "the background writes " + ("during" if lost_in > takes else "outside") + " it would spare part of it")
+        lines += ["", f"**Where in the step.** Of the time the `copy_` pass costs the step, {lost_in:.0%} is lost "
+                  f"inside the optimizer step (timed by its pre and post hooks), which takes {takes:.0%} of the idle "
+                  f"step; {where}."]
     return "\n".join(lines) + "\n"
 
 

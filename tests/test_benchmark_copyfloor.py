@@ -35,6 +35,7 @@ def test_every_kind_runs_and_reports_its_rate_and_the_loss(tmp_path: Path) -> No
     for kind in kinds:
         (run,) = res["runs"][kind]
         assert run["gb_s"] > 0 and math.isfinite(run["lost_s_per_gb"]), (kind, run)
+        assert 0 < run["opt_idle_s"] < run["idle_s"] and 0 < run["opt_busy_s"] < run["busy_s"], (kind, run)
     assert len(res["idle_s"]) == 2 * len(kinds)
     assert list((tmp_path / "w").iterdir()) == []  # the disk-write file went with its scratch directory
     table = proc.stdout.split("\n\n")[-1].splitlines()
@@ -67,7 +68,8 @@ def test_from_pools_saved_measurements_and_writes_the_floor_section(tmp_path: Pa
     text = report.read_text()
     assert "old figures" not in text and text.count(copyfloor.HEADING) == 1
     assert text.index("## Plain") < text.index(copyfloor.HEADING) < text.index("## Methodology")
-    assert "| `copy_` | 10.0 GB/s | 20.0 ms (10, 20, 30) | 40 ms |" in text
+    assert "| `copy_` | 10.0 GB/s | 20.0 ms (10, 20, 30) | 40 ms | - |" in text  # saved without the split
+    assert "Where in the step" not in text
     assert "20 + 20 ms per GB here: 80 ms per checkpoint of 2.00 GB" in text
     assert len(json.loads(pooled.read_text())) == 2
 
@@ -76,3 +78,26 @@ def test_the_floor_section_survives_a_full_runs_rewrite() -> None:
     from benchmarks import gpu_report
 
     assert copyfloor.HEADING in gpu_report.CARRIED
+
+
+def _split(idle: float, busy: float, opt_idle: float, opt_busy: float) -> dict:
+    return {"lost_s_per_gb": 0.02, "gb_s": 10.0, "idle_s": idle, "busy_s": busy, "opt_idle_s": opt_idle,
+            "opt_busy_s": opt_busy}
+
+
+def test_the_loss_is_split_between_the_optimizer_step_and_the_rest() -> None:
+    """Pooled over the runs that timed the optimizer step; nothing said where the step barely slowed (noise)."""
+    alike = [_split(0.30, 0.40, 0.15, 0.20), _split(0.30, 0.36, 0.15, 0.18), _split(0.30, 0.30, 0.15, 0.15)]
+    lost_in, takes = copyfloor.optimizer_share(alike)
+    assert lost_in == pytest.approx(0.5) and takes == pytest.approx(0.5)
+    assert copyfloor.optimizer_share([_split(0.30, 0.31, 0.15, 0.16)]) is None  # 3% slower: within the noise
+    assert copyfloor.optimizer_share([{"idle_s": 0.3, "busy_s": 0.4, "lost_s_per_gb": 0.02, "gb_s": 1}]) is None
+    res = {"train_state_bytes": 1_000_000_000, "state_bytes": 1 << 30,
+           "runs": {"copy_": alike, "disk-write": [_split(0.30, 0.40, 0.15, 0.20)]}}
+    text = copyfloor.markdown([res], "cmd", "machine")
+    assert "| `copy_` | 10.0 GB/s | 20.0 ms (20, 20, 20) | 20 ms | 50% (50%) |" in text
+    assert "50% is lost inside the optimizer step" in text and "slow every part of the step alike" in text
+    res["runs"]["copy_"] = [_split(0.30, 0.40, 0.10, 0.19)]  # 90% of the loss in a third of the step
+    text = copyfloor.markdown([res], "cmd", "machine")
+    assert "90% is lost inside the optimizer step (timed by its pre and post hooks), which takes 33%" in text
+    assert "gathers in the optimizer step: pausing the background writes during it" in text
