@@ -227,10 +227,11 @@ def markdown(results: list[dict], command: str, machine: str) -> str:
              f"| per checkpoint of {gb:.2f} GB | of the time lost, in the optimizer step (its share of the idle "
              "step) |",
              "|---|---|---|---|---|"]
+    shares = {kind: optimizer_share([r for res in results for r in res["runs"].get(kind, ())]) for kind in lost}
     for kind in KINDS:
         if kind in lost:
             m = statistics.median(lost[kind])
-            share = optimizer_share([r for res in results for r in res["runs"].get(kind, ())])
+            share = shares[kind]
             lines.append(f"| `{kind}` | {statistics.median(rates[kind]):.1f} GB/s | {m:.1f} ms "
                          f"({', '.join(f'{x:.0f}' for x in sorted(lost[kind]))}) | {m * gb:.0f} ms | "
                          + (f"{share[0]:.0%} ({share[1]:.0%}) |" if share else "- |"))
@@ -241,9 +242,8 @@ def markdown(results: list[dict], command: str, machine: str) -> str:
                   f"{(copy + disk) * gb:.0f} ms per checkpoint of {gb:.2f} GB, whoever does the work and however "
                   "it is paced. Passes that only read (a CRC32C, the health statistics from DRAM) cost next to "
                   "nothing."]
-    share = optimizer_share([r for res in results for r in res["runs"].get("copy_", ())])
-    if share:
-        lost_in, takes = share
+    if shares.get("copy_"):
+        lost_in, takes = shares["copy_"]
         where = ("so the write passes slow every part of the step alike: timing them around the optimizer step "
                  "(holding them back during it, or running them only then) cannot lower their cost"
                  if abs(lost_in - takes) < _ALIKE else

@@ -11,9 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import copyfloor, repo_env
-
-REPO = Path(__file__).resolve().parent.parent
+from benchmarks import REPO, copyfloor, repo_env
 
 needs_two_cpus = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2,
                                     reason="the training step and the background pass need a CPU each")
