@@ -259,7 +259,6 @@ def _as_list(data: dict | list) -> list[dict]:
     return data if isinstance(data, list) else [data]
 
 
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.copyfloor", description=__doc__.split("\n")[0])
     ap.add_argument("--kinds", default=",".join(KINDS), help=f"comma list of {','.join(KINDS)}")

@@ -25,6 +25,7 @@ from typing import Any, Callable
 import torch
 import xxhash
 
+from . import REPO
 from .dedup_integrations import integration_markdown, measure_integrations
 
 MiB = 1 << 20
@@ -242,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.dedup", description=__doc__.split("\n")[0])
     ap.add_argument("--saves", type=int, default=3)
     ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--workdir", default=str(Path(__file__).resolve().parents[1] / "bench_out"))
+    ap.add_argument("--workdir", default=str(REPO / "bench_out"))
     ap.add_argument("--json", default=None, help="write the raw results here")
     args = ap.parse_args(argv)
     Path(args.workdir).mkdir(parents=True, exist_ok=True)

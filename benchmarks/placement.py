@@ -128,7 +128,6 @@ def markdown(runs: list[dict[str, Any]], command: str, machine: str) -> str:
     return "\n".join(lines + [""])
 
 
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=3, help="runs of each setting, in turns")

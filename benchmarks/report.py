@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import frameworks, peers
+from . import REPO, frameworks, peers
 from .cli import markdown as cli_markdown
 from .labels import own_run_label
 from .measure import stall_estimate
@@ -30,16 +30,19 @@ def _cpu_model() -> str:
     return platform.processor() or "?"
 
 
-def machine_line() -> str:
-    """The machine and the moment, for a hand-run section's "Reproduce" line: CPU model, usable CPUs, load average."""
-    return (f"{_cpu_model()}, {len(os.sched_getaffinity(0))} CPUs, load average at the end {os.getloadavg()[0]:.1f}, "
-            f"{time.strftime('%Y-%m-%d %H:%M')}")
+def machine_line(cpu: str | None = None, cpus: int | None = None, load: float | None = None,
+                 when: str | None = None) -> str:
+    """The machine and the moment, for a section's "Reproduce" line: CPU model, CPUs, load average at the end, time;
+    each taken now unless given (a full run passes what it recorded)."""
+    cpu = _cpu_model() if cpu is None else cpu
+    cpus = len(os.sched_getaffinity(0)) if cpus is None else cpus
+    load = os.getloadavg()[0] if load is None else load
+    return f"{cpu}, {cpus} CPUs, load average at the end {load:.1f}, {when or time.strftime('%Y-%m-%d %H:%M')}"
 
 
 def _git(*args: str) -> str:
     try:
-        root = Path(__file__).resolve().parent.parent
-        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
     except Exception:  # noqa: BLE001
         return "?"
 

@@ -17,10 +17,9 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from . import frameworks, gpu_report, peers, verdicts
+from . import REPO, frameworks, gpu_report, peers, verdicts
 from . import workload as wl
 
-REPO = Path(__file__).resolve().parent.parent
 SECTIONS = ("io", "core", "rss", "lightning", "lightning_load", "accelerate", "busy", "restore", "cli", "dedup")
 DEFAULT_SECTIONS = SECTIONS[:-1]  # dedup (benchmarks/dedup.py) needs peft and transformers: only on --only dedup
 # Sections whose report needs nothing from the rest of the run (no shared calibration): a later run may
@@ -369,7 +368,9 @@ def main(argv: list[str] | None = None) -> int:
     if sections == ("breakdown",):  # its own section only: the rest of the report is another run's
         from . import breakdown_run
 
-        machine = f"{meta.get('cpu', '?')}, {meta.get('logical_cpus')} CPUs, load average at the end {meta['loadavg_end'][0]:.1f}, {meta['started']}"
+        from .report import machine_line
+
+        machine = machine_line(meta.get("cpu", "?"), meta.get("logical_cpus"), meta["loadavg_end"][0], meta["started"])
         breakdown_run.write(results["breakdown"], out, json_path.with_name("breakdown.json"), meta["command"], machine)
         log(f"wrote the section {breakdown_run.HEADING!r} into {out} in {meta['wall_s']:.0f}s")
         return 0

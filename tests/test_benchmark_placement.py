@@ -2,6 +2,8 @@
 runs, and a section that a full report's re-render keeps."""
 from __future__ import annotations
 
+import os
+import re
 import statistics
 
 from benchmarks import gpu_report, placement
@@ -52,3 +54,15 @@ def test_the_busy_section_shows_each_runs_own_median_beside_the_pooled_figures()
                                              placement.HEADING), md, placement.BUSY_HEADING)
     assert gpu_report.existing(both, placement.HEADING) == "## Background thread placement\n\nA\n\n"
     assert gpu_report.existing(both, placement.BUSY_HEADING).startswith(placement.BUSY_HEADING)
+
+
+def test_the_machine_line_of_a_section_now_or_as_a_run_recorded_it() -> None:
+    """Hand-run sections (placement, copyfloor) take the machine as it is now; a full run's own section passes what
+    it recorded at its start, in the same words."""
+    from benchmarks.report import machine_line
+
+    assert machine_line("AMD EPYC", 2, 1.3, "2026-11-30 19:31:35") == (
+        "AMD EPYC, 2 CPUs, load average at the end 1.3, 2026-11-30 19:31:35")
+    now = machine_line()
+    assert f", {len(os.sched_getaffinity(0))} CPUs, load average at the end " in now
+    assert re.search(r", \d{4}-\d\d-\d\d \d\d:\d\d$", now), now
