@@ -49,14 +49,14 @@ class CopyGate:
 @pytest.fixture
 def gate(monkeypatch) -> Any:
     gate = CopyGate()
-    real = pipeline_mod.copy_entries
+    real = pipeline_mod.Pipeline._copy_into  # a shard's copy, whichever way it copies (engine/onepass.py)
 
     def gated(*args: Any, **kwargs: Any) -> Any:
         if threading.current_thread().name.startswith("fastckpt-copy") and not gate.event.wait(timeout=60):
             raise TimeoutError("test gate never opened")  # a failing test must not hang close()
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(pipeline_mod, "copy_entries", gated)
+    monkeypatch.setattr(pipeline_mod.Pipeline, "_copy_into", gated)
     yield gate
     gate.open("teardown")
 

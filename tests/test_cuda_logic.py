@@ -99,16 +99,17 @@ def test_map_location_rejects_what_is_not_a_device(tmp_path) -> None:
 
 @pytest.fixture()
 def copy_gate(monkeypatch):
-    """Holds the copy thread's lazy copies until the event is set (the caller thread's copies pass)."""
+    """Holds the copy thread's lazy copies until the event is set (the caller thread's copies pass): at its copy of
+    a shard, whichever way it copies (engine/onepass.py)."""
     gate = threading.Event()
-    real = pipeline_mod.copy_entries
+    real = pipeline_mod.Pipeline._copy_into
 
     def gated(*args, **kwargs):
         if threading.current_thread().name.startswith("fastckpt-copy") and not gate.wait(timeout=60):
             raise TimeoutError("test gate never opened")  # a failing test must not hang close()
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(pipeline_mod, "copy_entries", gated)
+    monkeypatch.setattr(pipeline_mod.Pipeline, "_copy_into", gated)
     return gate
 
 
@@ -414,15 +415,14 @@ def test_named_frozen_tensors_are_copied_lazily(tmp_path, copy_gate, monkeypatch
     frozen, head = nn.Linear(32, 32), nn.Linear(32, 4)
     opt = torch.optim.SGD(head.parameters(), lr=0.1)
     copied_by: dict[int, str] = {}  # data_ptr of each source -> the thread that copied it
-    gated = pipeline_mod.copy_entries
+    gated = pipeline_mod.Pipeline._copy_into
 
-    def spy(buf, entries, tensors, streams):
-        entries = list(entries)
-        for e in entries:
-            copied_by[tensors[e.index].data_ptr()] = threading.current_thread().name
-        return gated(buf, entries, tensors, streams)
+    def spy(pipe, job, shard, *rest):  # each shard's copy, whichever way it copies (engine/onepass.py)
+        for e in shard.entries:
+            copied_by[job.tensors[e.index].data_ptr()] = threading.current_thread().name
+        return gated(pipe, job, shard, *rest)
 
-    monkeypatch.setattr(pipeline_mod, "copy_entries", spy)
+    monkeypatch.setattr(pipeline_mod.Pipeline, "_copy_into", spy)
     with Checkpointer(CheckpointConfig(root=str(tmp_path))) as ckpt:
         ckpt.watch(opt)
         state = {"base": frozen.state_dict(), "head": head.state_dict()}

@@ -17,6 +17,7 @@ import fastckpt.format.healthpass as healthpass
 from fastckpt import CheckpointConfig, Checkpointer, CheckpointNotFoundError
 from fastckpt.format.health import HEALTH_ATTR, SIDECAR_SUFFIX, tensor_health
 from helpers import assert_bit_equal, clone_state
+from tests import passpaths
 
 
 def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -89,24 +90,17 @@ def test_statistics_are_exact_and_measured_on_the_staged_copy() -> None:
         b.view(torch.uint8), torch.float32)["fp"]
 
 
-def test_statistics_run_on_fastckpt_worker_threads_never_the_training_thread(tmp_path: Path, monkeypatch) -> None:
-    """The statistics (format/healthpass.py's one pass) run on the copy thread (``staging.crc_in_copy``, lazy
-    copies) or an I/O worker (the rest), never on the training thread."""
-    import fastckpt.engine.onepass as onepass
-
-    threads: list[str] = []
-    real = healthpass.tensor_pass
-
-    def recording(*args, **kwargs):
-        threads.append(threading.current_thread().name)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(healthpass, "tensor_pass", recording)
-    monkeypatch.setattr(onepass, "tensor_pass", recording)
+@pytest.mark.parametrize("path", passpaths.PATHS)
+def test_statistics_run_on_fastckpt_worker_threads_never_the_training_thread(tmp_path: Path, monkeypatch,
+                                                                              path: str) -> None:
+    """The statistics (format/batchpass.py's pass, or format/healthpass.py's blocked one) run on the copy thread
+    (``staging.crc_in_copy``, lazy copies) or an I/O worker (the rest), never on the training thread."""
+    passpaths.use(monkeypatch, path)
+    threads = passpaths.measuring_threads(monkeypatch)
     ckpt, _ = _run(tmp_path, 2, nan_at=None)
     ckpt.close()
-    assert threads and threading.current_thread().name not in threads
-    assert all(n.startswith(("fastckpt-io-", "fastckpt-boost-", "fastckpt-copy-")) for n in threads), threads
+    assert threads and "MainThread" not in threads
+    assert all(n.startswith(("fastckpt-io", "fastckpt-boost", "fastckpt-copy")) for n in threads), threads
 
 
 def test_retention_never_deletes_the_newest_healthy_checkpoint(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ import fastckpt.format.openlayout as openlayout
 from fastckpt import CheckpointConfig, Checkpointer
 from fastckpt.format.checksum import crc32c
 from fastckpt.format.healthpass import GRAIN, GROUP, fingerprint, tensor_pass
+from tests import passpaths
 from tests.helpers import assert_bit_equal, clone_state
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2,
@@ -211,8 +212,10 @@ def test_reductions_stay_on_the_calling_thread() -> None:
 
 
 def test_io_worker_reads_each_tensor_once_for_crc_and_health(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The seam: every CRC32C over tensor bytes comes from the blocked pass, none from the writer's own pass, and
-    every tensor goes through the pass exactly once; the checkpoint verifies on load and restores bit for bit."""
+    """The seam, block by block (a thread that cannot be made serial): every CRC32C over tensor bytes comes from
+    the blocked pass, none from the writer's own pass, and every tensor goes through the pass exactly once; the
+    checkpoint verifies on load and restores bit for bit."""
+    passpaths.use(monkeypatch, "blocked")
     passes: Counter = Counter()
     crc_bytes: Counter = Counter()
     real_pass, real_crc, real_writer_crc = healthpass.tensor_pass, healthpass.crc32c, openlayout.crc32c
@@ -232,10 +235,7 @@ def test_io_worker_reads_each_tensor_once_for_crc_and_health(tmp_path: Path, mon
     monkeypatch.setattr(healthpass, "tensor_pass", counted_pass)
     monkeypatch.setattr(healthpass, "crc32c", pass_crc)
     monkeypatch.setattr(openlayout, "crc32c", writer_crc)
-    torch.manual_seed(3)
-    state = {"a": torch.randn(3 * GRAIN + 7), "b": torch.randn(5, 7).to(torch.bfloat16), "c": torch.arange(9),
-             "e": torch.empty(0)}
-    want = clone_state(state)
+    state, want = _seam_state()
     ck = Checkpointer(CheckpointConfig(root=str(tmp_path), persist={"chunk_bytes": 1 << 16}))
     try:
         ck.save(state, 1).wait()
@@ -245,6 +245,52 @@ def test_io_worker_reads_each_tensor_once_for_crc_and_health(tmp_path: Path, mon
         assert sorted(n for (n, _, _) in passes) == sorted(t.numel() * t.element_size() for t in state.values())
         assert all(crc and thread.startswith(("fastckpt-io", "fastckpt-boost")) for (_, crc, thread) in passes)
         assert_bit_equal(want, ck.load(1))  # persist.verify_on_load: the files' CRCs come from the pass
+    finally:
+        ck.close()
+
+
+def _seam_state() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    torch.manual_seed(3)
+    state = {"a": torch.randn(3 * GRAIN + 7), "b": torch.randn(5, 7).to(torch.bfloat16), "c": torch.arange(9),
+             "e": torch.empty(0)}
+    return state, clone_state(state)
+
+
+def test_io_worker_batched_pass_reads_each_tensor_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same seam on the I/O workers' batched pass (format/batchpass.py, a serial thread): every tensor byte is
+    checksummed once by the pass and never by the writer, each shard's tensors are measured once, on an I/O worker,
+    and the checkpoint verifies on load and restores bit for bit."""
+    import fastckpt.format.batchpass as batchpass
+    import fastckpt.format.health as health
+
+    crc_bytes: Counter = Counter()
+    measured: Counter = Counter()
+    real_crc, real_writer_crc, real_run = health.crc32c, openlayout.crc32c, batchpass.run
+
+    def pass_crc(data: Any, value: int = 0) -> int:
+        crc_bytes["pass"] += len(data)
+        return real_crc(data, value)
+
+    def writer_crc(data: Any, value: int = 0) -> int:
+        crc_bytes["writer"] += len(data)
+        return real_writer_crc(data, value)
+
+    def counted_run(lay: Any, *args: Any, **kwargs: Any) -> Any:
+        measured[threading.current_thread().name.split("_")[0]] += len(lay.entries)
+        return real_run(lay, *args, **kwargs)
+
+    monkeypatch.setattr(health, "crc32c", pass_crc)
+    monkeypatch.setattr(openlayout, "crc32c", writer_crc)
+    monkeypatch.setattr(batchpass, "run", counted_run)
+    state, want = _seam_state()
+    ck = Checkpointer(CheckpointConfig(root=str(tmp_path), persist={"chunk_bytes": 1 << 16}))
+    try:
+        ck.save(state, 1).wait()
+        assert crc_bytes["pass"] == sum(t.numel() * t.element_size() for t in state.values()), dict(crc_bytes)
+        assert crc_bytes["writer"] < 4096 * len(state), dict(crc_bytes)  # the shard headers only
+        assert sum(measured.values()) == len(state), dict(measured)
+        assert all(t.startswith(("fastckpt-io", "fastckpt-boost")) for t in measured), dict(measured)
+        assert_bit_equal(want, ck.load(1))
     finally:
         ck.close()
 

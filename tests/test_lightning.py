@@ -317,7 +317,7 @@ def hold_copies_until_the_training_thread_waits(monkeypatch) -> None:
     from fastckpt.engine.handle import SaveHandle
 
     release = threading.Event()
-    real_copy, real_wait = pipeline.copy_entries, SaveHandle.wait_staged
+    real_copy, real_wait = pipeline.Pipeline._copy_into, SaveHandle.wait_staged  # a shard's copy, either way
 
     def held_copy(*args, **kwargs):
         if threading.current_thread() is not threading.main_thread():
@@ -331,7 +331,7 @@ def hold_copies_until_the_training_thread_waits(monkeypatch) -> None:
         finally:
             release.clear()
 
-    monkeypatch.setattr(pipeline, "copy_entries", held_copy)
+    monkeypatch.setattr(pipeline.Pipeline, "_copy_into", held_copy)
     monkeypatch.setattr(SaveHandle, "wait_staged", releasing_wait)
 
 

@@ -15,6 +15,7 @@ from torch import nn
 
 from fastckpt import Checkpointer, CheckpointConfig, SnapshotMutatedError
 from fastckpt.storage.protocol import open_storage
+from tests import passpaths
 from tests.helpers import GatedStorage, assert_bit_equal, clone_state
 
 _N = 1024  # float32 elements: one 4096-byte tensor per shard (the smallest chunk_bytes)
@@ -147,28 +148,36 @@ def test_no_false_positive_from_the_optimizer_step(tmp_path, kind: str) -> None:
             assert_bit_equal(ref, ckpt.load(step))
 
 
+@pytest.mark.parametrize("path", passpaths.PATHS)
 @pytest.mark.parametrize("one_pass", [False, True])
-def test_change_landing_during_the_copy_is_caught_after_it(tmp_path, monkeypatch, one_pass: bool) -> None:
+def test_change_landing_during_the_copy_is_caught_after_it(tmp_path, monkeypatch, one_pass: bool, path: str) -> None:
     """A write that lands while its tensor is being copied (after the check before the copy) fails the save too."""
     import fastckpt.engine.onepass as onepass
     import fastckpt.engine.pipeline as pipeline
 
+    passpaths.use(monkeypatch, path)
     module, name = (onepass, "copy_with_health") if one_pass else (pipeline, "copy_entries")
 
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     real_copy = getattr(module, name)
 
+    def write_p2(sources) -> None:
+        if any(t.data_ptr() == model["p2"].data_ptr() for t in sources):
+            with torch.no_grad():
+                model["p2"].add_(1.0)  # p2 was just copied; its after-copy check must see this
+
     def copy_then_write(buf, entries, tensors, *rest):  # the "concurrent" write, deterministically placed
         def each():
             for e in entries:
                 yield e
-                if tensors[e.index].data_ptr() == model["p2"].data_ptr():
-                    with torch.no_grad():
-                        model["p2"].add_(1.0)  # p2 was just copied; its after-copy check must see this
+                write_p2([tensors[e.index]])
         return real_copy(buf, each(), tensors, *rest)
 
-    monkeypatch.setattr(module, name, copy_then_write)
+    if path == "batched":
+        passpaths.around_fill(monkeypatch, lambda sources: None, write_p2)
+    else:
+        monkeypatch.setattr(module, name, copy_then_write)
     ckpt, gated = _setup(tmp_path, one_pass=one_pass)
     gated.gate.set()
     with ckpt:
@@ -180,9 +189,11 @@ def test_change_landing_during_the_copy_is_caught_after_it(tmp_path, monkeypatch
         assert ckpt.list() == []
 
 
+@pytest.mark.parametrize("path", passpaths.PATHS)
 @pytest.mark.parametrize("one_pass", [False, True])
 def test_a_write_whose_counter_moves_after_the_copy_checks_is_caught_before_staging_ends(tmp_path, monkeypatch,
-                                                                                         one_pass: bool) -> None:
+                                                                                         one_pass: bool,
+                                                                                         path: str) -> None:
     """An in-place kernel bumps the version counter only once it has written: a copy that reads a tensor while it
     is being written passes that tensor's checks when the bump comes after them. Here the write lands through
     ``.data`` (no bump) right before ``p1`` is copied, and the counter moves only after ``p1``'s after-copy check,
@@ -190,24 +201,31 @@ def test_a_write_whose_counter_moves_after_the_copy_checks_is_caught_before_stag
     import fastckpt.engine.onepass as onepass
     import fastckpt.engine.pipeline as pipeline
 
+    passpaths.use(monkeypatch, path)
     module, name = (onepass, "copy_with_health") if one_pass else (pipeline, "copy_entries")
 
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     real_copy = getattr(module, name)
 
+    def race(sources) -> None:
+        if any(t.data_ptr() == model["p1"].data_ptr() for t in sources):
+            model["p1"].data.copy_(torch.zeros(_N))  # the kernel writes: the counter has not moved yet
+        if any(t.data_ptr() == model["p2"].data_ptr() for t in sources):  # p1 was copied, checked, unmoved
+            with torch.no_grad():
+                model["p1"].add_(0.0)  # ... and now its counter moves, as the kernel ends
+
     def racing_copy(buf, entries, tensors, *rest):  # the kernel's write and its late bump, deterministically placed
         def each():
             for e in entries:
-                if tensors[e.index].data_ptr() == model["p1"].data_ptr():
-                    model["p1"].data.copy_(torch.zeros(_N))  # the kernel writes: the counter has not moved yet
-                if tensors[e.index].data_ptr() == model["p2"].data_ptr():  # p1 was copied, checked, unmoved
-                    with torch.no_grad():
-                        model["p1"].add_(0.0)  # ... and now its counter moves, as the kernel ends
+                race([tensors[e.index]])
                 yield e
         return real_copy(buf, each(), tensors, *rest)
 
-    monkeypatch.setattr(module, name, racing_copy)
+    if path == "batched":
+        passpaths.around_fill(monkeypatch, race, lambda sources: None)
+    else:
+        monkeypatch.setattr(module, name, racing_copy)
     ckpt, gated = _setup(tmp_path, one_pass=one_pass)
     gated.gate.set()
     with ckpt:

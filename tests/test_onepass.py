@@ -22,8 +22,10 @@ import fastckpt.engine.onepass as onepass
 import fastckpt.format.healthpass as healthpass
 import fastckpt.format.openlayout as openlayout
 from fastckpt import CheckpointConfig, Checkpointer, ConfigError
+import fastckpt.format.health as health
 from fastckpt.engine.writepace import WritePacer
 from fastckpt.format.checksum import crc32c
+from tests import passpaths
 from tests.helpers import assert_bit_equal, clone_state
 
 # One tensor of 1.5 MiB (more than one onepass.CHUNK, so the CRC runs on across chunks), one odd-sized, one empty.
@@ -50,7 +52,7 @@ def _crc_calls(monkeypatch: pytest.MonkeyPatch) -> Counter:
         real = module.crc32c
 
         def crc(data: Any, value: int = 0) -> int:
-            if len(data) in sizes or module in (onepass, healthpass):  # healthpass: tensors block by block
+            if len(data) in sizes or module in (onepass, healthpass, health):  # block by block, or parts
                 calls["-".join(threading.current_thread().name.split("-")[:2]),
                       len(data) in sizes or module is healthpass] += 1
             return real(data, value)
@@ -59,6 +61,7 @@ def _crc_calls(monkeypatch: pytest.MonkeyPatch) -> Counter:
     monkeypatch.setattr(onepass, "crc32c", counting(onepass))
     monkeypatch.setattr(openlayout, "crc32c", counting(openlayout))
     monkeypatch.setattr(healthpass, "crc32c", counting(healthpass))
+    monkeypatch.setattr(health, "crc32c", counting(health))  # the I/O workers' batched pass (format/batchpass.py)
     return calls
 
 
@@ -68,8 +71,10 @@ def _staged_unhurried(handle: Any) -> None:
     assert not handle.hurry.is_set()
 
 
+@pytest.mark.parametrize("path", passpaths.PATHS)
 @pytest.mark.parametrize("in_copy", [True, False])
-def test_crc_taken_once_on_the_copy_thread(tmp_path, monkeypatch, in_copy: bool) -> None:
+def test_crc_taken_once_on_the_copy_thread(tmp_path, monkeypatch, in_copy: bool, path: str) -> None:
+    passpaths.use(monkeypatch, path)
     calls = _crc_calls(monkeypatch)
     model = _model()
     opt = torch.optim.Adam(model.parameters())
@@ -113,19 +118,9 @@ def test_copy_with_crcs_matches_a_separate_pass() -> None:
         assert crcs[e.index] == crc32c(memoryview(staged.numpy()))
 
 
-_TENSOR_PASS = healthpass.tensor_pass
-
-
 def _saved_health(root, in_copy: bool, monkeypatch) -> tuple[dict, set[str]]:
     """One lazy save of a state with a NaN and an Inf; its manifest's health record and the threads that measured."""
-    threads: set[str] = set()
-
-    def seen(*args, **kwargs):
-        threads.add("-".join(threading.current_thread().name.split("-")[:2]))
-        return _TENSOR_PASS(*args, **kwargs)
-
-    monkeypatch.setattr(healthpass, "tensor_pass", seen)
-    monkeypatch.setattr(onepass, "tensor_pass", seen)
+    threads = passpaths.measuring_threads(monkeypatch)
     model = _model()
     with torch.no_grad():
         model["big"][100_000], model["odd"][3] = float("nan"), float("-inf")
@@ -141,10 +136,12 @@ def _saved_health(root, in_copy: bool, monkeypatch) -> tuple[dict, set[str]]:
     return doc["health"], threads
 
 
-def test_health_in_the_copy_pass_equals_the_io_workers(tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("path", passpaths.PATHS)
+def test_health_in_the_copy_pass_equals_the_io_workers(tmp_path, monkeypatch, path: str) -> None:
     """With ``crc_in_copy`` the copy thread's one pass also takes the health statistics (no I/O worker measures
     again), and the record is the one the I/O workers write: counts, extremes and fingerprints exact, L2 norms
     within 1e-9 (the same groups, the same sums)."""
+    passpaths.use(monkeypatch, path)
     fused, fused_threads = _saved_health(tmp_path / "fused", True, monkeypatch)
     apart, apart_threads = _saved_health(tmp_path / "apart", False, monkeypatch)
     assert fused_threads == {"fastckpt-copy"}, fused_threads
@@ -158,20 +155,23 @@ def test_health_in_the_copy_pass_equals_the_io_workers(tmp_path, monkeypatch) ->
         assert got["l2"] == stats["l2"] or abs(got["l2"] - stats["l2"]) <= 1e-9 * stats["l2"], key
 
 
-def test_a_waiting_training_thread_makes_the_copy_stage_the_rest_plainly(tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("path", passpaths.PATHS)
+def test_a_waiting_training_thread_makes_the_copy_stage_the_rest_plainly(tmp_path, monkeypatch, path: str) -> None:
     """Once the training thread blocks on staging (``wait_staged`` at its optimizer step), the copy thread stages
     the remaining shards plainly: the shard it was in keeps its one pass, the others are checksummed and measured
     by the I/O workers, and the checkpoint's health record is complete, restores bit for bit."""
+    passpaths.use(monkeypatch, path)
     started, calls = threading.Event(), []
-    real = onepass.copy_with_health
+    name = "copy_batched" if path == "batched" else "copy_with_health"
+    real = getattr(onepass, name)
 
-    def first_waits(buf, entries, tensors, keys):
+    def first_waits(*args):
         calls.append(threading.current_thread().name)
         started.set()
         assert handle_box[0].hurry.wait(60)  # held until the training thread is waiting for staging
-        return real(buf, entries, tensors, keys)
+        return real(*args)
 
-    monkeypatch.setattr(onepass, "copy_with_health", first_waits)
+    monkeypatch.setattr(onepass, name, first_waits)
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     state = {"model": model.state_dict()}
@@ -275,28 +275,38 @@ def test_paced_writes_restore_bit_exact(tmp_path) -> None:
     ck.close()
 
 
+@pytest.mark.parametrize("path", passpaths.PATHS)
 @pytest.mark.parametrize("health", [True, False])
-def test_a_write_landing_during_the_single_pass_copy_is_refused(tmp_path, monkeypatch, health: bool) -> None:
+def test_a_write_landing_during_the_single_pass_copy_is_refused(tmp_path, monkeypatch, health: bool,
+                                                                path: str) -> None:
     """The mutation guard's checks around each entry hold on the single-pass path too (with the health statistics
-    in it or not): a write that lands right after a tensor was copied and checksummed fails the save, and nothing
-    is committed."""
+    in it or not; batched or block by block): a write that lands right after a tensor was copied and checksummed
+    fails the save, and nothing is committed."""
     from fastckpt import SnapshotMutatedError
 
+    passpaths.use(monkeypatch, path)
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    name = "copy_with_health" if health else "copy_with_crcs"
-    real = getattr(onepass, name)
 
-    def copy_then_write(buf, entries, tensors, *rest):  # the "concurrent" write, deterministically placed
-        def each():
-            for e in entries:
-                yield e
-                if tensors[e.index].data_ptr() == model["odd"].data_ptr():
-                    with torch.no_grad():
-                        model["odd"].add_(1.0)  # copied and checksummed: its after-copy check must see this
-        return real(buf, each(), tensors, *rest)
+    def write_odd(sources) -> None:  # the "concurrent" write, deterministically placed after its copy
+        if any(t.data_ptr() == model["odd"].data_ptr() for t in sources):
+            with torch.no_grad():
+                model["odd"].add_(1.0)  # copied and checksummed: its after-copy check must see this
 
-    monkeypatch.setattr(onepass, name, copy_then_write)
+    if path == "batched":
+        passpaths.around_fill(monkeypatch, lambda sources: None, write_odd)
+    else:
+        name = "copy_with_health" if health else "copy_with_crcs"
+        real = getattr(onepass, name)
+
+        def copy_then_write(buf, entries, tensors, *rest):
+            def each():
+                for e in entries:
+                    yield e
+                    write_odd([tensors[e.index]])
+            return real(buf, each(), tensors, *rest)
+
+        monkeypatch.setattr(onepass, name, copy_then_write)
     with Checkpointer(CheckpointConfig(root=str(tmp_path), staging={"crc_in_copy": True},
                                        health={"enabled": health})) as ck:
         ck.watch(opt)

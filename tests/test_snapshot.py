@@ -210,14 +210,14 @@ def test_waited_ms_records_the_stall_of_the_step_hook(tmp_path, monkeypatch) -> 
 
     release = threading.Event()
     copying = threading.Event()
-    real_copy = pipeline.copy_entries
+    real_copy = pipeline.Pipeline._copy_into  # a shard's copy, whichever way it copies (engine/onepass.py)
 
     def held_copy(*args, **kwargs):  # the copy thread parks here until the test releases it
         copying.set()
         assert release.wait(30)
         return real_copy(*args, **kwargs)
 
-    monkeypatch.setattr(pipeline, "copy_entries", held_copy)
+    monkeypatch.setattr(pipeline.Pipeline, "_copy_into", held_copy)
     model = nn.Linear(64, 64)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     # the plain copy (staging.crc_in_copy: false), the function parked here; the one pass stalls the hook alike

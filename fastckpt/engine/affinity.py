@@ -34,7 +34,7 @@ import functools
 import logging
 import os
 import threading
-from typing import Callable, Collection
+from typing import Any, Callable, Collection
 
 from ..errors import ConfigError
 from ..format.healthpass import usable_cpu_ids as usable  # the CPUs this process may run on, ascending
@@ -105,9 +105,9 @@ class ThreadPlacement:
         pipeline calls it on the training thread at every submitted save)."""
         self.place(resolve(self._setting, self._limit(), avoid=self._where() if self._setting == "auto" else None))
 
-    def with_(self, first: Callable[[], None]) -> Callable[[], None]:
-        """A thread pool's initializer: ``first()``, then ``enlist()``."""
-        return lambda: (first(), self.enlist())[-1]
+    def with_(self, *first: Callable[[], Any]) -> Callable[[], None]:
+        """A thread pool's initializer: each of ``first``, then ``enlist()``."""
+        return lambda: ([f() for f in first], self.enlist())[-1]
 
     def enlist(self, thread: threading.Thread | None = None) -> None:
         """Record ``thread`` (default: the calling one) and place it on the current set."""

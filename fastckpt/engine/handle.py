@@ -131,6 +131,11 @@ class SaveHandle:
         if after is not None:
             after()  # the retake (staging.on_mutation: retake), once the refused snapshot is cleared away
 
+    def wait_copied(self, timeout: float | None = None) -> bool:
+        """Block until staging is done, without hurrying the copy thread (its one pass goes on) and without the
+        seal: True once staged. For measurements; training calls ``wait_staged``."""
+        return self._staged.wait(timeout)
+
     def staged(self) -> bool:
         """Whether staging finished (non-blocking)."""
         return self._staged.is_set()

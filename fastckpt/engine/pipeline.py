@@ -43,7 +43,8 @@ from .priority import ThreadPriorities
 from .sharedfile import SharedFileWrite
 from .affinity import ThreadPlacement
 from .cpugate import CpuGate, auto_limit
-from .onepass import copy_in_one_pass, plain_sources
+from .onepass import batch_layout, stage_batched
+from .serialops import serial_here
 from .staging import HostArena, Slot, copy_entries
 from .streams import CudaCopy, host_wait, record_done, shard_events
 from .writepace import WritePacer
@@ -126,12 +127,12 @@ class Pipeline:
         self._on_failure = on_failure
         n = next(_ids)  # several Checkpointers may live in one process
         self.placement = ThreadPlacement()  # persist.background_cpus: which CPUs these threads run on (affinity.py)
-        self._io = ThreadPoolExecutor(workers, thread_name_prefix=f"fastckpt-io-{n}",
-                                      initializer=self.placement.with_(self._priorities.enlist))
+        self._io = ThreadPoolExecutor(workers, thread_name_prefix=f"fastckpt-io-{n}",  # serial: engine/serialops.py
+                                      initializer=self.placement.with_(self._priorities.enlist, serial_here))
         # Never lowered (its threads start from the copy or training thread): takes the writes while the
         # lowered ones are behind and the kernel refused to raise them (ThreadPriorities.boost).
         self._boost = ThreadPoolExecutor(workers, thread_name_prefix=f"fastckpt-boost-{n}",
-                                         initializer=self.placement.enlist)
+                                         initializer=self.placement.with_(serial_here))
         self._copy_q: queue.Queue[Job | None] = queue.Queue()
         self._commit_q: queue.Queue[Any] = queue.Queue()
         self._copier = threading.Thread(target=self._copy_loop, name=f"fastckpt-copy-{n}", daemon=True)
@@ -228,6 +229,7 @@ class Pipeline:
         # Normal priority: the next optimizer step waits for this thread, so starving it
         # would turn overlap into a stall. Checksums and writes (below) can yield.
         self.placement.enlist()
+        serial_here()  # its copies and reductions never fan out onto the training thread's core
         while True:
             item = self._copy_q.get()
             if item is None:
@@ -285,13 +287,11 @@ class Pipeline:
 
     def _copy_into(self, job: Job, shard: Shard, buf: torch.Tensor, streams: dict[int, Any] | None,
                    crc: bool) -> None:
-        # The guard knows only the lazy tensors: eager shards (copied inside save()) pass through unchecked.
-        entries = shard.entries if job.guard is None else job.guard.around(shard.entries)
-        # One pass (copy thread only: inside save() it would lengthen the call; not once training waits for staging)
-        if crc and not job.handle.hurry.is_set() and job.file_format is OPEN_LAYOUT and plain_sources(
-                shard.entries, job.tensors):
-            copy_in_one_pass(job, shard, buf, entries)  # CRCs for the writer + the health statistics, if measured
-        else:
+        # The one pass (copy thread only: inside save() it would lengthen the call; not once training waits for
+        # staging), or a batched plain copy on a serial thread (engine/onepass.py); else tensor by tensor below
+        if not (streams is None and stage_batched(job, shard, buf, crc and job.file_format is OPEN_LAYOUT)):
+            # The guard knows only the lazy tensors: eager shards (copied inside save()) pass through unchecked.
+            entries = shard.entries if job.guard is None else job.guard.around(shard.entries)
             for d in copy_entries(buf, entries, job.tensors, streams):
                 job.shard_events[(shard.index, d)] = record_done(streams[d])  # type: ignore[index]
         for e in shard.entries:
@@ -318,7 +318,7 @@ class Pipeline:
             buf = job.slot.held(shard)
             if job.health is not None and shard.index not in job.staged_health:  # else the copy thread's pass took
                 with self.gate.held():  # them; on the staged copy, never on the training thread; + CRC32C, CPU-bound
-                    job.health.update(shard_health(job, shard, buf, fmt))
+                    job.health.update(shard_health(job, shard, buf, fmt, batch_layout(job, shard, buf, fmt)))
             if fmt.keeps_shards:  # a format that writes at the commit: here it only checksums (and hashes)
                 with self.gate.held():
                     return fmt.write_shard(self.storage, job, shard, memoryview(buf.numpy())[: shard.nbytes])

@@ -52,6 +52,7 @@ import threading
 from dataclasses import dataclass
 from typing import Iterable, NamedTuple, Sequence
 
+import numpy as np
 import torch
 
 from ..errors import SnapshotMutatedError
@@ -97,6 +98,14 @@ class _Run(NamedTuple):
     step: int
     count: int
     per: int
+
+    def bytes_in(self, staged: np.ndarray, offset: int) -> bytes | memoryview:
+        """The same bytes of a tensor staged at ``offset`` of ``staged`` (a shard's buffer as numpy bytes): numpy,
+        not torch, so that no GIL hand-over happens per tensor."""
+        rows = np.ndarray((self.count, self.per * self.size), np.uint8, buffer=staged,
+                          offset=offset + self.start * self.size, strides=(self.step * self.size, 1))
+        # a whole tensor (one run) is compared in place; sampled runs (a cache line a page) are copied out
+        return rows.reshape(-1).data if self.count == 1 else rows.tobytes()
 
     def of_bytes(self, raw: torch.Tensor) -> torch.Tensor:
         """The same bytes in ``raw``, the tensor's bytes as staged (a flat uint8 tensor): a 2-D view, a run a row."""
@@ -238,29 +247,41 @@ class Seal:
         self._staged: set[int] = set()  # indices whose staged bytes the copy thread compared
         self._staged_moved: list[int] = []  # ... and found different from save()'s
         self._recorded = threading.Event()  # the copy thread has recorded every staged sample it will record
+        self._cpu_np: np.ndarray | None = None  # ``self._cpu.flat`` as numpy, for the copy thread's comparisons
         self._pending = False  # the seal queued device comparisons, or staged ones are still due: verdict()
 
     def record(self, buf: torch.Tensor, entries: Iterable[TensorEntry]) -> None:
         """Called by the copy thread once ``entries`` are copied into ``buf`` (on CUDA: once the copies landed):
-        their staged bytes compared with those of ``save()`` now, while the buffer is ours (ring mode reuses it)."""
+        their staged bytes compared with those of ``save()`` now, while the buffer is ours (ring mode reuses it).
+        Host samples are compared as numpy bytes: no torch call per tensor, so the copy thread never hands the
+        training thread's GIL back and forth per tensor (engine/onepass.py says why that matters)."""
+        staged = None
         for e in entries:
             run = self._runs.get(e.index)
             if run is None:
                 continue
             dev = self._where.get(e.index)
             if dev is None:
-                then = self._cpu.flat  # type: ignore[union-attr]
+                if staged is None:
+                    staged = buf.numpy()
                 start, end = self._cpu.spans[e.index]  # type: ignore[union-attr]
+                same = run.bytes_in(staged, e.offset) == self._cpu_then()[start:end].data
             else:
                 if not dev.landed:
                     dev.copied.synchronize()  # the copy thread waits, not the training thread
                     dev.landed = True
-                then = dev.then_host
                 start, end = dev.samples.spans[e.index]
-            staged = run.of_bytes(buf[e.offset:e.offset + e.nbytes])
-            if not torch.equal(staged, then[start:end].view(run.count, run.per * run.size)):
+                staged_t = run.of_bytes(buf[e.offset:e.offset + e.nbytes])
+                same = torch.equal(staged_t, dev.then_host[start:end].view(run.count, run.per * run.size))
+            if not same:
                 self._staged_moved.append(e.index)
             self._staged.add(e.index)
+
+    def _cpu_then(self) -> np.ndarray:
+        """``save()``'s host samples as numpy bytes (made once, by the copy thread)."""
+        if self._cpu_np is None:
+            self._cpu_np = self._cpu.flat.numpy()  # type: ignore[union-attr]
+        return self._cpu_np
 
     def recorded(self) -> None:
         """Called by the copy thread (also when it failed) once it records no more: ``verdict()`` may compare."""

@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterable, Mapping, Protocol
 
 import torch
 
+from ..format.batchpass import Layout
 from ..format.checksum import crc32c
 from ..format.plan import Plan, Shard, TensorEntry
 from .pinned import Pinned, fs_type, host_buffer, loaded_cudart
@@ -89,6 +90,7 @@ class Slot:
     ring_bytes: int = 0
     _made: int = 0  # ring mode: buffers made (or being made) so far
     broken: bool = False  # making a buffer failed: the arena drops the slot at its release instead of reusing it
+    _layouts: dict[tuple, Layout] = field(default_factory=dict)  # the batched pass's, per (shard, buffer, dtypes)
 
     def adopt(self, index: int, buffer: torch.Tensor, keep: object) -> None:
         """Called by ``tiers.shm`` while recovering a slot: shard ``index`` is the existing ``buffer``, and ``keep``
@@ -138,6 +140,15 @@ class Slot:
             raise
         self._keep.append(keep)
         return buf
+
+    def layout(self, shard: Shard, buf: torch.Tensor, dtypes: list[torch.dtype]) -> Layout:
+        """Called by the copy thread and the I/O workers: the batched pass's pieces and views of ``shard`` staged
+        in ``buf`` (format/batchpass.py), made the first time and reused by every later snapshot in this slot."""
+        key = (shard.index, buf.data_ptr(), tuple(dtypes))
+        lay = self._layouts.get(key)
+        if lay is None:
+            lay = self._layouts[key] = Layout.of(buf, shard.entries, dtypes)
+        return lay
 
     def keeps(self) -> list[object]:
         """What keeps this slot's buffers (mappings, ``Pinned`` registrations), for the arena to release."""
@@ -295,6 +306,7 @@ class HostArena:
 
     def _drop(self, slots: list[Slot]) -> None:
         for slot in slots:
+            slot._layouts.clear()  # their views hold the buffers
             for keep in slot.keeps():
                 if isinstance(keep, Pinned):
                     keep.release()

@@ -16,6 +16,8 @@ import torch
 import xxhash
 
 from ..errors import IntegrityError
+from . import batchpass
+from .checksum import crc32c
 from .healthpass import shard_pass, tensor_pass
 from .torchrecords import records_path
 
@@ -168,14 +170,20 @@ def sidecar_health(storage: Any, path: str) -> dict[str, Any] | None:
     return parse_sidecar(data, size, side)
 
 
-def shard_health(job: Any, shard: Any, raw: torch.Tensor, fmt: Any) -> dict[str, Any]:
+def shard_health(job: Any, shard: Any, raw: torch.Tensor, fmt: Any, layout: Any = None) -> dict[str, Any]:
     """Called by an I/O worker: the statistics of each tensor of one staged shard (``raw``: its uint8 buffer),
     by key. The same pass takes the checksums the format's writer needs, so that it never reads the bytes again:
     the open layout's CRC32C (``fmt.crc32c_per_tensor``) into ``job.staged_crcs`` (unless the copy already took
-    them), a torch file's CRC-32 (``fmt.pass_checksum``) into ``fmt.pass_crcs``."""
+    them), a torch file's CRC-32 (``fmt.pass_checksum``) into ``fmt.pass_crcs``. With ``layout`` (the shard's
+    format/batchpass.py ``Layout``, on a serial thread) in a few calls a piece, else block by block."""
     checksum = getattr(fmt, "pass_checksum", None)
     crc = checksum or (getattr(fmt, "crc32c_per_tensor", False) and shard.index not in job.staged_crcs)
-    stats, crcs = shard_pass(raw, shard.entries, job.keys, lambda e: value_dtype(fmt, e), crc)
+    if layout is not None:
+        by_pos, measured_ = batchpass.run(layout, raw, checksum=checksum or (crc32c if crc else None), health=True)
+        stats = {job.keys[e.index]: measured_[pos] for pos, e in enumerate(layout.entries)}
+        crcs = by_pos if crc else None
+    else:
+        stats, crcs = shard_pass(raw, shard.entries, job.keys, lambda e: value_dtype(fmt, e), crc)
     if crcs is not None:
         (fmt.pass_crcs if checksum is not None else job.staged_crcs)[shard.index] = crcs
     return stats

@@ -1,0 +1,156 @@
+"""Issue 53: the batched pass (format/batchpass.py) and the serial background threads it needs (engine/serialops.py).
+
+The batched pass must give what the blocked pass gives, tensor for tensor: the staged bytes equal the sources, the
+CRC32C bit for bit, ``n``/``nan``/``inf``/``absmax``/``fp`` exactly and ``l2`` within 1e-6 of float64 over every
+finite value, for shards mixing every dtype a checkpoint holds, sizes around the group and the piece, tensors cut
+across pieces, NaN/Inf and squares beyond float32. And it must do so in a few native calls a piece, not a few a
+tensor: the count of torch/ctypes/crc32c calls the copy thread makes per checkpoint is bounded by the pieces and
+shards, whatever the number of tensors (each call is a GIL hand-over a launch-bound training thread pays for).
+"""
+from __future__ import annotations
+
+import ctypes
+import random
+import threading
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+
+import fastckpt.format.batchpass as batchpass
+from fastckpt import CheckpointConfig, Checkpointer
+from fastckpt.engine.serialops import is_serial, serial_here
+from fastckpt.format.checksum import crc32c
+from fastckpt.format.healthpass import GROUP
+from fastckpt.format.plan import TensorEntry
+from tests import passpaths
+from tests.helpers import assert_bit_equal, clone_state
+from tests.test_healthpass import _random, _reference
+
+_DTYPES = [torch.float32] * 4 + [torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int8, torch.bool,
+                                 torch.complex64, torch.float8_e4m3fn]
+_SIZES = [0, 1, 5, GROUP - 1, GROUP, GROUP + 3, 3 * GROUP, 5000, 70_000, 300_001]
+
+
+def _shard(rng: random.Random) -> tuple[list[torch.Tensor], list[TensorEntry], torch.Tensor]:
+    """Sources of random dtypes and sizes (some with a NaN, an Inf or a value whose square overflows float32),
+    laid out as format/plan.py lays a shard (widest dtype first, back to back), and a zeroed buffer for them."""
+    srcs = []
+    for dtype in rng.choices(_DTYPES, k=rng.randint(1, 12)):
+        t = _random(rng.choice(_SIZES), dtype)
+        if dtype.is_floating_point and t.numel() and dtype.itemsize > 1:
+            kind = rng.choice(["ok"] * 6 + ["nan", "inf", "big"])
+            at = rng.randrange(t.numel())
+            if kind == "nan":
+                t[at] = float("nan")
+            elif kind == "inf":
+                t[at] = float("-inf")
+            elif kind == "big" and dtype in (torch.float32, torch.float64):
+                t[at] = 3e20
+        srcs.append(t)
+    order = sorted(range(len(srcs)), key=lambda i: (-srcs[i].element_size(), i))
+    entries: list[Any] = [None] * len(srcs)
+    offset = 0
+    for i in order:
+        nbytes = srcs[i].numel() * srcs[i].element_size()
+        entries[i] = TensorEntry(i, srcs[i].dtype, tuple(srcs[i].shape), nbytes, True, 0, offset)
+        offset += nbytes
+    return srcs, entries, torch.zeros(offset, dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("piece", [4096, 1 << 14, 1 << 16, 32 << 20])
+@pytest.mark.parametrize("seed", range(6))
+def test_batched_pass_equals_the_reference_for_every_layout(monkeypatch, piece: int, seed: int) -> None:
+    monkeypatch.setattr(batchpass, "PIECE", piece)  # small pieces cut tensors, and rows straddle the cuts
+    srcs, entries, buf = _shard(random.Random(seed * 7919 + piece))
+    lay = batchpass.Layout.of(buf, entries, [e.dtype for e in entries])
+
+    def fill(parts: Any) -> None:
+        for p in parts:
+            e = lay.entries[p.pos]
+            ctypes.memmove(buf.data_ptr() + e.offset + p.at, srcs[e.index].data_ptr() + p.at, p.n)
+
+    crcs, stats = batchpass.run(lay, buf, checksum=crc32c, health=True, fill=fill)
+    for pos, e in enumerate(lay.entries):
+        raw = buf[e.offset:e.offset + e.nbytes]
+        src = srcs[e.index].reshape(-1)
+        assert bytes(raw.numpy()) == (bytes(src.view(torch.uint8).numpy()) if e.nbytes else b""), e
+        want = _reference(raw, e.dtype)
+        assert crcs[pos] == want["crc"], e
+        got = stats[pos]
+        for field in ("n", "nan", "inf", "absmax", "fp"):
+            assert got[field] == want[field], (field, e, got, want)
+        if not want["l2"]:
+            assert got["l2"] == want["l2"], (e, got, want)
+        else:
+            assert abs(got["l2"] - want["l2"]) / want["l2"] < 1e-6, (e, got, want)
+
+
+def test_serial_here_is_the_calling_threads_alone() -> None:
+    """A background thread made serial runs its torch reductions inline; the training thread and threads started
+    later keep torch's width (no process-wide setting moved)."""
+    width = torch.get_num_threads()
+    seen: dict[str, Any] = {}
+
+    def background() -> None:
+        seen["took"] = serial_here()
+        seen["serial"] = is_serial()
+
+    t = threading.Thread(target=background)
+    t.start()
+    t.join()
+    assert seen == {"took": True, "serial": True}
+    later: list[int] = []
+    t = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+    t.start()
+    t.join()
+    assert torch.get_num_threads() == width and later == [width]
+
+
+class _NativeCalls:
+    """Counts, per thread kind, the calls into torch and ctypes (each releases the GIL and takes it back) made
+    while ``active``; installed for the threads started after it (the Checkpointer's). CRC32C calls are left out:
+    under ``batchpass.RELEASE`` bytes they keep the GIL, and above it there is one per large tensor."""
+
+    def __init__(self) -> None:
+        self.calls: Counter = Counter()
+        self.active = False
+        threading.setprofile(self._profile)
+
+    def _profile(self, frame: Any, event: str, arg: Any) -> None:
+        if self.active and event == "c_call":
+            owner = getattr(arg, "__module__", None) or type(getattr(arg, "__self__", None)).__module__ or ""
+            name = getattr(arg, "__qualname__", "")
+            if owner.startswith(("torch", "ctypes")) or "Tensor" in name or "_VariableFunctions" in name:
+                self.calls["-".join(threading.current_thread().name.split("-")[:2])] += 1
+
+
+@pytest.mark.parametrize("path", passpaths.PATHS)
+def test_the_copy_thread_makes_a_few_calls_a_piece_not_a_tensor(tmp_path, monkeypatch, path: str) -> None:
+    """400 tensors (most small, as in a transformer: biases, norms) and a few large: on the batched path the copy
+    thread's one pass makes fewer native calls than there are tensors; the blocked path makes several a tensor."""
+    passpaths.use(monkeypatch, path)
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(n)) for n in [768] * 396 + [1 << 20] * 4]
+    opt = torch.optim.SGD(params, lr=0.1)
+    state = {"p": {str(i): p.detach() for i, p in enumerate(params)}}
+    want = clone_state(state)
+    native = _NativeCalls()
+    try:
+        with Checkpointer(CheckpointConfig(root=str(tmp_path), persist={"chunk_bytes": 8 << 20})) as ck:
+            ck.watch(opt)
+            ck.save(state, 1).wait()  # the first save makes the buffers and the layouts
+            native.active = True
+            handle = ck.save(state, 2)
+            assert handle._staged.wait(60) and not handle.hurry.is_set()  # the one pass, unhurried
+            native.active = False
+            handle.wait()
+            assert_bit_equal(want, ck.load(2))
+    finally:
+        threading.setprofile(None)
+    copy = native.calls["fastckpt-copy"]
+    if path == "batched":
+        assert 0 < copy < len(params) // 4, dict(native.calls)
+    else:
+        assert copy > 2 * len(params), dict(native.calls)  # the contrast: the bound above can fail
