@@ -58,6 +58,12 @@ class VersionGuard:
             yield e
             self.check(e.index)
 
+    def let_go(self) -> None:
+        """Called once the snapshot is sealed: no check is made any more; the tensors are dropped by the caller's
+        thread (engine/sealing.py says why)."""
+        self._tensors = {}
+        self._seen = {}
+
     def check_all(self) -> None:
         """Called by the copy thread once every lazy copy is done, before ``wait_staged()`` returns: raise
         ``SnapshotMutatedError`` if any lazy tensor changed since ``save()``, however late its counter moved."""

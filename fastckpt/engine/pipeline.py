@@ -294,7 +294,7 @@ class Pipeline:
             entries = shard.entries if job.guard is None else job.guard.around(shard.entries)
             for d in copy_entries(buf, entries, job.tensors, streams):
                 job.shard_events[(shard.index, d)] = record_done(streams[d])  # type: ignore[index]
-        for e in shard.entries:
+        for e in shard.entries if streams is not None or job.seal is None else ():  # else dropped by the seal
             job.tensors[e.index] = None  # queued (record_stream keeps a CUDA source's memory): drop it now
         if job.seal is not None and shard.lazy:
             if streams is not None and not job.slot.ring:

@@ -283,6 +283,14 @@ class Seal:
             self._cpu_np = self._cpu.flat.numpy()  # type: ignore[union-attr]
         return self._cpu_np
 
+    def let_go(self) -> None:
+        """Called at the end of the seal, on the sealing thread: the sources and ``save()``'s views are no longer
+        compared (the copy thread's later comparisons use the gathered bytes and spans only); dropped here."""
+        self._sources = {}
+        for samples in [self._cpu, *(dev.samples for dev in self._devices.values())]:
+            if samples is not None:
+                samples.groups = []
+
     def recorded(self) -> None:
         """Called by the copy thread (also when it failed) once it records no more: ``verdict()`` may compare."""
         self._recorded.set()

@@ -37,6 +37,24 @@ def seal_job(job: Any, on_refused: Callable[[Any, BaseException], None] | None) 
     source moved since ``save()``; returns the retake to run once the committer may go on, if any."""
     if job.seal is None or (job.error is not None and not isinstance(job.error, SnapshotMutatedError)):
         return None
+    try:
+        return _sealed(job, on_refused)
+    finally:
+        let_go(job)
+
+
+def let_go(job: Any) -> None:
+    """Drop the save's references to its tensors here, on the sealing (training) thread, once staging and the
+    seal no longer need them: freeing a tensor object hands the GIL over, and the committer freeing the hundreds of
+    a state with the job made a launch-bound training thread wait at each (``python -m benchmarks.gilcalls``)."""
+    job.tensors[:] = [None] * len(job.tensors)
+    job.version_src = None
+    job.seal.let_go()
+    if job.guard is not None:
+        job.guard.let_go()
+
+
+def _sealed(job: Any, on_refused: Callable[[Any, BaseException], None] | None) -> Callable[[], None] | None:
     moved = job.seal.moved()  # all of them, also when the copy thread already refused the first it saw
     if not moved and job.seal.pending() and job.retake is not None:
         moved = job.seal.verdict()  # CUDA: a retake is decided now (one wait); else the committer collects it
