@@ -314,3 +314,46 @@ def test_ranks_with_different_clocks_save_at_the_same_steps(fields) -> None:
             rank1.observe(rng.uniform(1.0, 4.0))
     assert decisions0 == decisions1 and sum(decisions0) >= 5 and not said
     assert rank0.interval_steps == rank1.interval_steps
+
+
+def _damage(path, kind: str) -> None:
+    import os
+
+    if kind == "fifo":
+        os.mkfifo(path)  # a read would wait for a writer for ever
+    elif kind == "dev-zero":
+        os.symlink("/dev/zero", path)  # a read would never end
+    elif kind == "brackets":
+        path.write_text("[" * 60_000)  # json.loads recurses once per level
+    elif kind == "folder":
+        path.mkdir()
+        (path / "inside").write_text("x")  # not even replaceable by a rename
+
+
+@pytest.mark.timeout(120)  # a FIFO read would block: fail, do not hang
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero", "brackets", "folder"])
+def test_a_damaged_record_of_runs_never_stops_training(tmp_path, caplog, kind) -> None:
+    """issue 54 item 6: the record is ignored with a warning, read bounded and without recursion; should_save and
+    the saves go on, and close() works."""
+    root = tmp_path / "root"
+    root.mkdir()
+    _damage(root / RUNS_NAME, kind)
+    cfg = CheckpointConfig(root=str(root), staging={"mode": "eager"},
+                           cadence={"interval": "auto", "prior_mtbf_s": 500.0, "min_interval_s": 0.0})
+    saved = []
+    with caplog.at_level(logging.WARNING, logger="fastckpt"):
+        with Checkpointer(cfg) as ckpt:
+            for step in range(1, 6):
+                if ckpt.should_save(step):
+                    ckpt.save({"w": torch.full((4,), float(step))}, step).wait()
+                    saved.append(step)
+            assert ckpt.cadence.stats.mtbf_s == pytest.approx(500.0, abs=5)  # the prior: nothing believed
+    assert saved and "ignoring the damaged record of runs" in caplog.text and RUNS_NAME in caplog.text
+    if kind == "folder":  # could not be replaced: this run went unrecorded, said once
+        assert caplog.text.count("could not record this run") == 1
+        assert (root / RUNS_NAME / "inside").read_text() == "x"
+    else:  # replaced by a good record of this clean run (the link itself, never its target)
+        runs = json.loads((root / RUNS_NAME).read_text())["runs"]
+        assert len(runs) == 1 and runs[0]["end"] is not None
+    with Checkpointer(CheckpointConfig(root=str(root))) as ckpt:
+        assert_bit_equal(ckpt.load(), {"w": torch.full((4,), float(saved[-1]))})
