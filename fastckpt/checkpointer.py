@@ -234,9 +234,11 @@ class Checkpointer(Cadenced):
             done = shm(reader) if shm is not None and self._shm is not None else None
             if done is not None:
                 self.last_load_stats = done[1]
-                return done[0]
-            out = use(reader)
-            self.last_load_stats = reader.stats
+                out = done[0]
+            else:
+                out = use(reader)
+                self.last_load_stats = reader.stats
+            self.cadence.loaded(reader.step)  # a rollback replays steps already saved: should_save counts from it
             return out
 
         with self._tiers.explaining(storage, dirpath, self.config.root):  # damaged: what it lacks, what loads

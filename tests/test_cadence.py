@@ -357,3 +357,47 @@ def test_a_damaged_record_of_runs_never_stops_training(tmp_path, caplog, kind) -
         assert len(runs) == 1 and runs[0]["end"] is not None
     with Checkpointer(CheckpointConfig(root=str(root))) as ckpt:
         assert_bit_equal(ckpt.load(), {"w": torch.full((4,), float(saved[-1]))})
+
+
+# ---- a rollback: load() and replay (issue 54 item 7) -------------------------------------------------------------
+
+def _train(ckpt: Checkpointer, w: torch.Tensor, steps: range, inc: float) -> list[tuple[int, dict]]:
+    saved = []
+    for step in steps:
+        w.add_(inc)
+        if ckpt.should_save(step):
+            ckpt.save({"w": w}, step).wait()
+            saved.append((step, clone_state({"w": w})))
+    return saved
+
+
+@pytest.mark.parametrize("cadence", [{"interval": 10}, {"every_s": 1e-9}])
+def test_after_load_the_replayed_steps_are_saved_again(tmp_path, cadence) -> None:
+    cfg = CheckpointConfig(root=str(tmp_path), staging={"mode": "eager"}, cadence=cadence)
+    with Checkpointer(cfg) as ckpt:
+        first = _train(ckpt, torch.zeros(4), range(1, 41), 1.0)
+        assert [s for s, _ in first][-1] == 40
+        w = ckpt.load(step=20)["w"]  # a loss spike: roll back to step 20 and replay with other data
+        replayed = _train(ckpt, w, range(21, 41), 2.0)
+        steps = [s for s, _ in replayed]
+        if "interval" in cadence:
+            assert steps == [30, 40]  # the same cadence as before the rollback
+        else:
+            assert steps == list(range(21, 41))  # every_s counts from the load: every step is past 1 ns
+        assert ckpt.latest() == 40
+        assert_bit_equal(ckpt.load(step=40), replayed[-1][1])  # the replayed state, not the one rolled back
+
+
+def test_restart_counts_seconds_from_the_loaded_step() -> None:
+    c = Cadence(CadenceOptions(every_s=10.0))
+    assert [s for s in range(0, 41) if c.should_save(s, float(s))] == [10, 20, 30, 40]
+    c.restart(20, now=41.0)  # load(step=20) at t=41
+    assert [s for s in range(21, 41) if c.should_save(s, 41.0 + s - 20)] == [30, 40]  # t=51, t=61
+
+
+def test_a_rollback_nobody_announced_restarts_the_cadence() -> None:
+    c = Cadence(CadenceOptions(interval=10))
+    assert [s for s in range(1, 41) if c.should_save(s, float(s))] == [10, 20, 30, 40]
+    # a state loaded outside fastckpt: the steps go back to 21
+    assert [s for s in range(21, 41) if c.should_save(s, 20.0 + s)] == [30, 40]
+    assert c.stats.step_s == pytest.approx(1.0)  # the jump back was not taken as a step time

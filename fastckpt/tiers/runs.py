@@ -227,6 +227,12 @@ class RootCadence:
                     done.add_done_callback(self._warn_unseen)
         return self.cadence.should_save(step)
 
+    def loaded(self, step: int) -> None:
+        """A state of ``step`` was loaded (``Checkpointer.load``/``load_into``): the cadence counts from it."""
+        if self.cadence is not None:
+            self.cadence.restart(step)
+        # else the first should_save starts the clock at its own step
+
     def _warn_unseen(self, done: Any) -> None:
         err = None if done.cancelled() else done.exception()
         if err is not None:  # the record only informs the MTBF estimate: training goes on
