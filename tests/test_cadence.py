@@ -401,3 +401,18 @@ def test_a_rollback_nobody_announced_restarts_the_cadence() -> None:
     # a state loaded outside fastckpt: the steps go back to 21
     assert [s for s in range(21, 41) if c.should_save(s, 20.0 + s)] == [30, 40]
     assert c.stats.step_s == pytest.approx(1.0)  # the jump back was not taken as a step time
+
+
+def test_a_record_damaged_during_the_run_is_warned_about_never_raised(tmp_path, caplog) -> None:
+    """The integrations update the record on the training thread (Lightning's trigger, Accelerate's): a record
+    replaced by a folder after this run's start must not stop training there either."""
+    storage = LocalStorage(str(tmp_path))
+    runs = RunRecord(storage)
+    runs.start()
+    (tmp_path / RUNS_NAME).unlink()
+    (tmp_path / RUNS_NAME).mkdir()
+    (tmp_path / RUNS_NAME / "inside").write_text("x")
+    with caplog.at_level(logging.WARNING, logger="fastckpt"):
+        runs.seen()
+        runs.end()
+    assert "could not update the record of runs" in caplog.text and "could not record the clean end" in caplog.text

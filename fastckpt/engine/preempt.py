@@ -48,7 +48,8 @@ class _Saves(Protocol):
 
 
 class Preemption:
-    """One Checkpointer's preemption handling; ``enabled`` installs it (``close()`` removes it)."""
+    """One Checkpointer's preemption handling; ``enabled`` installs it, ``close()`` hands on what it holds and
+    removes it."""
 
     def __init__(self, options: PreemptionOptions, saves: _Saves | None = None) -> None:
         """``saves``: the Checkpointer that saves ``on_preempt``'s state; an integration passes None and registers

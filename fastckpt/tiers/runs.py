@@ -84,17 +84,27 @@ class RunRecord:
                         self.path, e)
 
     def seen(self) -> None:
-        """This run is alive now (after a save committed): a later failure loses at most what came after."""
+        """This run is alive now (after a save committed): a later failure loses at most what came after. A record
+        that cannot be written any more (replaced by a folder, a full disk) is warned about, never raised: the
+        integrations call this on the training thread."""
         if self._mine is not None and self._mine["end"] is None and not self._unwritable:
             self._mine["seen"] = self._clock()
-            self._write()
+            self._try_write("could not update the record of runs %s: %s (the MTBF estimate may count less uptime "
+                            "for this run)")
 
     def end(self) -> None:
         """A clean end: this run did not fail."""
         if self._mine is not None and self._mine["end"] is None:
             self._mine["seen"] = self._mine["end"] = self._clock()
             if not self._unwritable:
-                self._write()
+                self._try_write("could not record the clean end of this run in %s: %s (the next MTBF estimate "
+                                "counts it as a failure)")
+
+    def _try_write(self, warning: str) -> None:
+        try:
+            self._write()
+        except (FastCkptError, OSError) as e:
+            log.warning("fastckpt: " + warning, self.path, e)
 
     def failures(self) -> int:
         """The earlier runs that ended without ``end()``."""
