@@ -61,10 +61,21 @@ class Checkpointer(Cadenced):
         self._uploader: RemoteTier | None = None
         self._owner_pid = os.getpid()  # a fork()ed child inherits this object but none of its threads
         self._root: RootClaim | None = None
+        self._coord: Coordinator | None = None
+        self._priorities: ThreadPriorities | None = None
         if not isinstance(config, CheckpointConfig):
             raise ConfigError(f"Checkpointer needs a CheckpointConfig, got {type(config).__name__}")
         config.freeze()  # read again after construction: a field changed now would leave us inconsistent
+        _refuse_early(config, distributed)  # what the config alone refuses: before any thread or group starts
         self.config = config
+        try:
+            self._build(config, storage, remote_storage, distributed, group)
+        except BaseException:
+            _abandon(self)  # a constructor that raises leaves no thread, process, group or lock behind
+            raise
+
+    def _build(self, config: CheckpointConfig, storage: Storage | None, remote_storage: Storage | None,
+               distributed: bool, group: Any) -> None:
         p, st, rem = config.persist, config.staging, config.remote
         self.storage, remote_storage = _open_storages(config, storage, remote_storage)
         self.remote_storage: Storage | None = remote_storage  # the remote tier, or None
@@ -72,9 +83,6 @@ class Checkpointer(Cadenced):
         self._tiers = CatalogUnion(self._catalog, Catalog(remote_storage) if remote_storage is not None else None,
                                    config.retention, grace_s=config.orphan_grace_s)
         self._coord = Coordinator(group) if distributed else None
-        if self._coord is not None and st.when_busy == "skip":
-            # ranks deciding to skip independently would leave the commit protocol waiting on each other
-            raise ConfigError("staging.when_busy=skip cannot be used with distributed=True (ranks could disagree); use wait")
         self._shm = ShmTier.trusted(st.shm_dir, self.storage, self._coord) if st.shm else None
         self._planner = Planner(p.chunk_bytes)
         self._arena = HostArena(st.slots, st.max_host_bytes, self._shm)
@@ -234,9 +242,11 @@ class Checkpointer(Cadenced):
             done = shm(reader) if shm is not None and self._shm is not None else None
             if done is not None:
                 self.last_load_stats = done[1]
-                return done[0]
-            out = use(reader)
-            self.last_load_stats = reader.stats
+                out = done[0]
+            else:
+                out = use(reader)
+                self.last_load_stats = reader.stats
+            self.cadence.loaded(reader.step)  # a rollback replays steps already saved: should_save counts from it
             return out
 
         with self._tiers.explaining(storage, dirpath, self.config.root):  # damaged: what it lacks, what loads
@@ -315,42 +325,20 @@ class Checkpointer(Cadenced):
         return getattr(self, "_owner_pid", None) in (None, os.getpid())
 
     def close(self, timeout: float | None = None) -> None:
-        """Flush pending saves, stop the threads, free staging memory; raise a background error once."""
+        """Flush pending saves, stop the threads, free staging memory; raise a background error once. A preemption
+        signal caught since the last safe point has its final checkpoint taken first and goes on last."""
+        preemption = getattr(self, "preemption", None)  # None on a half-built object
+        if preemption is not None and getattr(self, "_pipeline", None) is not None:
+            preemption.finish()  # while saves are still accepted (engine/preempt.py)
         pipeline, self._pipeline = getattr(self, "_pipeline", None), None
         if pipeline is None:
             return
-        if hasattr(self, "preemption"):  # not on a half-built object
-            self.preemption.close()
-        if not self._in_owner():
-            return  # a fork()ed child only forgets the parent's saves: flushing them would wait forever
-        deadline = None if timeout is None else time.monotonic() + timeout
-        pending = self._flush("close() flushes it", timeout)
-        self._saver.unwatch_all()
-        drained = pipeline.close(remaining(deadline))
-        stuck = [f"save {h.name!r}" for h in pending if not h.durable.done()] + self._tiers.uploads_left()
-        uploader = self._uploader
-        if uploader is not None:
-            uploader.close(remaining(deadline))  # flush the uploads (bounded), then stop its threads
-            if self.config.retention.keep_last is not None and drained:
-                self._apply_retention()  # what was kept only for a pending upload
-            self._uploader = None
-        self._priorities.close()
-        if drained:
-            if self._coord is not None:
-                self._coord.close()  # every commit is done: its private group's threads can be joined
-            self._arena.close()  # else a stalled writer still reads its slot: the buffers go with the process
-            self.cadence.end()  # a clean end in the root's record of runs: this run did not fail
-            self._root.release()  # after the last commit and retention: the next writer may start
-            self._saver.raise_pending()
-            return
-        # Timed out: the lock stays held (a stalled save may still commit into the root until this process exits).
-        err = CheckpointTimeoutError(
-            f"Checkpointer.close(timeout={timeout}) expired with {', '.join(stuck) or 'queued deletions'} still "
-            "pending: the storage stalled. The previous committed checkpoint is intact; this one may still commit "
-            "or fail in the background (an fsspec storage gives up after network.timeout_s)")
-        log.warning("fastckpt: %s", err)  # a background error, if any, is raised first
-        self._saver.raise_pending()
-        raise err
+        try:
+            if self._in_owner():  # a fork()ed child only forgets the parent's saves: flushing them would wait forever
+                _shut_down(self, pipeline, timeout)
+        finally:
+            if preemption is not None:
+                preemption.close()  # every signal caught goes on once flushed: it may end the process here
 
     def __enter__(self) -> "Checkpointer":
         return self
@@ -369,6 +357,66 @@ class Checkpointer(Cadenced):
                 self.close()
             except Exception:  # noqa: BLE001 - nothing can be raised from __del__
                 pass
+
+
+def _refuse_early(config: CheckpointConfig, distributed: bool) -> None:
+    """What the config alone refuses, refused before a constructor starts anything."""
+    Preemption.check_installable(config.preemption)  # signal handlers: the main thread only
+    if distributed and config.staging.when_busy == "skip":
+        # ranks deciding to skip independently would leave the commit protocol waiting on each other
+        raise ConfigError("staging.when_busy=skip cannot be used with distributed=True (ranks could disagree); use wait")
+
+
+def _abandon(ckpt: Checkpointer) -> None:
+    """Undo a constructor that raised: stop the threads, uploads, persister and process group it started and
+    release the root. Nothing was saved by the caller yet; an error here is logged, the constructor's raised."""
+    try:
+        if ckpt._pipeline is not None:
+            ckpt.close()  # copy, commit and upload threads, the persister, the private group, the root's lock
+            return
+        if ckpt._coord is not None:
+            ckpt._coord.close()
+        if ckpt._priorities is not None:
+            ckpt._priorities.close()
+    except Exception as e:  # noqa: BLE001 - the constructor's own error is the one to raise
+        log.warning("fastckpt: while undoing a Checkpointer that could not be built: %r", e)
+
+
+def _shut_down(ckpt: Checkpointer, pipeline: Any, timeout: float | None) -> None:
+    """``Checkpointer.close`` in the process that owns it: flush, stop every thread, release the root."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    pending = ckpt._flush("close() flushes it", timeout)
+    ckpt._saver.unwatch_all()
+    drained = pipeline.close(remaining(deadline))
+    stuck = [f"save {h.name!r}" for h in pending if not h.durable.done()] + ckpt._tiers.uploads_left()
+    uploader = ckpt._uploader
+    if uploader is not None:
+        uploader.close(remaining(deadline))  # flush the uploads (bounded), then stop its threads
+        if ckpt.config.retention.keep_last is not None and drained:
+            ckpt._apply_retention()  # what was kept only for a pending upload
+        ckpt._uploader = None
+    ckpt._priorities.close()
+    if drained:
+        if ckpt._coord is not None:
+            ckpt._coord.close()  # every commit is done: its private group's threads can be joined
+        ckpt._arena.close()  # else a stalled writer still reads its slot: the buffers go with the process
+        if hasattr(ckpt, "cadence"):  # not on a half-built object
+            ckpt.cadence.end()  # a clean end in the root's record of runs: this run did not fail
+        ckpt._root.release()  # after the last commit and retention: the next writer may start
+        ckpt._saver.raise_pending()
+        return
+    # Timed out: the lock stays held (a stalled save may still commit into the root until this process exits).
+    err = _timed_out(timeout, stuck)
+    log.warning("fastckpt: %s", err)  # a background error, if any, is raised first
+    ckpt._saver.raise_pending()
+    raise err
+
+
+def _timed_out(timeout: float | None, stuck: list[str]) -> CheckpointTimeoutError:
+    return CheckpointTimeoutError(
+        f"Checkpointer.close(timeout={timeout}) expired with {', '.join(stuck) or 'queued deletions'} still "
+        "pending: the storage stalled. The previous committed checkpoint is intact; this one may still commit "
+        "or fail in the background (an fsspec storage gives up after network.timeout_s)")
 
 
 def _open_storages(config: CheckpointConfig, storage: Storage | None,

@@ -74,6 +74,8 @@ class FastAccelerateCheckpointing:
         original_wait_for_everyone: Callable[[], Any] | None = None,
     ) -> None:
         self._closed = True  # until construction succeeds, so close() is safe on a half-built object
+        if config.staging.shm:  # resolve_config drops it from a YAML; a config built by hand gets this error
+            raise ConfigError("staging.shm does not apply to Accelerate's native folders; set staging.shm: false")
         self._accelerator = accelerator
         self.config = config
         self.root = naming.normalize(config.root)
@@ -98,8 +100,6 @@ class FastAccelerateCheckpointing:
         self.shared_writes = possible if shared_writes is None else bool(shared_writes)
         self._shared, self.config = shared_objects(self.root, self.shared_writes, config, storage, self._checkpointers,
                                                    self._watchers)  # S3: each process uploads parts of the big files
-        if config.staging.shm:  # resolve_config drops it from a YAML; a config built by hand gets this error
-            raise ConfigError("staging.shm does not apply to Accelerate's native folders; set staging.shm: false")
         self._closed = False
         _LIVE.add(self)
         # A script that ends without end_training() must still commit its last checkpoints. A weak

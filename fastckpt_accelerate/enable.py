@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 from accelerate import Accelerator
 
+from fastckpt import Preemption
 from fastckpt.errors import ConfigError
 
 from .checkpointing import FastAccelerateCheckpointing
@@ -66,6 +67,7 @@ def enable(
         _install(accelerator, fsdp2)  # type: ignore[arg-type]  # the same routed surface
         return fsdp2  # type: ignore[return-value]
     resolved = resolve_config(config, accelerator)
+    Preemption.check_installable(resolved.preemption)  # refused before any Checkpointer starts its threads
     checkpointing = FastAccelerateCheckpointing(
         accelerator,
         # preemption is handled once per Accelerator (below), not by each folder's Checkpointer
@@ -121,12 +123,16 @@ def _end_training(checkpointing: FastAccelerateCheckpointing, original: Callable
     # Flush before the process group is destroyed and the trackers finish.
     preemption = getattr(checkpointing, "preemption", None)
     if preemption is not None:
-        preemption.stop()
+        preemption.finish()  # a signal caught after the last step: its final checkpoint, while saves are accepted
     try:
         checkpointing.close()
         ended(checkpointing)  # a clean end (the record of runs of the cadence)
     finally:
-        original()
+        try:
+            original()
+        finally:
+            if preemption is not None:
+                preemption.stop()  # once flushed and ended: every signal caught goes on (it may end the process)
 
 
 def _install(accelerator: Accelerator, checkpointing: FastAccelerateCheckpointing) -> None:

@@ -38,8 +38,14 @@ class AcceleratePreemption:
         self.preemption.on_preempt_run(self._final)
         self._hook = register_optimizer_step_pre_hook(_safe_point(self.preemption))
 
+    def finish(self) -> None:
+        """At ``end_training``, before the flush: the final checkpoint of a signal caught after the last step."""
+        if self.preemption is not None:
+            self.preemption.finish()
+
     def stop(self) -> None:
-        """At ``end_training``: remove the step hook and restore the handlers we replaced."""
+        """At ``end_training``, after the flush: remove the step hook, hand every signal caught on and restore the
+        handlers we replaced."""
         if self._hook is not None:
             self._hook.remove()
             self._hook = None

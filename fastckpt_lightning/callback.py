@@ -141,5 +141,7 @@ class FastCheckpointCallback(Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Make every checkpoint durable (their figures stay in ``plugin.stats``: no logger row outside the user's
         cadence)."""
-        self.preemption.stop()
-        self._plugin.flush()
+        try:
+            self._plugin.flush()
+        finally:
+            self.preemption.stop()  # after the flush: a signal caught since the last batch end goes on now

@@ -52,7 +52,9 @@ class LightningPreemption:
             self.preemption.point()
 
     def stop(self) -> None:
-        """At teardown: restore the handler we replaced (Lightning then restores what it replaced)."""
+        """At teardown, after the plugin's flush: hand on every signal still held (one that came after the last
+        batch end gets no final checkpoint: Lightning has torn its strategy down by now) and restore the handler
+        we replaced where ours is still installed (Lightning restored its own before the teardown hooks)."""
         if self.preemption is not None:
             self.preemption.close()
             self.preemption = None

@@ -314,3 +314,105 @@ def test_ranks_with_different_clocks_save_at_the_same_steps(fields) -> None:
             rank1.observe(rng.uniform(1.0, 4.0))
     assert decisions0 == decisions1 and sum(decisions0) >= 5 and not said
     assert rank0.interval_steps == rank1.interval_steps
+
+
+def _damage(path, kind: str) -> None:
+    import os
+
+    if kind == "fifo":
+        os.mkfifo(path)  # a read would wait for a writer for ever
+    elif kind == "dev-zero":
+        os.symlink("/dev/zero", path)  # a read would never end
+    elif kind == "brackets":
+        path.write_text("[" * 60_000)  # json.loads recurses once per level
+    elif kind == "folder":
+        path.mkdir()
+        (path / "inside").write_text("x")  # not even replaceable by a rename
+
+
+@pytest.mark.timeout(120)  # a FIFO read would block: fail, do not hang
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero", "brackets", "folder"])
+def test_a_damaged_record_of_runs_never_stops_training(tmp_path, caplog, kind) -> None:
+    """issue 54 item 6: the record is ignored with a warning, read bounded and without recursion; should_save and
+    the saves go on, and close() works."""
+    root = tmp_path / "root"
+    root.mkdir()
+    _damage(root / RUNS_NAME, kind)
+    cfg = CheckpointConfig(root=str(root), staging={"mode": "eager"},
+                           cadence={"interval": "auto", "prior_mtbf_s": 500.0, "min_interval_s": 0.0})
+    saved = []
+    with caplog.at_level(logging.WARNING, logger="fastckpt"):
+        with Checkpointer(cfg) as ckpt:
+            for step in range(1, 6):
+                if ckpt.should_save(step):
+                    ckpt.save({"w": torch.full((4,), float(step))}, step).wait()
+                    saved.append(step)
+            assert ckpt.cadence.stats.mtbf_s == pytest.approx(500.0, abs=5)  # the prior: nothing believed
+    assert saved and "ignoring the damaged record of runs" in caplog.text and RUNS_NAME in caplog.text
+    if kind == "folder":  # could not be replaced: this run went unrecorded, said once
+        assert caplog.text.count("could not record this run") == 1
+        assert (root / RUNS_NAME / "inside").read_text() == "x"
+    else:  # replaced by a good record of this clean run (the link itself, never its target)
+        runs = json.loads((root / RUNS_NAME).read_text())["runs"]
+        assert len(runs) == 1 and runs[0]["end"] is not None
+    with Checkpointer(CheckpointConfig(root=str(root))) as ckpt:
+        assert_bit_equal(ckpt.load(), {"w": torch.full((4,), float(saved[-1]))})
+
+
+# ---- a rollback: load() and replay (issue 54 item 7) -------------------------------------------------------------
+
+def _train(ckpt: Checkpointer, w: torch.Tensor, steps: range, inc: float) -> list[tuple[int, dict]]:
+    saved = []
+    for step in steps:
+        w.add_(inc)
+        if ckpt.should_save(step):
+            ckpt.save({"w": w}, step).wait()
+            saved.append((step, clone_state({"w": w})))
+    return saved
+
+
+@pytest.mark.parametrize("cadence", [{"interval": 10}, {"every_s": 1e-9}])
+def test_after_load_the_replayed_steps_are_saved_again(tmp_path, cadence) -> None:
+    cfg = CheckpointConfig(root=str(tmp_path), staging={"mode": "eager"}, cadence=cadence)
+    with Checkpointer(cfg) as ckpt:
+        first = _train(ckpt, torch.zeros(4), range(1, 41), 1.0)
+        assert [s for s, _ in first][-1] == 40
+        w = ckpt.load(step=20)["w"]  # a loss spike: roll back to step 20 and replay with other data
+        replayed = _train(ckpt, w, range(21, 41), 2.0)
+        steps = [s for s, _ in replayed]
+        if "interval" in cadence:
+            assert steps == [30, 40]  # the same cadence as before the rollback
+        else:
+            assert steps == list(range(21, 41))  # every_s counts from the load: every step is past 1 ns
+        assert ckpt.latest() == 40
+        assert_bit_equal(ckpt.load(step=40), replayed[-1][1])  # the replayed state, not the one rolled back
+
+
+def test_restart_counts_seconds_from_the_loaded_step() -> None:
+    c = Cadence(CadenceOptions(every_s=10.0))
+    assert [s for s in range(0, 41) if c.should_save(s, float(s))] == [10, 20, 30, 40]
+    c.restart(20, now=41.0)  # load(step=20) at t=41
+    assert [s for s in range(21, 41) if c.should_save(s, 41.0 + s - 20)] == [30, 40]  # t=51, t=61
+
+
+def test_a_rollback_nobody_announced_restarts_the_cadence() -> None:
+    c = Cadence(CadenceOptions(interval=10))
+    assert [s for s in range(1, 41) if c.should_save(s, float(s))] == [10, 20, 30, 40]
+    # a state loaded outside fastckpt: the steps go back to 21
+    assert [s for s in range(21, 41) if c.should_save(s, 20.0 + s)] == [30, 40]
+    assert c.stats.step_s == pytest.approx(1.0)  # the jump back was not taken as a step time
+
+
+def test_a_record_damaged_during_the_run_is_warned_about_never_raised(tmp_path, caplog) -> None:
+    """The integrations update the record on the training thread (Lightning's trigger, Accelerate's): a record
+    replaced by a folder after this run's start must not stop training there either."""
+    storage = LocalStorage(str(tmp_path))
+    runs = RunRecord(storage)
+    runs.start()
+    (tmp_path / RUNS_NAME).unlink()
+    (tmp_path / RUNS_NAME).mkdir()
+    (tmp_path / RUNS_NAME / "inside").write_text("x")
+    with caplog.at_level(logging.WARNING, logger="fastckpt"):
+        runs.seen()
+        runs.end()
+    assert "could not update the record of runs" in caplog.text and "could not record the clean end" in caplog.text

@@ -100,11 +100,24 @@ class Cadence:
         if not getattr(stats, "skipped", False):
             self.observe((stats.blocking_ms + stats.waited_ms) / 1e3)
 
+    def restart(self, step: int, now: float | None = None) -> None:
+        """The training state is that of ``step`` now (a ``load()``, a resume, a rollback): the next saves count
+        from it, in steps and in seconds, as from a first call. Steps up to the last save are replayed, and would
+        otherwise be refused as already saved. Costs and the step time learnt so far are kept."""
+        now = self._clock() if now is None else now
+        self._saved = (step, now)
+        self._last = None  # the time across a load is not a step time
+
     # ---- the decision -------------------------------------------------------------------------------------
 
     def should_save(self, step: int, now: float | None = None) -> bool:
-        """Whether to checkpoint at ``step`` (call once per step, after the step); a True is taken as a save."""
+        """Whether to checkpoint at ``step`` (call once per step, after the step); a True is taken as a save.
+
+        A step below the previous call's is a rollback that ``restart`` was not told of (a state loaded outside
+        fastckpt): the cadence restarts from the step before it."""
         now = self._clock() if now is None else now
+        if self._last is not None and step < self._last[0]:
+            self.restart(step - 1, now)
         if self._last is not None and step > self._last[0]:
             self._step_time.add((now - self._last[1]) / (step - self._last[0]))
         self._last = (step, now)

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ..config import CadenceOptions
 from ..engine.cadence import Cadence, CadenceStats
-from ..errors import ConfigError, FastCkptError, StorageError
+from ..errors import ConfigError, FastCkptError
 from ..storage.protocol import Storage
 
 if TYPE_CHECKING:
@@ -28,6 +29,7 @@ log = logging.getLogger("fastckpt")
 RUNS_NAME = ".fastckpt-runs.json"  # a leading dot: never a checkpoint name, never collected
 _MAX_RUNS = 256  # the newest runs are enough for an estimate, and keep the file small
 _MAX_BYTES = 64 * 1024
+_MAX_DEPTH = 4  # {"runs": [{...}]} nests three levels
 
 
 class RunRecord:
@@ -38,18 +40,21 @@ class RunRecord:
         self.path = storage.join(storage.url, RUNS_NAME)
         self._runs: list[dict[str, float | None]] = []
         self._mine: dict[str, float | None] | None = None
+        self._unwritable = False  # this run's start could not be recorded: its later updates are not tried
 
     def _read(self) -> list[dict[str, float | None]]:
-        if not self.storage.exists(self.path):
-            return []
         try:
-            if self.storage.size(self.path) > _MAX_BYTES:
-                raise ValueError(f"larger than {_MAX_BYTES} bytes")
-            doc = json.loads(self.storage.read_bytes(self.path))
+            data = _read_bounded(self.storage, self.path, _MAX_BYTES)
+            if data is None:
+                return []
+            if not _shallow(data, _MAX_DEPTH):  # json.loads recurses per level: "[[[[..." would exhaust the stack
+                raise ValueError(f"nested deeper than {_MAX_DEPTH} levels")
+            doc = json.loads(data)
             runs = doc["runs"] if isinstance(doc, dict) else None
             if not isinstance(runs, list) or not all(_valid(r) for r in runs):
                 raise ValueError("not a list of runs {start, seen, end}")
-        except (ValueError, KeyError, TypeError, StorageError, OSError) as e:
+        except (ValueError, KeyError, TypeError, RecursionError, FastCkptError, OSError) as e:
+            # FastCkptError: IntegrityError (a FIFO, a device, a link to one) and StorageError (a folder)
             log.warning("fastckpt: ignoring the damaged record of runs %s (%s): the MTBF estimate starts again from "
                         "cadence.prior_mtbf_s; set cadence.mtbf_s to fix it", self.path, e)
             return []
@@ -64,24 +69,42 @@ class RunRecord:
         self._runs = self._read()
 
     def start(self) -> None:
-        """Record this process's start (the previous runs read first)."""
+        """Record this process's start (the previous runs read first). A record that cannot be written (a folder
+        in its place, a read-only root) is warned about once: this run then goes unrecorded, training goes on."""
         now = self._clock()
         self._runs = self._read()
         self._mine = {"start": now, "seen": now, "end": None}
         self._runs.append(self._mine)
-        self._write()
+        try:
+            self._write()
+        except (FastCkptError, OSError) as e:
+            self._unwritable = True
+            log.warning("fastckpt: could not record this run in %s (%s): it is left out of the record of runs (the "
+                        "MTBF estimate goes on from what was read); remove what is in its place to record runs again",
+                        self.path, e)
 
     def seen(self) -> None:
-        """This run is alive now (after a save committed): a later failure loses at most what came after."""
-        if self._mine is not None and self._mine["end"] is None:
+        """This run is alive now (after a save committed): a later failure loses at most what came after. A record
+        that cannot be written any more (replaced by a folder, a full disk) is warned about, never raised: the
+        integrations call this on the training thread."""
+        if self._mine is not None and self._mine["end"] is None and not self._unwritable:
             self._mine["seen"] = self._clock()
-            self._write()
+            self._try_write("could not update the record of runs %s: %s (the MTBF estimate may count less uptime "
+                            "for this run)")
 
     def end(self) -> None:
         """A clean end: this run did not fail."""
         if self._mine is not None and self._mine["end"] is None:
             self._mine["seen"] = self._mine["end"] = self._clock()
+            if not self._unwritable:
+                self._try_write("could not record the clean end of this run in %s: %s (the next MTBF estimate "
+                                "counts it as a failure)")
+
+    def _try_write(self, warning: str) -> None:
+        try:
             self._write()
+        except (FastCkptError, OSError) as e:
+            log.warning("fastckpt: " + warning, self.path, e)
 
     def failures(self) -> int:
         """The earlier runs that ended without ``end()``."""
@@ -96,6 +119,58 @@ class RunRecord:
     def mtbf_s(self, prior_s: float) -> float:
         """The posterior mean MTBF: (prior + uptime) / (1 + failures)."""
         return (prior_s + self.uptime_s()) / (1 + self.failures())
+
+
+def _read_bounded(storage: Storage, path: str, limit: int) -> bytes | None:
+    """At most ``limit`` bytes of the record (None if there is none), or ``ValueError`` past it. Where the storage
+    reads only plain files (``read_plain``: a local root), a FIFO, a device, a folder or a symbolic link is never
+    opened for reading: it raises ``ValueError`` naming it, and nothing can block or run for ever."""
+    read_plain = getattr(storage, "read_plain", None)
+    if read_plain is None:  # a storage without it (a user's): the size first, then a read bounded by it
+        if not storage.exists(path):
+            return None
+        if storage.size(path) > limit:
+            raise ValueError(f"larger than {limit} bytes")
+        data = storage.read_bytes(path)
+    else:
+        if not storage.exists(path) and not _is_link(path):
+            return None
+        data = read_plain(path, 0, limit + 1)
+        if data is None:
+            raise ValueError("not a regular file (a folder, a FIFO, a device or a symbolic link)")
+    if len(data) > limit:
+        raise ValueError(f"larger than {limit} bytes")
+    return data
+
+
+def _is_link(path: str) -> bool:
+    try:
+        return os.path.islink(path)
+    except (OSError, ValueError):  # a URL, a name too long: not a local link
+        return False
+
+
+def _shallow(data: bytes, limit: int) -> bool:
+    """Whether the JSON text ``data`` nests arrays and objects at most ``limit`` deep: one pass, no recursion
+    (brackets inside strings do not count)."""
+    depth, in_string, escaped = 0, False, False
+    for byte in data:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:  # closing quote
+                in_string = False
+        elif byte == 0x22:
+            in_string = True
+        elif byte in (0x5B, 0x7B):  # [ {
+            depth += 1
+            if depth > limit:
+                return False
+        elif byte in (0x5D, 0x7D):  # ] }
+            depth -= 1
+    return True
 
 
 def _valid(run: Any) -> bool:
@@ -161,6 +236,12 @@ class RootCadence:
                 if done is not None:
                     done.add_done_callback(self._warn_unseen)
         return self.cadence.should_save(step)
+
+    def loaded(self, step: int) -> None:
+        """A state of ``step`` was loaded (``Checkpointer.load``/``load_into``): the cadence counts from it."""
+        if self.cadence is not None:
+            self.cadence.restart(step)
+        # else the first should_save starts the clock at its own step
 
     def _warn_unseen(self, done: Any) -> None:
         err = None if done.cancelled() else done.exception()
