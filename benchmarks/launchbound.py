@@ -11,7 +11,8 @@ launches, which on this CPU adds the copy's own time); the launches it lost agai
 either side, divided by the clean rate, are the **time lost** by that checkpoint. The window is long enough for the
 checkpoint to be durable in it; what the training thread still waits at the window's end for it counts as lost.
 
-Per peer, in a fresh process each (peers in turns, ``--rounds`` times): one untimed warm-up checkpoint, then
+Per peer, in a fresh process each (peers in turns, ``--rounds`` times): its staging prewarmed where it offers it
+(fastckpt's ``prewarm``, torch_checkpointing's ``prewarm_staging``), one warm-up checkpoint (timed as the first), then
 ``--n-ckpt`` timed windows, then ``--n-cpu`` checkpoints with the training thread idle, each from ``save()`` to
 durable: the **CPU-seconds** of this process and of its children (live ones through psutil: a writer or persister
 process that has not exited is missing from ``RUSAGE_CHILDREN``), and the ``save()`` call's own time. CPU-seconds
@@ -68,6 +69,9 @@ class _Fast:
     def before_optimizer_step(self) -> None:
         self.inner.ckpt.wait_staged()
 
+    def prewarm(self, state: dict) -> None:
+        self.inner.ckpt.prewarm(state).result()
+
 
 class TorchCheckpointing:
     """Meta's torch_checkpointing ``CheckpointManager`` (0.1.1): ``save()`` returns the write future at once;
@@ -92,6 +96,9 @@ class TorchCheckpointing:
         if self.write is not None:
             self.write.result()
         self.write = self.mgr.save(str(self.root / f"step-{step:09d}"), state)
+
+    def prewarm(self, state: dict) -> None:
+        self.mgr.prewarm_staging(state)
 
     def before_optimizer_step(self) -> None:
         fut = getattr(self.mgr, "_staging_future", None)
@@ -171,6 +178,8 @@ def measure(name: str, n_ckpt: int, n_cpu: int, window: float, step_ms: float, q
     with tempfile.TemporaryDirectory(prefix=f"launchbound-{name}-", dir=os.environ.get("LAUNCHBOUND_DIR")) as root:
         peer = _peer(name, Path(root))
         peer.attach(model, opt)
+        if hasattr(peer, "prewarm"):  # buffers made before the first save, where the peer offers it (untimed)
+            peer.prewarm(state)
         step = 1
         t = time.perf_counter()
         peer.save(state, step)

@@ -18,6 +18,7 @@ from .engine.futures import raise_if_left, remaining, resolved
 from .engine.handle import SaveHandle, SaveStats
 from .engine.pipeline import Job
 from .engine.preempt import Preemption
+from .engine.prewarm import Prewarm
 from .engine.priority import ThreadPriorities
 from .engine.saver import Saver, WatchHandle
 from .engine.staging import HostArena
@@ -86,6 +87,7 @@ class Checkpointer(Cadenced):
         self._shm = ShmTier.trusted(st.shm_dir, self.storage, self._coord) if st.shm else None
         self._planner = Planner(p.chunk_bytes)
         self._arena = HostArena(st.slots, st.max_host_bytes, self._shm)
+        self._prewarm = Prewarm(self._arena)  # buffers made before the first save (engine/prewarm.py)
         self._streams = CopyStreams()  # per-device copy streams, created on the first CUDA save
         self.last_load_stats: LoadStats | None = None  # which tier served the last load, bytes, seconds
         self._priorities = ThreadPriorities(p.priority)  # built here: the training thread's policy is "normal"
@@ -151,6 +153,14 @@ class Checkpointer(Cadenced):
         self._check_open()
         path = self.storage.join(self.storage.url, file_name(name))  # and its health sidecar (format/health.py)
         return self._saver.pipeline.run_in_order(lambda: delete_with_record(self.storage, path))
+
+    def prewarm(self, state: Any, *, eager: Any = (), lazy: Any = ()) -> Future:
+        """Make ``state``'s staging buffers now, in the background (page-locked on CUDA), so that the first save()
+        costs what later ones do; the Future gives the bytes made once they exist (engine/prewarm.py)."""
+        self._check_open()
+        if self._coord is not None:  # mine() needs the shards' owners, which the ranks agree at the first save
+            raise ConfigError("prewarm() with distributed=True: the first save makes the buffers")
+        return self._prewarm.start(*self._saver.plan_of(state, eager=eager, lazy=lazy))
 
     def pending_names(self) -> list[str]:  # saves submitted, not yet committed or failed, oldest first
         return self._saver.pending_names()
@@ -386,6 +396,7 @@ def _shut_down(ckpt: Checkpointer, pipeline: Any, timeout: float | None) -> None
     """``Checkpointer.close`` in the process that owns it: flush, stop every thread, release the root."""
     deadline = None if timeout is None else time.monotonic() + timeout
     pending = ckpt._flush("close() flushes it", timeout)
+    ckpt._prewarm.close()  # before the arena drops the buffers it is making
     ckpt._saver.unwatch_all()
     drained = pipeline.close(remaining(deadline))
     stuck = [f"save {h.name!r}" for h in pending if not h.durable.done()] + ckpt._tiers.uploads_left()

@@ -143,6 +143,15 @@ class Saver:
                             dtensors=[rec.as_json() for rec in flat.dtensors],
                             retake=lambda: self.save(state, step, name=name, eager=eager, lazy=lazy))
 
+    def plan_of(self, state: Any, *, eager: Any = (), lazy: Any = ()) -> tuple[Any, list[int]]:
+        """``Checkpointer.prewarm``: the plan ``save(state, eager=, lazy=)`` would use and the CUDA devices."""
+        try:
+            flat = flatten(state)
+        except TypeError as e:
+            raise StateMismatchError(f"cannot checkpoint this state: {e}") from e
+        lazy_ptrs, _ = self._lazy_ptrs(named_addresses(flat, lazy, "lazy"), named_addresses(flat, eager, "eager"))
+        return self._planner.plan(flat, lazy_ptrs, None), cuda_devices(flat.tensors)
+
     def save_file(self, state: Any, name: str, *, step: int = 0, kind: str = "torch") -> SaveHandle:
         """``Checkpointer.save_file``: one torch file ``root/name`` (``kind="safetensors"``: a safetensors file).
 

@@ -247,6 +247,19 @@ class HostArena:
         mine.append(slot)
         return slot
 
+    def slot_bytes(self, plan: Plan) -> int:
+        """The host memory one slot of ``plan`` takes once every buffer is made (ring mode: its ring's)."""
+        shards = plan.mine(plan.shards)
+        count, size = self._ring(plan, shards)
+        return count * size if count else sum(s.nbytes for s in shards)
+
+    def _ring(self, plan: Plan, shards: list[Shard]) -> tuple[int, int]:
+        """Ring mode: how many buffers a slot may make and their size; (0, 0) otherwise."""
+        if not self._ring_mode(plan) or not shards:
+            return 0, 0
+        biggest = max(s.nbytes for s in shards)
+        return min(max(2, self._limit // max(biggest, 1)), len(shards)), biggest  # type: ignore[operator]
+
     def _max_slots_for(self, plan: Plan) -> int:
         mine = sum(s.nbytes for s in plan.mine(plan.shards))
         if self._limit is None or mine == 0:
@@ -261,12 +274,8 @@ class HostArena:
         """A slot with no buffer yet: ``Slot.buffer`` makes each one where it is first needed (``_make``)."""
         ring = self._ring_mode(plan)
         slot = Slot(plan=plan, ring=ring, pinned=pin)
-        shards = plan.mine(plan.shards)  # other ranks stage the rest
-        if ring and shards:
-            biggest = max(s.nbytes for s in shards)
-            count = max(2, self._limit // max(biggest, 1))  # type: ignore[operator]
-            slot.ring_count, slot.ring_bytes = min(count, len(shards)), biggest
-        elif self._shm is not None:
+        slot.ring_count, slot.ring_bytes = self._ring(plan, plan.mine(plan.shards))  # other ranks stage the rest
+        if not slot.ring_count and self._shm is not None:
             slot.dir = self._shm.new_slot_dir()
         # save() selects the state's first device: buffers made later (on the copy thread) register under it too,
         # so no stray context opens on GPU 0
