@@ -236,3 +236,32 @@ def test_the_remote_tier_uploads_what_the_persister_committed(tmp_path) -> None:
     with Checkpointer(CheckpointConfig(root=remote)) as back:
         assert [i.step for i in back.list()] == [4]
         assert_bit_equal(clone_state(_state(4)), back.load(step=4))
+
+
+def test_auto_never_routes_a_cuda_state_to_the_persister(tmp_path, monkeypatch) -> None:
+    """Issue 53 item 7: ``persist.process: auto`` keeps CUDA states on the threads (on an H200 the process stalled
+    1,150 ms a checkpoint against the threads' 113: docs/DESIGN.md), while a CPU state of the same size goes to the
+    process; ``on`` routes both."""
+    from types import SimpleNamespace
+
+    from fastckpt.format.openlayout import OPEN_LAYOUT
+
+    class FakeJob:  # what routed() reads of a Job (the pipeline keeps its verdicts in a weak mapping)
+        def __init__(self, cuda: bool) -> None:
+            self.file_format, self.shared, self.cuda = OPEN_LAYOUT, None, object() if cuda else None
+            self.slot = SimpleNamespace(dir="slot", ring=False, recovered=False)
+            self.plan = SimpleNamespace(total_bytes=1 << 40)
+
+    def job(cuda: bool) -> FakeJob:
+        return FakeJob(cuda)
+
+    for process, want in (("auto", {True: False, False: True}), ("on", {True: True, False: True})):
+        cfg = CheckpointConfig(root=str(tmp_path / process), staging={"shm": True},
+                               persist={"process": process})
+        with Checkpointer(cfg) as ck:
+            pipe = ck._pipeline
+            assert isinstance(pipe, PersistedPipeline)
+            monkeypatch.setattr(type(pipe.persister), "start", lambda self: None)  # no child for fake jobs
+            monkeypatch.setattr(type(pipe.persister), "alive", property(lambda self: True))
+            assert {cuda: pipe.routed(job(cuda)) for cuda in (True, False)} == want, process
+            monkeypatch.undo()
