@@ -11,6 +11,7 @@ DEST="${1:-.whl}"
 WHEELS=(
   crc32c==2.9.post0
   zlib-ng==1.1.0
+  torch-checkpointing==0.1.1  # a benchmark peer only (benchmarks/gpu_bench.py); pure Python, needs torch>=2.11
 )
 mkdir -p "$DEST"
 python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

@@ -128,7 +128,8 @@ def test_dry_run_end_to_end(tmp_path: Path) -> None:
     bench = json.loads((out / "gpu_bench.json").read_text())
     assert bench["gpu"] is False and bench["device"].startswith("CPU fallback"), bench["device"]
     assert [r["peer"].split(" (")[0] for r in bench["peers"]] == ["fastckpt", "dcp_async_save", "lightning AsyncCheckpointIO",
-                                                                   "fastckpt", "fastckpt", "fastckpt"]  # + --variants
+                                                                   "torch_checkpointing CheckpointManager", "fastckpt",
+                                                                   "fastckpt", "fastckpt"]  # + --variants
     assert "later_gbps" in bench["staging_probe"], bench["staging_probe"]
     for r in bench["peers"]:
         assert "error" not in r and r["bit_exact"], r
