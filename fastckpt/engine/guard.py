@@ -32,8 +32,12 @@ __all__ = ["VersionGuard"]
 
 
 def _version(t: torch.Tensor) -> int | None:
-    # Inference tensors have no version counter (and cannot be changed outside inference mode).
-    return None if t.is_inference() else t._version
+    # Inference tensors have no version counter (and cannot be changed outside inference mode). Asked by trying,
+    # not by ``is_inference()``: a torch call per tensor hands the GIL over, reading the counter does not.
+    try:
+        return t._version
+    except RuntimeError:
+        return None
 
 
 class VersionGuard:

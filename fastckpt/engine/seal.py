@@ -118,7 +118,9 @@ def _window(t: torch.Tensor, stride: int, shift: int) -> tuple[torch.Tensor, _Ru
     sampled one), and where they lie; None where no such view exists (non-contiguous, conj/neg views, empty).
     Called under ``torch.no_grad()``: a parameter's view then needs no detach (each torch call costs about 1 us,
     and a state has hundreds of tensors)."""
-    if t.layout is not torch.strided or t.is_quantized or not t.is_contiguous() or t.is_conj() or t.is_neg():
+    # the conj bit only exists on complex tensors: asked only there (each query is a torch call, a GIL hand-over)
+    if (t.layout is not torch.strided or t.is_quantized or not t.is_contiguous()
+            or (t.dtype.is_complex and t.is_conj()) or t.is_neg()):
         return None  # quantized: no plain byte view; left, like the others, to the version counter
     n, size = t.numel(), t.element_size()
     if not n:
