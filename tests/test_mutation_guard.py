@@ -236,3 +236,23 @@ def test_a_write_whose_counter_moves_after_the_copy_checks_is_caught_before_stag
             handle.wait()
         assert ckpt.list() == [], "the snapshot holding the half-swapped p1 was committed"
 
+
+
+def test_an_inference_tensor_in_a_lazy_save_is_saved_without_a_counter(tmp_path) -> None:
+    """Inference tensors keep no version counter (reading it raises): the guard leaves them to the seal's samples
+    and the save restores bit for bit; the other lazy tensors are still guarded."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with torch.inference_mode():
+        frozen = torch.randn(_N)
+    with Checkpointer(CheckpointConfig(root=str(tmp_path))) as ckpt:
+        ckpt.watch(opt)
+        state = {**_state(model, opt), "frozen": frozen}
+        want = clone_state(state)
+        ckpt.save(state, step=1, lazy=["frozen"]).wait()
+        assert_bit_equal(want, ckpt.load(1))
+        handle = ckpt.save(state, step=2)
+        with torch.no_grad():
+            model["p0"].add_(1.0)  # a guarded tensor changed before the seal: still refused
+        with pytest.raises(SnapshotMutatedError, match="model/p0"):
+            handle.wait()
