@@ -30,7 +30,8 @@ def section(result: dict[str, Any] | None) -> str:
 # the GPU section when benchmarks.run rewrites the report.
 CARRIED = ("## Health statistics cost", "## Where the stall goes", "## Background thread placement",
            "## Background thread placement, busy host",
-           "## The floor: what each pass over the state costs the training step")  # benchmarks/copyfloor.py
+           "## The floor: what each pass over the state costs the training step",  # benchmarks/copyfloor.py
+           "## The launch-bound training thread")  # benchmarks/launchbound.py
 
 
 def merge(report: str, sect: str, heading: str = "## GPU") -> str:

@@ -259,8 +259,9 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def markdown(summary: dict[str, dict[str, Any]], command: str, machine: str) -> str:
-    """The BENCHMARKS.md section."""
+def markdown(summary: dict[str, dict[str, Any]], command: str, machine: str, gil: dict[str, Any] | None = None
+             ) -> str:
+    """The BENCHMARKS.md section; ``gil``: ``benchmarks.gilcalls``'s JSON (the GIL hand-overs), when given."""
     rows = []
     for name, s in summary.items():
         if "error" in s:
@@ -279,6 +280,12 @@ def markdown(summary: dict[str, dict[str, Any]], command: str, machine: str) -> 
         verdict = (f"\n\nfastckpt loses {fast['lost_ms']:.0f} ms per checkpoint, {fast['lost_ms'] / best:.2f}x of the "
                    f"best peer's {best:.0f} ms; {fast['cpu_s_per_gb']:.2f} CPU-s per GB; save() "
                    f"{fast['save_ms']:.1f} ms (median).")
+    if gil and gil.get("per_checkpoint"):
+        row = gil["per_checkpoint"][-1]
+        background = sum(v for k, v in row.items() if not k.startswith("save()"))
+        verdict += (f"\n\nGIL hand-overs a checkpoint (`python -m benchmarks.gilcalls`): the background threads "
+                    f"{background} ({', '.join(f'{k} {v}' for k, v in row.items() if not k.startswith('save()'))}); "
+                    f"save() itself releases the GIL {row.get('save() (training thread)', 0)} times.")
     nb = next((s["nbytes"] for s in summary.values() if "nbytes" in s), 0)
     nt = next((s["tensors"] for s in summary.values() if "tensors" in s), 0)
     return "\n".join([
@@ -303,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="launches before a host-side wait for staging (0: no host wait, as on a GPU)")
     ap.add_argument("--quick", action="store_true", help="the tiny model: a smoke run of seconds")
     ap.add_argument("--json", type=Path, default=REPO / "benchmarks" / "launchbound.json")
+    ap.add_argument("--into", type=Path, default=None, help="merge the section into this report (BENCHMARKS.md)")
+    ap.add_argument("--gil", type=Path, default=None, help="benchmarks.gilcalls --json output to quote")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure this peer here, print JSON
     args = ap.parse_args(argv)
     if args.one:
@@ -334,7 +343,13 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m benchmarks.launchbound " + " ".join(argv if argv is not None else sys.argv[1:])
     doc = {"runs": runs, "summary": summary, "command": command.strip(), "machine": machine_line()}
     args.json.write_text(json.dumps(doc, indent=1))
-    print(markdown(summary, doc["command"], doc["machine"]))
+    section = markdown(summary, doc["command"], doc["machine"],
+                       json.loads(args.gil.read_text()) if args.gil else None)
+    print(section)
+    if args.into is not None:
+        from .gpu_report import merge
+
+        args.into.write_text(merge(args.into.read_text(), section, HEADING))
     return 0
 
 
