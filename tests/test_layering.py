@@ -68,7 +68,7 @@ SURFACE: dict[str, frozenset[str] | str] = {
     "fastckpt.format.bundle": frozenset({"PENDING", "SAFETENSORS", "TORCH", "EXTERNAL"}),
     # a torch file's health record (NaN/Inf, norms; Lightning's .ckpt): its extended attribute on local storage,
     # a sidecar beside it on an object store (removed with the file)
-    "fastckpt.format.health": frozenset({"delete_with_record", "file_health"}),
+    "fastckpt.format.health": frozenset({"delete_with_record", "file_health", "verdict"}),
     # the I/O workers' one pass (health statistics + CRC32C), timed alone by benchmarks/health_micro.py
     "fastckpt.format.healthpass": frozenset({"tensor_pass"}),
     # safetensors' name of a torch dtype, to check a model file's header

@@ -19,7 +19,7 @@ from ..errors import IntegrityError
 from .healthpass import shard_pass, tensor_pass
 from .torchrecords import records_path
 
-__all__ = ["tensor_health", "summarize", "check_health", "healthy_of", "sidecar_path", "sidecar_bytes", "uses_sidecar", "delete_with_record",
+__all__ = ["tensor_health", "summarize", "check_health", "healthy_of", "verdict", "sidecar_path", "sidecar_bytes", "uses_sidecar", "delete_with_record",
            "parse_sidecar", "SIDECAR_SUFFIX", "fingerprints", "sidecar_health", "shard_health", "value_dtype",
            "HealthPart", "measured", "storage_dtype", "HEALTH_ATTR", "attr_bytes", "file_health"]
 
@@ -69,10 +69,34 @@ def check_health(value: Any, source: str) -> dict[str, Any]:
 
 
 def healthy_of(doc: dict[str, Any]) -> bool | None:
-    """A parsed manifest's verdict: True or False when measured, None when it carries none (older fastckpt,
-    or ``health.enabled: false``)."""
-    health = doc.get("health")
-    return None if health is None else bool(health["healthy"])
+    """A parsed manifest's verdict (``verdict`` of its ``health``): True or False when measured, None when it
+    carries none (older fastckpt, or ``health.enabled: false``) or one that contradicts itself."""
+    return verdict(doc.get("health"))
+
+
+def verdict(health: dict[str, Any] | None) -> bool | None:
+    """What a checked ``health`` record (``check_health``; a manifest's, a sidecar's or a file attribute's summary)
+    proves: False when it says unhealthy; True only when it says healthy, was ``complete`` and agrees with its own
+    per-tensor rows (where it carries them: the summary of a file attribute has none); None otherwise, like no
+    record at all. A record is data anyone can edit or craft: ``healthy: true`` beside ``complete: false``, or
+    beside a row counting NaNs, is believed neither way (never chosen as healthy, never removed as sick)."""
+    if health is None:
+        return None
+    if not health["healthy"]:
+        return False
+    if health.get("complete") is not True or health.get("nan", 0):
+        return None
+    rows = health.get("tensors", {})
+    nan = inf = 0
+    for stats in rows.values():
+        if not isinstance(stats, dict) or not all(type(stats.get(f)) is int and stats[f] >= 0 for f in _COUNT_FIELDS):
+            return None  # a row without its counts proves nothing
+        if stats["nan"] or (stats["inf"] and (type(stats.get("n")) is not int or stats["n"] > 1)):
+            return None  # a diverged tensor (summarize's rule) under a healthy verdict
+        nan, inf = nan + stats["nan"], inf + stats["inf"]
+    if rows and (nan, inf) != (health.get("nan", 0), health.get("inf", 0)):
+        return None  # totals that are not the rows' sums
+    return True
 
 
 def fingerprints(health: dict[str, Any] | None, keys: Iterable[str]) -> dict[str, str]:
