@@ -2,8 +2,10 @@
 
 Everything here reads the source with ``ast``; nothing is imported. Scope: every ``.py`` file of
 ``fastckpt/`` (recursively), ``fastckpt_lightning/``, ``fastckpt_accelerate/``, ``benchmarks/`` and
-``tools/``. An import counts wherever it is written (module level or inside a function), except under
-``if TYPE_CHECKING:``, which never runs. Relative imports are resolved to absolute names, ``from pkg import
+``tools/``. An import counts wherever it is written: module level, inside a function, and under ``if
+TYPE_CHECKING:`` too (it never runs, yet it still ties the two files: each must be read with the other, and a
+circle hidden there is a circle; a type both sides need goes into a leaf module, a reader's type becomes a
+Protocol). Relative imports are resolved to absolute names, ``from pkg import
 submodule`` counts as an import of the submodule, and ``from fastckpt import Name`` as an import of the
 module that defines ``Name`` (``fastckpt._EXPORTS``).
 
@@ -165,18 +167,6 @@ def _absolute(module: str, is_package: bool, level: int, name: str | None) -> st
     return ".".join(base + ([name] if name else []))
 
 
-def _walk_runtime(node: ast.AST):
-    """``ast.walk`` that skips the bodies of ``if TYPE_CHECKING:`` (they never run)."""
-    todo = [node]
-    while todo:
-        node = todo.pop()
-        yield node
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            todo.extend(node.orelse)
-            continue
-        todo.extend(ast.iter_child_nodes(node))
-
-
 def _ours(name: str) -> bool:
     return name.split(".")[0] in SCOPE
 
@@ -194,7 +184,7 @@ def imports(module: str) -> tuple[Import, ...]:
     """Every import of a module of the scope written in ``module``, resolved."""
     is_package = modules()[module].name == "__init__.py"
     found = []
-    for node in _walk_runtime(tree(module)):
+    for node in ast.walk(tree(module)):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 if _ours(alias.name) and _known(alias.name):

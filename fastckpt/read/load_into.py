@@ -26,7 +26,7 @@ caller must load again (an earlier checkpoint) before training on.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -34,12 +34,49 @@ from ..errors import IntegrityError, StateMismatchError
 from .readers import Range, read_ranges, tensor_bytes
 from .strategy import trial_read
 from ..storage.fsspec import FsspecStorage
+from ..storage.protocol import Storage
 from ..format.table import TableEntry
 
-if TYPE_CHECKING:
-    from .loader import CheckpointReader
+__all__ = ["read_into", "check_targets", "TensorFile", "TableReader"]
 
-__all__ = ["read_into", "check_targets"]
+
+@runtime_checkable
+class TensorFile(Protocol):
+    """One tensor file of a checkpoint, checked against its manifest (``loader.ShardFile``)."""
+
+    @property
+    def path(self) -> str: ...
+
+    @property
+    def size(self) -> int: ...
+
+    @property
+    def entries(self) -> list[TableEntry]: ...
+
+
+@runtime_checkable
+class TableReader(Protocol):
+    """What ``read_into`` needs of a checkpoint's reader (``loader.CheckpointReader`` is one): a Protocol, so that
+    this module never imports the loader that calls it."""
+
+    storage: Storage
+    dirpath: str
+    verify: bool
+    workers: int
+    entries: list[TableEntry]
+
+    def read_plan(self) -> Sequence[TensorFile]:
+        """Called once per load: the tensor files to read, each checked against the manifest."""
+
+    def objects(self) -> list[Any]:
+        """Called once per load: the checkpoint's non-tensor leaves."""
+
+    def read_strategy(self, files: list[tuple[str, int]], kind: str = "fresh",
+                      trial: Callable[[Sequence[str], str], str | None] | None = None) -> str:
+        """Called once per load, before the reads: how to read ``files`` into destinations of ``kind``."""
+
+    def decode(self, tensors: list[Any], objects: list[Any]) -> Any:
+        """Called once the tensors landed: the saved tree rebuilt around them."""
 
 
 _BATCH_BYTES = 256 << 20  # buffered (CUDA, non-contiguous) tensors in flight at once: bounds the pinned memory
@@ -123,7 +160,7 @@ class _Targets:
             torch.cuda.current_stream(d).wait_stream(stream)
 
 
-def read_into(reader: "CheckpointReader", target: Any) -> tuple[Any, int] | None:
+def read_into(reader: TableReader, target: Any) -> tuple[Any, int] | None:
     """Load ``reader``'s checkpoint into ``target``: the saved tree built on ``target``'s tensors and the
     number of tensor bytes read; None if ``target`` holds DTensors (the reader's resharding path loads those) or
     the root is remote (the reader reads whole files in concurrent ranged GETs, then copies).
