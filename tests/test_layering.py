@@ -16,6 +16,7 @@ higher one:
                                anyone may import them; config imports only errors and yamlfile, yamlfile only
                                errors, errors nothing
     1  storage/                where bytes go
+       cudart.py               torch's own CUDA runtime and the streams only fastckpt uses; imports only errors
     2  format/                 what a checkpoint is
     3  engine/  read/          how a save runs / how a load runs: siblings, neither imports the other
     4  tiers/                  where checkpoints live
@@ -95,11 +96,12 @@ SURFACE: dict[str, frozenset[str] | str] = {
 }
 SURFACE_USERS = ("fastckpt_lightning", "fastckpt_accelerate", "fastckpt.cli", "benchmarks", "tools")
 
-RANKS = {"errors": 0, "yamlfile": 0, "config": 0, "configbase": 0, "configtime": 0, "storage": 1, "format": 2, "engine": 3, "read": 3, "tiers": 4,
-         "checkpointer": 5, "timeline": 5, "cli": 6}
+RANKS = {"errors": 0, "yamlfile": 0, "config": 0, "configbase": 0, "configtime": 0, "storage": 1, "cudart": 1,
+         "format": 2, "engine": 3, "read": 3, "tiers": 4, "checkpointer": 5, "timeline": 5, "cli": 6}
 SIBLINGS = {("engine", "read"), ("read", "engine")}
 ONLY = {"errors": set(), "yamlfile": {"errors"}, "config": {"errors", "yamlfile", "configbase", "configtime"},
-        "configbase": {"errors"}, "configtime": {"errors", "configbase"}}  # the units these may import (besides themselves)
+        "configbase": {"errors"}, "configtime": {"errors", "configbase"},
+        "cudart": {"errors"}}  # the units these may import (besides themselves)
 FACADE = ("fastckpt", "fastckpt.__main__")
 
 # Private attributes of third-party objects that an integration reads on purpose, and that merely share
