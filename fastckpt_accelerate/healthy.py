@@ -24,7 +24,8 @@ def newest(infos: Sequence[Any], root: str, healthy: bool = False) -> Any:
     sick = sum(1 for i in infos if i.healthy is False)
     raise CheckpointNotFoundError(
         f"no healthy checkpoint under {root}: {len(infos)} committed, {sick} with NaN/Inf values, the others not "
-        "measured (saved with health.enabled: false or by an older fastckpt); pass load_state(path) to load one")
+        "measured (saved with health.enabled: false or by an older fastckpt) or with a record that contradicts "
+        "itself; pass load_state(path) to load one")
 
 
 def newest_or_none(infos: Sequence[Any], healthy: bool = False) -> Optional[Any]:

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from fastckpt import open_storage
 from fastckpt.errors import CheckpointNotFoundError, FastCkptError
-from fastckpt.format.health import file_health
+from fastckpt.format.health import file_health, verdict
 
 from fastckpt_lightning.discovery import find_calling_trainer
 from fastckpt_lightning.pointer import join_path
@@ -39,7 +39,7 @@ def find_healthy_checkpoint(dirpath: str, storage_options: Optional[dict[str, An
         except (FastCkptError, OSError) as e:  # one crafted or unreadable record must not stop the resume
             log.warning("fastckpt: ignoring the health record of %s: %s", name, e)
             continue
-        if health is not None and health["healthy"]:
+        if verdict(health) is True:  # complete, and agreeing with itself (format/health.py)
             ranked.append((health.get("step", -1), name))
     if not ranked:
         return None

@@ -238,6 +238,56 @@ def test_gc_refuses_while_a_writer_holds_the_root(tmp_path, capsys) -> None:
         assert code == 1 and "lock" in err.lower()
 
 
+def _disk(top: Path) -> dict[str, tuple]:
+    """Everything on disk under ``top``, ``top`` included: kind, size, mtime, extended attributes, content digest."""
+    import hashlib
+    import stat
+
+    out: dict[str, tuple] = {}
+    for dirpath, dirs, files in os.walk(top):
+        for p in [Path(dirpath)] + [Path(dirpath) / n for n in dirs + files]:
+            st = p.lstat()
+            attrs = {a: os.getxattr(p, a, follow_symlinks=False) for a in os.listxattr(p, follow_symlinks=False)}
+            digest = hashlib.sha256(p.read_bytes()).hexdigest() if stat.S_ISREG(st.st_mode) else None
+            out[str(p)] = (stat.S_IFMT(st.st_mode), st.st_size, st.st_mtime_ns, st.st_ctime_ns, attrs, digest)
+    return out
+
+
+def test_gc_dry_run_changes_nothing_on_disk(tmp_path, capsys) -> None:
+    # a core root with steps retention drops and a save that died; a Lightning dirpath with a dead save's temporary
+    # file; a home directory holding only the user's own files: `--dry-run` reports and writes nothing, no lock
+    core, lightning, home = tmp_path / "core", tmp_path / "lightning", tmp_path / "home"
+    with Checkpointer(CheckpointConfig(root=str(core))) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(state(step), step=step).wait()
+    os.remove(core / ".fastckpt.lock")  # as a root copied from elsewhere arrives: no lock file yet
+    dead = core / "step-000000009"
+    dead.mkdir()
+    (dead / "meta.0123456789ab.json").write_text(  # its meta names its uid: fastckpt's, provably
+        json.dumps({"tree": {"T": 0}, "tensors": [{"file": "shard-00000.0123456789ab.safetensors"}]}))
+    with Checkpointer(CheckpointConfig(root=str(lightning))) as files:
+        for step in (1, 2, 3):
+            files.save_file({"w": torch.full((8,), float(step))}, f"epoch=0-step={step}.ckpt", step=step).wait()
+    from fastckpt.storage.tempmark import mark_bytes, mark_name
+    temp = lightning / ".epoch=0-step=4.ckpt.fastckpt-tmp-0123456789ab"
+    temp.write_bytes(b"\0" * 100)
+    Path(mark_name(str(temp))).write_bytes(mark_bytes(temp.name))
+    home.mkdir()
+    (home / ".bashrc").write_text("export A=1\n")
+    (home / "notes.txt").write_text("mine")
+    for entry in (*core.rglob("*"), *lightning.rglob("*"), core, lightning, *home.rglob("*"), home):
+        os.utime(entry, (1, 1), follow_symlinks=False)  # long dead: everything gc may remove is reported
+    before = _disk(tmp_path)
+    for folder, expect in ((core, 3), (lightning, 4), (home, 0)):
+        code, out, err = run(["gc", str(folder), "--keep-last", "1", "--grace-s", "60", "--dry-run"], capsys)
+        assert code == 0, err
+        assert out.count("would remove") == expect, out
+        assert _disk(tmp_path) == before, f"gc --dry-run of {folder} changed the disk"
+    assert not any(p.name == ".fastckpt.lock" for p in tmp_path.rglob("*"))
+    code, out, _ = run(["gc", str(core), "--keep-last", "1", "--grace-s", "60"], capsys)  # the real one acts
+    assert code == 0 and out.count("removed") == 3 and not dead.exists()
+
+
 def test_persist_pending_commits_what_a_crashed_process_staged(tmp_path, capsys) -> None:
     root, shm = tmp_path / "ckpts", tmp_path / "shm"
     shm.mkdir()

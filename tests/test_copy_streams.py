@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 
+import fastckpt.cudart as cudart_mod
 import fastckpt.engine.streams as streams_mod
 from fastckpt import Checkpointer
 from fastckpt.engine.streams import CopyStreams, dedicated_stream
@@ -62,7 +63,7 @@ class FakeExternalStream(FakeStream):
 
 def _runtime(monkeypatch, lib: Any) -> None:
     FakeCuda(monkeypatch)
-    monkeypatch.setattr(streams_mod, "loaded_cudart", lambda: lib)
+    monkeypatch.setattr(cudart_mod, "loaded_cudart", lambda: lib)
     monkeypatch.setattr(torch.cuda, "ExternalStream", FakeExternalStream)
 
 
@@ -85,7 +86,7 @@ def test_checkpointers_share_the_processs_dedicated_streams(tmp_path, monkeypatc
     install(monkeypatch, dma := Dma())  # a state on a fake cuda:0
     dma.gate.set()
     lib = FakeRuntime()
-    monkeypatch.setattr(streams_mod, "loaded_cudart", lambda: lib)
+    monkeypatch.setattr(cudart_mod, "loaded_cudart", lambda: lib)
     monkeypatch.setattr(torch.cuda, "ExternalStream", FakeExternalStream)
     monkeypatch.setattr(streams_mod, "process_stream", _real_process_stream)  # install() faked it
     monkeypatch.setattr(streams_mod, "_made", {})
@@ -123,7 +124,7 @@ def test_a_failed_stream_creation_names_the_device_and_resets_the_error(monkeypa
 
 def test_without_a_loaded_runtime_a_pool_stream_is_used_and_said_once(monkeypatch, caplog) -> None:
     _runtime(monkeypatch, None)
-    monkeypatch.setattr(streams_mod, "_fallback_logged", False)
+    monkeypatch.setattr(cudart_mod, "_fallback_logged", False)
     with caplog.at_level(logging.DEBUG, logger="fastckpt"):
         first = dedicated_stream(0, -64)
         dedicated_stream(1, 0)

@@ -177,3 +177,82 @@ def test_a_failed_host_registration_raises_and_leaves_no_stale_cuda_error(tmp_pa
         assert torch.equal(x.cpu(), torch.full((1000,), 2.0))
         ckpt.save(state, step=2).wait(timeout=60)
         assert_bit_equal(_host(state), ckpt.load(step=2))
+
+
+def test_dtensor_load_into_cuda_targets_lands_after_the_callers_stream(tmp_path) -> None:
+    """Issue 54 item 11: the distributed/DTensor path of load_into (an FSDP2 resume) copied on the load worker
+    threads' legacy default stream, which a non-blocking caller stream (FSDP's, a training loop's own) neither waits
+    for nor makes wait: the fill queued below ran after the copies and the targets ended at -5."""
+    from tests.dist_launcher import run_ranks
+    from tests.test_cuda_paths import _dtensor_state, _save_dtensors
+
+    run_ranks(_save_dtensors, 1, str(tmp_path))  # DTensor blocks, one file each (a 1-rank gloo mesh on the CPU)
+    ref = _dtensor_state()
+    caller = torch.cuda.Stream()  # non-blocking, as torch makes every stream but the legacy default one
+    with Checkpointer(CheckpointConfig(root=str(tmp_path), persist={"workers": 4})) as ckpt:
+        target = {k: torch.zeros(v.shape, dtype=v.dtype, device="cuda") for k, v in ref.items()}
+        torch.cuda.synchronize()
+        with torch.cuda.stream(caller):
+            torch.cuda._sleep(SLEEP)
+            for t in target.values():
+                t.fill_(-5.0)  # queued before load_into on the caller's stream: the loaded values must land after
+            ckpt.load_into(target, step=1)
+            seen = {k: v.clone() for k, v in target.items()}  # the caller's next kernel: after the loaded values
+        torch.cuda.synchronize()
+    assert_bit_equal(ref, _host(target))
+    assert_bit_equal(ref, _host(seen))
+
+
+_TWO_RUNTIMES = textwrap.dedent("""
+    import ctypes, json, os, shutil, sys
+    import torch
+    from fastckpt.cudart import dedicated_stream, loaded_cudart, mapped_libraries, symbol_file
+
+    torch.cuda.init()
+    owner = next(p for p in mapped_libraries() if os.path.basename(p) in ("libc10_cuda.so", "libtorch_cuda.so"))
+    own = symbol_file(owner, "cudaGetLastError")  # the file torch's CUDA library takes the runtime from
+    runtimes = [p for p in mapped_libraries() if "libcudart" in os.path.basename(p)]
+    other = None
+    for folder in sys.argv[1:] if runtimes else ():  # a second runtime, as cupy or TensorRT load one
+        try:  # under a path that sorts first (/dev/shm), where its mount lets a library load from it
+            other = shutil.copy(runtimes[0], os.path.join(folder, os.path.basename(runtimes[0])))
+            ctypes.CDLL(other)
+            break
+        except OSError:
+            other = None
+    lib = loaded_cudart()
+    x = torch.arange(1 << 20, dtype=torch.float32)
+    stream = dedicated_stream(0, 0)
+    with torch.cuda.stream(stream):
+        y = x.cuda(non_blocking=False)
+    stream.synchronize()
+    print(json.dumps({"own": own, "picked": None if lib is None else os.path.realpath(lib._name),
+                      "loaded": sorted(p for p in mapped_libraries() if "libcudart" in os.path.basename(p)),
+                      "error": None if lib is None else int(lib.cudaGetLastError()),
+                      "exact": bool(torch.equal(y.cpu(), x)), "other": other}))
+""")
+
+
+def test_torchs_own_runtime_is_called_with_another_one_loaded_beside_it(tmp_path) -> None:
+    """Issue 54 item 11: loaded_cudart took the first libcudart by sorted path, with a second runtime loaded as
+    likely another framework's as torch's (here: a copy under /dev/shm, which sorts before torch's own)."""
+    import json
+    import shutil
+    import tempfile
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH")) if p)}
+    first = tempfile.mkdtemp(prefix="a", dir="/dev/shm")
+    try:
+        out = subprocess.run([sys.executable, "-c", _TWO_RUNTIMES, first, str(tmp_path)], env=env,
+                             capture_output=True, text=True, timeout=180)
+    finally:
+        shutil.rmtree(first, ignore_errors=True)
+    assert out.returncode == 0, out.stderr[-4000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["exact"], got  # a copy on fastckpt's own stream, made through the runtime picked
+    if got["own"] not in got["loaded"]:  # torch links its runtime statically: none of the loaded ones is torch's
+        assert got["picked"] is None, f"a runtime torch does not call was picked: {got}"
+        return
+    assert got["other"] is not None and len(got["loaded"]) == 2, got
+    assert got["picked"] == got["own"] and got["error"] == 0, got  # the old rule took loaded[0] when it sorts first

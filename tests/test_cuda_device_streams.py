@@ -66,6 +66,26 @@ def test_copy_streams_are_not_pool_streams_and_copy_bit_exact(tmp_path) -> None:
     torch.cuda.empty_cache()
 
 
+def test_load_side_streams_are_not_pool_streams_and_load_bit_exact(tmp_path) -> None:
+    """Issue 54 item 11: load_into's side streams came from torch's pool (torch.cuda.Stream()), shared with NCCL's
+    and FSDP2's side streams."""
+    from fastckpt.read.devicecopy import load_stream
+
+    torch.manual_seed(0)
+    state = {"a": torch.randn(300, 300, device="cuda"), "b": torch.arange(7000, device="cuda")}
+    ref = clone_state(state)
+    with Checkpointer(CheckpointConfig(root=str(tmp_path))) as ckpt:
+        ckpt.save(state, step=1).wait(timeout=60)
+        target = {k: torch.zeros_like(v) for k, v in state.items()}
+        ckpt.load_into(target, step=1)
+        torch.cuda.synchronize()
+        assert_bit_equal(ref, target)
+    d = torch.cuda.current_device()
+    stream = load_stream(d)
+    assert load_stream(d) is stream, "one load stream per device for the process"
+    assert stream.cuda_stream not in _pool_handles(d), "the load side stream is one of torch's pool"
+
+
 def test_shm_save_on_gpu_returns_before_the_copies_land(tmp_path, tmpfs_dir) -> None:
     torch.manual_seed(0)
     shm = tmpfs_dir

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import re
+import threading
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,10 @@ import fastckpt.engine.pinned as pinned_mod
 from fastckpt import CheckpointConfig, Checkpointer
 from fastckpt.engine.handle import SaveHandle, SaveStats
 from fastckpt.errors import FastCkptError
+import fastckpt.cudart as cudart_mod
+import fastckpt.read.devicecopy as devicecopy_mod
+import fastckpt.read.loader as loader_mod
+from fastckpt.read.devicecopy import DeviceCopies
 from fastckpt.read.load_into import _Targets
 from fastckpt.read.readers import Range
 from tests.helpers import assert_bit_equal, bounded
@@ -95,19 +100,25 @@ class _stream_ctx:
         _current[0] = self.prev
 
 
-def test_load_into_copies_on_each_devices_own_stream_after_the_callers(monkeypatch) -> None:
+def _fake_streams(monkeypatch) -> FakeCuda:
     fake = FakeCuda(monkeypatch)
     monkeypatch.setattr(torch.cuda, "Stream", _Stream)
     monkeypatch.setattr(torch.cuda, "stream", _stream_ctx)
     for d in fake.current_streams:
         fake.current_streams[d] = _Stream(d)
-    targets = _Targets()
+    return fake
+
+
+def test_load_into_copies_on_each_devices_own_stream_after_the_callers(monkeypatch) -> None:
+    fake = _fake_streams(monkeypatch)
+    targets = _Targets(DeviceCopies(streams=_Stream))
     dsts = {d: _CudaTarget(torch.zeros(4), d) for d in (0, 1)}
     for d, dst in dsts.items():
         targets.buffered.append(("f", None, dst, None))  # type: ignore[arg-type]
     targets.prepare_cuda()
-    assert sorted(targets.streams) == [0, 1], "one side stream per device of the targets"
-    for d, s in targets.streams.items():
+    streams = targets.device.streams
+    assert sorted(streams) == [0, 1], "one side stream per device of the targets"
+    for d, s in streams.items():
         assert s.device == d
         # ordered after the caller's current stream of that device: the lazy copies load_into waited for there
         assert s.waited_streams == [fake.current_streams[d]]
@@ -115,14 +126,132 @@ def test_load_into_copies_on_each_devices_own_stream_after_the_callers(monkeypat
         r = Range("f", 0, memoryview(bytearray(16)), None, "")
         targets.copies[id(r)] = (torch.full((4,), float(d + 1)), dst)  # type: ignore[assignment]
         targets.done(r)
-        assert dst.copied_under == (d, targets.streams[d], True), "copy on its own device's side stream"
+        assert dst.copied_under == (d, streams[d], True), "copy on its own device's side stream"
         assert torch.equal(dst.t, torch.full((4,), float(d + 1)))
-    assert len(targets.held) == 2, "the pinned buffers live until their copies are done"
+    assert len(targets.device.held) == 2, "the pinned buffers live until their copies are done"
     targets.drain()
-    assert targets.held == []
+    assert targets.device.held == []
     targets.finish()
-    for d, s in targets.streams.items():  # the caller's next kernels come after the loaded values
+    for d, s in streams.items():  # the caller's next kernels come after the loaded values
         assert fake.current_streams[d].waited_streams == [s]
+
+
+def test_load_side_streams_are_fastckpts_own_one_per_device_for_the_process(monkeypatch) -> None:
+    # torch.cuda.Stream() hands out the pool's 32 streams per device, which NCCL and FSDP2 take theirs from: a
+    # load's copies must not queue behind a collective. The side streams come from torch's runtime instead.
+    from tests.test_copy_streams import FakeExternalStream, FakeRuntime
+
+    _fake_streams(monkeypatch)
+    lib = FakeRuntime()
+    monkeypatch.setattr(cudart_mod, "loaded_cudart", lambda: lib)
+    monkeypatch.setattr(torch.cuda, "ExternalStream", FakeExternalStream)
+    monkeypatch.setattr(devicecopy_mod, "_streams", {})
+
+    def pool(*args, **kwargs):
+        raise AssertionError("a load side stream was taken from torch's pool")
+
+    monkeypatch.setattr(torch.cuda, "Stream", pool)
+    FakeExternalStream.wait_stream = lambda self, other: None  # type: ignore[attr-defined]
+    try:
+        for _ in range(2):  # two loads
+            targets = _Targets()
+            for d in (0, 1):
+                targets.buffered.append(("f", None, _CudaTarget(torch.zeros(4), d), None))  # type: ignore[arg-type]
+            targets.prepare_cuda()
+            assert [(s.cuda_stream, s.device.index) for s in targets.device.streams.values()] == \
+                [(h, d) for h, d, _, _ in lib.created]
+    finally:
+        del FakeExternalStream.wait_stream  # type: ignore[attr-defined]
+    assert [(d, flags, prio) for _, d, flags, prio in lib.created] == [(0, 1, 0), (1, 1, 0)], (
+        "one non-blocking stream per device, made under its device, for the whole process")
+
+
+def test_a_pageable_source_is_staged_and_the_held_bytes_stay_bounded(monkeypatch) -> None:
+    fake = _fake_streams(monkeypatch)
+    staged: list[torch.Tensor] = []
+
+    def pinned(src: torch.Tensor) -> torch.Tensor:
+        staged.append(src.clone())
+        return staged[-1]
+
+    monkeypatch.setattr(devicecopy_mod, "pinned_copy", pinned)
+    copies = DeviceCopies(budget=3 * 16, streams=_Stream)
+    copies.prepare([1])
+    dst = _CudaTarget(torch.zeros(4), 1)
+    for i in range(4):
+        src = torch.full((4,), float(i))  # pageable: a read buffer's view, let go right after
+        copies.copy(dst, src)  # type: ignore[arg-type]
+        assert staged[-1] is not src and torch.equal(staged[-1], src)
+        assert dst.copied_under == (1, copies.streams[1], True) and torch.equal(dst.t, src)
+    # 4 sources of 16 bytes over a budget of 48: the fourth waited for the copies, and the sources went
+    assert copies.held == [] and copies.held_bytes == 0
+    cpu = torch.zeros(4)
+    copies.copy(cpu, torch.ones(4))  # a CPU target: copied at once, nothing staged or held
+    assert torch.equal(cpu, torch.ones(4)) and len(staged) == 4 and copies.held == []
+    copies.finish()
+    assert fake.current_streams[1].waited_streams == [copies.streams[1]]
+
+
+def test_dtensor_load_into_copies_through_the_side_streams_between_prepare_and_finish(tmp_path, monkeypatch) -> None:
+    # The distributed/DTensor path of load_into (an FSDP2 resume) copies regions on the load worker threads: every
+    # copy goes through DeviceCopies, prepared on the caller's thread before the first, drained and finished there
+    # after the last, a failed load included.
+    from tests.dist_launcher import run_ranks
+
+    run_ranks(_save_dtensors, 1, str(tmp_path))
+    events: list[tuple[str, str]] = []
+
+    class Recording(DeviceCopies):
+        def prepare(self, devices):
+            events.append(("prepare", threading.current_thread().name))
+            super().prepare(devices)
+
+        def copy(self, dst, src, pinned=False):
+            events.append(("copy", threading.current_thread().name))
+            super().copy(dst, src, pinned)
+
+        def drain(self):
+            events.append(("drain", threading.current_thread().name))
+            super().drain()
+
+        def finish(self):
+            events.append(("finish", threading.current_thread().name))
+            super().finish()
+
+    monkeypatch.setattr(loader_mod, "DeviceCopies", Recording)
+    ref = _dtensor_state()
+    me = threading.current_thread().name
+    with Checkpointer(CheckpointConfig(root=str(tmp_path), persist={"workers": 4})) as ckpt:
+        target = {k: torch.full_like(v, -1.0) for k, v in ref.items()}
+        ckpt.load_into(target, step=1)
+        assert_bit_equal(ref, target)
+        kinds = [k for k, _ in events]
+        assert kinds[0] == "prepare" and kinds[-2:] == ["drain", "finish"] and kinds.count("copy") >= 4
+        assert all(t == me for k, t in events if k != "copy"), events
+        assert {t for k, t in events if k == "copy"} - {me}, "the copies run on the load worker threads"
+        events.clear()
+        block = next(p for p in (tmp_path / "step-000000001").iterdir() if p.name.startswith("shard-"))
+        data = bytearray(block.read_bytes())
+        data[-1] ^= 0xFF
+        block.write_bytes(bytes(data))
+        with pytest.raises(FastCkptError):
+            ckpt.load_into(target, step=1)
+        assert [k for k, _ in events][-2:] == ["drain", "finish"], "a failed load must still let the copies land"
+
+
+def _dtensor_state() -> dict[str, torch.Tensor]:
+    return {f"w{i}": torch.arange(1024.0 * (i + 1)).reshape(32 * (i + 1), 32) for i in range(4)}  # 4+ KiB each
+
+
+def _save_dtensors(rank: int, world: int, root: str) -> None:
+    """A checkpoint of DTensors (a 1-rank mesh), one file each: what an FSDP2 save writes, blocks and all."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    state = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in _dtensor_state().items()}
+    with Checkpointer(CheckpointConfig(root=root, persist={"chunk_bytes": 4096})) as ckpt:
+        ckpt.save(state, step=1).wait()
 
 
 # ---- waits and failures must not leave a save pending ----------------------------------------------------------

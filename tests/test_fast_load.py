@@ -57,6 +57,22 @@ def test_load_into_is_bit_exact_in_place_across_dtypes(tmp_path) -> None:
     assert stats.nbytes == sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor))
 
 
+def test_the_checkpoint_reader_is_what_read_into_reads_through(tmp_path) -> None:
+    # read/load_into.py never imports the loader that calls it (tests/test_layering.py): it states what it reads
+    # through as a Protocol; the reader must stay one, its read plan's files too
+    from fastckpt.read.load_into import TableReader, TensorFile
+    from fastckpt.read.loader import CheckpointReader
+    from fastckpt.storage.protocol import open_storage
+
+    state = _typed_state()
+    with Checkpointer(CheckpointConfig(root=str(tmp_path))) as ckpt:
+        ckpt.save(state, step=1).wait()
+        path = ckpt.list()[-1].path
+    reader = CheckpointReader(open_storage(str(tmp_path)), path)
+    assert isinstance(reader, TableReader)
+    assert reader.read_plan() and all(isinstance(f, TensorFile) for f in reader.read_plan())
+
+
 def test_load_into_copies_into_a_non_contiguous_target(tmp_path) -> None:
     """A transposed target cannot take the bytes directly: they go through a buffer and a copy."""
     w = torch.randn(64, 48)

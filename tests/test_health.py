@@ -216,3 +216,58 @@ def test_fastckpt_gc_of_a_lightning_folder_keeps_the_newest_healthy_file(tmp_pat
     left = sorted(n for n in os.listdir(tmp_path) if n.endswith(".ckpt"))
     assert left == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"]  # 2: the newest healthy; 4: the newest
     assert sorted(os.listdir(tmp_path)) == [".fastckpt.lock", *left]  # no record of a removed file outlives it
+
+
+def _contradict(manifest: Path, how: str) -> None:
+    """Edit the health record of ``manifest`` (a healthy one) so that it contradicts itself, as ``how`` says."""
+    doc = json.loads(manifest.read_text())
+    health = doc["health"]
+    assert health["healthy"] is True
+    if how == "incomplete":
+        health["complete"] = False
+    elif how == "row-nan":
+        health["tensors"]["model/0.weight"]["nan"] = 5  # the totals still say 0
+    elif how == "row-inf":
+        health["tensors"]["model/0.weight"]["inf"] = 3  # an Inf among 128 values: a diverged tensor
+        health["inf"] = 3
+    elif how == "totals":
+        health["inf"] = 4  # no row counts an Inf
+    elif how == "no-complete":
+        del health["complete"]
+    manifest.write_text(json.dumps(doc))
+
+
+@pytest.mark.parametrize("how", ["incomplete", "row-nan", "row-inf", "totals", "no-complete"])
+def test_a_health_record_that_contradicts_itself_is_unknown_never_healthy(tmp_path: Path, capsys, how: str) -> None:
+    from fastckpt.cli import main
+
+    ckpt, saved = _run(tmp_path, 3, nan_at=None)
+    ckpt.close()
+    for step in (1, 2):
+        _contradict(tmp_path / f"step-00000000{step}" / "manifest.json", how)
+    with Checkpointer(CheckpointConfig(root=str(tmp_path))) as again:
+        assert [i.healthy for i in again.list()] == [True, None, None]  # listed all the same, health unknown
+        assert again.latest(healthy=True) == 0
+        assert_bit_equal(again.load(healthy=True), saved[0])
+        with pytest.raises(CheckpointNotFoundError, match="contradicts itself"):
+            again.load(step=2, healthy=True)
+    assert main(["list", str(tmp_path), "--json"]) == 0
+    assert [r["health"] for r in json.loads(capsys.readouterr().out)] == ["ok", "unknown", "unknown"]
+
+
+def test_a_file_record_that_contradicts_itself_is_unknown(tmp_path: Path, capsys) -> None:
+    from fastckpt.cli import main
+    from fastckpt_lightning import find_healthy_checkpoint
+
+    model, _ = _model()
+    with Checkpointer(CheckpointConfig(root=str(tmp_path))) as files:
+        for step in (1, 2):
+            files.save_file({"state_dict": model.state_dict(), "global_step": step}, f"epoch=0-step={step}.ckpt",
+                            step=step)
+    newest = tmp_path / "epoch=0-step=2.ckpt"
+    record = json.loads(os.getxattr(newest, HEALTH_ATTR))
+    record["health"]["complete"] = False  # still "healthy": true
+    os.setxattr(newest, HEALTH_ATTR, json.dumps(record).encode())
+    assert find_healthy_checkpoint(str(tmp_path)) == str(tmp_path / "epoch=0-step=1.ckpt")
+    assert main(["list", str(tmp_path), "--json"]) == 0
+    assert [r["health"] for r in json.loads(capsys.readouterr().out)] == ["ok", "unknown"]

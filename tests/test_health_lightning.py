@@ -114,3 +114,38 @@ def test_a_file_system_refusing_extended_attributes_gives_unknown_health_and_no_
         _fit(dirpath, [], max_steps=4, ckpt_path="last-healthy")
     assert cli_main(["list", dirpath, "--json"]) == 0
     assert [r["health"] for r in json.loads(capsys.readouterr().out)] == ["-", "-", "-"]
+
+
+def test_last_healthy_never_picks_a_nan_file_copied_over_a_healthy_one(tmp_path) -> None:
+    # `cp diverged.ckpt epoch=0-step=3.ckpt` rewrites the file in place: its health attribute stays, now describing
+    # other bytes (the same size: the same model). The record is tied to the zip's CRC-32s, so it is not believed.
+    import io
+    import subprocess
+
+    dirpath = str(tmp_path / "ckpt")
+    recorder = _Record()
+    _fit(dirpath, [recorder], max_steps=3)
+    newest = os.path.join(dirpath, "epoch=0-step=3.ckpt")
+    diverged = torch.load(newest, weights_only=False)
+    for weight in diverged["state_dict"].values():
+        weight.fill_(float("nan"))  # in place: the same structure, pickled to the same length
+    buf = io.BytesIO()  # through a buffer: its records are named archive/..., as in the plugin's files
+    torch.save(diverged, buf)
+    (tmp_path / "diverged.ckpt").write_bytes(buf.getvalue())
+    assert os.path.getsize(tmp_path / "diverged.ckpt") == os.path.getsize(newest)
+    subprocess.run(["cp", str(tmp_path / "diverged.ckpt"), newest], check=True)
+    assert json.loads(os.getxattr(newest, HEALTH_ATTR))["health"]["healthy"] is True  # the stale record
+    resumed = SeeStart()
+    checkpoint = ModelCheckpoint(dirpath=dirpath, every_n_train_steps=1, save_top_k=-1)
+    trainer = make_trainer([resumed, checkpoint], FastCheckpointIO(), max_steps=4)
+    trainer.fit(TinyModule(), train_dataloaders=ResumableBatches(), ckpt_path="last-healthy")
+    assert resumed.step == 2
+    assert_bit_equal(resumed.state, recorder.by_step[2])
+
+
+class _Record(Callback):
+    def __init__(self) -> None:
+        self.by_step: dict[int, dict[str, Any]] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, *args: Any) -> None:
+        self.by_step[trainer.global_step] = training_state(pl_module)

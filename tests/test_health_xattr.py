@@ -83,3 +83,72 @@ def test_removing_a_local_file_never_deletes_a_user_file_named_like_a_sidecar(tm
         ckpt.remove_file("a.ckpt").result(timeout=60)
     assert not (tmp_path / "a.ckpt").exists()
     assert users.read_text() == "the user's own notes"
+
+
+def _same_size_nan_file(path: Path, like: dict[str, Any]) -> None:
+    """A stock torch file (``torch.save``) of ``like``'s structure, every float a NaN: what a user copies over a
+    checkpoint by mistake. Saved through a buffer, so its zip records are named like fastckpt's (``archive/``)."""
+    import io
+
+    buf = io.BytesIO()
+    torch.save({k: torch.full_like(v, float("nan")) if v.is_floating_point() else v for k, v in like.items()}, buf)
+    path.write_bytes(buf.getvalue())
+
+
+def test_a_file_copied_over_a_checkpoint_does_not_inherit_its_health_record(tmp_path: Path, capsys) -> None:
+    import subprocess
+
+    from fastckpt.cli import main
+    from fastckpt.format.health import file_health
+    from fastckpt_lightning import find_healthy_checkpoint
+
+    folder = tmp_path / "ckpt"
+    state = {"w": torch.randn(64, 3), "b": torch.randn(3)}
+    with Checkpointer(CheckpointConfig(root=str(folder))) as ckpt:
+        ckpt.save_file(state, "epoch=0-step=1.ckpt", step=1).wait()
+        ckpt.save_file({k: v * 2 for k, v in state.items()}, "epoch=0-step=2.ckpt", step=2).wait()
+    newest = folder / "epoch=0-step=2.ckpt"
+    _same_size_nan_file(tmp_path / "nan.ckpt", state)
+    assert (tmp_path / "nan.ckpt").stat().st_size == newest.stat().st_size  # the size cannot tell them apart
+    subprocess.run(["cp", str(tmp_path / "nan.ckpt"), str(newest)], check=True)  # rewrites in place: same inode
+    assert json.loads(os.getxattr(newest, HEALTH_ATTR))["health"]["healthy"] is True  # the stale record is there
+    assert torch.load(newest, weights_only=True)["w"].isnan().all()
+    assert file_health(open_storage(str(folder)), str(newest)) is None  # ...and not believed: other bytes
+    assert find_healthy_checkpoint(str(folder)) == str(folder / "epoch=0-step=1.ckpt")
+    assert main(["list", str(folder), "--json"]) == 0
+    assert [r["health"] for r in json.loads(capsys.readouterr().out)] == ["ok", "-"]
+
+
+def test_a_record_without_its_content_digest_is_not_believed(tmp_path: Path) -> None:
+    # what fastckpt wrote before records were tied to the content: nothing proves it was measured on these bytes
+    from fastckpt_lightning import find_healthy_checkpoint
+
+    with Checkpointer(CheckpointConfig(root=str(tmp_path))) as ckpt:
+        ckpt.save_file({"w": torch.ones(8)}, "a.ckpt", step=2).wait()
+    assert find_healthy_checkpoint(str(tmp_path)) == str(tmp_path / "a.ckpt")
+    record = json.loads(os.getxattr(tmp_path / "a.ckpt", HEALTH_ATTR))
+    del record["zip"]
+    os.setxattr(tmp_path / "a.ckpt", HEALTH_ATTR, json.dumps(record).encode())
+    assert find_healthy_checkpoint(str(tmp_path)) is None
+
+
+def test_an_object_uploaded_over_a_checkpoint_does_not_inherit_its_sidecar(tmp_path: Path) -> None:
+    import uuid
+
+    import fsspec
+
+    from fastckpt_lightning import find_healthy_checkpoint
+
+    root = f"memory://fastckpt-{uuid.uuid4().hex}"
+    state = {"w": torch.randn(64, 3)}
+    with Checkpointer(CheckpointConfig(root=root)) as ckpt:
+        ckpt.save_file(state, "a.ckpt", step=1).wait()
+        ckpt.save_file(state, "b.ckpt", step=2).wait()
+    assert find_healthy_checkpoint(root) == f"{root}/b.ckpt"
+    _same_size_nan_file(tmp_path / "nan.ckpt", state)
+    with fsspec.open(f"{root}/b.ckpt", "rb") as f:
+        assert len(f.read()) == (tmp_path / "nan.ckpt").stat().st_size
+    with fsspec.open(f"{root}/b.ckpt", "wb") as f:  # an upload over the object; its sidecar stays
+        f.write((tmp_path / "nan.ckpt").read_bytes())
+    assert fsspec.filesystem("memory").exists(f"{root}/.b.ckpt.fastckpt-health.json")
+    assert find_healthy_checkpoint(root) == f"{root}/a.ckpt"

@@ -2,8 +2,10 @@
 
 Everything here reads the source with ``ast``; nothing is imported. Scope: every ``.py`` file of
 ``fastckpt/`` (recursively), ``fastckpt_lightning/``, ``fastckpt_accelerate/``, ``benchmarks/`` and
-``tools/``. An import counts wherever it is written (module level or inside a function), except under
-``if TYPE_CHECKING:``, which never runs. Relative imports are resolved to absolute names, ``from pkg import
+``tools/``. An import counts wherever it is written: module level, inside a function, and under ``if
+TYPE_CHECKING:`` too (it never runs, yet it still ties the two files: each must be read with the other, and a
+circle hidden there is a circle; a type both sides need goes into a leaf module, a reader's type becomes a
+Protocol). Relative imports are resolved to absolute names, ``from pkg import
 submodule`` counts as an import of the submodule, and ``from fastckpt import Name`` as an import of the
 module that defines ``Name`` (``fastckpt._EXPORTS``).
 
@@ -14,6 +16,7 @@ higher one:
                                anyone may import them; config imports only errors and yamlfile, yamlfile only
                                errors, errors nothing
     1  storage/                where bytes go
+       cudart.py               torch's own CUDA runtime and the streams only fastckpt uses; imports only errors
     2  format/                 what a checkpoint is
     3  engine/  read/          how a save runs / how a load runs: siblings, neither imports the other
     4  tiers/                  where checkpoints live
@@ -68,7 +71,7 @@ SURFACE: dict[str, frozenset[str] | str] = {
     "fastckpt.format.bundle": frozenset({"PENDING", "SAFETENSORS", "TORCH", "EXTERNAL"}),
     # a torch file's health record (NaN/Inf, norms; Lightning's .ckpt): its extended attribute on local storage,
     # a sidecar beside it on an object store (removed with the file)
-    "fastckpt.format.health": frozenset({"delete_with_record", "file_health"}),
+    "fastckpt.format.health": frozenset({"delete_with_record", "file_health", "verdict"}),
     # the I/O workers' one pass (health statistics + CRC32C), timed alone by benchmarks/health_micro.py
     "fastckpt.format.healthpass": frozenset({"tensor_pass"}),
     # safetensors' name of a torch dtype, to check a model file's header
@@ -93,11 +96,12 @@ SURFACE: dict[str, frozenset[str] | str] = {
 }
 SURFACE_USERS = ("fastckpt_lightning", "fastckpt_accelerate", "fastckpt.cli", "benchmarks", "tools")
 
-RANKS = {"errors": 0, "yamlfile": 0, "config": 0, "configbase": 0, "configtime": 0, "storage": 1, "format": 2, "engine": 3, "read": 3, "tiers": 4,
-         "checkpointer": 5, "timeline": 5, "cli": 6}
+RANKS = {"errors": 0, "yamlfile": 0, "config": 0, "configbase": 0, "configtime": 0, "storage": 1, "cudart": 1,
+         "format": 2, "engine": 3, "read": 3, "tiers": 4, "checkpointer": 5, "timeline": 5, "cli": 6}
 SIBLINGS = {("engine", "read"), ("read", "engine")}
 ONLY = {"errors": set(), "yamlfile": {"errors"}, "config": {"errors", "yamlfile", "configbase", "configtime"},
-        "configbase": {"errors"}, "configtime": {"errors", "configbase"}}  # the units these may import (besides themselves)
+        "configbase": {"errors"}, "configtime": {"errors", "configbase"},
+        "cudart": {"errors"}}  # the units these may import (besides themselves)
 FACADE = ("fastckpt", "fastckpt.__main__")
 
 # Private attributes of third-party objects that an integration reads on purpose, and that merely share
@@ -165,18 +169,6 @@ def _absolute(module: str, is_package: bool, level: int, name: str | None) -> st
     return ".".join(base + ([name] if name else []))
 
 
-def _walk_runtime(node: ast.AST):
-    """``ast.walk`` that skips the bodies of ``if TYPE_CHECKING:`` (they never run)."""
-    todo = [node]
-    while todo:
-        node = todo.pop()
-        yield node
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            todo.extend(node.orelse)
-            continue
-        todo.extend(ast.iter_child_nodes(node))
-
-
 def _ours(name: str) -> bool:
     return name.split(".")[0] in SCOPE
 
@@ -194,7 +186,7 @@ def imports(module: str) -> tuple[Import, ...]:
     """Every import of a module of the scope written in ``module``, resolved."""
     is_package = modules()[module].name == "__init__.py"
     found = []
-    for node in _walk_runtime(tree(module)):
+    for node in ast.walk(tree(module)):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 if _ours(alias.name) and _known(alias.name):

@@ -18,7 +18,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from fastckpt.engine.pace import WARNED
+from fastckpt.engine.once import WARNED
 from helpers import KeepsItsBuffers, assert_bit_equal
 from lightning_support import HeldIO, ResumableBatches, TinyModule, make_trainer
 

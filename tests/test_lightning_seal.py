@@ -17,7 +17,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
-from fastckpt.engine.pace import WARNED
+from fastckpt.engine.once import WARNED
 from fastckpt_lightning import FastCheckpointIO
 from helpers import assert_bit_equal
 from lightning_support import ResumableBatches, TinyModule, make_trainer

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from fastckpt import CheckpointConfig, Checkpointer
-from fastckpt.engine.pace import WARNED
+from fastckpt.engine.once import WARNED
 from fastckpt.storage.protocol import open_storage
 from tests.helpers import GatedStorage
 

@@ -125,6 +125,9 @@ def test_every_rank_uploads_its_parts_of_one_object(tmp_path, s3_root, world):
     record = json.loads(fs.cat_file(f"{s3_root.url}/.{NAME}.fastckpt-health.json"))
     assert record["step"] == 7 and record["size"] == len(data)
     assert record["health"]["healthy"] is True and record["health"]["complete"] is True
+    from fastckpt.format.health import file_health  # ...tied to the object's bytes: believed as its own
+    from fastckpt.storage.protocol import open_storage
+    assert file_health(open_storage(s3_root.url, s3_root.storage_options), f"{s3_root.url}/{NAME}")["healthy"]
 
 
 def test_a_file_smaller_than_a_part_goes_up_as_one_part_from_one_rank(tmp_path, s3_root):

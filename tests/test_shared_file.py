@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fastckpt import CheckpointConfig, Checkpointer, ConfigError, StorageError
-from fastckpt.format.health import HEALTH_ATTR
+from fastckpt.format.health import HEALTH_ATTR, file_health
 from fastckpt.storage.protocol import open_storage
 from tests.dist_launcher import run_ranks, same_replicas
 from tests.helpers import WrappedStorage, assert_bit_equal, clone_state
@@ -106,6 +106,8 @@ def test_every_rank_writes_its_part_of_one_genuine_torch_file(tmp_path, world, m
     assert record["step"] == 7 and record["size"] == path.stat().st_size
     assert record["health"]["healthy"] is True and record["health"]["complete"] is True
     assert record["health"]["count"] == tensors
+    # ...tied to the bytes rank 0 published (the records' CRC-32s, from every rank): believed as the file's own
+    assert file_health(open_storage(str(path.parent)), str(path))["healthy"] is True
     # The buffers are rank 0's: rank 1's differ, so had rank 1 written them the comparison above would fail.
     for buffer in ("1.running_mean", "1.running_var"):
         assert not torch.equal(loaded["state_dict"][buffer], ranks[1]["ref"]["state_dict"][buffer]), buffer

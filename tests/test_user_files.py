@@ -147,11 +147,15 @@ def test_gc_removes_nothing_of_twenty_kinds_of_user_files_and_exactly_its_own_ga
     rows = {r["name"]: r for r in json.loads(listed.stdout)}
     assert rows["whole_module.pt"]["status"] == "foreign" and rows["unrelated.bin"]["status"] == "foreign"
     assert rows["truncated.pth"]["status"] == "torn" and "pipe.ckpt" not in rows and "notes.ckpt" not in rows
-    for argv in (["--dry-run"], [], ["--keep-last", "1", "--dry-run"]):
+    for argv in (["--dry-run"], ["--keep-last", "1", "--dry-run"], []):
         run = _cli("gc", str(d), *argv)
         assert run.returncode == 0 and run.stdout == "", (argv, run.stdout, run.stderr)
         assert f"nothing to remove under {d}" in run.stderr
-        assert _snapshot(d, outside) == {**before, str(d / ".fastckpt.lock"): _snapshot(d)[str(d / ".fastckpt.lock")]}
+        if "--dry-run" in argv:  # changes nothing, not even the lock
+            assert _snapshot(d, outside) == before
+        else:  # the real one holds the root's lock, as a writer does
+            lock = str(d / ".fastckpt.lock")
+            assert _snapshot(d, outside) == {**before, lock: _snapshot(d)[lock]}
 
     # fastckpt's own garbage, made by its own code killed at the worst moments (the core save's first write also
     # runs the automatic sweep over all of the above: it removes nothing either)

@@ -122,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-every", type=_positive, metavar="S", help="with --keep-last: also keep steps divisible by S")
     p.add_argument("--grace-s", type=_grace, default=3600.0,
                    help="uncommitted folders unchanged for this many seconds (default: %(default)s)")
-    p.add_argument("--dry-run", action="store_true", help="print what would be removed, remove nothing")
+    p.add_argument("--dry-run", action="store_true", help="print what would be removed; change nothing on disk (not even the root lock)")
     p = _command(sub, "persist-pending", "maintain:run_persist_pending",
                  "commit what a crashed process left staged in shared memory")
     p.add_argument("root", metavar="ROOT")

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..errors import FastCkptError, IntegrityError
-from ..format.health import file_health
+from ..format.health import file_health, verdict
 from ..format.layout import MANIFEST, parse_manifest
 from ..tiers.catalog import Catalog
 from ..tiers.gc import is_save_folder
@@ -56,14 +56,14 @@ class Row:
     problem: str | None = None
     """What a ``damaged`` checkpoint lacks (a folder deleted part way keeps its manifest); else None."""
     health: str = "-"
-    """``ok`` (no NaN or Inf), ``NaN=n Inf=m`` (diverged: not one to resume) or ``-`` (never measured), from
-    its manifest or, for a Lightning file, its extended attribute (a sidecar on an object store;
-    fastckpt/format/health.py)."""
+    """``ok`` (no NaN or Inf), ``NaN=n Inf=m`` (diverged: not one to resume), ``unknown`` (a record that
+    contradicts itself: ``verdict``) or ``-`` (never measured), from its manifest or, for a Lightning file, its
+    extended attribute (a sidecar on an object store; fastckpt/format/health.py)."""
 
     @property
     def healthy(self) -> bool | None:
         """The health verdict, as retention (``doomed``) reads it: gc never removes the newest healthy file."""
-        return None if self.health == "-" else self.health == "ok"
+        return None if self.health in ("-", "unknown") else self.health == "ok"
 
 
 def list_root(root: str, opts: CliOptions) -> list[Row]:
@@ -291,7 +291,10 @@ def run(args: argparse.Namespace, opts: CliOptions) -> int:
 def _health_cell(health: dict[str, Any] | None) -> str:
     if health is None:
         return "-"
-    return "ok" if health["healthy"] else f"NaN={health.get('nan', 0)} Inf={health.get('inf', 0)}"
+    believed = verdict(health)
+    if believed is None:  # a record that contradicts itself (incomplete, or rows counting NaN/Inf): not "ok"
+        return "unknown"
+    return "ok" if believed else f"NaN={health.get('nan', 0)} Inf={health.get('inf', 0)}"
 
 
 def _dash(value: Any) -> str:

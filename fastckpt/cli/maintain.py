@@ -21,8 +21,11 @@ from .text import clean
 __all__ = ["run_gc", "run_persist_pending"]
 
 
-def _locked(root: str, opts: CliOptions, work: Callable[[Any], list[str]]) -> list[str]:
-    """``work(storage)`` while holding ``root``'s lock (refused while a live Checkpointer writes there)."""
+def _locked(root: str, opts: CliOptions, work: Callable[[Any], list[str]], dry_run: bool = False) -> list[str]:
+    """``work(storage)`` while holding ``root``'s lock (refused while a live Checkpointer writes there). A
+    ``dry_run`` neither creates nor takes the lock: it changes nothing on disk (the lock is a file, and a folder
+    that is no root, a home directory, must not get one), and even a shared peek at it would make a writer
+    starting at that moment fail as if the root were in use. It removes nothing, so nothing needs excluding."""
     from .. import open_storage
     from ..tiers.lock import RootLock
 
@@ -31,7 +34,10 @@ def _locked(root: str, opts: CliOptions, work: Callable[[Any], list[str]]) -> li
     if lock is not None:
         if not os.path.isdir(lock.root):
             raise CheckpointNotFoundError(f"no checkpoint root at {lock.root}; check the path")
-        lock.acquire()
+        if dry_run:
+            lock = None
+        else:
+            lock.acquire()
     elif not storage.listdir(storage.url):
         raise CheckpointNotFoundError(f"nothing under {storage.url}; check the path and --storage-option")
     try:
@@ -45,7 +51,8 @@ def run_gc(args: argparse.Namespace, opts: CliOptions) -> int:
     verb = "would remove" if args.dry_run else "removed"
     failed: list[str] = []
     lines = _locked(args.root, opts, lambda storage: [f"{verb}  {line}" for line in _collect(storage, args, opts,
-                                                                                              failed)])
+                                                                                              failed)],
+                    dry_run=args.dry_run)
     for line in lines:
         print(clean(line))
     for line in failed:

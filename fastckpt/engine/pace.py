@@ -3,65 +3,25 @@
 A save that finds an earlier one pending is normal (``save_last`` right after another save; a checkpoint interval
 shorter than one write): the persisting threads are raised quietly. Persistence falls behind only when a save must
 wait for a staging slot (training stalls) or a checkpoint stays not durable past ``persist.max_lag_s``; then one
-warning per process, on rank 0, names the measured lag.
+warning per process, on rank 0, names the measured lag (``once.WARNED``).
 """
 from __future__ import annotations
 
 import logging
-import os
-import threading
 import time
 from typing import TYPE_CHECKING
 
 import torch
 
+from .once import WARNED
+
 if TYPE_CHECKING:
     from .handle import SaveHandle
     from .priority import ThreadPriorities
 
-__all__ = ["OncePerProcess", "WARNED", "keep_pace", "slot_wait_reason", "warn_all_eager"]
+__all__ = ["keep_pace", "slot_wait_reason", "warn_all_eager", "warn_retake"]
 
 log = logging.getLogger("fastckpt")
-
-
-class OncePerProcess:
-    """Warnings said once per process (not per ``Checkpointer``: Lightning builds one per folder), and only on
-    rank 0 (every DDP rank falls behind together; one line says it)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._said: set[str] = set()
-
-    def first(self, kind: str) -> bool:
-        """Whether the warning ``kind`` is due now: True once per process, on rank 0 only."""
-        if _rank() != 0:
-            return False
-        with self._lock:
-            if kind in self._said:
-                return False
-            self._said.add(kind)
-            return True
-
-    def reset(self) -> None:
-        """Forget what was said (tests)."""
-        with self._lock:
-            self._said.clear()
-
-
-WARNED = OncePerProcess()
-
-
-def _rank() -> int:
-    """This process's global rank: torch.distributed's once initialized, else the launcher's ``RANK`` (torchrun,
-    Lightning, Accelerate set it before the process group exists), else 0."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    try:
-        return int(os.environ.get("RANK", "0"))
-    except ValueError:
-        return 0
 
 
 def keep_pace(pending: list[SaveHandle], priorities: ThreadPriorities, max_lag_s: float, name: str) -> None:

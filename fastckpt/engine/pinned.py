@@ -1,5 +1,7 @@
-"""Page-locked host memory for CUDA copies: ``Pinned`` (``cudaHostRegister`` of an exact-size mapping) and the
-CUDA runtime calls torch's bindings lack.
+"""Page-locked host memory for CUDA copies: ``Pinned`` (``cudaHostRegister`` of an exact-size mapping).
+
+The CUDA runtime calls torch's bindings lack (``loaded_cudart``, ``clear_last_cuda_error``) are fastckpt/cudart.py's,
+re-exported here for the engine.
 
 Not ``torch.empty(pin_memory=True)``: the caching host allocator rounds every buffer up to a power of two and keeps
 it after close. ``engine/staging.py`` decides when a buffer is made (``Slot.buffer``); this module only makes it.
@@ -7,13 +9,12 @@ it after close. ``engine/staging.py`` decides when a buffer is made (``Slot.buff
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import mmap
 import os
-from typing import Any
 
 import torch
 
+from ..cudart import clear_last_cuda_error, loaded_cudart
 from ..errors import FastCkptError
 
 __all__ = ["Pinned", "clear_last_cuda_error", "fs_type", "host_buffer", "loaded_cudart"]
@@ -81,31 +82,6 @@ def fs_type(path: str) -> str | None:
     except OSError:
         return None
     return kind
-
-
-def clear_last_cuda_error() -> None:
-    """Reset the CUDA runtime's last error of this thread (``cudaGetLastError``), which torch's bindings do not
-    expose: through the libcudart this process has loaded (found in ``/proc/self/maps``). Nothing to do where none
-    is loaded separately (a statically linked runtime)."""
-    lib = loaded_cudart()
-    if lib is not None:
-        lib.cudaGetLastError()
-
-
-def loaded_cudart() -> Any:
-    """The CUDA runtime library this process has loaded (``ctypes.CDLL``), or None where none is loaded separately
-    (a CPU-only build, a statically linked runtime): torch's bindings lack some calls (``fastckpt.engine.streams``)."""
-    try:
-        with open("/proc/self/maps") as f:
-            paths = {line.split()[-1] for line in f if "libcudart" in line}
-    except OSError:
-        return None
-    for path in sorted(paths):
-        try:
-            return ctypes.CDLL(path)  # already loaded: the same library instance (and error state) torch uses
-        except OSError:
-            continue
-    return None
 
 
 def host_buffer(nbytes: int, pin: bool) -> tuple[object, torch.Tensor]:

@@ -495,6 +495,6 @@ class Pipeline:
         job.file_format.discard(self.storage, job)
 
 
-def _shared_record(job: Job, size: int, tensors: dict[str, Any]) -> bytes:
+def _shared_record(job: Job, size: int, tensors: dict[str, Any], digest: str | None) -> bytes:
     """Rank 0: the health record of a file every rank wrote (its extended attribute), from all ranks' statistics."""
-    return attr_bytes(summarize(tensors, len(tensors) == len(set(job.keys))), job.handle.step, size)
+    return attr_bytes(summarize(tensors, len(tensors) == len(set(job.keys))), job.handle.step, size, digest)

@@ -46,7 +46,7 @@ import threading
 from dataclasses import dataclass
 from typing import Callable
 
-from .pace import WARNED
+from .once import WARNED
 
 __all__ = ["Policy", "ThreadPriorities", "apply_policy", "policy_of"]
 

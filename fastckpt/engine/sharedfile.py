@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 from .distributed import Coordinator
 from ..errors import FastCkptError, StateMismatchError, StorageError
-from ..format.health import HEALTH_ATTR, HealthPart
+from ..format.health import HEALTH_ATTR, HealthPart, content_tie
 from ..format.torchfile import TorchFileFormat
 from ..storage.tempmark import temp_basename
 
@@ -66,10 +66,11 @@ class SharedFileWrite:
 
     def run(self, views: dict[int, memoryview], crcs: dict[int, int], error: BaseException | None,
             pool: Executor | None = None, health: dict[str, Any] | None = None,
-            record: Callable[[dict[str, Any]], bytes] | None = None) -> int:
+            record: Callable[[dict[str, Any], str | None], bytes] | None = None) -> int:
         """Every rank, the same collectives in the same order whatever fails; returns the file's size or raises the
         verdict (``StorageError``, the same text on every rank). ``health``: this rank's tensor statistics, which
-        travel to rank 0; there ``record(all of them)`` is the file's health record (its extended attribute)."""
+        travel to rank 0; there ``record(all of them, the file's content_tie)`` is the file's health record (its
+        extended attribute)."""
         coord = self.coord
         layout = self.fmt.layout
         mine = (self.fmt.signature(), self.writers, [r.offset for r in layout.records])
@@ -147,7 +148,8 @@ class SharedFileWrite:
             self.storage.sync(self.tmp)  # here: rank 0's commit must find this rank's bytes durable (a shared FS)
         self.written += sum(len(v) for _, v in pieces)
 
-    def _commit(self, merged: list[Any], record: Callable[[dict[str, Any]], bytes] | None = None) -> str | None:
+    def _commit(self, merged: list[Any],
+                record: Callable[[dict[str, Any], str | None], bytes] | None = None) -> str | None:
         """Rank 0, every rank's records written: the fixed bytes, the health record, sync, rename. The error text,
         or None."""
         crcs: dict[int, int] = {}
@@ -166,7 +168,7 @@ class SharedFileWrite:
             self.written += sum(len(b) for _, b in fixed)
             set_attrs = getattr(self.storage, "set_attrs", None)  # local storage only; refused: health unknown
             if record is not None and set_attrs is not None:  # before the rename: never named without it
-                set_attrs(self.tmp, {HEALTH_ATTR: record(tensors)})
+                set_attrs(self.tmp, {HEALTH_ATTR: record(tensors, content_tie(self.fmt, crcs))})
             self.storage.sync(self.tmp)
             self.storage.publish(self.tmp, self.fmt.path)  # <- the commit point
         except BaseException as e:  # noqa: BLE001 - broadcast as the verdict

@@ -40,7 +40,7 @@ from .shareddedup import Copy, HashPart, expected_crc, owned, piece_crcs, plan_s
 from .sharedfile import SharedFileWrite, raise_agreed
 from ..errors import FastCkptError, StorageError
 from ..format.checksum import combine
-from ..format.health import HealthPart, sidecar_bytes, sidecar_path, summarize
+from ..format.health import HealthPart, content_tie, sidecar_bytes, sidecar_path, summarize
 from ..format.torchfile import TorchFileFormat
 from ..format.rootrecords import drop_records, save_records
 from ..storage.s3checksum import part_bytes
@@ -87,6 +87,7 @@ class SharedObjectWrite(SharedFileWrite):
         self.mine: list[int] = []  # the part numbers this rank uploaded
         self.size = fmt.layout.size  # rank 0's, once its fixed bytes are in
         self.tensors: dict[str, Any] = {}  # rank 0: every rank's tensor statistics (the sidecar's)
+        self.digest: str | None = None  # rank 0: the file's content_tie, which its sidecar records
 
     def run(self, views: dict[int, memoryview], crcs: dict[int, int], error: BaseException | None,
             pool: Executor | None = None, health: dict[str, Any] | None = None,
@@ -186,6 +187,7 @@ class SharedObjectWrite(SharedFileWrite):
         if missing:
             return None, f"rank 0 commit: no rank staged record data/{missing[0]} ({len(missing)} missing)"
         fixed = self.fmt.fixed(crcs)  # the tail is kept even when empty (a safetensors file): it ends the file
+        self.digest = content_tie(self.fmt, crcs)  # what the health sidecar is tied to
         return [(off, bytes(b)) for k, (off, b) in enumerate(fixed) if len(b) or k == len(fixed) - 1], None
 
     def _plan(self, fixed: list[tuple[int, bytes]] | None) -> list[tuple[Any, ...]] | None:
@@ -226,7 +228,7 @@ class SharedObjectWrite(SharedFileWrite):
         doc = summarize(tensors, len(tensors) == len(set(self.keys)))
         try:
             self.storage.write_atomic(sidecar_path(self.fmt.path),
-                                      sidecar_bytes(doc, self.step, self.fmt.layout.size))
+                                      sidecar_bytes(doc, self.step, self.fmt.layout.size, self.digest))
         except FastCkptError as e:  # the file is committed; its health stays unknown, never wrong
             log.warning("fastckpt: the health record of %s was not written: %s", self.fmt.path, e)
 

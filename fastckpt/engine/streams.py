@@ -7,15 +7,15 @@ each device whose tensors a save copies gets its own copy streams, its own ready
 "copied" event per shard. Waits are queued on the current stream *of the event's
 device*, never on the calling thread's current device.
 
-The copy streams are fastckpt's own (``cudaStreamCreateWithPriority``, wrapped in
-``torch.cuda.ExternalStream``), not torch's pool: ``torch.cuda.Stream()`` hands out the
-same 32 streams per priority to every caller, NCCL's and FSDP2's side streams included,
-so a copy could queue behind (or delay) a collective. They are made once per device and
+The copy streams are fastckpt's own (``fastckpt.cudart.dedicated_stream``: ``cudaStreamCreateWithPriority``
+through torch's own runtime, wrapped in ``torch.cuda.ExternalStream``), not torch's pool:
+``torch.cuda.Stream()`` hands out the same 32 streams per priority to every caller, NCCL's and FSDP2's
+side streams included, so a copy could queue behind (or delay) a collective. They are made once per device and
 priority in a process and never destroyed: the caching allocator keeps using a stream
 after any ``close()`` (``record_stream`` on a parameter records an event on it when the
 parameter is freed; a temporary made on it for a strided source stays cached in its pool,
 and expandable segments synchronize it when released), and doing so on a destroyed stream
-is a CUDA error. Where no CUDA runtime is loaded separately (a statically linked one), the
+is a CUDA error. Where torch's runtime cannot be called (a statically linked one), the
 copies fall back to a pool stream, logged once.
 
 Nothing here runs without a CUDA tensor in the state: on CPU-only machines the
@@ -23,17 +23,14 @@ Nothing here runs without a CUDA tensor in the state: on CPU-only machines the
 """
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable
 
 import torch
 
-from ..errors import FastCkptError
-from .staging import loaded_cudart
+from ..cudart import dedicated_stream
 
 __all__ = ["CopyStreams", "CudaCopy", "StreamFactory", "cuda_devices", "dedicated_stream", "gpu_wait", "host_wait",
            "pending", "process_stream", "record_done", "shard_events"]
@@ -41,8 +38,6 @@ __all__ = ["CopyStreams", "CudaCopy", "StreamFactory", "cuda_devices", "dedicate
 log = logging.getLogger("fastckpt")
 
 StreamFactory = Callable[[int, int], Any]  # (device, priority) -> a stream of that device
-_NON_BLOCKING = 1  # cudaStreamNonBlocking: no implicit wait on the legacy default stream (as torch's pool streams)
-_fallback_logged = False
 _made: dict[tuple[int, int], Any] = {}  # (device, priority) -> this process's copy stream (process_stream)
 _made_lock = threading.Lock()
 
@@ -111,51 +106,6 @@ def process_stream(device: int, priority: int) -> Any:
         if (device, priority) not in _made:
             _made[(device, priority)] = dedicated_stream(device, priority)
         return _made[(device, priority)]
-
-
-def dedicated_stream(device: int, priority: int) -> Any:
-    """A new non-blocking stream of ``device`` only fastckpt uses, ``priority`` clamped to the device's range; or a
-    pool stream where no CUDA runtime is loaded separately."""
-    lib = loaded_cudart()
-    if lib is None:
-        global _fallback_logged
-        if not _fallback_logged:
-            _fallback_logged = True
-            log.debug("fastckpt: no CUDA runtime library is loaded in this process (a statically linked one?): the "
-                      "copies use torch's pool streams, which NCCL and FSDP may share")
-        return torch.cuda.Stream(device=device, priority=priority)
-    handle = ctypes.c_void_p()
-    with _on_device(lib, device):
-        least, greatest = ctypes.c_int(), ctypes.c_int()
-        _check(lib, lib.cudaDeviceGetStreamPriorityRange(ctypes.byref(least), ctypes.byref(greatest)),
-               "cudaDeviceGetStreamPriorityRange", device)
-        prio = min(max(priority, greatest.value), least.value)  # lower is higher; greatest <= least
-        _check(lib, lib.cudaStreamCreateWithPriority(ctypes.byref(handle), ctypes.c_uint(_NON_BLOCKING),
-                                                      ctypes.c_int(prio)), "cudaStreamCreateWithPriority", device)
-    return torch.cuda.ExternalStream(handle.value, device=torch.device("cuda", device))
-
-
-@contextlib.contextmanager
-def _on_device(lib: Any, device: int) -> Iterator[None]:
-    """``device`` current for torch and for ``lib`` (the same runtime as torch's when torch links it dynamically;
-    set on both anyway, and ``lib``'s own current device restored after)."""
-    prev = ctypes.c_int(-1)
-    with torch.cuda.device(device):
-        if lib.cudaGetDevice(ctypes.byref(prev)) != 0:
-            prev.value = -1
-        lib.cudaSetDevice(ctypes.c_int(device))
-        try:
-            yield
-        finally:
-            if prev.value >= 0:
-                lib.cudaSetDevice(prev)
-
-
-def _check(lib: Any, err: int, call: str, device: int) -> None:
-    if err != 0:
-        lib.cudaGetLastError()  # reported here: the next kernel launch check must not raise it again
-        raise FastCkptError(f"{call} failed on cuda:{device} (CUDA error {err}) while creating fastckpt's copy "
-                            "stream; check the device (nvidia-smi) and the CUDA installation")
 
 
 @dataclass(eq=False)

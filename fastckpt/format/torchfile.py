@@ -31,8 +31,8 @@ from .health import HEALTH_ATTR, attr_bytes, sidecar_bytes, sidecar_path, storag
 from .layout import CheckpointInfo, FileRecord
 from .torchrecords import hash_staged, write_with_records
 # the reading side lives in zipdir; its public checks are re-exported here, where integrations have always found them
-from .zipdir import (DESC_SIG, Sparse, central_entries, crc_less, data_offset, is_zip, record_spans,
-                     verify_torch_bytes, verify_torch_file)
+from .zipdir import (DESC_SIG, Sparse, central_entries, crc_less, data_offset, directory_digest, is_zip,
+                     record_spans, verify_torch_bytes, verify_torch_file)
 
 
 __all__ = ["TorchRecord", "TorchFileLayout", "TorchFileFormat", "plan_torch_file", "verify_torch_file",
@@ -222,7 +222,8 @@ class TorchFileFormat:
         views, crcs = staged()
         health = snap.health_doc
         if health is not None and not uses_sidecar(storage):
-            size = self._write_with_attr(storage, views, crcs, attr_bytes(health, snap.step, self.layout.size))
+            record = attr_bytes(health, snap.step, self.layout.size, self.directory_digest(crcs))
+            size = self._write_with_attr(storage, views, crcs, record)
         elif uses_sidecar(storage):  # an object store: no attributes, hidden sidecars beside the file
             sidecar = sidecar_path(self.path)
             if health is not None:
@@ -230,7 +231,7 @@ class TorchFileFormat:
             # the ranges the folder's newest file holds are copied server-side; then the records sidecar
             size = write_with_records(storage, self, views, crcs, results, getattr(snap, "dedup", None))
             if health is not None:
-                storage.write_atomic(sidecar, sidecar_bytes(health, snap.step, size))
+                storage.write_atomic(sidecar, sidecar_bytes(health, snap.step, size, self.directory_digest(crcs)))
         else:
             size = self.write(storage, views, crcs)
         return CheckpointInfo(snap.name, snap.step, self.path, size, healthy=None if health is None
@@ -268,10 +269,7 @@ class TorchFileFormat:
         """Everything but the records' bytes, CRC-32 fields filled in: ``(offset, bytes)`` of the gap before each
         record, then of the tail (the central directory). Ranks sharing the file write the records; one writes this."""
         size, recs = self.layout.size, self.layout.records
-        fields = {}
-        for i, r in enumerate(recs):
-            if r.nbytes:
-                fields[r.descriptor_crc] = fields[r.central_crc] = struct.pack("<I", crcs[i])
+        fields = self._crc_fields(crcs)
         sparse = Sparse(self.layout.segments, size)
         out: list[tuple[int, bytearray]] = []
         cursor = 0
@@ -280,6 +278,22 @@ class TorchFileFormat:
             cursor = r.offset + r.nbytes
         out.append((cursor, _patched(sparse, cursor, size, fields)))
         return out
+
+    def directory_digest(self, crcs: dict[int, int]) -> str:
+        """The ``zipdir.directory_digest`` of the finished file (the records' CRC-32s filled in): what its health
+        record is tied to. Only the tail after the last record is built: the zip directory lies there."""
+        recs, size = self.layout.records, self.layout.size
+        start = max((r.offset + r.nbytes for r in recs), default=0)
+        tail = _patched(Sparse(self.layout.segments, size), start, size, self._crc_fields(crcs))
+        return directory_digest(Sparse(((start, bytes(tail)),), size))
+
+    def _crc_fields(self, crcs: dict[int, int]) -> dict[int, bytes]:
+        """Each record's CRC-32 (by table index in ``crcs``) as the bytes of its two fields, by file offset."""
+        fields = {}
+        for i, r in enumerate(self.layout.records):
+            if r.nbytes:
+                fields[r.descriptor_crc] = fields[r.central_crc] = struct.pack("<I", crcs[i])
+        return fields
 
     def signature(self) -> list[tuple[int, str]]:
         """Each record's size and storage type, in file order: what ranks sharing one file must agree on (their

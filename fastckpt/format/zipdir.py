@@ -13,18 +13,22 @@ import os
 import struct
 from typing import Any, Callable, Iterator
 
+import xxhash
+
 from ..errors import IntegrityError
 from .checksum import crc32
 from ..storage.local import open_regular
 
 
-__all__ = ["DESC_SIG", "Sparse", "central_entries", "central_records", "crc_less", "data_offset", "is_zip",
-           "record_spans", "verify_torch_bytes", "verify_torch_file"]
+__all__ = ["DESC_SIG", "Sparse", "central_entries", "central_records", "crc_less", "data_offset", "directory_digest",
+           "is_zip", "read_directory", "record_spans", "verify_torch_bytes", "verify_torch_file"]
 
 _LOCAL_SIG, DESC_SIG, _CENTRAL_SIG = b"PK\x03\x04", b"PK\x07\x08", b"PK\x01\x02"
 _EOCD_SIG, _EOCD64_SIG, _LOC64_SIG = b"PK\x05\x06", b"PK\x06\x06", b"PK\x06\x07"
 _U32 = 0xFFFFFFFF  # a 32-bit zip field that says "see the zip64 extra field"
 _CRC_STEP = 16 << 20  # bytes checksummed between two progress reports (large enough to stay at full speed)
+_DIR_TAIL = 64 << 10  # read first by ``read_directory``: the whole directory of a file of up to ~500 records
+_DIR_LIMIT = 64 << 20  # a larger directory (~500,000 records) is not a torch file's: refused, never read
 Progress = Callable[[int], None]
 
 
@@ -154,8 +158,9 @@ class _Mapped:
         return bytes(self.mv[offset:offset + n])
 
 
-def central_entries(view: Any) -> list[tuple[str, int, int]]:
-    """(name without the archive prefix, local header offset, central entry offset) of every zip entry."""
+def _directory(view: Any) -> tuple[int, int]:
+    """(entries, offset) of the central directory, from the end-of-central-directory records at the end of
+    ``view`` (its zip64 ones where the 32-bit fields overflow)."""
     if view.size < 22 or view.read(view.size - 22, 4) != _EOCD_SIG:
         raise IntegrityError("no zip end-of-central-directory record at the end of the file: not a torch "
                              "checkpoint, or truncated")
@@ -168,6 +173,38 @@ def central_entries(view: Any) -> list[tuple[str, int, int]]:
         if view.read(eocd64, 4) != _EOCD64_SIG:
             raise IntegrityError("the zip64 locator points at no zip64 end-of-central-directory record")
         count, cd_size, cd_off = struct.unpack("<QQQ", view.read(eocd64 + 32, 24))
+    return count, cd_off
+
+
+def read_directory(read: Callable[[int, int], bytes], size: int) -> Sparse:
+    """The zip directory of a file of ``size`` bytes, read with ``read(offset, n)`` (exactly ``n`` bytes): its
+    last 64 KiB, then the rest of the directory where it starts before them; every other byte reads as zero. Two
+    reads at most, so a health record's check (``directory_digest``) costs a few KiB even on an object store.
+    Raises ``IntegrityError`` where the end records are missing or the directory is implausibly large."""
+    n = min(size, _DIR_TAIL)
+    tail = (size - n, read(size - n, n))
+    _, start = _directory(Sparse((tail,), size))
+    if start >= tail[0]:
+        return Sparse((tail,), size)
+    if size - start > _DIR_LIMIT:
+        raise IntegrityError(f"a zip directory of {size - start} bytes: not a torch checkpoint's")
+    return Sparse(((start, read(start, tail[0] - start)), tail), size)
+
+
+def directory_digest(view: Any) -> str:
+    """The xxh3-64 (hex) of every zip entry's name, size and CRC-32, in directory order: the CRC-32s that a torch
+    file's writer measured over each record's bytes, summed up in 16 hex digits. A health record holds the digest
+    of the file it was measured on (format/health.py): other bytes under that name (``cp other.ckpt a.ckpt`` keeps
+    the inode, and with it the attribute) give another digest. Reads only the directory (``read_directory``)."""
+    digest = xxhash.xxh3_64()
+    for name, _, usize, crc in central_records(view):
+        digest.update(f"{name}\0{usize}\0{crc:08x}\n".encode())
+    return digest.hexdigest()
+
+
+def central_entries(view: Any) -> list[tuple[str, int, int]]:
+    """(name without the archive prefix, local header offset, central entry offset) of every zip entry."""
+    count, cd_off = _directory(view)
     entries, pos = [], cd_off
     for _ in range(count):  # bounded: each entry is at least 46 bytes, and a read past the end raises
         if view.read(pos, 4) != _CENTRAL_SIG:

@@ -6,9 +6,9 @@ dtype and shape: no file buffer, no mapping, no second copy, so the peak memory 
 a few descriptors and threads. Its CRC32C is checked on the target's memory as the pieces arrive.
 
 Where the target cannot take the bytes directly the range goes through a buffer of its own and is
-copied: a non-contiguous CPU target (a copy), and a CUDA target (a pinned buffer and a copy on a
-side stream of its device, ordered after the caller's current stream there), in batches of at most
-256 MiB so that the buffers stay bounded. A dtype or shape
+copied: a non-contiguous CPU target (a copy), and a CUDA target (a pinned buffer and a copy on
+fastckpt's own side stream of its device, ordered after the caller's current stream there:
+``fastckpt.read.devicecopy``), in batches of at most 256 MiB so that the buffers stay bounded. A dtype or shape
 mismatch is a ``StateMismatchError`` naming the tensor, never a silent cast. Checkpoint tensors the
 target lacks (optimizer state before the first step) are read into new tensors, as ``load()`` would.
 On a remote root the reader's whole-file path serves instead (one request per tensor would be slow).
@@ -25,21 +25,58 @@ caller must load again (an earlier checkpoint) before training on.
 """
 from __future__ import annotations
 
-import threading
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence, runtime_checkable
 
 import torch
 
 from ..errors import IntegrityError, StateMismatchError
+from .devicecopy import DeviceCopies
 from .readers import Range, read_ranges, tensor_bytes
 from .strategy import trial_read
 from ..storage.fsspec import FsspecStorage
+from ..storage.protocol import Storage
 from ..format.table import TableEntry
 
-if TYPE_CHECKING:
-    from .loader import CheckpointReader
+__all__ = ["read_into", "check_targets", "TensorFile", "TableReader"]
 
-__all__ = ["read_into", "check_targets"]
+
+@runtime_checkable
+class TensorFile(Protocol):
+    """One tensor file of a checkpoint, checked against its manifest (``loader.ShardFile``)."""
+
+    @property
+    def path(self) -> str: ...
+
+    @property
+    def size(self) -> int: ...
+
+    @property
+    def entries(self) -> list[TableEntry]: ...
+
+
+@runtime_checkable
+class TableReader(Protocol):
+    """What ``read_into`` needs of a checkpoint's reader (``loader.CheckpointReader`` is one): a Protocol, so that
+    this module never imports the loader that calls it."""
+
+    storage: Storage
+    dirpath: str
+    verify: bool
+    workers: int
+    entries: list[TableEntry]
+
+    def read_plan(self) -> Sequence[TensorFile]:
+        """Called once per load: the tensor files to read, each checked against the manifest."""
+
+    def objects(self) -> list[Any]:
+        """Called once per load: the checkpoint's non-tensor leaves."""
+
+    def read_strategy(self, files: list[tuple[str, int]], kind: str = "fresh",
+                      trial: Callable[[Sequence[str], str], str | None] | None = None) -> str:
+        """Called once per load, before the reads: how to read ``files`` into destinations of ``kind``."""
+
+    def decode(self, tensors: list[Any], objects: list[Any]) -> Any:
+        """Called once the tensors landed: the saved tree rebuilt around them."""
 
 
 _BATCH_BYTES = 256 << 20  # buffered (CUDA, non-contiguous) tensors in flight at once: bounds the pinned memory
@@ -47,15 +84,15 @@ _BATCH_BYTES = 256 << 20  # buffered (CUDA, non-contiguous) tensors in flight at
 
 class _Targets:
     """Where each saved tensor lands: a ``Range`` over the target itself, or (buffered) over a buffer of its
-    own that ``done`` copies into the target."""
+    own that ``done`` copies into the target (a CUDA target's through ``DeviceCopies``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: DeviceCopies | None = None) -> None:
         self.ranges: list[Range] = []  # straight into the targets
         self.buffered: list[tuple[str, TableEntry, torch.Tensor, int | None]] = []
         self.copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(range) -> (buffer, target)
-        self.streams: dict[int, Any] = {}  # CUDA device -> this load's side stream there
-        self.held: list[torch.Tensor] = []  # pinned buffers whose copies may still run: kept until the batch ends
-        self.lock = threading.Lock()
+        # CUDA targets: one side stream per device, after the caller's; the pinned buffers held until copied.
+        # The budget is a batch's: drain() runs at each batch's end, where its buffers go.
+        self.device = device or DeviceCopies(budget=_BATCH_BYTES * 2)
 
     def add(self, path: str, e: TableEntry, dst: torch.Tensor, crc: int | None) -> None:
         if dst.device.type == "cpu" and dst.is_contiguous() and not dst.is_conj() and not dst.is_neg():
@@ -64,15 +101,14 @@ class _Targets:
             self.buffered.append((path, e, dst, crc))
 
     def prepare_cuda(self) -> None:
-        """Called on the caller's thread before any copy: one side stream per device of a CUDA target, ordered
-        after everything already queued on the caller's current stream of that device (the pending lazy copies
-        that ``Checkpointer.load_into`` ordered there, the kernels still reading the parameters). A fresh stream
-        that waits for nothing would overwrite the targets under them; one stream for every device would order
-        nothing on the others."""
-        for d in sorted({dst.device.index for _, _, dst, _ in self.buffered if dst.is_cuda}):
-            stream = torch.cuda.Stream(device=d)
-            stream.wait_stream(torch.cuda.current_stream(d))  # current_stream is per thread: taken here, not in done()
-            self.streams[d] = stream
+        """Called on the caller's thread before any copy: the side stream of each device of a CUDA target waits for
+        everything already queued on the caller's current stream there (the pending lazy copies that
+        ``Checkpointer.load_into`` ordered there, the kernels still reading the parameters). A stream that waits
+        for nothing would overwrite the targets under them; one stream for every device would order nothing on the
+        others."""
+        devices = {dst.device.index for _, _, dst, _ in self.buffered if dst.is_cuda}
+        if devices:
+            self.device.prepare(devices)
 
     def batches(self) -> Iterator[list[Range]]:
         """The buffered tensors, a batch of at most ``_BATCH_BYTES`` (or one bigger tensor) at a time; a batch's
@@ -96,34 +132,18 @@ class _Targets:
         if pair is None:
             return
         buf, dst = pair
-        with torch.no_grad():
-            if not dst.is_cuda:
-                dst.copy_(buf)
-                return
-            stream = self.streams[dst.device.index]
-            with torch.cuda.device(dst.device.index), torch.cuda.stream(stream):
-                dst.copy_(buf, non_blocking=True)
-            with self.lock:
-                self.held.append(buf)  # no per-tensor synchronize: drain() waits once per batch
+        self.device.copy(dst, buf, pinned=True)  # CUDA: on the device's side stream, no per-tensor synchronize
 
     def drain(self) -> None:
-        """Block until every copy queued so far is done (a blocking event: the thread sleeps, no core spins),
-        then drop their pinned buffers."""
-        for d, stream in self.streams.items():
-            with torch.cuda.device(d):
-                done = torch.cuda.Event(blocking=True)
-                done.record(stream)
-                done.synchronize()
-        with self.lock:
-            self.held.clear()
+        """Block until every copy queued so far is done, then drop their pinned buffers (``DeviceCopies.drain``)."""
+        self.device.drain()
 
     def finish(self) -> None:
         """Called on the caller's thread: its next kernels on each device run after the loaded values landed."""
-        for d, stream in self.streams.items():
-            torch.cuda.current_stream(d).wait_stream(stream)
+        self.device.finish()
 
 
-def read_into(reader: "CheckpointReader", target: Any) -> tuple[Any, int] | None:
+def read_into(reader: TableReader, target: Any) -> tuple[Any, int] | None:
     """Load ``reader``'s checkpoint into ``target``: the saved tree built on ``target``'s tensors and the
     number of tensor bytes read; None if ``target`` holds DTensors (the reader's resharding path loads those) or
     the root is remote (the reader reads whole files in concurrent ranged GETs, then copies).

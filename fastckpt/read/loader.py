@@ -43,6 +43,7 @@ from ..format.checksum import crc32c
 from ..format.codec import decode_tree, loads_objects
 from ..errors import CheckpointNotFoundError, FastCkptError, IntegrityError, StateMismatchError
 from ..format.layout import LAYOUT_FILES, MANIFEST, check_shard_header, checkpoint_dir, parse_manifest, parse_meta
+from .devicecopy import DeviceCopies
 from .load_into import check_targets, read_into
 from .loadstats import LoadStats
 from .maplocation import placer, saved_location
@@ -423,6 +424,7 @@ class CheckpointReader:
         saved_dt = {d.key: d for d in self.dtensors}
         fresh: dict[str, torch.Tensor] = {}  # DTensors the target lacks: loaded whole
         fresh_lock = threading.Lock()  # files are read on several threads
+        local_of = {key: t._local_tensor if dt.is_dtensor(t) else t for key, t in wanted.items()}  # what it holds
 
         def read(buf: torch.Tensor, entries: list[TableEntry]) -> None:
             for e in entries:
@@ -440,13 +442,17 @@ class CheckpointReader:
                     continue
                 if e.numpy:
                     src = torch.from_numpy(src)
-                local = dst._local_tensor if dt.is_dtensor(dst) else dst
                 hit = dt.overlap(off, e.shape, *regions[key])
-                if hit is not None:
-                    with torch.no_grad():
-                        local[hit[1]].copy_(src[hit[0]])
+                if hit is not None:  # into CUDA: staged, then on the device's side stream, after the caller's work
+                    device.copy(local_of[key][hit[1]], src[hit[0]])
 
-        self._for_each_file(read, private if self.dtensors else None)
+        device = DeviceCopies()
+        device.prepare(t.device.index for t in local_of.values() if t.is_cuda)
+        try:
+            self._for_each_file(read, private if self.dtensors else None)
+        finally:
+            device.drain()  # a failed load too: no pinned source is let go while a copy may still read it
+            device.finish()
         for e in self.entries:
             key, _ = place[e.index]
             if key in wanted:
@@ -473,8 +479,6 @@ def _stays_on_cpu(map_location: Any) -> bool:
 
 def _region(offsets: tuple[int, ...], shape: Any) -> tuple[slice, ...]:
     return tuple(slice(o, o + n) for o, n in zip(offsets, shape))
-
-
 
 
 def load_checkpoint(path: str, *, map_location: Any = None, storage_options: dict | None = None,

@@ -200,7 +200,8 @@ class CatalogUnion:
             f"no healthy committed checkpoint{'' if step is None else f' at step {step}'}"
             f"{'' if name is None else f' named {name!r}'} under {self.local.storage.url}: {len(infos)} found, "
             f"{len(sick)} with NaN/Inf values ({', '.join(sick[-3:]) or 'none'}), the others not measured "
-            "(saved with health.enabled: false or by an older fastckpt). Load one by name or step without "
+            "(saved with health.enabled: false or by an older fastckpt) or with a record that contradicts itself "
+            "(incomplete, or its tensor rows count NaN/Inf). Load one by name or step without "
             "healthy=True, or resume from scratch")
 
     def exists(self, name: str) -> bool:
