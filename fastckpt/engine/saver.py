@@ -410,8 +410,6 @@ class Saver:
         the same save again, all eager, under ``handle``; ``keys`` are copied eagerly in every later save."""
         new = [k for k in keys if k not in self._moved]
         self._moved.update(keys)
-        if new:
-            warn_retake(handle.name, new)
         self._retaking = handle
         try:
             again()
@@ -423,6 +421,8 @@ class Saver:
             self._fail_retake(handle, err)
         finally:
             self._retaking = None
+        if new:  # after the retake: a warnings filter set to "error" raises here, the checkpoint already retaken
+            warn_retake(handle.name, new)
 
     def _fail_retake(self, handle: SaveHandle, err: FastCkptError) -> None:
         log.error("fastckpt: checkpoint %r failed: %s", handle.name, err)
