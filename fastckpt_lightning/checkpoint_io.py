@@ -61,7 +61,7 @@ class FastCheckpointIO(CheckpointIO):
         storage_options: fsspec options (credentials, ``client_kwargs: {endpoint_url: ...}``).
         staging: ``staging`` section overrides, e.g. ``{"mode": "eager"}``.
         persist: ``persist`` section overrides, e.g. ``{"workers": 4}``.
-        retention: ignored with a warning: ``ModelCheckpoint(save_top_k=...)`` decides what is kept.
+        retention: ignored with a warning (a YAML file's, quietly): ``ModelCheckpoint(save_top_k=...)`` decides.
         allowed_classes: extra ``module.QualName`` classes the safe loader may rebuild (core checkpoint folders).
         log_stats: put the newest checkpoint's ``fastckpt/*`` figures in the rows your loggers already write (off).
             Through ``LightningModule.log``, so only at ``log_every_n_steps``; ``stats`` keeps them either way.
