@@ -51,6 +51,7 @@ _EXPORTS = {
     "UnsafeCheckpointError": ".errors",
     "SnapshotMutatedError": ".errors",
     "StaleCheckpointWarning": ".errors",
+    "RetakenSnapshotWarning": ".errors",
 }
 
 __all__ = list(_EXPORTS)
@@ -82,8 +83,8 @@ if TYPE_CHECKING:  # type checkers and IDEs see the eager imports
     from .engine.preempt import Preemption
     from .tiers.runs import open_cadence
     from .errors import (CheckpointNotFoundError, CheckpointTimeoutError, ConfigError, FastCkptError,
-                         IntegrityError, SnapshotMutatedError, StateMismatchError, StorageError,
-                         StaleCheckpointWarning, UnsafeCheckpointError)
+                         IntegrityError, RetakenSnapshotWarning, SnapshotMutatedError, StateMismatchError,
+                         StorageError, StaleCheckpointWarning, UnsafeCheckpointError)
     from .format.layout import CheckpointInfo
     from .engine.handle import SaveHandle, SaveStats
     from .read.consolidate import consolidate

@@ -74,8 +74,8 @@ class StagingOptions(_Freezable):
     ``optimizer.step()``, ``wait()``, ``close()`` or ``save()``): ``raise`` discards it and raises
     ``SnapshotMutatedError`` once (at that ``save()``, else the next ``save``/``wait``/``close``); ``retake``
     takes it again eagerly at the seal, same name and metadata, holding the values at the seal, copies the keys
-    that moved eagerly in every later save, and warns once. With ``distributed=True``, ``retake`` acts as
-    ``raise``."""
+    that moved eagerly in every later save, and warns once (``RetakenSnapshotWarning``). With
+    ``distributed=True``, ``retake`` acts as ``raise``."""
     crc_in_copy: bool = True
     """Take each tensor's CRC32C and health statistics in the copy thread, block by block, while the block it just
     staged is in cache, instead of in the I/O workers reading the staged bytes again (plain CPU tensors, the open

@@ -16,6 +16,7 @@ __all__ = [
     "UnsafeCheckpointError",
     "SnapshotMutatedError",
     "StaleCheckpointWarning",
+    "RetakenSnapshotWarning",
 ]
 
 
@@ -66,3 +67,11 @@ class StaleCheckpointWarning(UserWarning):
     """A checkpoint's parameters are bit-identical to the previous checkpoint's although a watched optimizer
     stepped in between: the state saved is not the one being trained (a copy of the model made once, a
     reference to a state the optimizer no longer updates). Raised as a warning, once per ``Checkpointer``."""
+
+
+class RetakenSnapshotWarning(UserWarning):
+    """A lazy snapshot was refused at its seal (a tensor changed after ``save()`` returned and before the next
+    optimizer step: an EMA updated through ``.data``, weight clipping, a swap) and taken again, whole, at the seal
+    (``staging.on_mutation: retake``, the Lightning and Accelerate default): that checkpoint holds the values of the
+    seal, not of ``save()``. The tensors named are copied inside ``save()`` from then on. Once per process; filter
+    it (``warnings.filterwarnings("ignore", category=RetakenSnapshotWarning)``) or make it an error as any warning."""

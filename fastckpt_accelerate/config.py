@@ -6,6 +6,9 @@ YAML rejects unknown keys. Two things come from the Accelerator when the file le
 - ``root`` defaults to ``{project_dir}/checkpoints``, where Accelerate's automatic naming saves (``./checkpoints``
   without a project_dir; nothing is created there unless a save uses it);
 - ``retention.keep_last`` defaults to ``ProjectConfiguration.total_limit``.
+
+A ``root`` in the file wins over ``project_dir``, with one warning where automatic naming would otherwise save
+elsewhere.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from collections.abc import Mapping
 from typing import Union
 
 from accelerate import Accelerator
+from accelerate.utils import ProjectConfiguration
 
 from fastckpt import CheckpointConfig
 from fastckpt.config import config_mapping
@@ -33,13 +37,16 @@ def resolve_config(source: ConfigSource, accelerator: Accelerator) -> Checkpoint
     raw = config_mapping(source)
     project = accelerator.project_configuration
     root = raw.get("root")
-    if root is None or root == "":
+    given = not (root is None or root == "")
+    if not given:
         root = _default_root(project.project_dir)
     if isinstance(root, os.PathLike):
         root = os.fspath(root)
     if isinstance(root, str):  # anything else (root: 5) is refused by CheckpointConfig, naming root
         # One spelling per root, so that save_state(output_dir) under the root reuses its Checkpointer.
         root = normalize(root)
+        if given:
+            _warn_if_elsewhere(root, project)
     raw["root"] = root
     total_limit = project.total_limit
     if total_limit is not None and isinstance(raw.get("retention") or {}, Mapping):  # else refused below
@@ -69,6 +76,26 @@ def resolve_config(source: ConfigSource, accelerator: Accelerator) -> Checkpoint
         )
         raw["staging"] = {**staging, "shm": False}
     return CheckpointConfig.from_dict(raw)
+
+
+def _warn_if_elsewhere(root: str, project: ProjectConfiguration) -> None:
+    """Say once (per ``enable``) that the config's ``root`` takes the checkpoints away from ``project_dir``, where
+    stock Accelerate's automatic naming puts them, as the Lightning plugin says when its ``root`` and a
+    ``ModelCheckpoint``'s ``dirpath`` differ. Silent where they agree, or where no project_dir is set (the root is
+    then the only place named)."""
+    if not project.automatic_checkpoint_naming or project.project_dir is None:
+        return
+    stock = _default_root(project.project_dir)
+    if normalize(stock) == root:
+        return
+    warnings.warn(
+        f"fastckpt's root {root!r} (from the fastckpt config) overrides ProjectConfiguration(project_dir="
+        f"{project.project_dir!r}): save_state() puts its checkpoint_N folders under {root!r}, not under {stock!r} "
+        "as stock Accelerate would. Leave root out of the fastckpt config to keep them under project_dir, or leave "
+        "project_dir out.",
+        UserWarning,
+        stacklevel=4,
+    )
 
 
 def _default_root(project_dir: str | None) -> str:

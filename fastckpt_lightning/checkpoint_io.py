@@ -31,6 +31,7 @@ from lightning.pytorch.trainer.states import TrainerStatus
 from torch.optim import Optimizer
 
 from fastckpt_lightning import pending
+from fastckpt_lightning.bypass import warn_if_bypassed
 from fastckpt_lightning.callback import FastCheckpointCallback
 from fastckpt_lightning.config import build_config, for_directory, staging_mode
 from fastckpt_lightning.healthy import last_healthy_or
@@ -60,7 +61,7 @@ class FastCheckpointIO(CheckpointIO):
         storage_options: fsspec options (credentials, ``client_kwargs: {endpoint_url: ...}``).
         staging: ``staging`` section overrides, e.g. ``{"mode": "eager"}``.
         persist: ``persist`` section overrides, e.g. ``{"workers": 4}``.
-        retention: ignored with a warning: ``ModelCheckpoint(save_top_k=...)`` decides what is kept.
+        retention: ignored with a warning (a YAML file's, quietly): ``ModelCheckpoint(save_top_k=...)`` decides.
         allowed_classes: extra ``module.QualName`` classes the safe loader may rebuild (core checkpoint folders).
         log_stats: put the newest checkpoint's ``fastckpt/*`` figures in the rows your loggers already write (off).
             Through ``LightningModule.log``, so only at ``log_every_n_steps``; ``stats`` keeps them either way.
@@ -116,6 +117,7 @@ class FastCheckpointIO(CheckpointIO):
         self._relay = LoggerRelay()  # loggers' after_save_checkpoint, deferred until the saves are durable
         self._warned_eager = False
         self._warned_root = False
+        self._warned_bypass = False
         self._saves = 0
 
     def __getstate__(self) -> dict[str, Any]:
@@ -143,6 +145,7 @@ class FastCheckpointIO(CheckpointIO):
         self._trainer = weakref.ref(trainer)
         see_pending_saves(trainer)
         wrap_loggers(trainer.loggers, self)
+        self._warned_bypass = warn_if_bypassed(trainer.strategy, self._warned_bypass)  # stock sharded: not used
         self._adopt_root(trainer)
         module = trainer.lightning_module
         # Without a closure (manual optimization), torch's step pre-hook fires right before the update: use it too.

@@ -8,14 +8,17 @@ only serves as a default ``dirpath`` for :class:`~fastckpt_lightning.FastModelCh
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import warnings
 from collections.abc import Mapping
 from typing import Any, Optional, Union
 
-from fastckpt import CheckpointConfig
+from fastckpt import CheckpointConfig, RetentionOptions
 from fastckpt.config import config_mapping
 from fastckpt.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 ConfigSource = Union[CheckpointConfig, str, os.PathLike, Mapping[str, Any], None]
 
@@ -38,7 +41,10 @@ def build_config(source: ConfigSource, **overrides: Any) -> tuple[CheckpointConf
     user_root = base.get("root")
     if user_root is None:
         base["root"] = _PLACEHOLDER_ROOT
-    base = _without_retention(base)
+    # A YAML file is shared by design (one schema for the core, Accelerate and Lightning): its retention serves the
+    # others. Retention given to the plugin itself (the keyword, a dict, a CheckpointConfig) was meant for it.
+    shared_file = isinstance(source, (str, os.PathLike)) and overrides.get("retention") is None
+    base = _without_retention(base, source if shared_file else None)
     staging = base.get("staging")
     if "staging" not in base or (isinstance(staging, Mapping) and "on_mutation" not in staging):
         # Lightning's own hooks and callbacks write parameters outside step() (an EMA in on_train_batch_end, WGAN
@@ -68,15 +74,21 @@ def staging_mode(config: CheckpointConfig) -> str:
     return str((config.to_dict().get("staging") or {}).get("mode", "lazy"))
 
 
-def _without_retention(config: dict[str, Any]) -> dict[str, Any]:
+def _without_retention(config: dict[str, Any], shared_file: Optional[Union[str, os.PathLike]]) -> dict[str, Any]:
     # ModelCheckpoint(save_top_k=...) owns retention; core retention would delete data that pointers still name.
     retention = config.get("retention") or {}
     if not isinstance(retention, Mapping):
         raise ConfigError(f"retention must be a mapping, got {type(retention).__name__} (FastCheckpointIO ignores "
                           "it anyway: ModelCheckpoint(save_top_k=...) keeps the newest N)")
-    if any(value is not None for value in retention.values()):
+    defaults = RetentionOptions()
+    chosen = {k: v for k, v in retention.items() if getattr(defaults, str(k), None) != v}  # the defaults choose nothing
+    if chosen and shared_file is not None:
+        log.info("fastckpt_lightning: %s's retention %s is for the core and Accelerate; FastCheckpointIO leaves "
+                 "what is kept to ModelCheckpoint(save_top_k=...)", os.fspath(shared_file), chosen)
+    elif chosen:
         warnings.warn(
-            "FastCheckpointIO ignores `retention` settings: use ModelCheckpoint(save_top_k=...) to keep the newest N.",
+            f"FastCheckpointIO ignores `retention` settings ({chosen}): use ModelCheckpoint(save_top_k=...) to keep "
+            "the newest N.",
             UserWarning,
             stacklevel=4,
         )

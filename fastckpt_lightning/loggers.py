@@ -4,7 +4,9 @@
 ``ModelCheckpoint`` calls right after each save, and skip files that do not exist yet. With asynchronous saves the
 new file is not there yet (never logged), and a file saved again under its name (``last.ckpt``) is logged stale.
 
-The plugin wraps each logger whose class overrides ``after_save_checkpoint``. A call made while saves are pending
+The plugin wraps each logger whose class overrides ``after_save_checkpoint`` with a method of its own, a ``Logger``
+subclass or a duck-typed logger alike. Loggers it cannot wrap (``Mock``/``MagicMock`` loggers, duck-typed ones
+without the method) are left as stock leaves them. A call made while saves are pending
 in this process is queued with a copy of the ``ModelCheckpoint``'s attributes at that moment and the saves pending
 then. Queued calls run on the training thread, in order, once those saves are durable: at batch starts, epoch and
 validation ends, at the next call, and in the plugin's flush, which runs before the loggers' ``finalize``. For the
@@ -17,6 +19,7 @@ would log a stale file.
 from __future__ import annotations
 
 import concurrent.futures
+import inspect
 import logging
 from collections import deque
 from dataclasses import dataclass, field
@@ -124,12 +127,37 @@ class DeferredAfterSave:
 def wrap_loggers(loggers: list[Any], owner: Any) -> None:
     """Called by ``FastCheckpointIO.attach``: defer ``after_save_checkpoint`` of each logger that has one."""
     for logger in loggers:
-        if type(logger).after_save_checkpoint is Logger.after_save_checkpoint:
-            continue  # the base class does nothing: nothing to defer (TensorBoard, CSV)
-        current = vars(logger).get("after_save_checkpoint")
-        if isinstance(current, DeferredAfterSave) and current.owner is owner:
+        own = _own_attributes(logger)
+        current = own.get("after_save_checkpoint") if own is not None else None
+        if isinstance(current, DeferredAfterSave):
+            if current.owner is not owner:  # wrapped by an earlier plugin: this one takes the calls over
+                logger.after_save_checkpoint = DeferredAfterSave(owner, logger)
+            continue
+        if own is None or current is not None or not _wrappable(type(logger)):
+            # Left as stock leaves it: a Mock/MagicMock logger (its attributes are made on access, and tests assert
+            # on them), a duck-typed logger without the method (stock fails only at a save, and so does this), one
+            # that sets it on the instance itself or has no instance dict, or one doing nothing there (TensorBoard).
             continue
         logger.after_save_checkpoint = DeferredAfterSave(owner, logger)
+
+
+def _own_attributes(logger: Any) -> Optional[dict[str, Any]]:
+    """``logger``'s instance ``__dict__``; None for a class with ``__slots__`` only (nothing can be set on it)."""
+    try:
+        return vars(logger)
+    except TypeError:
+        return None
+
+
+def _wrappable(cls: type) -> bool:
+    """Whether the class defines ``after_save_checkpoint`` as a plain method that does something. Read statically:
+    a class without it (a duck-typed logger, ``Mock``) or with a stand-in (``mock.patch.object``) is recognised
+    without calling or creating anything."""
+    try:
+        method = inspect.getattr_static(cls, "after_save_checkpoint")
+    except AttributeError:
+        return False
+    return inspect.isfunction(method) and method is not Logger.after_save_checkpoint
 
 
 def _original(logger: Any, callback: Any) -> None:

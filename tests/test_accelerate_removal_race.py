@@ -136,3 +136,34 @@ def test_a_removal_that_listed_the_folder_wins_over_the_links(tmp_path, closing,
     acc.wait_for_everyone()  # quiet: the removal was the user's
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert sum("removed" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING) == 1
+
+
+def test_rmtree_of_the_project_right_after_save_state_never_meets_retention(tmp_path, closing, caplog):
+    """Issue 54, item 14: ``total_limit=2``, then a plain ``shutil.rmtree(project_dir)`` (no
+    ``TemporaryDirectory``, which swallows ``FileNotFoundError``) right after the last ``save_state()``, 20 trials.
+    fastckpt's retention deletes the old folders in the background once a save commits; stock's runs inside
+    ``save_state()``. The user's removal must win every time: no ``FileNotFoundError`` from a file or folder
+    retention removed under the walk, nothing recreated, no error logged."""
+    caplog.set_level(logging.INFO, logger="fastckpt")
+    failures: list[str] = []
+    for trial in range(20):
+        project = tmp_path / f"project-{trial}"
+        acc = make_accelerator(project, total_limit=2)
+        checkpointing = fastckpt_accelerate.enable(acc)
+        closing.append(checkpointing)
+        setup = Setup(acc, seed=trial)
+        for _ in range(6):
+            setup.step()
+            acc.save_state()
+        try:
+            shutil.rmtree(project)
+        except OSError as e:
+            failures.append(f"trial {trial}: {type(e).__name__}: {e}")
+            shutil.rmtree(project, ignore_errors=True)
+        acc.wait_for_everyone()
+        acc.end_training()
+        assert not project.exists(), f"trial {trial}: {project} recreated"
+        del setup
+    assert not failures, f"{len(failures)} of 20 trials: " + "; ".join(failures[:3])
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, errors[0]

@@ -135,6 +135,52 @@ def test_auto_bounds_and_first_save_measures() -> None:
     assert settle(100.0).interval_steps == 20  # in steps through the measured step time (15 s)
 
 
+def test_auto_takes_no_second_save_before_the_first_ones_cost_is_known() -> None:
+    """Issue 55, item 4 (docs/CADENCE.md's snippet warned "persistence is falling behind"): with no cost known
+    (min_interval_s: 0), auto saved at every step until the first save finished and its cost was learnt, so saves
+    queued for the staging slots. Now the first save is followed by none until its cost is known (or
+    max_interval_s passed, for a loop that never observes); then the interval comes from that cost."""
+    c = Cadence(CadenceOptions(interval="auto", mtbf_s=3600.0, min_interval_s=0.0, max_interval_s=100.0))
+    assert not c.should_save(0, 0.0)
+    assert c.should_save(1, 1.0)  # no cost known: save soon, to measure one
+    assert [s for s in range(2, 40) if c.should_save(s, float(s))] == []  # before: every one of them
+    c.observe(0.5)  # sqrt(2 * 0.5 * 3600) = 60 s: 60 steps of 1 s
+    decided = [s for s in range(40, 200) if c.should_save(s, float(s))]
+    assert decided[:2] == [61, 121] and c.interval_steps == 60  # 60 steps after the first save, then 60 more
+
+    never = Cadence(CadenceOptions(interval="auto", mtbf_s=3600.0, min_interval_s=0.0, max_interval_s=10.0))
+    assert [s for s in range(0, 25) if never.should_save(s, float(s))] == [1, 11, 21]  # bounded by max_interval_s
+
+
+def test_auto_ranks_agree_while_the_first_cost_is_learnt() -> None:
+    """Only rank 0 learns the costs (its saves' stats); every decision and its collectives must still match on
+    every rank: rank 1 gets rank 0's value from each ``agree`` call, in order, and makes the same calls."""
+    told: list = []
+
+    def rank0(value):
+        told.append(value)
+        return value
+
+    def rank1(value):
+        assert told, "rank 1 made a collective call rank 0 did not make"
+        theirs = told.pop(0)
+        assert type(theirs) is type(value), (theirs, value)  # the same call, not another one
+        return theirs
+
+    options = CadenceOptions(interval="auto", mtbf_s=3600.0, min_interval_s=0.0, max_interval_s=1e6)
+    zero, one = Cadence(options, agree=rank0), Cadence(options, agree=rank1)
+    for step in range(0, 300):
+        now = float(step)
+        said = zero.should_save(step, now)
+        if said and step > 1 and not zero.stats.saves_measured:
+            raise AssertionError("a second save before the first cost was known")
+        if step == 30:
+            zero.observe(0.5)  # the first save finished: rank 0 learns its cost, rank 1 never does
+        assert one.should_save(step, now) == said, step
+        assert not told, f"rank 0 made a collective call rank 1 did not make at step {step}"
+    assert zero.interval_steps == one.interval_steps == 60
+
+
 def test_stats_report_loss_beside_the_baseline() -> None:
     c = Cadence(CadenceOptions(interval="auto", mtbf_s=7200.0, baseline_interval=1000, min_interval_s=0.0))
     for s in range(0, 3):
@@ -203,12 +249,16 @@ def test_checkpointer_auto_loop_saves_at_the_chosen_cadence(tmp_path) -> None:
     cfg = CheckpointConfig(root=str(tmp_path), staging={"mode": "eager"},
                            cadence={"interval": "auto", "mtbf_s": 0.05, "min_interval_s": 0.0})
     with Checkpointer(cfg) as ckpt:
-        for step in range(1, 300):
+        # The intervals grow with the measured costs and step times (a few steps to a few hundred here): run until
+        # four saves are made, bounded (there is no second save before the first one's cost is learnt).
+        for step in range(1, 20000):
             state["w"].add_(1.0)
             if ckpt.should_save(step):
                 planned.append(ckpt.cadence.stats.interval_steps)  # chosen at this save, for the next one
                 ckpt.save(state, step).wait()
                 saved.append((step, clone_state(state)))
+                if len(saved) == 4:
+                    break
         st = ckpt.cadence.stats
         assert st.saves_measured >= 2 and st.cost_s > 0
     assert len(saved) >= 4

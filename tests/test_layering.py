@@ -108,7 +108,8 @@ FACADE = ("fastckpt", "fastckpt.__main__")
 # their name with a private of ours (rule 5 matches names only): package -> names.
 THIRD_PARTY_PRIVATES = {
     "fastckpt_accelerate": {"_optimizers"},  # accelerate.Accelerator._optimizers
-    "fastckpt_lightning": {"_optimizer", "_fs"},  # LightningOptimizer._optimizer, ModelCheckpoint._fs
+    # LightningOptimizer._optimizer, ModelCheckpoint._fs, FSDPStrategy._state_dict_type (fastckpt_lightning/bypass.py)
+    "fastckpt_lightning": {"_optimizer", "_fs", "_state_dict_type"},
 }
 
 MAX_FILE_LINES = 500

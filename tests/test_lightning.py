@@ -380,6 +380,29 @@ def test_construction_from_yaml_config_or_keywords(tmp_path):
         FastCheckpointIO({"root": str(tmp_path), "remote": {"url": "memory://backup"}})
 
 
+
+def test_retention_is_warned_about_only_where_it_was_meant_for_the_plugin(tmp_path):
+    """Issue 55, item 4: the README's shared fastckpt.yaml carries retention for the core and Accelerate; the
+    plugin leaves what is kept to ModelCheckpoint and says nothing (before: a UserWarning on the README's first
+    paste), nor for a CheckpointConfig left at its retention defaults (before: warned, though nothing was set).
+    Retention given to the plugin itself still warns, naming what it ignores."""
+    import warnings
+
+    shared = tmp_path / "fastckpt.yaml"
+    shared.write_text("root: checkpoints/run1\nretention: {keep_last: 3, keep_every_n_steps: 1000}\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        FastCheckpointIO(str(shared))
+        FastCheckpointIO(shared)
+        FastCheckpointIO(CheckpointConfig(root=str(tmp_path)))
+    for meant in (lambda: FastCheckpointIO(retention={"keep_last": 2}),
+                  lambda: FastCheckpointIO({"retention": {"keep_last": 2}}),
+                  lambda: FastCheckpointIO(CheckpointConfig(root=str(tmp_path), retention={"keep_last": 2})),
+                  lambda: FastCheckpointIO(str(shared), retention={"keep_last": 2})):
+        with pytest.warns(UserWarning, match=r"ignores `retention` settings \(\{'keep_last': 2"):
+            meant()
+
+
 def test_resumes_from_a_plain_torch_checkpoint(tmp_path):
     """A run that switches to fastckpt can resume from the files Lightning's default plugin wrote."""
     checkpoints = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=1)

@@ -253,3 +253,133 @@ def test_async_user_saves_opt_in_keeps_a_users_save_asynchronous(tmp_path):
     trainer.fit(TinyModule(), _loader())
     assert seen == [False, False]
     assert sorted(os.listdir(tmp_path / "user")) == ["e0.ckpt", "e1.ckpt"]
+
+
+# ---- issue 54, item 13: loggers that are not Logger subclasses ------------------------------------------------
+
+
+class EveryStage(TinyModule):
+    """TinyModule with the steps ``validate``, ``test`` and ``predict`` need."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.log("val_loss", loss)
+        return loss
+
+    test_step = validation_step
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.net(batch[0])
+
+
+class DuckLogger:
+    """A logger by duck typing (not a ``Logger`` subclass) with no ``after_save_checkpoint``: what Lightning itself
+    calls on a logger during these runs, and nothing more."""
+
+    save_dir = None
+    log_dir = None
+    name = "duck"
+    version = 0
+    group_separator = "/"
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def log_metrics(self, metrics: Any, step: Any = None) -> None:
+        self.calls.append("log_metrics")
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        self.calls.append("log_hyperparams")
+
+    def log_graph(self, model: Any, input_array: Any = None) -> None:
+        self.calls.append("log_graph")
+
+    def save(self) -> None:
+        self.calls.append("save")
+
+    def finalize(self, status: str) -> None:
+        self.calls.append("finalize")
+
+
+def _mock_logger(kind: str) -> Any:
+    from unittest import mock
+
+    from lightning.pytorch.loggers import Logger
+
+    if kind == "duck":
+        return DuckLogger()
+    logger = {"Mock": mock.Mock, "MagicMock": mock.MagicMock, "spec": lambda: mock.Mock(spec=Logger)}[kind]()
+    logger.save_dir, logger.log_dir, logger.name, logger.version = None, None, "mock", 0
+    return logger
+
+
+def _calls(logger: Any) -> list[str]:
+    """The logger methods Lightning called, in order (a mock's recorded calls, or the duck's own list)."""
+    if type(logger) is DuckLogger:  # not isinstance: Mock(spec=DuckLogger) claims to be one
+        return list(logger.calls)
+    return [call[0] for call in logger.mock_calls]
+
+
+def _run_stage(stage: str, logger: Any, plugin: Any, root: Path, checkpointing: bool = False) -> Any:
+    torch.manual_seed(0)
+    callbacks: list[Callback] = []
+    if checkpointing:
+        callbacks.append(ModelCheckpoint(dirpath=str(root), every_n_train_steps=2, save_top_k=-1))
+    trainer = make_trainer(callbacks, plugin, max_steps=4, logger=logger, log_every_n_steps=1,
+                           enable_checkpointing=checkpointing, limit_val_batches=2)
+    module = EveryStage()
+    loader = _loader()
+    run = {"fit": lambda: trainer.fit(module, loader), "validate": lambda: trainer.validate(module, loader),
+           "test": lambda: trainer.test(module, loader), "predict": lambda: trainer.predict(module, loader)}
+    return run[stage]()
+
+
+@pytest.mark.parametrize("kind", ["Mock", "MagicMock", "spec", "duck"])
+def test_a_logger_fastckpt_cannot_wrap_is_left_as_stock_leaves_it(tmp_path, kind):
+    """Every stage runs with a Mock, MagicMock, ``Mock(spec=...)`` or duck-typed logger, checkpointing off, and the
+    logger sees the calls it sees without the plugin, in the same order; nothing is set on it. Before the fix the
+    plugin's setup raised ``AttributeError`` (it read ``type(logger).after_save_checkpoint``) for all but MagicMock
+    (Lightning turns a MagicMock into no logger at all: it is iterable)."""
+    for stage in ("fit", "validate", "test", "predict"):
+        stock, fast = _mock_logger(kind), _mock_logger(kind)
+        _run_stage(stage, stock, None, tmp_path / "stock")
+        _run_stage(stage, fast, FastCheckpointIO(root=str(tmp_path / "fast")), tmp_path / "fast")
+        assert _calls(fast) == _calls(stock), stage
+        assert "after_save_checkpoint" not in vars(fast), stage
+
+
+@pytest.mark.parametrize("kind", ["Mock", "spec"])
+def test_a_mock_logger_sees_every_save_as_with_stock(tmp_path, kind):
+    """With checkpointing on, a Mock logger's ``after_save_checkpoint`` is the Mock's own, called once per save, as
+    stock calls it, and the saved files are the ones stock saves."""
+    counts = {}
+    for name, plugin in (("stock", None), ("fast", FastCheckpointIO(persist={"fsync": False}))):
+        logger = _mock_logger(kind)
+        _run_stage("fit", logger, plugin, tmp_path / name, checkpointing=True)
+        counts[name] = logger.after_save_checkpoint.call_count
+    assert counts["fast"] == counts["stock"] == 2
+    assert sorted(os.listdir(tmp_path / "fast")) == sorted(os.listdir(tmp_path / "stock"))
+    for file in os.listdir(tmp_path / "stock"):
+        _same_checkpoint(str(tmp_path / "stock" / file), str(tmp_path / "fast" / file))
+
+
+class DuckCheckpointLogger(DuckLogger):
+    """A duck-typed logger that logs checkpoints: its ``after_save_checkpoint`` reads the newest file, as
+    ``MLFlowLogger(log_model="all")`` does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[str, bool]] = []
+
+    def after_save_checkpoint(self, checkpoint_callback: Any) -> None:
+        path = checkpoint_callback.last_model_path or checkpoint_callback.best_model_path
+        self.seen.append((os.path.basename(path), os.path.isfile(path)))
+
+
+def test_a_duck_typed_logger_with_the_method_is_wrapped_and_sees_complete_files(tmp_path):
+    """"Wrap what is there": a duck-typed logger that defines ``after_save_checkpoint`` gets the same deferral as a
+    ``Logger`` subclass (files land late here: unwrapped, it would find none of them)."""
+    logger = DuckCheckpointLogger()
+    _fit(tmp_path / "ckpts", logger, fast=True)
+    assert logger.seen and all(present for _, present in logger.seen), logger.seen

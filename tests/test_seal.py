@@ -7,7 +7,6 @@ done). Every wait is bounded (tests/helpers.py), so a refused snapshot that hang
 """
 from __future__ import annotations
 
-import logging
 import threading
 from typing import Sequence
 
@@ -15,7 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from fastckpt import Checkpointer, CheckpointConfig, SnapshotMutatedError
+from fastckpt import Checkpointer, CheckpointConfig, RetakenSnapshotWarning, SnapshotMutatedError
+from fastckpt.engine.pace import WARNED
 from fastckpt.storage.protocol import open_storage
 from tests.helpers import GatedStorage, assert_bit_equal, bounded, clone_state
 
@@ -153,11 +153,10 @@ def test_ema_swap_in_place_never_commits_ema_values(tmp_path, on_mutation: str) 
             assert_bit_equal(refs[step], ckpt.load(step))
 
 
-def test_retake_holds_the_seal_values_then_stages_moved_keys_eagerly(tmp_path, caplog) -> None:
+def test_retake_holds_the_seal_values_then_stages_moved_keys_eagerly(tmp_path, recwarn) -> None:
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ckpt, gated = _setup(tmp_path, "retake")
-    caplog.set_level(logging.WARNING, logger="fastckpt")
     with ckpt:
         ckpt.watch(opt)
         handle, ref = _parked_save(ckpt, gated, model, 1)
@@ -177,8 +176,45 @@ def test_retake_holds_the_seal_values_then_stages_moved_keys_eagerly(tmp_path, c
         bounded(lambda: _step(model, opt), 30)
         bounded(handle.wait, 30)
         assert_bit_equal(ref, ckpt.load(2))
-        warned = [r for r in caplog.records if "on_mutation" in r.getMessage()]
+        warned = [w for w in recwarn if issubclass(w.category, RetakenSnapshotWarning)]
         assert len(warned) <= 1  # once per process (another test of this process may have taken it)
+        assert [i.step for i in ckpt.list()] == [1, 2]
+
+
+def test_a_retake_is_announced_as_a_named_warning_filters_can_turn_into_an_error(tmp_path) -> None:
+    """Issue 55, item 6: the retake is a ``RetakenSnapshotWarning`` (exported as ``fastckpt.RetakenSnapshotWarning``),
+    not only a line on stderr, so ``pytest.warns``, warning filters and ``logging.captureWarnings`` see it. With the
+    filter set to "error" the step that sealed it raises it, and the checkpoint is retaken and commits all the
+    same (the warning is raised after the retake). Before: a log record on the "fastckpt" logger, no warning."""
+    import fastckpt
+    import warnings
+
+    assert fastckpt.RetakenSnapshotWarning is RetakenSnapshotWarning and issubclass(RetakenSnapshotWarning, UserWarning)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ckpt, gated = _setup(tmp_path, "retake")
+    WARNED.reset()  # once per process: another test of this process may have said it
+    with ckpt:
+        ckpt.watch(opt)
+        handle, _ = _parked_save(ckpt, gated, model, 1)
+        model["p3"].data.clamp_(-0.01, 0.01)  # an EMA-like write through .data: no version bump
+        gated.gate.set()
+        at_seal = clone_state(_state(model))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RetakenSnapshotWarning)
+            with pytest.raises(RetakenSnapshotWarning, match=r"'model/p3' changed after save.*taken again"):
+                bounded(lambda: _step(model, opt), 30)
+        bounded(handle.wait, 30)
+        assert_bit_equal(at_seal, ckpt.load(1))  # retaken at the seal although the warning was raised
+        # said once per process: a second retake of another tensor is not announced again
+        handle, _ = _parked_save(ckpt, gated, model, 2)
+        model["p2"].data.clamp_(-0.01, 0.01)
+        gated.gate.set()
+        with warnings.catch_warnings(record=True) as again:
+            warnings.simplefilter("always")
+            bounded(lambda: _step(model, opt), 30)
+            bounded(handle.wait, 30)
+        assert not [w for w in again if issubclass(w.category, RetakenSnapshotWarning)]
         assert [i.step for i in ckpt.list()] == [1, 2]
 
 

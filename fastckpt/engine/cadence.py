@@ -86,6 +86,7 @@ class Cadence:
         fixed = options.interval if isinstance(options.interval, int) else None
         self._interval_steps: int | None = fixed
         self._interval_s = options.every_s if self.mode == "seconds" else options.min_interval_s
+        self._measuring = False  # auto: a save was decided before any cost was known, and none is known yet
 
     # ---- inputs -------------------------------------------------------------------------------------------
 
@@ -126,6 +127,17 @@ class Cadence:
             return self.mode == "steps" and step > 0 and step % self._interval_steps == 0  # type: ignore[operator]
         if step <= self._saved[0]:
             return False
+        if self.mode == "auto" and self._measuring:
+            # The first save's cost is not known yet (learnt once that save finished): another save now would only
+            # queue behind it (with min_interval_s: 0 it saved every step until then, and persistence fell behind).
+            # Rank 0 learns it (the saves' stats are its own), so it decides; max_interval_s bounds the wait, for a
+            # loop that never calls observe().
+            known = bool(self._cost.count) or now - self._saved[1] >= self.options.max_interval_s
+            if self._agree is not None:
+                known = bool(self._agree(known))
+            if not known:
+                return False
+            self._plan()  # the interval from the first measured cost, agreed as at a save
         if self.mode == "steps":
             due = step % self._interval_steps == 0  # type: ignore[operator]
         elif self.mode == "auto" and self._interval_steps is not None:
@@ -145,9 +157,10 @@ class Cadence:
         self._interval_s = self._chosen_s()
         steps = None if not self._step_time.count else max(1, round(self._interval_s / max(self._step_time.value,
                                                                                            1e-9)))
+        measuring = not self._cost.count  # no cost known: the next save waits until one is (should_save)
         if self._agree is not None:
-            steps = self._agree(steps)
-        self._interval_steps = steps
+            steps, measuring = self._agree((steps, measuring))  # rank 0's: only it may have learnt a cost
+        self._interval_steps, self._measuring = steps, measuring
 
     def _chosen_s(self) -> float:
         o = self.options

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from typing import TYPE_CHECKING
 
 import torch
 
+from ..errors import RetakenSnapshotWarning
 from .once import WARNED
 
 if TYPE_CHECKING:
@@ -61,13 +63,16 @@ def warn_all_eager(name: str, tensors: list[torch.Tensor]) -> None:
 
 
 def warn_retake(name: str, keys: list[str]) -> None:
-    """Once per process: a lazy snapshot was refused at its seal and taken again (staging.on_mutation: retake)."""
+    """Once per process: a lazy snapshot was refused at its seal and taken again (staging.on_mutation: retake).
+    A ``RetakenSnapshotWarning``, so that warning filters, ``pytest.warns`` and ``logging.captureWarnings`` see it;
+    called once the retake ran, so a filter that turns it into an error raises with the checkpoint taken."""
     if not WARNED.first("retake"):
         return
     shown = ", ".join(repr(k) for k in keys[:8]) + (f" and {len(keys) - 8} more" if len(keys) > 8 else "")
-    log.warning("fastckpt: checkpoint %r: %s changed after save() returned and before the next optimizer step "
-                "(outside step(): an EMA swap, weight clipping, a write through .data), so the lazy snapshot was "
-                "refused and taken again, whole, at that point (its values are those of that moment); these tensors "
-                "are copied inside save() from now on. To keep the values of save() itself, call "
-                "Checkpointer.wait_staged() before such writes or set staging.mode: eager; set "
-                "staging.on_mutation: raise to refuse such a checkpoint instead. Warned once.", name, shown)
+    warnings.warn(f"fastckpt: checkpoint {name!r}: {shown} changed after save() returned and before the next "
+                  "optimizer step (outside step(): an EMA swap, weight clipping, a write through .data), so the lazy "
+                  "snapshot was refused and taken again, whole, at that point (its values are those of that "
+                  "moment); these tensors are copied inside save() from now on. To keep the values of save() itself, "
+                  "call Checkpointer.wait_staged() before such writes or set staging.mode: eager; set "
+                  "staging.on_mutation: raise to refuse such a checkpoint instead. Warned once.",
+                  RetakenSnapshotWarning, stacklevel=2)

@@ -134,11 +134,13 @@ class Saver:
         # After the checks of the arguments, before anything is written: a dead folder of this very name (a
         # resumed run re-saving the step it died in) is removed first, so none of its files outlive the commit.
         self._claim_root()
-        lazy_ptrs, watched = self._lazy_ptrs(named_addresses(flat, lazy, "lazy"), named_addresses(flat, eager, "eager"))
+        eager_ptrs = named_addresses(flat, eager, "eager")
+        lazy_ptrs, watched = self._lazy_ptrs(named_addresses(flat, lazy, "lazy"), eager_ptrs)
         dirpath = self.storage.join(self.storage.url, name)
         if self.config.staging.mode == "lazy" and flat.tensors and self._retaking is None and not any(
-                i in lazy_ptrs for i in flat.identities()):
+                i in lazy_ptrs for i in flat.identities()) and not all(i in eager_ptrs for i in flat.identities()):
             warn_all_eager(name, flat.tensors)  # the whole copy happens inside this call: say so, with the fix
+            # (not when save(eager=...) asked for it: the preemption's final save, eager="*", chose it)
         return self._submit(flat, step, name, dirpath, t0, lazy_ptrs, watched, objects=objects,
                             dtensors=[rec.as_json() for rec in flat.dtensors],
                             retake=lambda: self.save(state, step, name=name, eager=eager, lazy=lazy))
@@ -419,8 +421,6 @@ class Saver:
         the same save again, all eager, under ``handle``; ``keys`` are copied eagerly in every later save."""
         new = [k for k in keys if k not in self._moved]
         self._moved.update(keys)
-        if new:
-            warn_retake(handle.name, new)
         self._retaking = handle
         try:
             again()
@@ -432,6 +432,8 @@ class Saver:
             self._fail_retake(handle, err)
         finally:
             self._retaking = None
+        if new:  # after the retake: a warnings filter set to "error" raises here, the checkpoint already retaken
+            warn_retake(handle.name, new)
 
     def _fail_retake(self, handle: SaveHandle, err: FastCkptError) -> None:
         log.error("fastckpt: checkpoint %r failed: %s", handle.name, err)

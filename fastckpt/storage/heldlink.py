@@ -8,14 +8,21 @@ as one step for every other Python thread, so a removal under way is either seen
 the folder yet. Each call is a single metadata operation (no data I/O), so holding the GIL costs microseconds.
 The one step no check can see, a listing in flight, is covered by ``walked``: ``rmtree`` keeps a folder open from
 before it lists it until right before it removes it, so the links wait while the folder is open (``wait_unwalked``).
+
+Removals race such a walk the other way: a name the walk listed and a background thread then removed fails its
+unlink or its descent with ``FileNotFoundError`` (retention deleting an old checkpoint while the user removes the
+project). ``remove_unwalked`` removes one entry only while no descriptor of this process has its folder or any
+folder above it open, the check and the removal as one step; the caller yields to the walk otherwise.
 """
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import time
+from collections.abc import Collection
 
-__all__ = ["UNNAMED_OK", "link_fd", "present", "wait_unwalked", "walked"]
+__all__ = ["UNNAMED_OK", "guards_of", "link_fd", "present", "remove_unwalked", "wait_unwalked", "walked"]
 
 # linkat(/proc/self/fd/N, AT_SYMLINK_FOLLOW) names an O_TMPFILE file (AT_EMPTY_PATH needs privileges, and os.link
 # calls link(2), which would link the /proc symlink itself).
@@ -23,11 +30,12 @@ _AT_FDCWD, _AT_SYMLINK_NOFOLLOW, _AT_SYMLINK_FOLLOW, _F_OK = -100, 0x100, 0x400,
 try:
     _libc = ctypes.PyDLL(None, use_errno=True)
     _linkat, _faccessat, _readlink = _libc.linkat, _libc.faccessat, _libc.readlink
+    _unlink, _rmdir = _libc.unlink, _libc.rmdir
     _opendir, _readdir, _closedir = _libc.opendir, _libc.readdir, _libc.closedir
     _opendir.restype = _readdir.restype = ctypes.c_void_p
     _readdir.argtypes = _closedir.argtypes = [ctypes.c_void_p]
 except (OSError, AttributeError):
-    _linkat = _faccessat = _readlink = _opendir = None
+    _linkat = _faccessat = _readlink = _opendir = _unlink = _rmdir = None
 _D_NAME = 19  # offsetof(struct dirent, d_name) in glibc on 64-bit Linux (d_ino, d_off, d_reclen, d_type)
 UNNAMED_OK = _linkat is not None and hasattr(os, "O_TMPFILE") and os.path.isdir("/proc/self/fd")
 
@@ -52,9 +60,13 @@ def walked(folder: str) -> bool:
     throughout: a ``shutil.rmtree`` keeps each folder open from before it lists it until right before it removes it,
     so True means a walk may have listed it and no name may appear there now. False where ``/proc/self/fd`` cannot
     be read (nothing to go by)."""
+    return _walked_any(frozenset([os.fsencode(folder)]))
+
+
+def _walked_any(wanted: Collection[bytes]) -> bool:
+    """Whether a descriptor of this process has one of ``wanted`` (real paths, encoded) open, the GIL held."""
     if _opendir is None:
         return False
-    want = os.fsencode(folder)
     handle = _opendir(b"/proc/self/fd")
     if not handle:
         return False
@@ -66,10 +78,41 @@ def walked(folder: str) -> bool:
                 return False
             name = ctypes.string_at(entry + _D_NAME)
             n = _readlink(b"/proc/self/fd/" + name, buf, len(buf))
-            if n == len(want) and buf.raw[:n] == want:
+            if n > 0 and buf.raw[:n] in wanted:
                 return True
     finally:
         _closedir(handle)
+
+
+def guards_of(folder: str) -> frozenset[bytes]:
+    """``folder``'s real path and every folder above it, encoded: what a walk that may list ``folder`` holds open
+    (``rmtree`` of the folder itself or of any folder above it)."""
+    path = os.path.realpath(folder)
+    found = {os.fsencode(path)}
+    while os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+        found.add(os.fsencode(path))
+    return frozenset(found)
+
+
+def remove_unwalked(path: str, guards: Collection[bytes], *, folder: bool = False) -> bool:
+    """Unlink ``path`` (``folder``: remove the empty folder) unless a descriptor of this process has one of
+    ``guards`` (``guards_of`` its folder) open; the check and the removal run as one step for every other Python
+    thread. True: removed, or already gone; False: a walk holds a guard open, nothing was done (yield to it: it may
+    have listed ``path``). Other errors raise ``OSError`` as ``os.remove``/``os.rmdir`` would."""
+    if _unlink is None or _rmdir is None:  # no libc to keep the GIL with: remove as os does (no walk is seen)
+        try:
+            (os.rmdir if folder else os.remove)(path)
+        except FileNotFoundError:
+            pass
+        return True
+    if _walked_any(guards):
+        return False
+    if (_rmdir if folder else _unlink)(os.fsencode(path)) != 0:
+        code = ctypes.get_errno()
+        if code != errno.ENOENT:
+            raise OSError(code, os.strerror(code), path)
+    return True
 
 
 def wait_unwalked(folder: str, patience_s: float = 1.0) -> None:

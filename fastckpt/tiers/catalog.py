@@ -17,7 +17,9 @@ from ..format.health import healthy_of
 from ..format.layout import MANIFEST, parse_manifest
 from ..format.layout import CheckpointInfo
 from ..format.paths import confine
+from ..storage.deadline import storage_error
 from ..storage.local import LocalStorage
+from ..storage.yieldremove import remove_folder
 from ..storage.protocol import Storage
 
 __all__ = ["Catalog", "doomed"]
@@ -149,11 +151,14 @@ class Catalog:
             raise CheckpointNotFoundError(f"no committed checkpoint {what} under {self.storage.url}")
         return infos[-1].name
 
-    def delete(self, name: str) -> None:
+    def delete(self, name: str, *, yielding: bool = False) -> bool:
         """Remove ``name``: manifest first, so a half-deleted checkpoint is never visible.
 
         Only plain names under the checkpoint directory are deleted (``parse_manifest`` refuses others);
         a malformed or crafted manifest leaves its listed files to ``delete_tree``, which stays inside.
+        ``yielding`` (retention, on a background thread): a local folder is removed one entry at a time, each
+        yielding to a walk of this process over it (the user's ``rmtree`` of the project): False when the rest was
+        left to that walk or to a later retention (``storage/yieldremove.py``); True once it is gone.
         """
         path = confine(self.storage.url, self.storage.join(self.storage.url, name), "checkpoint directory")
         if isinstance(self.storage, LocalStorage) and os.path.islink(path):
@@ -161,6 +166,15 @@ class Catalog:
             raise StorageError(f"{path} is a symlink, not a checkpoint folder fastckpt wrote: not deleted (nor what "
                                "it points to); remove the link by hand if it is yours to remove")
         mpath = self.storage.join(path, MANIFEST)
+        if yielding and isinstance(self.storage, LocalStorage):
+            try:
+                gone = remove_folder(path, first=[MANIFEST])
+            except OSError as e:
+                raise storage_error("deleting", path, e) from e
+            if gone or not os.path.lexists(mpath):  # uncommitted now, whoever removes the rest
+                with self._lock:
+                    self._known.pop(name, None)
+            return gone
         try:
             files = list(parse_manifest(self.storage.read_bytes(mpath), mpath)["files"])
         except (FileNotFoundError, IntegrityError) as e:
@@ -173,6 +187,7 @@ class Catalog:
         self.storage.delete_tree(path)
         with self._lock:
             self._known.pop(name, None)
+        return True
 
     def doomed(self, rules: RetentionOptions, pending: set[str]) -> list[CheckpointInfo]:
         """The committed checkpoints ``rules`` do not keep (``fastckpt gc --dry-run`` prints them)."""
@@ -189,7 +204,12 @@ class Catalog:
             return
         for info in doomed:
             try:
-                self.delete(info.name)
+                if not self.delete(info.name, yielding=True):
+                    # A walk of this process (the user's rmtree of the project) holds the folder or one above it
+                    # open: it removes what it listed; a later retention removes whatever it leaves.
+                    log.info("fastckpt: retention left %s to a removal in progress (retried after the next save)",
+                             info.path)
+                    return
                 log.info("fastckpt: retention removed %s (step %d)", info.name, info.step)
             except FastCkptError as e:
                 log.warning("fastckpt: retention could not remove %s: %s", info.path, e)
