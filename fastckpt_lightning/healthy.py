@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from fastckpt import open_storage
 from fastckpt.errors import CheckpointNotFoundError, FastCkptError
-from fastckpt.format.health import file_health
+from fastckpt.format.healthrecord import file_health
 
 from fastckpt_lightning.discovery import find_calling_trainer
 from fastckpt_lightning.pointer import join_path
