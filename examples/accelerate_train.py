@@ -13,6 +13,9 @@ The data is generated locally (a fixed random regression problem), so the script
     # checkpoints on S3 (any fsspec URL), settings from a fastckpt YAML file:
     python examples/accelerate_train.py --project-dir runs/s3 --config fastckpt.yaml --steps 40
 
+    # or on a local S3 server: `python examples/local_s3.py` prints the `export` line, then
+    python examples/accelerate_train.py --project-dir runs/s3 --root s3://fastckpt-demo/accel --steps 20
+
 `--stop-after K` leaves the loop after optimizer step K as an interrupted job would; `--resume` continues
 from the newest committed checkpoint. The resumed run ends in exactly the state of an uninterrupted one:
 weights, optimizer, scheduler, RNG, dataloader position and `project_configuration.iteration`.

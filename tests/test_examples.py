@@ -104,6 +104,44 @@ def test_accelerate_rerun_without_resume_refuses_before_training(tmp_path: Path)
     assert sorted(p.name for p in checkpoints.iterdir()) == before  # the earlier run's checkpoints untouched
 
 
+# ----------------------------------------------------------------------------- local_s3.py
+
+
+@pytest.mark.s3
+@pytest.mark.timeout(240)
+def test_local_s3_server_serves_the_command_and_a_checkpointer_through_its_exports(tmp_path: Path) -> None:
+    """Issue 55, item 8: the documented command that starts a local S3 server. What it prints to export is all a
+    client needs: the command lists, a Checkpointer saves and loads, with no storage options; SIGTERM stops it."""
+    pytest.importorskip("s3fs")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for name in [k for k in env if k.startswith("AWS_")]:
+        del env[name]
+    server = subprocess.Popen([sys.executable, str(EXAMPLES / "local_s3.py"), "--dir", str(tmp_path / "data"),
+                               "--bucket", "demo"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        for line in server.stdout:  # blocks until the server has printed its exports (or died)
+            lines.append(line)
+            if line.strip().startswith("export "):
+                break
+        exports = dict(word.split("=", 1) for word in lines[-1].split()[1:])
+        assert set(exports) == {"AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+                                "AWS_DEFAULT_REGION"}, lines
+        client = {**env, **exports, "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent", "AWS_CONFIG_FILE": "/nonexistent"}
+        code = ("import torch\nfrom fastckpt import CheckpointConfig, Checkpointer\n"
+                "with Checkpointer(CheckpointConfig(root='s3://demo/run')) as c:\n"
+                "    c.save({'w': torch.arange(5.0)}, step=3).wait()\n"
+                "    assert torch.equal(c.load()['w'], torch.arange(5.0))\n")
+        ok(run([sys.executable, "-c", code], tmp_path, client))
+        listed = ok(run([sys.executable, "-m", "fastckpt", "list", "s3://demo/run", "--json"], tmp_path, client))
+        assert '"step": 3' in listed and '"where": "s3"' in listed, listed
+    finally:
+        server.terminate()  # SIGTERM: the script stops the server as Ctrl+C does
+        rest = server.communicate(timeout=60)[0]
+    assert server.returncode == 0 and "S3 server stopped." in rest, rest
+
+
 # ----------------------------------------------------------------------------- lightning_gpt.py (the Quickstart demo)
 
 
