@@ -69,7 +69,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--accumulate", type=int, default=2, help="gradient accumulation steps")
     parser.add_argument("--stop-after", type=int, help="leave after this optimizer step (simulated interruption)")
     parser.add_argument("--resume", action="store_true", help="load_state() the newest checkpoint first")
-    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--hidden", type=int, default=64, help="width of the hidden layer of the small model")
     parser.add_argument("--dump", help="write the final state to FILE.rank{i}.pt")
     parser.add_argument("--shared-writes", choices=["auto", "on", "off"], default="auto",
                         help="with several processes, each writes its share of a checkpoint (auto: when it can)")

@@ -320,12 +320,34 @@ def plot(path: str, clock: StepClock, costs: list[WindowCost]) -> None:
     print(f"timeline: {written}")
 
 
+class ResumableCLI(LightningCLI):
+    """LightningCLI that neither starts a second run over a first one's checkpoints nor trains nothing in silence.
+
+    Without ``--ckpt_path last``, ``fit`` starts from scratch: over a folder that holds an earlier run's
+    ``last.ckpt``, ModelCheckpoint would write ``last-v1.ckpt`` beside it. ``max_steps`` counts from the run's
+    start, so a resume with the first run's ``max_steps`` has nothing left to train: it says so.
+    """
+
+    def before_fit(self) -> None:
+        dirpath = getattr(self.trainer.checkpoint_callback, "dirpath", None)
+        if self.config.fit.get("ckpt_path") is None and dirpath and os.path.exists(os.path.join(dirpath, "last.ckpt")):
+            raise SystemExit(f"error: {dirpath} holds last.ckpt of an earlier run; continue it with --ckpt_path last "
+                             "(and a larger --trainer.max_steps), or remove the folder to start afresh")
+
+    def after_fit(self) -> None:
+        plugin = self.trainer.strategy.checkpoint_io
+        if not isinstance(plugin, FastCheckpointIO):
+            return
+        if not plugin.stats:
+            print(f"nothing to train: the run is at step {self.trainer.global_step} and --trainer.max_steps is "
+                  f"{self.trainer.max_steps}; pass a larger --trainer.max_steps to continue it")
+            return
+        print_stats(plugin)
+
+
 def main(argv: list[str]) -> None:
     if argv[:1] == ["cli"]:
-        cli = LightningCLI(TinyGPT, SequenceDataModule, args=argv[1:], save_config_kwargs={"overwrite": True})
-        plugin = cli.trainer.strategy.checkpoint_io
-        if isinstance(plugin, FastCheckpointIO):
-            print_stats(plugin)
+        ResumableCLI(TinyGPT, SequenceDataModule, args=argv[1:], save_config_kwargs={"overwrite": True})
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--root", default="checkpoints/lightning_gpt", help="checkpoint folder: a path or s3://...")

@@ -53,6 +53,29 @@ def test_plain_resume_after_a_full_run_says_so_and_extends_with_more_steps(tmp_p
     assert latest(tmp_path / "ck")["step"] == 5
 
 
+def help_entries(text: str) -> dict[str, str]:
+    """Each option of an argparse ``--help`` and the words that describe it."""
+    entries: dict[str, str] = {}
+    current = None
+    for line in text.split("options:", 1)[1].splitlines():
+        match = re.match(r"^  (-[^ ]+(?: [A-Z_]+)?(?:, -[^ ]+(?: [A-Z_]+)?)*)(?:\s{2,}(.*))?$", line)
+        if match:
+            current = match.group(1).split(",")[-1].split()[0]
+            entries[current] = match.group(2) or ""
+        elif current is not None and line.startswith("    "):
+            entries[current] += " " + line.strip()
+    return entries
+
+
+@pytest.mark.parametrize("script", ["plain_pytorch.py", "accelerate_train.py", "lightning_gpt.py", "local_s3.py"])
+def test_every_argument_of_an_example_is_described_by_help(script, tmp_path: Path) -> None:
+    """Issue 55, item 9: ``plain_pytorch.py --help`` listed --root, --steps... and said nothing of any."""
+    entries = help_entries(ok(run([sys.executable, str(EXAMPLES / script), "--help"], tmp_path, timeout=120)))
+    assert len(entries) > 1, entries
+    bare = sorted(option for option, words in entries.items() if option != "--help" and len(words.split()) < 2)
+    assert not bare, f"{script} --help describes nothing for {bare}"
+
+
 # ----------------------------------------------------------------------------- accelerate_train.py
 
 ACCELERATE = EXAMPLES / "accelerate_train.py"
