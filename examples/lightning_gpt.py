@@ -546,7 +546,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--steps", type=int, default=None,
                         help=f"steps to train (with --resume: steps to add); default: {DEFAULT_WINDOWS} windows of "
                              "--every steps, five checkpoints per plugin")
-    parser.add_argument("--every", type=int, default=4,
+    parser.add_argument("--every", type=int, default=3,
                         help="window length in steps: each checkpointed window holds one checkpoint")
     parser.add_argument("--width", type=int, default=512,
                         help="the model's width (attention heads of 64): 512 with 8 --layers is 25M parameters, "
