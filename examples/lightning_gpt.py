@@ -2,7 +2,8 @@
 
 The data is generated locally (a noisy arithmetic-sequence "language"): nothing is downloaded. The model is sized so
 that checkpoints matter: 25M parameters, a checkpoint of about 300 MB (the weights and AdamW's two moments), one
-every --every steps in its windows; about 2 minutes on 2 CPU cores (--width and --layers make it smaller).
+every --every steps in its windows; 1.5 minutes on a 2-core machine shared with other jobs, 3.3 beside two more
+CPU-bound processes (--width and --layers make it smaller).
 
     python examples/lightning_gpt.py                          # checkpoints in ./checkpoints/lightning_gpt
     python examples/lightning_gpt.py --resume                 # continue from last.ckpt there, --steps more
@@ -24,13 +25,14 @@ staging ms, persist s, MB, MB/s), then per plugin and per checkpoint:
 - wall: the window's wall-clock time minus the mean of its clean neighbours (what the run took longer).
 
 Blocked and CPU time hardly move when other processes share the machine; wall-clock time does (a busy neighbour
-can move a window by seconds). Training runs on all CPUs but one (--threads), which is left to both plugins'
-background threads: with training's threads on every CPU, their spinning made the CPU figures move with the load
-too. Neither figure counts the kernel's writeback of AsyncCheckpointIO's page-cache writes (fastckpt writes
-with O_DIRECT and fsyncs, in its own threads' time), so the CPU figure, if anything, favours AsyncCheckpointIO. So the verdict comes from the first two: which plugin is cheaper and by how much,
+can move a window by seconds). So the verdict comes from the first two: which plugin is cheaper and by how much,
 with the noise of each figure (two standard errors, from the windows' spread); the wall-clock figures are printed
-beside it (--no-compare: fastckpt alone). It also draws the step times with the windows shaded, and each figure per
-plugin on one scale, to --plot (default: timeline.png in --root, when --root is a local folder; after --resume,
+beside it (--no-compare: fastckpt alone). Training runs on all CPUs but one (--threads), which is left to both
+plugins' background threads: with training's threads on every CPU, their spinning made the CPU figures move with
+the load too. No figure counts the kernel's writeback of AsyncCheckpointIO's page-cache writes (fastckpt's own
+writes, O_DIRECT where the file system allows, are in its threads' time): the CPU figure, if anything, favours
+AsyncCheckpointIO. It also draws the step times with the windows shaded, and each figure per plugin on its own
+scale, to --plot (default: timeline.png in --root, when --root is a local folder; after --resume,
 timeline-from-step-N.png, so the first run's picture stays; needs matplotlib: pip install -e ".[demo]").
 """
 
@@ -397,15 +399,20 @@ def print_cost(clock: StepClock, costs: Costs, io: RoutedIO) -> None:
           f"{'clean step ms':>13}")
     for blocked, cpu, wall in zip(costs.blocked, costs.cpu, costs.wall):
         print(f"{blocked.name:<18} {figure(blocked):>14} {sum(blocked.extra_ms):>8.0f} {figure(cpu):>14} "
-              f"{figure(wall):>16} {len(blocked.extra_ms):>7} {wall.clean_step_ms:>13.1f}")
-    print("(per checkpoint: one ModelCheckpoint save, the newest file and last.ckpt, at the start of its window and waited "
-          "for at its end; median ± noise over the windows, the noise two standard errors from their spread. blocked: "
-          "the time the training loop was held, in the plugin's save_checkpoint calls and, for fastckpt, in optimizer "
-          "steps waiting for its lazy copy; total: over all windows. CPU and wall-clock: the window's time minus the "
-          "mean of the clean windows on either side; CPU counts every thread and child process)")
+              f"{figure(wall):>16} {len(blocked.extra_ms):>7} {clean_step(wall):>13}")
+    print("(per checkpoint: one ModelCheckpoint save, the newest file and last.ckpt, at the start of its window and "
+          "waited for at its end; median ± noise over the windows, the noise two standard errors from their spread. "
+          "blocked: the time the training loop was held, in the plugin's save_checkpoint calls and, for fastckpt, in "
+          "optimizer steps waiting for its lazy copy; total: over all windows. CPU and wall-clock: the window's time "
+          "minus the mean of the clean windows on either side; CPU counts every thread and child process)")
     print(f"verdict: {stable_verdict(costs)}")
     if len(costs.wall) > 1:
         print(f"wall clock: {verdict(costs.wall[0], costs.wall[1])}")
+
+
+def clean_step(cost: WindowCost) -> str:
+    """The median clean step time it was compared with, or "-" without a window between clean ones."""
+    return "-" if math.isnan(cost.clean_step_ms) else f"{cost.clean_step_ms:.1f}"
 
 
 def compared(costs: list[WindowCost]) -> tuple[WindowCost, WindowCost, float, float] | None:
@@ -558,8 +565,8 @@ def main(argv: list[str]) -> None:
                              "to the checkpoint threads of both plugins")
     parser.add_argument("--config", default=None, help="a fastckpt YAML file (staging, persist...)")
     parser.add_argument("--compare", action=argparse.BooleanOptionalAction, default=True,
-                        help="also measure Lightning's AsyncCheckpointIO, in windows interleaved with fastckpt's in the "
-                             "same run (not with --resume)")
+                        help="also measure Lightning's AsyncCheckpointIO, in windows interleaved with fastckpt's "
+                             "in the same run (not with --resume)")
     parser.add_argument("--plot", default=None,
                         help="timeline PNG (default: timeline.png in a local --root; after --resume from step N, "
                              "timeline-from-step-N.png there)")

@@ -201,12 +201,15 @@ def test_demo_reports_the_loop_cost_and_resume_extends_the_run(tmp_path: Path) -
     assert all("?" not in figure and figure != "-" for figure in (*fast.groups(), *slow.groups())), first
     verdicts = re.findall(r"^verdict: (.*)$", first, re.M)
     assert len(verdicts) == 1, first
-    found = rf"(?:blocked the training loop|took) \d+ ± \d+ (?:CPU )?ms less per checkpoint \({NUMBER} vs {NUMBER}(?:, \d+\.\dx)?\)"
-    noise = rf"the (?:loop time blocked|CPU time) per checkpoint within the noise \(fastckpt {FIGURE}, AsyncCheckpointIO {FIGURE} ms\)"
+    found = (rf"(?:blocked the training loop|took) \d+ ± \d+ (?:CPU )?ms less per checkpoint "
+             rf"\({NUMBER} vs {NUMBER}(?:, \d+\.\dx)?\)")
+    noise = (rf"the (?:loop time blocked|CPU time) per checkpoint within the noise "
+             rf"\(fastckpt {FIGURE}, AsyncCheckpointIO {FIGURE} ms\)")
     assert re.fullmatch(rf"(?:fastckpt|AsyncCheckpointIO) is cheaper: it {found}(?: and {found}|; {noise})"
-                        rf"|neither is cheaper on both counts: .*|inconclusive: {noise} and {noise}; train longer \(--steps\)",
-                        verdicts[0]), verdicts[0]
-    assert re.search(r"^wall clock: (inconclusive|fastckpt is cheaper|AsyncCheckpointIO is cheaper)", first, re.M), first
+                        rf"|neither is cheaper on both counts: .*"
+                        rf"|inconclusive: {noise} and {noise}; train longer \(--steps\)", verdicts[0]), verdicts[0]
+    assert re.search(r"^wall clock: (inconclusive|fastckpt is cheaper|AsyncCheckpointIO is cheaper)", first, re.M), \
+        first
     # fastckpt's own figures: one save per fastckpt window (warm-up included), each with last.ckpt, and the
     # run's final save (for --resume), outside the windows
     assert re.search(r"^5 checkpoints, .* mean stall", first, re.M), first
@@ -276,7 +279,8 @@ def test_demo_verdict_is_inconclusive_when_the_noise_covers_both_figures() -> No
     demo = demo_module()
     spread = [window_cost(name, [10.0, 400.0, 200.0, 900.0, 50.0]) for name in (demo.FAST, demo.ASYNC)]
     said = demo.stable_verdict(demo.Costs(spread, spread, spread))
-    assert said.startswith("inconclusive: the loop time blocked per checkpoint within the noise (fastckpt 200 ± "), said
+    assert said.startswith("inconclusive: the loop time blocked per checkpoint within the noise (fastckpt 200 ± "), \
+        said
     assert "and the CPU time per checkpoint within the noise" in said and said.endswith("train longer (--steps)")
     few = [window_cost(name, [10.0, 20.0]) for name in (demo.FAST, demo.ASYNC)]
     assert demo.stable_verdict(demo.Costs(few, few, few)).startswith("inconclusive: 2 checkpointed windows per plugin")
@@ -286,7 +290,8 @@ def test_demo_cpu_time_counts_a_running_child_process() -> None:
     """The CPU figure counts a persister process's work (persist.process): a child still running is counted, not
     only this process's threads."""
     demo = demo_module()
-    burn = "import sys, time\nwhile time.process_time() < 0.5:\n    pass\nprint('burnt', flush=True)\nsys.stdin.read()\n"
+    burn = ("import sys, time\nwhile time.process_time() < 0.5:\n    pass\n"
+            "print('burnt', flush=True)\nsys.stdin.read()\n")
     before, mine = demo.cpu_seconds(), time.process_time()
     child = subprocess.Popen([sys.executable, "-c", burn], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
@@ -294,4 +299,5 @@ def test_demo_cpu_time_counts_a_running_child_process() -> None:
         counted, mine = demo.cpu_seconds() - before, time.process_time() - mine
     finally:
         child.communicate("")
-    assert mine < 0.25 <= 0.5 <= counted, (mine, counted)
+    # /proc counts a child's CPU time in clock ticks (10 ms): the half second read back may lack a few of them
+    assert mine < 0.2 and counted >= 0.45, (mine, counted)
