@@ -13,6 +13,9 @@ The data is generated locally (a fixed random regression problem), so the script
     # checkpoints on S3 (any fsspec URL), settings from a fastckpt YAML file:
     python examples/accelerate_train.py --project-dir runs/s3 --config fastckpt.yaml --steps 40
 
+    # or on a local S3 server: `python examples/local_s3.py` prints the `export` line, then
+    python examples/accelerate_train.py --project-dir runs/s3 --root s3://fastckpt-demo/accel --steps 20
+
 `--stop-after K` leaves the loop after optimizer step K as an interrupted job would; `--resume` continues
 from the newest committed checkpoint. The resumed run ends in exactly the state of an uninterrupted one:
 weights, optimizer, scheduler, RNG, dataloader position and `project_configuration.iteration`.
@@ -66,7 +69,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--accumulate", type=int, default=2, help="gradient accumulation steps")
     parser.add_argument("--stop-after", type=int, help="leave after this optimizer step (simulated interruption)")
     parser.add_argument("--resume", action="store_true", help="load_state() the newest checkpoint first")
-    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--hidden", type=int, default=64, help="width of the hidden layer of the small model")
     parser.add_argument("--dump", help="write the final state to FILE.rank{i}.pt")
     parser.add_argument("--shared-writes", choices=["auto", "on", "off"], default="auto",
                         help="with several processes, each writes its share of a checkpoint (auto: when it can)")

@@ -3,6 +3,8 @@
     python examples/plain_pytorch.py                 # trains 60 steps, checkpoints every 10 into ./checkpoints/plain
     python examples/plain_pytorch.py --resume        # continues from the latest committed checkpoint
     python examples/plain_pytorch.py --root s3://bucket/plain --storage-options '{"client_kwargs": {"endpoint_url": "http://127.0.0.1:8333"}}'
+
+`python examples/local_s3.py` starts a local S3 server for the last command (it prints what to export).
 """
 from __future__ import annotations
 
@@ -17,12 +19,17 @@ from fastckpt import CheckpointConfig, Checkpointer
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--root", default="checkpoints/plain")
-    parser.add_argument("--storage-options", default="{}")
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--every", type=int, default=10)
-    parser.add_argument("--resume", action="store_true")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--root", default="checkpoints/plain",
+                        help="where checkpoints go: a folder, or any fsspec URL such as s3://bucket/plain")
+    parser.add_argument("--storage-options", default="{}", metavar="JSON",
+                        help="fsspec options for --root as one JSON object (an S3 endpoint_url, keys)")
+    parser.add_argument("--steps", type=int, default=60, help="optimizer steps of the whole run")
+    parser.add_argument("--every", type=int, default=10,
+                        help="save a checkpoint every N steps (and at the last step); the newest 3 are kept")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the newest committed checkpoint under --root (up to --steps)")
     args = parser.parse_args()
 
     torch.manual_seed(0)

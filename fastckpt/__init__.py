@@ -45,6 +45,7 @@ _EXPORTS = {
     "StorageError": ".errors",
     "FolderRemovedError": ".errors",
     "CheckpointTimeoutError": ".errors",
+    "MissingCredentialsError": ".errors",
     "IntegrityError": ".errors",
     "CheckpointNotFoundError": ".errors",
     "StateMismatchError": ".errors",
@@ -83,8 +84,8 @@ if TYPE_CHECKING:  # type checkers and IDEs see the eager imports
     from .engine.preempt import Preemption
     from .tiers.runs import open_cadence
     from .errors import (CheckpointNotFoundError, CheckpointTimeoutError, ConfigError, FastCkptError,
-                         IntegrityError, RetakenSnapshotWarning, SnapshotMutatedError, StateMismatchError,
-                         StorageError, StaleCheckpointWarning, UnsafeCheckpointError)
+                         IntegrityError, MissingCredentialsError, RetakenSnapshotWarning, SnapshotMutatedError,
+                         StateMismatchError, StorageError, StaleCheckpointWarning, UnsafeCheckpointError)
     from .format.layout import CheckpointInfo
     from .engine.handle import SaveHandle, SaveStats
     from .read.consolidate import consolidate

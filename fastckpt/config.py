@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -384,7 +385,8 @@ class CheckpointConfig(_Freezable):
         allowed = {f.name for f in fields(cls)}
         unknown = sorted((k for k in data if k not in allowed), key=repr)  # keys of any type (YAML: 1, null)
         if unknown:
-            raise ConfigError(f"unknown config field(s) {unknown}; allowed top-level fields: {sorted(allowed)}")
+            raise ConfigError(f"unknown config field(s) {unknown}{_did_you_mean(unknown, allowed)}; allowed "
+                              f"top-level fields: {sorted(allowed)}")
         if "root" not in data:
             raise ConfigError("config field 'root' is required (a local path or an fsspec URL such as s3://bucket/run)")
         return cls(**dict(data))
@@ -442,5 +444,13 @@ def _build_section(name: str, cls: type, data: Mapping[str, Any]) -> Any:
     allowed = {f.name for f in fields(cls)}
     unknown = sorted((k for k in data if k not in allowed), key=repr)
     if unknown:
-        raise ConfigError(f"unknown field(s) {[f'{name}.{u}' for u in unknown]}; allowed: {sorted(allowed)}")
+        raise ConfigError(f"unknown field(s) {[f'{name}.{u}' for u in unknown]}"
+                          f"{_did_you_mean(unknown, allowed, name + '.')}; allowed: {sorted(allowed)}")
     return cls(**dict(data))
+
+
+def _did_you_mean(unknown: list[Any], allowed: set[str], prefix: str = "") -> str:
+    """`` (did you mean 'retention.keep_last'?)`` for each unknown key close to an allowed one (a typo), else ``""``."""
+    guesses = [f"{prefix}{match[0]}" for key in unknown if isinstance(key, str)
+               for match in [difflib.get_close_matches(key, sorted(allowed), n=1, cutoff=0.6)] if match]
+    return f" (did you mean {', '.join(map(repr, guesses))}?)" if guesses else ""

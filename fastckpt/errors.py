@@ -10,6 +10,7 @@ __all__ = [
     "ConfigError",
     "StorageError",
     "CheckpointTimeoutError",
+    "MissingCredentialsError",
     "IntegrityError",
     "CheckpointNotFoundError",
     "StateMismatchError",
@@ -36,6 +37,32 @@ class FolderRemovedError(StorageError):
     """The folder a pending save was writing was removed by someone else (a ``TemporaryDirectory`` cleanup, a
     cleanup script): the save is abandoned, nothing is recreated, and it is not raised at the next save, ``wait`` or
     ``close`` (a warning says so once); only ``handle.wait()`` of that very save raises it."""
+
+
+class MissingCredentialsError(StorageError):
+    """An object store's client found no credentials (botocore's ``NoCredentialsError`` and its kin), said with what
+    to set instead of the client's bare "Unable to locate credentials"."""
+
+    _CAUSES = frozenset({"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError"})
+
+    @classmethod
+    def caused(cls, error: BaseException) -> bool:
+        """Whether ``error``, or an error it was raised from (or during), is a client's missing-credentials error."""
+        seen: set[int] = set()
+        current: BaseException | None = error
+        while current is not None and id(current) not in seen:
+            seen.add(id(current))
+            if {c.__name__ for c in type(current).__mro__} & cls._CAUSES:
+                return True
+            current = current.__cause__ or current.__context__
+        return False
+
+    @staticmethod
+    def fix(where: str = "the storage options (storage_options in Python or YAML; --storage-option key=... "
+                         "--storage-option secret=... on the command line)") -> str:
+        """The sentence that says what to set, ``where`` naming the options that reach this client."""
+        return (f"no S3 credentials were found: set key and secret in {where}, or the AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY variables (or AWS_PROFILE)")
 
 
 class CheckpointTimeoutError(StorageError, TimeoutError):

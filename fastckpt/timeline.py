@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -184,17 +184,23 @@ def verdict(first: WindowCost, second: WindowCost) -> str:
 
 
 def plot_cost(path: str | Path, step_starts: Sequence[float], step_ms: Sequence[float], windows: Sequence[Window],
-              costs: Sequence[WindowCost], title: str = "") -> Path:
+              costs: Sequence[WindowCost] | Mapping[str, Sequence[WindowCost]], title: str = "") -> Path:
     """Write a PNG to ``path`` and return it: the step times with each window shaded by its kind (top), and each
     plugin's extra time per checkpoint on one millisecond scale (bottom): one dot per window, the median as a bar,
-    the noise as an error bar, the figures written beside them."""
+    the noise as an error bar, the figures written beside them. ``costs`` may also map a label to costs: one bottom
+    panel per entry, side by side, the label as its axis (e.g. wall-clock ms, CPU ms, blocked ms per checkpoint)."""
     if len(step_starts) != len(step_ms) or not step_starts:
         raise ConfigError(f"plot_cost needs one start per step time and at least one step; got "
                           f"{len(step_starts)} starts and {len(step_ms)} times")
     _check_windows(windows, step_ms)
+    panels = dict(costs) if isinstance(costs, Mapping) else {"extra ms per checkpoint": costs}
+    if not panels:
+        raise ConfigError("plot_cost needs at least one panel of costs; got an empty mapping")
     plt = _pyplot()
     colours = _kind_colours([w.kind for w in windows])
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 6.5), height_ratios=(3, 2))
+    fig = plt.figure(figsize=(max(10, 4.2 * len(panels)), 6.5))
+    grid = fig.add_gridspec(2, len(panels), height_ratios=(3, 2))
+    top = fig.add_subplot(grid[0, :])
     origin = step_starts[0]
     ends = [*step_starts[1:], step_starts[-1] + step_ms[-1] / 1e3]
     for w in windows:
@@ -207,25 +213,33 @@ def plot_cost(path: str | Path, step_starts: Sequence[float], step_ms: Sequence[
     top.set_title(title or "training step times in interleaved windows")
     top.legend([plt.Rectangle((0, 0), 1, 1, color=colours[k], alpha=0.4) for k in colours], list(colours),
                loc="upper right", fontsize=7, ncol=len(colours))
+    for column, (label, panel) in enumerate(panels.items()):
+        _draw_costs(fig.add_subplot(grid[1, column]), panel, colours, label)
+    caption = ("a checkpointed window minus its clean neighbours (dots: windows; bar: median; error bar: the noise)"
+               if not isinstance(costs, Mapping) else
+               "per checkpoint: a dot per checkpointed window, the median as a bar, its noise as an error bar")
+    fig.suptitle(caption, fontsize=9, y=0.015, va="bottom")
+    return _save(fig, path, rect=(0, 0.03, 1, 1))  # room for the caption at the bottom
+
+
+def _draw_costs(axes: Any, costs: Sequence[WindowCost], colours: dict[str, str], label: str) -> None:
+    """One panel: each plugin's values per window (dots), their median (bar) and noise (error bar), one scale."""
     values = [0.0]
     for i, cost in enumerate(costs):
         colour = colours.get(cost.name, "#444444")
-        bottom.scatter([i] * len(cost.extra_ms), cost.extra_ms, color=colour, s=14, alpha=0.6, zorder=3)
+        axes.scatter([i] * len(cost.extra_ms), cost.extra_ms, color=colour, s=14, alpha=0.6, zorder=3)
         if cost.extra_ms:
             noise = cost.noise_ms if cost.measured else 0.0
-            bottom.bar(i, cost.median_ms, width=0.5, color=colour, alpha=0.5, yerr=noise, capsize=6, zorder=2)
-            bottom.annotate(cost.describe().removeprefix(cost.name + " "), (i + 0.3, cost.median_ms), fontsize=8,
-                            va="center")
+            axes.bar(i, cost.median_ms, width=0.5, color=colour, alpha=0.5, yerr=noise, capsize=6, zorder=2)
+            axes.annotate(cost.describe().removeprefix(cost.name + " "), (i + 0.3, cost.median_ms), fontsize=8,
+                          va="center")
             values += [*cost.extra_ms, cost.median_ms + noise, cost.median_ms - noise]
-    bottom.axhline(0.0, color="#444444", linewidth=0.6)
+    axes.axhline(0.0, color="#444444", linewidth=0.6)
     span = max(values) - min(values) or 1.0
-    bottom.set_ylim(min(values) - 0.1 * span, max(values) + 0.1 * span)  # every dot and bar of every plugin shows
-    bottom.set_xticks(range(len(costs)), [c.name for c in costs])
-    bottom.set_xlim(-0.6, len(costs) - 0.4 + 0.6)
-    bottom.set_ylabel("extra ms per checkpoint")
-    bottom.set_title("a checkpointed window minus its clean neighbours (dots: windows; bar: median; "
-                     "error bar: the noise)", fontsize=9)
-    return _save(fig, path)
+    axes.set_ylim(min(values) - 0.1 * span, max(values) + 0.1 * span)  # every dot and bar of every plugin shows
+    axes.set_xticks(range(len(costs)), [c.name for c in costs], fontsize=8)
+    axes.set_xlim(-0.6, len(costs) - 0.4 + 0.9)
+    axes.set_ylabel(label)
 
 
 def _check_windows(windows: Sequence[Window], step_ms: Sequence[float]) -> None:
@@ -245,9 +259,10 @@ def _kind_colours(kinds: Sequence[str]) -> dict[str, str]:
     return {k: palette[i % len(palette)] for i, k in enumerate(named)}
 
 
-def _save(fig: Any, path: str | Path) -> Path:
-    """Write ``fig`` to ``path`` (its folder made) and free it: pyplot keeps every open figure alive."""
-    fig.tight_layout()
+def _save(fig: Any, path: str | Path, rect: tuple[float, float, float, float] = (0, 0, 1, 1)) -> Path:
+    """Write ``fig`` to ``path`` (its folder made) and free it: pyplot keeps every open figure alive. ``rect``: the
+    part of the figure the axes may fill (the rest is left to a caption)."""
+    fig.tight_layout(rect=rect)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -17,13 +17,14 @@ import logging
 import warnings
 import os
 from collections.abc import Mapping
-from typing import Union
+from typing import Any, Union
 
 from accelerate import Accelerator
 from accelerate.utils import ProjectConfiguration
 
 from fastckpt import CheckpointConfig
 from fastckpt.config import config_mapping
+from fastckpt.errors import ConfigError
 
 from .naming import normalize
 
@@ -33,8 +34,18 @@ ConfigSource = Union[CheckpointConfig, dict, str, os.PathLike, None]
 
 
 def resolve_config(source: ConfigSource, accelerator: Accelerator) -> CheckpointConfig:
-    """A validated ``CheckpointConfig`` from a config object, a dict, a YAML path, or None (all defaults)."""
-    raw = config_mapping(source)
+    """A validated ``CheckpointConfig`` from a config object, a dict, a YAML path, or None (all defaults). A YAML
+    file's settings refused are named with the file (``x.yaml: staging.mode must be ...``)."""
+    raw = config_mapping(source)  # names the file itself when it cannot be read or parsed
+    try:
+        return _resolve(raw, accelerator)
+    except ConfigError as e:
+        if not isinstance(source, (str, os.PathLike)):
+            raise
+        raise ConfigError(f"{os.fspath(source)}: {e}") from e
+
+
+def _resolve(raw: dict[str, Any], accelerator: Accelerator) -> CheckpointConfig:
     project = accelerator.project_configuration
     root = raw.get("root")
     given = not (root is None or root == "")

@@ -15,7 +15,7 @@ from typing import Any, Iterator
 from fastckpt import open_storage
 from fastckpt.format.bundle import PENDING
 from fastckpt.errors import CheckpointNotFoundError, FastCkptError, IntegrityError
-from fastckpt.format.layout import LAYOUT_FILES, MANIFEST, parse_manifest
+from fastckpt.format.manifest import LAYOUT_FILES, MANIFEST, parse_manifest
 from fastckpt.read.verify import verify_checkpoint
 
 __all__ = ["CORE", "FILES", "STOCK", "inspect_folder", "local_folder", "unlisted_files"]

@@ -24,7 +24,7 @@ from fastckpt import Checkpointer, CheckpointConfig, SaveHandle, open_storage
 from fastckpt.tiers.catalog import Catalog
 from fastckpt.errors import ConfigError, FastCkptError
 from fastckpt.tiers.gc import collect_temp_files
-from fastckpt.format.health import delete_with_record
+from fastckpt.format.healthrecord import delete_with_record
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.trainer.states import TrainerStatus

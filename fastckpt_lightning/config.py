@@ -27,8 +27,18 @@ _PLACEHOLDER_ROOT = "."
 
 
 def build_config(source: ConfigSource, **overrides: Any) -> tuple[CheckpointConfig, Optional[str]]:
-    """Merge ``source`` (a config, a YAML path or a dict) with keyword overrides; return the config and user root."""
-    base = config_mapping(source)
+    """Merge ``source`` (a config, a YAML path or a dict) with keyword overrides; return the config and user root.
+    A YAML file's settings refused are named with the file (``x.yaml: staging.mode must be ...``)."""
+    base = config_mapping(source)  # names the file itself when it cannot be read or parsed
+    try:
+        return _build(base, overrides, source)
+    except ConfigError as e:
+        if not isinstance(source, (str, os.PathLike)):
+            raise
+        raise ConfigError(f"{os.fspath(source)}: {e}") from e
+
+
+def _build(base: dict[str, Any], overrides: dict[str, Any], source: Any) -> tuple[CheckpointConfig, Optional[str]]:
     for key, value in overrides.items():
         if value is None:
             continue

@@ -12,9 +12,11 @@ import logging
 import os
 from typing import Any, Optional
 
+from lightning.pytorch.utilities import rank_zero_info
+
 from fastckpt import open_storage
 from fastckpt.errors import CheckpointNotFoundError, FastCkptError
-from fastckpt.format.health import file_health, verdict
+from fastckpt.format.healthrecord import file_health, verdict
 
 from fastckpt_lightning.discovery import find_calling_trainer
 from fastckpt_lightning.pointer import join_path
@@ -28,6 +30,12 @@ def find_healthy_checkpoint(dirpath: str, storage_options: Optional[dict[str, An
     """The newest ``.ckpt`` in ``dirpath`` (local or remote) whose health record shows no NaN or Inf, or None: pass
     it as ``fit(ckpt_path=...)``. Files are ranked by the step their record holds; a file without one (saved by
     stock Lightning, with ``health.enabled: false``, or on a file system without user attributes) is never chosen."""
+    found = _newest_healthy(dirpath, storage_options)
+    return None if found is None else found[1]
+
+
+def _newest_healthy(dirpath: str, storage_options: Optional[dict[str, Any]]) -> Optional[tuple[int, str]]:
+    """(step, path) of ``find_healthy_checkpoint``'s file, or None."""
     storage = open_storage(dirpath, storage_options)
     ranked = []
     for name in storage.listdir(storage.url):
@@ -43,7 +51,8 @@ def find_healthy_checkpoint(dirpath: str, storage_options: Optional[dict[str, An
             ranked.append((health.get("step", -1), name))
     if not ranked:
         return None
-    return join_path(dirpath.rstrip("/"), max(ranked)[1])
+    step, name = max(ranked)
+    return step, join_path(dirpath.rstrip("/"), name)
 
 
 def last_healthy_or(path: Any, plugin: Any) -> Any:
@@ -58,10 +67,14 @@ def last_healthy_or(path: Any, plugin: Any) -> Any:
     if dirpath is None:
         raise CheckpointNotFoundError(f'ckpt_path="{LAST_HEALTHY}" needs a folder: give ModelCheckpoint a dirpath '
                                       "or FastCheckpointIO a root")
-    found = find_healthy_checkpoint(str(dirpath), storage_options)
+    found = _newest_healthy(str(dirpath), storage_options)
     if found is None:
         raise CheckpointNotFoundError(
             f'ckpt_path="{LAST_HEALTHY}": no checkpoint in {dirpath} has a health record without NaN or Inf; pass '
             "ckpt_path=find_healthy_checkpoint(dirpath) (None on a first run) to start from scratch instead")
-    log.info("fastckpt: resuming from the newest healthy checkpoint %s", found)
-    return found
+    step, chosen = found
+    # Lightning has just said "Restoring states from the checkpoint path at last-healthy": name the file, through
+    # Lightning's own logger (shown where its messages are), once.
+    rank_zero_info(f'fastckpt: ckpt_path="{LAST_HEALTHY}" is {chosen} (step {step}), the newest checkpoint in '
+                   f"{dirpath} whose health record holds no NaN or Inf")
+    return chosen

@@ -20,6 +20,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer import call
 
+from fastckpt.errors import FastCkptError, MissingCredentialsError
+
 _LOCK = threading.Lock()
 _MARK = "__fastckpt_dispatch__"
 
@@ -39,10 +41,25 @@ def install(companion_of: Callable[[Any], Optional[Callback]]) -> None:
             # monitoring_callbacks=True runs only ModelCheckpoint/EarlyStopping: ours is neither.
             if callback is not None and monitoring_callbacks is not True:
                 _run(trainer, callback, hook_name, args, kwargs)
-            original(trainer, hook_name, *args, monitoring_callbacks=monitoring_callbacks, **kwargs)
+            try:
+                original(trainer, hook_name, *args, monitoring_callbacks=monitoring_callbacks, **kwargs)
+            except Exception as e:
+                if callback is None or isinstance(e, FastCkptError) or not MissingCredentialsError.caused(e):
+                    raise
+                raise _credentials_error(hook_name, e) from e
 
         setattr(dispatch, _MARK, True)
         call._call_callback_hooks = dispatch
+
+
+def _credentials_error(hook_name: str, e: BaseException) -> MissingCredentialsError:
+    """A stock callback's bare "Unable to locate credentials": ``ModelCheckpoint`` opens its ``dirpath`` with
+    fsspec's default options (the environment), never the plugin's ``storage_options`` (docs/lightning.md)."""
+    return MissingCredentialsError(
+        f"a callback's {hook_name} hook could not reach its folder ({type(e).__name__}): ModelCheckpoint opens its "
+        "dirpath with fsspec's default options, not FastCheckpointIO's storage_options; "
+        + MissingCredentialsError.fix('fsspec.config.conf["s3"] (and the endpoint in its client_kwargs, or '
+                                      "AWS_ENDPOINT_URL)"))
 
 
 def _companion(trainer: pl.Trainer, companion_of: Callable[[Any], Optional[Callback]]) -> Optional[Callback]:

@@ -142,6 +142,61 @@ def test_verify_names_a_flipped_byte(root, capsys) -> None:
     assert any("checksum mismatch" in line for line in bad)
 
 
+def test_inspect_shows_the_step_and_the_optimizers_param_groups(root, capsys) -> None:
+    """Issue 55, item 7: a core checkpoint's plain values (the step, an optimizer's ``param_groups``) were hidden:
+    "0 other values", JSON ``objects: []``. Every value of the tree is a row now, and the header names the step."""
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.8, 0.95))
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    with Checkpointer(CheckpointConfig(root=root.url, storage_options=root.options, staging={"mode": "eager"},
+                                       persist={"fsync": False})) as ckpt:
+        ckpt.save({"model": model.state_dict(), "optim": optimizer.state_dict(), "step": 7,
+                   "dtype": torch.bfloat16}, step=7).wait()
+    code, out, _ = run(["inspect", root.path(7), "--json", *root.argv], capsys)
+    assert code == 0
+    info = json.loads(out)
+    values = {o["key"]: (o["type"], o["value"]) for o in info["objects"]}
+    assert info["step"] == 7 and values["step"] == ("int", "7")
+    assert values["optim/param_groups/0/lr"] == ("float", "0.0003")
+    assert values["optim/param_groups/0/betas/1"] == ("float", "0.95")
+    assert values["optim/param_groups/0/params/1"] == ("int", "1")
+    assert values["dtype"] == ("dtype", "torch.bfloat16")  # a non-plain leaf, through the objects file
+    assert {t["key"] for t in info["tensors"]} >= {"model/weight", "optim/state/0/exp_avg"}  # tensors unchanged
+    assert not any(o["key"] in {t["key"] for t in info["tensors"]} for o in info["objects"])
+    code, out, _ = run(["inspect", root.path(7), *root.argv], capsys)
+    head = out.splitlines()[0]
+    assert code == 0 and "(core, step 7, 8 tensors, " in head and f"{len(values)} other values)" in head
+    assert any(line.split()[:3] == ["optim/param_groups/0/lr", "float", "0.0003"] for line in out.splitlines())
+
+
+def test_verify_a_root_verifies_every_checkpoint_under_it(root, capsys) -> None:
+    """Issue 55, item 7: ``verify ROOT`` was refused ("not a checkpoint"); it verifies each checkpoint under it,
+    names a save that never committed (skipped), and fails on the one damaged checkpoint."""
+    root.save(1, 2, 3)
+    root.put("step-000000004/shard-00000.0123456789ab.safetensors", b"x" * 10)  # a save that died
+    code, out, err = run(["verify", root.url, *root.argv], capsys)
+    assert code == 0, err
+    assert out.splitlines() == [f"OK  {root.path(s)}" for s in (1, 2, 3)]
+    assert "skipped" in err and root.path(4) in err and "never committed" in err
+    fs, path = fsspec.core.url_to_fs(root.path(2), **root.options)
+    [shard] = [p for p in fs.ls(path, detail=False) if "shard-" in p]
+    data = bytearray(fs.cat_file(shard))
+    data[-3] ^= 0x01
+    fs.pipe_file(shard, bytes(data))
+    code, out, err = run(["verify", root.url, *root.argv], capsys)
+    assert code == 1 and out.splitlines() == [f"OK  {root.path(s)}" for s in (1, 3)]
+    assert "checksum mismatch" in err and shard.rsplit("/", 1)[-1] in err
+
+
+def test_verify_a_folder_without_checkpoints_is_an_error(tmp_path, capsys) -> None:
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "notes.txt").write_text("hi")
+    code, out, err = run(["verify", str(tmp_path / "empty")], capsys)
+    assert code == 1 and not out
+    assert "no checkpoint, and none under it" in err and str(tmp_path / "empty") in err
+
+
 def test_export_torch_round_trip(root, tmp_path, capsys) -> None:
     root.save(3)
     out = f"{root.url}-export/step3.pt"
@@ -344,6 +399,36 @@ def test_help_does_not_import_torch() -> None:
             "    try: main(['--help'])\n    except SystemExit: pass\n"
             "assert 'torch' not in sys.modules, 'fastckpt --help imported torch'\n")
     subprocess.run([sys.executable, "-c", code], check=True, env=_env(), cwd=REPO, timeout=60)
+
+
+def test_list_does_not_import_torch(tmp_path) -> None:
+    """Issue 55, item 7: ``list`` imported torch (1.1 of its 1.7 s). A core root, a Lightning dirpath (``last.ckpt``
+    names no step: its pickle is read) and Accelerate folders (their optimizer's step count) list without it."""
+    core = tmp_path / "core"
+    Root(str(core), {}).save(1, 2)
+    lightning = tmp_path / "lightning"
+    lightning.mkdir()
+    torch.save({"global_step": 12, "epoch": 3, "state_dict": {"w": torch.randn(4)}}, lightning / "last.ckpt")
+    folder = tmp_path / "accelerate" / "checkpoints" / "checkpoint_0"
+    folder.mkdir(parents=True)
+    torch.save({"state": {0: {"step": torch.tensor(9.0), "exp_avg": torch.randn(4)}}, "param_groups": [{"lr": 0.1}]},
+               folder / "optimizer.bin")
+    (folder / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
+    torch.save({"step": 0}, folder / "random_states_0.pkl")
+    code = ("import sys, json, contextlib, io\nfrom fastckpt.cli import main\nrows = []\n"
+            "for root in sys.argv[1:]:\n"
+            "    out = io.StringIO()\n"
+            "    with contextlib.redirect_stdout(out):\n"
+            "        assert main(['list', root, '--json']) == 0\n"
+            "    rows += [(r['name'], r['step']) for r in json.loads(out.getvalue())]\n"
+            "print(json.dumps([rows, 'torch' in sys.modules]))\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(core), str(lightning), str(tmp_path / "accelerate")],
+                          env=_env(), cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    rows, imported = json.loads(proc.stdout)
+    assert [tuple(r) for r in rows] == [("step-000000001", 1), ("step-000000002", 2), ("last.ckpt", 12),
+                                         ("checkpoint_0", 9)]
+    assert not imported, "fastckpt list imported torch"
 
 
 def test_piped_into_head_ends_quietly(tmp_path) -> None:

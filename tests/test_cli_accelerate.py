@@ -205,3 +205,32 @@ def test_native_folder_written_by_fastckpt_accelerate(tmp_path, capsys) -> None:
     flip_file(folder / "optimizer.bin")
     code, _, err = run(["verify", str(folder)], capsys)
     assert code == 1 and "optimizer.bin" in err
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["stock", "fastckpt_accelerate"])
+def test_list_shows_the_optimizer_steps_without_gradient_accumulation(tmp_path, capsys, fast) -> None:
+    """Issue 55, item 7: ``list`` showed STEP 0 for every Accelerate checkpoint: it read ``Accelerator.step``, which
+    only ``accumulate()`` advances (and which restarts each epoch). The step is the optimizer's count."""
+    import fastckpt_accelerate
+
+    acc = make_accelerator(tmp_path / "proj")
+    setup = Setup(acc)
+    hook = fastckpt_accelerate.enable(acc) if fast else None
+    try:
+        for _ in range(2):
+            for _ in range(3):  # a plain loop, as the README's: no accelerator.accumulate()
+                loss = setup.model(torch.randn(8, setup.width)).square().mean()
+                acc.backward(loss)
+                setup.optimizer.step()
+                setup.optimizer.zero_grad()
+            acc.save_state()
+        if hook is not None:
+            hook.wait()
+    finally:
+        if hook is not None:
+            hook.close()
+        reset_accelerate()
+    code, out, _ = run(["list", str(tmp_path / "proj"), "--json"], capsys)
+    assert code == 0
+    assert [(r["name"], r["step"]) for r in json.loads(out)] == [("checkpoint_0", 3), ("checkpoint_1", 6)]
+

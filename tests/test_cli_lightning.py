@@ -140,6 +140,32 @@ def test_inspect(dirpath, capsys) -> None:
     assert {"key": "global_step", "type": "int", "value": "6"} in info["objects"]
 
 
+def test_inspect_shortens_long_keys_to_the_terminal(dirpath, capsys, monkeypatch) -> None:
+    """Issue 55, item 7: ModelCheckpoint's state key (``callbacks.ModelCheckpoint{'monitor': None, ...}.x``, ~150
+    characters) made the KEY column that wide. Keys are shortened to leave the other columns 40 characters of the
+    terminal (the ``{...}`` collapsed first, then middle segments); the leaf stays; ``--json`` keeps them whole."""
+    monkeypatch.setenv("COLUMNS", "100")
+    code, out, _ = run(["inspect", str(dirpath / "last.ckpt"), "--json"], capsys)
+    full = [o["key"] for o in json.loads(out)["objects"]]
+    assert code == 0 and any(len(k) > 100 and k.startswith("callbacks.ModelCheckpoint{") for k in full)
+    code, out, _ = run(["inspect", str(dirpath / "last.ckpt")], capsys)
+    assert code == 0
+    lines = out.splitlines()
+    tables = [line for line in lines[1:] if line and not line.startswith("(")]
+    widths = {line.index("  ") for line in tables if "  " in line}  # where the KEY column ends
+    assert max(widths) <= 60, max(widths)
+    assert any(line.startswith("callbacks.ModelCheckpoint{...}.best_model_path ") for line in tables)
+    assert lines[-1] == "(keys longer than 60 characters are shortened here; --json prints them whole)"
+    assert any(line.startswith("global_step ") for line in tables)
+
+
+def test_verify_a_dirpath_verifies_every_file(copy, capsys) -> None:
+    """Issue 55, item 7: ``verify DIRPATH`` checks each checkpoint ``list`` shows there."""
+    code, out, err = run(["verify", str(copy)], capsys)
+    assert code == 0, err
+    assert out.splitlines() == [f"OK  {copy / n}" for n in NAMES]
+
+
 def test_verify_catches_a_flipped_byte(copy, capsys) -> None:
     code, out, _ = run(["verify", *(str(copy / n) for n in NAMES)], capsys)
     assert code == 0 and out.count("OK") == 4

@@ -226,9 +226,10 @@ def test_import_takes_the_step_the_checkpoint_records(tmp_path, capsys) -> None:
 
 
 def test_accelerate_list_shows_the_training_step(tmp_path, capsys) -> None:
-    """A stock folder's step is the ``step`` Accelerate wrote into ``random_states_0.pkl`` (numpy arrays in it are
-    read under torch's numpy allowlist; nothing else unpickles), not the folder's index. Rows stay in the order of
-    the saves (the folder index): Accelerate restarts its step at the end of each prepared dataloader."""
+    """A stock folder's step is its optimizer's step count (``optimizer.bin``: the ``step`` AdamW keeps with each
+    parameter), not the folder's index nor ``Accelerator.step`` (``random_states_0.pkl``'s ``step``: 0 without
+    gradient accumulation, issue 55 item 7). An optimizer that keeps no count (SGD) leaves the step unknown. Rows
+    stay in the order of the saves (the folder index)."""
     import numpy as np
     import random
 
@@ -236,9 +237,12 @@ def test_accelerate_list_shows_the_training_step(tmp_path, capsys) -> None:
         folder = tmp_path / "checkpoints" / f"checkpoint_{index}"
         folder.mkdir(parents=True)
         save_file({"w": torch.randn(3)}, folder / "model.safetensors")
-        rng = {"random_state": random.getstate(), "numpy_random_seed": np.random.get_state(),
+        rng = {"step": 0, "random_state": random.getstate(), "numpy_random_seed": np.random.get_state(),
                "torch_manual_seed": torch.get_rng_state()}
-        torch.save(rng if step is None else {"step": step, **rng}, folder / "random_states_0.pkl")
+        torch.save(rng, folder / "random_states_0.pkl")
+        state = {} if step is None else {0: {"step": torch.tensor(float(step)), "exp_avg": torch.randn(3)},
+                                         1: {"step": torch.tensor(float(step)), "exp_avg": torch.randn(1)}}
+        torch.save({"state": state, "param_groups": [{"lr": 0.1, "params": [0, 1]}]}, folder / "optimizer.bin")
     code, out, _ = run(["list", str(tmp_path), "--json"], capsys)
     assert code == 0
     assert [(r["name"], r["step"]) for r in json.loads(out)] == [
@@ -247,6 +251,8 @@ def test_accelerate_list_shows_the_training_step(tmp_path, capsys) -> None:
     assert [line.split()[0] for line in out.splitlines()] == ["STEP", "150", "300", "-", "20"]
     code, out, _ = run(["import", str(tmp_path / "checkpoints" / "checkpoint_1"), str(tmp_path / "core")], capsys)
     assert code == 0 and "(step 300, as recorded in it)" in out
+    code, out, _ = run(["inspect", str(tmp_path / "checkpoints" / "checkpoint_1")], capsys)
+    assert code == 0 and "(accelerate, step 300, " in out.splitlines()[0]
     code, out, _ = run(["gc", str(tmp_path / "checkpoints"), "--keep-last", "1"], capsys)  # the newest save stays
     left = sorted(p.name for p in (tmp_path / "checkpoints").glob("checkpoint_*"))
     assert code == 0 and left == ["checkpoint_10", "checkpoint_2"]  # a folder recording no step is never removed

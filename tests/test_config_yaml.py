@@ -184,3 +184,43 @@ def test_ordinary_yaml_with_aliases_still_loads(tmp_path) -> None:
     link = tmp_path / "link.yaml"  # a symlink to a regular file is read: the path is the user's choice
     link.symlink_to(p)
     assert CheckpointConfig.from_yaml(link) == cfg
+
+
+# ---- mistakes in an ordinary file (issue 55, item 9) ---------------------------------------------------------
+
+
+def test_a_key_typo_suggests_the_field_meant(tmp_path) -> None:
+    """The error listed the allowed keys but guessed none; a close one is named, top level and in a section."""
+    path = tmp_path / "fastckpt.yaml"
+    path.write_text("root: ckpts\nretention: {keep_lsat: 3}\n")
+    with pytest.raises(ConfigError, match=r"\['retention.keep_lsat'\] \(did you mean 'retention.keep_last'\?\); "
+                                          r"allowed: \["):
+        CheckpointConfig.from_yaml(path)
+    path.write_text("root: ckpts\nretentoin: {keep_last: 3}\n")
+    with pytest.raises(ConfigError, match=r"\['retentoin'\] \(did you mean 'retention'\?\)"):
+        CheckpointConfig.from_yaml(path)
+    path.write_text("root: ckpts\nstaging: {zzz: 1}\n")  # nothing close: no guess, the allowed keys still listed
+    with pytest.raises(ConfigError) as ei:
+        CheckpointConfig.from_yaml(path)
+    assert "did you mean" not in str(ei.value) and "allowed: ['crc_in_copy'" in str(ei.value)
+
+
+@pytest.mark.parametrize("text, says", [("root: ckpts\nstaging: {mdoe: lazy}\n", "did you mean 'staging.mode'"),
+                                        ("root: ckpts\nstaging: {mode: bogus}\n", "staging.mode must be one of")])
+def test_the_integrations_name_the_file_of_a_refused_setting(tmp_path, text, says) -> None:
+    """``FastCheckpointIO("x.yaml")`` and ``enable(acc, "x.yaml")`` dropped the file's name from the error."""
+    from accelerate import Accelerator
+
+    import fastckpt_accelerate
+    from fastckpt_lightning import FastCheckpointIO
+    from tests.accelerate_testing import reset_accelerate
+
+    path = tmp_path / "x.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=f"^{path}: .*{says}"):
+        FastCheckpointIO(str(path))
+    try:
+        with pytest.raises(ConfigError, match=f"^{path}: .*{says}"):
+            fastckpt_accelerate.enable(Accelerator(cpu=True), path)
+    finally:
+        reset_accelerate()

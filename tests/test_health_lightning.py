@@ -40,6 +40,15 @@ class SeeStart(Callback):
         self.step, self.state = trainer.global_step, training_state(pl_module)
 
 
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
 def _fit(dirpath: str, callbacks: list[Callback], max_steps: int, ckpt_path: Any = None) -> None:
     checkpoint = ModelCheckpoint(dirpath=dirpath, every_n_train_steps=1, save_top_k=-1)
     trainer = make_trainer([*callbacks, checkpoint], FastCheckpointIO(), max_steps=max_steps)
@@ -61,8 +70,16 @@ def test_nan_at_step_n_resumes_from_the_file_before(tmp_path) -> None:
     resumed = SeeStart()
     checkpoint = ModelCheckpoint(dirpath=dirpath, every_n_train_steps=1, save_top_k=-1)
     trainer = make_trainer([resumed, checkpoint], FastCheckpointIO(), max_steps=NAN_AT + 1)
-    trainer.fit(TinyModule(), train_dataloaders=ResumableBatches(), ckpt_path="last-healthy")
+    said = _Lines()
+    lightning_log = logging.getLogger("lightning.pytorch")  # Lightning's own messages: shown by its handler
+    lightning_log.addHandler(said)
+    try:
+        trainer.fit(TinyModule(), train_dataloaders=ResumableBatches(), ckpt_path="last-healthy")
+    finally:
+        lightning_log.removeHandler(said)
     assert resumed.step == NAN_AT - 1
+    # issue 55, item 9: Lightning says "Restoring ... at last-healthy"; the plugin names the file it chose
+    assert f'fastckpt: ckpt_path="last-healthy" is {best} (step {NAN_AT - 1})' in "\n".join(said.lines), said.lines
     assert_bit_equal(resumed.state, poison.by_step[NAN_AT - 1])
 
 

@@ -59,8 +59,8 @@ SURFACE: dict[str, frozenset[str] | str] = {
     "fastckpt.format.paths": frozenset({"confine", "plain_name"}),
     # CRC32C of bytes an integration reads itself
     "fastckpt.format.checksum": frozenset({"crc32c", "combine"}),
-    # recognising, finding and listing a core checkpoint
-    "fastckpt.format.layout": frozenset({"MANIFEST", "LAYOUT_FILES", "checkpoint_dir", "parse_manifest"}),
+    # recognising, finding and listing a core checkpoint (no torch: `fastckpt list` never imports it)
+    "fastckpt.format.manifest": frozenset({"MANIFEST", "LAYOUT_FILES", "checkpoint_dir", "parse_manifest"}),
     # torch's zip format as data: the .ckpt Lightning's save_file writes, pytorch_model.bin, and their checks
     "fastckpt.format.torchfile": frozenset({"is_zip", "record_spans", "verify_torch_file", "verify_torch_bytes"}),
     # whether a torch file's pickle loads under the loader that will read it; numpy's safe globals (Accelerate's
@@ -71,7 +71,9 @@ SURFACE: dict[str, frozenset[str] | str] = {
     "fastckpt.format.bundle": frozenset({"PENDING", "SAFETENSORS", "TORCH", "EXTERNAL"}),
     # a torch file's health record (NaN/Inf, norms; Lightning's .ckpt): its extended attribute on local storage,
     # a sidecar beside it on an object store (removed with the file)
-    "fastckpt.format.health": frozenset({"delete_with_record", "file_health", "verdict"}),
+    "fastckpt.format.healthrecord": frozenset({"delete_with_record", "file_health", "verdict"}),
+    # a torch file's tree without torch, nothing in it run: the step `fastckpt list` shows (a .ckpt, optimizer.bin)
+    "fastckpt.format.picklepeek": frozenset({"TensorStub", "peek", "scalar_value"}),
     # the I/O workers' one pass (health statistics + CRC32C), timed alone by benchmarks/health_micro.py
     "fastckpt.format.healthpass": frozenset({"tensor_pass"}),
     # safetensors' name of a torch dtype, to check a model file's header

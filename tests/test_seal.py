@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from fastckpt import Checkpointer, CheckpointConfig, RetakenSnapshotWarning, SnapshotMutatedError
-from fastckpt.engine.pace import WARNED
+from fastckpt.engine.once import WARNED
 from fastckpt.storage.protocol import open_storage
 from tests.helpers import GatedStorage, assert_bit_equal, bounded, clone_state
 

@@ -73,15 +73,70 @@ def test_silent_endpoint_fails_at_the_deadline(tmp_path, s3_fault_proxy) -> None
 
 
 def test_missing_credentials(monkeypatch) -> None:
+    _no_credentials(monkeypatch)
+    (port,) = _free_ports(1)
+    options = {"client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}", "region_name": "us-east-1"}}
+    with pytest.raises(StorageError, match="no S3 credentials were found"):
+        Checkpointer(CheckpointConfig(root="s3://bucket/run", storage_options=options, network=_FAST))
+
+
+def _no_credentials(monkeypatch) -> None:
+    """No credentials anywhere botocore looks: variables, files, a metadata service."""
     for name in [k for k in os.environ if k.startswith("AWS_")]:
         monkeypatch.delenv(name)
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
     monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # never ask a metadata service off loopback
-    (port,) = _free_ports(1)
-    options = {"client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}", "region_name": "us-east-1"}}
-    with pytest.raises(StorageError, match="no S3 credentials were found"):
-        Checkpointer(CheckpointConfig(root="s3://bucket/run", storage_options=options, network=_FAST))
+
+
+@pytest.mark.s3
+def test_missing_bucket_names_the_endpoint_of_aws_endpoint_url(monkeypatch, s3_server) -> None:
+    """Issue 55, item 8: with the endpoint in AWS_ENDPOINT_URL (botocore reads it), a wrong bucket was reported "at
+    the default AWS endpoint": the error names the endpoint the client really asked."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.endpoint_url)
+    url = _missing_bucket_url()
+    options = {"key": s3_server.storage_options["key"], "secret": s3_server.storage_options["secret"]}
+    with pytest.raises(StorageError, match=f"does not exist at {s3_server.endpoint_url}: ") as ei:
+        Checkpointer(CheckpointConfig(root=url, storage_options=options))
+    assert "default AWS endpoint" not in str(ei.value)
+
+
+@pytest.mark.s3
+def test_cli_without_credentials_says_what_to_set(monkeypatch, s3_server, capsys) -> None:
+    """Issue 55, item 8: the command printed botocore's bare "NoCredentialsError: Unable to locate credentials"."""
+    from fastckpt.cli import main
+
+    _no_credentials(monkeypatch)
+    code = main(["list", f"s3://{s3_server.bucket}/run", "--storage-option",
+                 f"client_kwargs.endpoint_url={s3_server.endpoint_url}"])
+    err = capsys.readouterr().err
+    assert code == 1 and "Unable to locate credentials" not in err
+    assert "no S3 credentials were found: set key and secret in the storage options" in err
+    assert "--storage-option key=" in err and "AWS_ACCESS_KEY_ID" in err
+
+
+@pytest.mark.s3
+def test_lightning_without_credentials_says_what_to_set(monkeypatch, s3_server, tmp_path) -> None:
+    """Issue 55, item 8: stock ModelCheckpoint reads its s3:// dirpath with fsspec's defaults; without credentials
+    there, the Lightning plugin's user met a raw NoCredentialsError. The plugin says what to set, and where."""
+    import s3fs
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from fastckpt.errors import MissingCredentialsError
+    from fastckpt_lightning import FastCheckpointIO
+    from tests.lightning_support import ResumableBatches, TinyModule, make_trainer
+
+    _no_credentials(monkeypatch)
+    s3fs.S3FileSystem.clear_instance_cache()  # no client built earlier with other settings
+    plugin = FastCheckpointIO(storage_options={"client_kwargs": {"endpoint_url": s3_server.endpoint_url}})
+    callback = ModelCheckpoint(dirpath=f"s3://{s3_server.bucket}/nocreds", every_n_train_steps=1)
+    trainer = make_trainer([callback], plugin, max_steps=1, default_root_dir=str(tmp_path))
+    with pytest.raises(MissingCredentialsError) as ei:
+        trainer.fit(TinyModule(), ResumableBatches())
+    text = str(ei.value)
+    assert "ModelCheckpoint opens its dirpath with fsspec's default options" in text
+    assert 'fsspec.config.conf["s3"]' in text and "AWS_ACCESS_KEY_ID" in text
+    assert MissingCredentialsError.caused(ei.value.__cause__)  # chained from the client's own error
 
 
 # ---- local roots ----------------------------------------------------------------------------------

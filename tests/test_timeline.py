@@ -111,3 +111,19 @@ def test_plot_cost_draws_both_plugins_on_one_scale(tmp_path: Path) -> None:
     starts = [sum(steps[:i]) / 1e3 for i in range(len(steps))]
     written = plot_cost(tmp_path / "c.png", starts, steps, windows, costs)
     assert written.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_cost_draws_one_panel_per_labelled_figure(tmp_path: Path) -> None:
+    """Issue 55, item 1: the demo draws the blocked, CPU and wall-clock figures per checkpoint, each on its scale."""
+    pytest.importorskip("matplotlib")
+    windows, steps = interleaved({"fastckpt": [1.0, 2.0, 1.5], "AsyncCheckpointIO": [300.0, 310.0, 290.0]}, [0.0])
+    costs = paired_costs(windows, steps, ["fastckpt", "AsyncCheckpointIO"])
+    starts = [sum(steps[:i]) / 1e3 for i in range(len(steps))]
+    panels = {"blocked ms per checkpoint": costs, "CPU ms per checkpoint": costs, "wall-clock ms": costs}
+    written = plot_cost(tmp_path / "c.png", starts, steps, windows, panels)
+    assert written.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    import matplotlib.image
+
+    assert matplotlib.image.imread(written).shape[1] > 1100 * 1.1  # three panels side by side: a wider figure
+    with pytest.raises(ConfigError, match="at least one panel"):
+        plot_cost(tmp_path / "d.png", starts, steps, windows, {})

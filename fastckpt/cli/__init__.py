@@ -3,7 +3,8 @@
     fastckpt list ROOT [--json] [--remote URL]    checkpoints under a core root, a Lightning dirpath or an
                                                   Accelerate checkpoints/ folder
     fastckpt inspect CKPT [--json]                the state tree: keys, dtypes, shapes, bytes
-    fastckpt verify CKPT... [--progress]          every checksum; exit 1 and one line per bad file
+    fastckpt verify CKPT|ROOT... [--progress]     every checksum (of every checkpoint under a ROOT); exit 1 and one
+                                                  line per bad file
     fastckpt export CKPT OUT --to torch|safetensors [--key K] [--max-shard-size 5GB]
     fastckpt import IN ROOT [--step N]            torch.save file, .ckpt, Accelerate or DCP folder -> core
     fastckpt gc ROOT [--keep-last N [--keep-every S]] [--grace-s S] [--dry-run]
@@ -99,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", metavar="CKPT")
     p.add_argument("--json", action="store_true", help="print JSON")
     p = _command(sub, "verify", "verifying:run", "check every checksum; exit 1 if any checkpoint is bad")
-    p.add_argument("paths", metavar="CKPT", nargs="+")
+    p.add_argument("paths", metavar="CKPT", nargs="+", help="a checkpoint, or a folder of them (a core root, a "
+                   "Lightning dirpath, an Accelerate project): each checkpoint under it")
     _progress(p)
     p = _command(sub, "export", "convert:run_export", "write a checkpoint as a torch file or safetensors")
     p.add_argument("ckpt", metavar="CKPT")

@@ -178,8 +178,10 @@ def recorded_step(src: str, kind: str, state: Any, opts: CliOptions) -> int:
     found = state.get("global_step") if isinstance(state, dict) else None
     if type(found) is int and found >= 0:
         return found
-    if kind in ("core", "accelerate"):
-        from ..format.layout import MANIFEST, parse_manifest
+    if kind == "accelerate" and (found := accelerate_step(locate(src, opts.storage_options))) is not None:
+        return found  # the optimizer's step count, as `list` shows it
+    if kind == "core":
+        from ..format.manifest import MANIFEST, parse_manifest
 
         loc = locate(src, opts.storage_options)
         mpath = loc.storage.join(loc.path, MANIFEST)
@@ -187,9 +189,8 @@ def recorded_step(src: str, kind: str, state: Any, opts: CliOptions) -> int:
             doc = parse_manifest(loc.storage.read_bytes(mpath), mpath)
             meta = (doc.get("user") or {}).get("fastckpt_accelerate")
             return meta["step"] if isinstance(meta, dict) and type(meta.get("step")) is int else doc["step"]
-        if kind == "accelerate" and (found := accelerate_step(loc)) is not None:
-            return found
-    raise ConfigError(f"{src} records no training step (no integer 'global_step' in it, no manifest step); "
+    raise ConfigError(f"{src} records no training step (no integer 'global_step' in it, no manifest step, no "
+                      "optimizer step count); "
                       "pass the step to import it at with --step N")
 
 

@@ -21,13 +21,14 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from ..errors import CheckpointNotFoundError, FastCkptError, IntegrityError
-from ..format.layout import MANIFEST, checkpoint_dir
+from ..format.manifest import MANIFEST, checkpoint_dir
 from ..format.paths import confine, plain_name
+from ..format.picklepeek import TensorStub, peek, scalar_value
 from .. import LocalStorage, Storage, open_storage
 
 __all__ = ["Located", "locate", "children", "kind_of", "read_skeleton", "pointer_parts", "pointer_step",
            "has_zip_end", "is_zip_start", "is_torch_name", "ACCELERATE_FILE", "accelerate_files", "accelerate_step",
-           "checkpoint_bytes"]
+           "checkpoint_bytes", "FileView"]
 
 # The files stock Accelerate's save_state writes (model_1.safetensors, optimizer_1.bin... for more objects).
 ACCELERATE_FILE = re.compile(r"(model|pytorch_model|optimizer|scheduler|sampler|dl_state_dict|scaler|"
@@ -36,7 +37,6 @@ _TORCH_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin")
 _POINTER_FORMAT = "fastckpt-lightning-pointer"  # fastckpt_lightning/pointer.py: FORMAT
 _MAX_POINTER_BYTES = 64 * 1024
 _ZIP_END = b"PK\x05\x06"  # the end-of-central-directory signature: the last record torch writes
-_MAX_RNG_FILE = 16 << 20  # random_states_0.pkl holds a few RNG states (KBs): a larger one is not Accelerate's
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,32 +204,41 @@ def read_skeleton(loc: Located) -> Any:
 
 
 def accelerate_step(loc: Located) -> int | None:
-    """The training step (``Accelerator.step``) stock ``save_state`` recorded in ``random_states_0.pkl`` of the
-    folder ``loc``; None when the file is absent, too large to be Accelerate's, or holds no integer ``step``.
+    """The training step of the Accelerate folder ``loc``: how many steps its optimizer took, as ``optimizer.bin``
+    records it (the ``step`` count Adam, AdamW, RMSprop, Adagrad... keep with each parameter's state). None when the
+    optimizer keeps no count (SGD) or the file is absent or unreadable: the step is then unknown, never guessed.
 
-    The file is read with ``weights_only=True`` plus exactly what numpy's RNG state needs (arrays and their
-    dtypes, the globals torch's own ``weights_only`` documentation allowlists for numpy): nothing else unpickles.
+    Not ``Accelerator.step``, which stock saves in ``random_states_0.pkl``: that counts micro-batches for gradient
+    accumulation, restarts at 0 at the end of each epoch's dataloader and stays 0 without ``accumulate()``. Read
+    without torch (``format.picklepeek``): the pickle, then the few bytes of one tensor record.
     """
-    import pickle
-
-    import numpy as np
-    import torch
-
+    file = Located(loc.storage, loc.storage.join(loc.path, "optimizer.bin"))
     try:
-        from numpy._core.multiarray import _reconstruct  # numpy 2
-    except ImportError:  # numpy 1
-        from numpy.core.multiarray import _reconstruct  # type: ignore[no-redef]
-    path = loc.storage.join(loc.path, "random_states_0.pkl")
-    try:
-        if loc.storage.size(path) > _MAX_RNG_FILE:
-            return None
-        data = loc.storage.read_bytes(path)
-        with torch.serialization.safe_globals([_reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]):
-            state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except (FastCkptError, OSError, pickle.UnpicklingError, RuntimeError, ValueError, EOFError):
-        return None  # absent, unreadable or refused: the folder's step is then unknown, never guessed
-    step = state.get("step") if isinstance(state, dict) else None
-    return step if type(step) is int and step >= 0 else None
+        view = FileView(file)
+        tree = peek(view, file.path).tree
+        state = tree.get("state") if isinstance(tree, dict) else None
+        for param in (state.values() if isinstance(state, dict) else ()):
+            step = param.get("step") if isinstance(param, dict) else None
+            value = scalar_value(view, step) if isinstance(step, TensorStub) else step
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < 1 << 62:
+                return int(value)
+    except (FastCkptError, OSError):
+        return None
+    return None
+
+
+class FileView:
+    """``format.picklepeek.View`` over one file of a ``Storage``: its size, and reads of exact byte ranges."""
+
+    def __init__(self, loc: Located) -> None:
+        self._loc = loc
+        self.size = loc.storage.size(loc.path)
+
+    def read(self, offset: int, n: int) -> bytes:
+        if offset < 0 or n < 0 or offset + n > self.size:
+            raise IntegrityError(f"{self._loc.path}: a read of {n} bytes at offset {offset} runs past its "
+                                 f"{self.size} bytes (truncated or malformed)")
+        return _read_range(self._loc, offset, n)
 
 
 def checkpoint_bytes(path: str, options: dict[str, Any]) -> int:

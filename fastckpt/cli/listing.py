@@ -1,8 +1,9 @@
 """``fastckpt list ROOT``: one row per checkpoint under a core root, a Lightning dirpath or an
 Accelerate ``checkpoints/`` folder.
 
-Rows are read cheaply: core manifests, Lightning file names (``step=N``) or, failing that, the
-torch file's pickle only (``layout.read_skeleton``), Accelerate folder names. Status says what a
+Rows are read cheaply, without importing torch: core manifests, Lightning file names (``step=N``) or, failing
+that, the torch file's pickle only (``format.picklepeek``; torch's own safe loader only for a pickle naming other
+classes), Accelerate folder names and their optimizer's step count (``layout.accelerate_step``). Status says what a
 user must know before resuming: ``committed``, ``pending upload`` (committed here, not yet on the
 remote tier), ``torn`` (a truncated zip file), ``foreign`` (a torch-named file that is no checkpoint
 ``torch.load(weights_only=True)`` reads: a whole pickled module, an unrelated ``.bin``) or
@@ -23,13 +24,14 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..errors import FastCkptError, IntegrityError
-from ..format.health import file_health, verdict
-from ..format.layout import MANIFEST, parse_manifest
+from ..format.healthrecord import file_health, verdict
+from ..format.manifest import MANIFEST, parse_manifest
 from ..tiers.catalog import Catalog
 from ..tiers.gc import is_save_folder
 from .. import LocalStorage
-from .layout import (ACCELERATE_FILE, Located, accelerate_step, children, has_zip_end, is_torch_name, is_zip_start,
-                     locate, pointer_parts, pointer_step, read_skeleton)
+from ..format.picklepeek import peek
+from .layout import (ACCELERATE_FILE, FileView, Located, accelerate_step, children, has_zip_end, is_torch_name,
+                     is_zip_start, locate, pointer_parts, pointer_step, read_skeleton)
 from .options import CliOptions, is_remote, print_json
 from .text import clean, human_size, table
 
@@ -226,7 +228,7 @@ def _lightning_row(loc: Located, where: str) -> Row:
         return row
     if row.step is None or row.epoch is None or not has_zip_end(loc):
         try:
-            skeleton = read_skeleton(loc)  # the pickle only: no tensor bytes are read
+            skeleton = _skeleton(loc)  # the pickle only: no tensor bytes are read
         except FastCkptError:
             row.status = "foreign"  # torch's safe loader refuses it: not a checkpoint to resume, nor fastckpt's
             return row
@@ -236,15 +238,28 @@ def _lightning_row(loc: Located, where: str) -> Row:
     return row
 
 
+def _skeleton(loc: Located) -> Any:
+    """A torch file's object tree, read without torch where its pickle names only what torch's safe loader allows by
+    default; otherwise torch's own ``weights_only`` loader decides (and refuses a foreign file)."""
+    try:
+        peeked = peek(FileView(loc), loc.path)
+    except FastCkptError:
+        peeked = None  # an old raw-pickle file, or damage: torch's reader says which
+    return peeked.tree if peeked is not None and peeked.plain else read_skeleton(loc)
+
+
 def _accelerate_row(loc: Located, where: str) -> Row:
     files = (children(loc) or []) if _entry_kind(loc) == "dir" else []
-    if MANIFEST in files:  # written by fastckpt_accelerate: its manifest records the training step
+    stock = any(ACCELERATE_FILE.fullmatch(f) for f in files)
+    if MANIFEST in files:  # written by fastckpt_accelerate
         row = _core_row(loc, where)
         assert row is not None
         row.layout = "accelerate"
-        return row
+        if stock and row.status != "torn":  # its native folders: the optimizer's count, as for stock's
+            row.step = accelerate_step(loc)
+        return row  # its older core layout: the manifest's step
     size = sum(_file_size(loc, f) for f in files)
-    status = "committed" if any(ACCELERATE_FILE.fullmatch(f) for f in files) else "uncommitted"
+    status = "committed" if stock else "uncommitted"
     step = accelerate_step(loc) if status == "committed" else None
     row = Row(loc.name, step, None, _mtime(loc, files), size, where, status, loc.path, "accelerate")
     if status == "committed":  # stock save_state writes the model first and the RNG states last: both, or damaged

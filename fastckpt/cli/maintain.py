@@ -13,7 +13,7 @@ import os
 import sys
 from typing import Any, Callable
 
-from ..format.health import delete_with_record
+from ..format.healthrecord import delete_with_record
 from ..errors import CheckpointNotFoundError, FastCkptError
 from .options import CliOptions, checkpoint_config
 from .text import clean

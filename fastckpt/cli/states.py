@@ -49,7 +49,7 @@ def _core_state(path: str, options: dict[str, Any], count: Count | None) -> Any:
     """``load_checkpoint(path)``; counted through a ``CountingStorage`` only while someone watches (the wrapper
     hides ``LocalStorage``'s mapped reads from the reader)."""
     from .. import CheckpointReader, load_checkpoint, open_storage
-    from ..format.layout import checkpoint_dir
+    from ..format.manifest import checkpoint_dir
 
     if count is None:
         return load_checkpoint(path, storage_options=options)
@@ -111,8 +111,8 @@ def _dcp_state(loc: Located) -> dict[str, Any]:
     return state
 
 
-def leaves(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    """(dotted key, leaf) of a nested dict/list/tuple, in order."""
+def leaves(obj: Any, prefix: str = "", sep: str = ".") -> Iterator[tuple[str, Any]]:
+    """(key path joined by ``sep``, leaf) of a nested dict/list/tuple, in order."""
     if isinstance(obj, dict):
         items: Any = ((str(k), v) for k, v in obj.items())
     elif isinstance(obj, (list, tuple)):
@@ -123,7 +123,7 @@ def leaves(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
     empty = True
     for k, v in items:
         empty = False
-        yield from leaves(v, f"{prefix}.{k}" if prefix else k)
+        yield from leaves(v, f"{prefix}{sep}{k}" if prefix else k, sep)
     if empty and prefix:
         yield prefix, obj
 

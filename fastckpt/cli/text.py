@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Sequence
 
-__all__ = ["clean", "human_size", "table"]
+__all__ = ["clean", "human_size", "shorten_key", "table"]
 
 # C0 controls (tab and newline included: one cell, one message line), DEL and the C1 controls (0x9b is a
 # one-byte CSI on some terminals).
@@ -31,6 +31,42 @@ def human_size(n: int | float) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1000
     return f"{value:.1f} TB"  # unreachable: the loop returns at TB
+
+
+_BRACED = re.compile(r"\{[^{}]*\}")
+
+
+def shorten_key(key: str, width: int) -> str:
+    """A dotted (or slashed) key path cut to ``width`` characters for a table: first any ``{...}`` part collapsed
+    (Lightning names a callback's state ``ModelCheckpoint{'monitor': None, 'mode': 'min', ...}``), then whole
+    middle segments dropped for ``...`` (the first and the last stay: where the key is and what the value is),
+    and only as a last resort its characters."""
+    if len(key) <= width:
+        return key
+    key = _BRACED.sub("{...}", key)
+    if len(key) <= width:
+        return key
+    # each segment keeps its separator; the dots of a collapsed "{...}" separate nothing
+    parts = [p.replace("\0", "{...}") for p in re.split(r"(?<=[./])", key.replace("{...}", "\0"))]
+    head, tail = parts[:1], parts[-1:]
+    rest = parts[1:-1]
+    while rest:  # add segments from both ends, the end first (the leaf names the value), while they fit
+        for side in ("tail", "head"):
+            if not rest:
+                break
+            piece = rest[-1] if side == "tail" else rest[0]
+            if len("".join(head)) + 3 + len("".join(tail)) + len(piece) > width:
+                rest = []
+                break
+            if side == "tail":
+                tail.insert(0, rest.pop())
+            else:
+                head.append(rest.pop(0))
+    out = "".join(head) + "..." + "".join(tail)
+    if len(out) > width:  # the first and last segments alone are too long
+        keep = max(1, width - 3)
+        out = key[: keep - keep // 2] + "..." + key[len(key) - keep // 2:]
+    return out
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[object]], right: Sequence[int] = ()) -> list[str]:

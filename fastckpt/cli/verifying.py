@@ -3,6 +3,10 @@
 Core folders: ``fastckpt.read.verify`` (each file's size and CRC32C, each tensor's CRC32C, the tree).
 Torch files (Lightning ``.ckpt``): each zip record's CRC-32 (``fastckpt.format.torchfile``). fastckpt 0.1
 pointers: each core folder they name. Accelerate folders: ``verify_accelerate_folder``.
+
+A folder that is no checkpoint but holds some (a core root, a Lightning dirpath, an Accelerate project or its
+``checkpoints/``) stands for every checkpoint ``fastckpt list`` shows under it: each is verified and reported on
+its own line. Saves that never committed (``list``'s ``uncommitted``: gc's to remove) are named and skipped.
 """
 from __future__ import annotations
 
@@ -10,17 +14,19 @@ import argparse
 import json
 import struct
 import sys
+from dataclasses import replace
 from typing import Any, Callable
 
-from ..errors import FastCkptError
-from ..format.layout import MANIFEST
+from ..errors import CheckpointNotFoundError, FastCkptError, IntegrityError
+from ..format.manifest import MANIFEST
+from ..tiers.gc import is_save_folder
 from .. import LocalStorage
 from .layout import Located, checkpoint_bytes, children, kind_of, locate, pointer_parts
 from .options import CliOptions
 from .progress import ByteProgress, CountingStorage, wanted
 from .text import clean
 
-__all__ = ["verify_path", "verify_accelerate_folder", "run"]
+__all__ = ["verify_path", "verify_accelerate_folder", "checkpoints_under", "run"]
 
 Count = Callable[[int], None]
 
@@ -109,10 +115,45 @@ def _safetensors_header(loc: Located, count: Count | None = None) -> list[str]:
     return []
 
 
+def checkpoints_under(path: str, opts: CliOptions) -> list[str] | None:
+    """The checkpoints ``path`` stands for: None when it is one (or names nothing: ``verify_path`` says so); else
+    every committed (or damaged, torn...) checkpoint ``fastckpt list`` shows under it, oldest first. Raises
+    ``IntegrityError`` (the reason it is no checkpoint) when it holds none either."""
+    try:
+        loc = locate(path, opts.storage_options)
+        kind_of(loc)
+        return None
+    except IntegrityError as e:
+        if isinstance(e, CheckpointNotFoundError):
+            return None
+        names = children(loc)
+        if names is None or is_save_folder(names):  # a file, or a checkpoint that lost its manifest: its own error
+            return None
+    except FastCkptError:
+        return None
+    from .listing import list_root
+
+    rows = list_root(path, replace(opts, remote_url=None))  # the tier named on the line, not the config's remote
+    for row in rows:
+        if row.status == "uncommitted":
+            print(clean(f"fastckpt: note: skipped {row.path}: a save that never committed (`fastckpt gc` removes "
+                        "it)"), file=sys.stderr)
+    paths = [row.path for row in rows if row.status != "uncommitted"]
+    if not paths:
+        raise IntegrityError(f"{loc.path}: no checkpoint, and none under it (it is no core root, Lightning dirpath "
+                             "or Accelerate project holding one): nothing to verify; pass a checkpoint or a folder "
+                             "of them")
+    return paths
+
+
 def run(args: argparse.Namespace, opts: CliOptions) -> int:
     bad = 0
     show = wanted(args.progress)
+    paths = []
     for path in args.paths:
+        under = checkpoints_under(path, opts)
+        paths += [path] if under is None else under
+    for path in paths:
         total = _total(path, opts) if show else 0
         with ByteProgress(f"verifying {path}", total, show) as bar:
             problems = verify_path(path, opts, bar.add if show else None)

@@ -119,10 +119,7 @@ class Saver:
         if self._retaking is None:  # a retake runs inside a seal: the other errors wait for the caller
             self.seal_all(block=False)  # the staged ones: waiting here for a copy would cost the overlap
             self.raise_pending()
-        try:
-            flat = flatten(state)
-        except TypeError as e:
-            raise StateMismatchError(f"cannot checkpoint this state: {e}") from e
+        flat = flatten(state)  # StateMismatchError names what it cannot walk
         objects = dumps_objects(flat.objects, self.config.allowed_classes, flat.object_keys) if flat.objects else None
         if self._coord is None:
             for rec in flat.dtensors:
@@ -139,18 +136,16 @@ class Saver:
         dirpath = self.storage.join(self.storage.url, name)
         if self.config.staging.mode == "lazy" and flat.tensors and self._retaking is None and not any(
                 i in lazy_ptrs for i in flat.identities()) and not all(i in eager_ptrs for i in flat.identities()):
-            warn_all_eager(name, flat.tensors)  # the whole copy happens inside this call: say so, with the fix
-            # (not when save(eager=...) asked for it: the preemption's final save, eager="*", chose it)
+            # the whole copy happens inside this call: say so, with the fix; not when save(eager=...) chose it (the
+            # preemption's final save, eager="*")
+            warn_all_eager(name, flat.tensors)
         return self._submit(flat, step, name, dirpath, t0, lazy_ptrs, watched, objects=objects,
                             dtensors=[rec.as_json() for rec in flat.dtensors],
                             retake=lambda: self.save(state, step, name=name, eager=eager, lazy=lazy))
 
     def plan_of(self, state: Any, *, eager: Any = (), lazy: Any = ()) -> tuple[Any, list[int]]:
         """``Checkpointer.prewarm``: the plan ``save(state, eager=, lazy=)`` would use and the CUDA devices."""
-        try:
-            flat = flatten(state)
-        except TypeError as e:
-            raise StateMismatchError(f"cannot checkpoint this state: {e}") from e
+        flat = flatten(state)  # StateMismatchError names what it cannot walk
         lazy_ptrs, _ = self._lazy_ptrs(named_addresses(flat, lazy, "lazy"), named_addresses(flat, eager, "eager"))
         return self._planner.plan(flat, lazy_ptrs, None), cuda_devices(flat.tensors)
 

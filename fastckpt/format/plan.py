@@ -207,8 +207,9 @@ def flatten(state: Any) -> FlatState:
         for chunk, where in zip(layout.chunks, layout.labels):
             if chunk.owner == me:
                 if tuple(local.shape) != chunk.shape:
-                    raise TypeError(f"DTensor {key!r}: the local tensor is {list(local.shape)}, but its placements "
-                                    f"give this rank a block of {list(chunk.shape)}")
+                    raise StateMismatchError(f"cannot checkpoint this state: DTensor {key!r}: the local tensor is "
+                                             f"{list(local.shape)}, but its placements give this rank a block of "
+                                             f"{list(chunk.shape)}")
                 block = local
             else:  # another rank writes it: shape and dtype only
                 block = metas.get((chunk.shape, t.dtype))

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Awaitable, Callable, TypeVar
 
 from ..config import NetworkOptions
-from ..errors import CheckpointTimeoutError, StorageError
+from ..errors import CheckpointTimeoutError, MissingCredentialsError, StorageError
 
 __all__ = ["Deadline", "is_transient", "in_thread", "storage_error", "describe"]
 
@@ -146,6 +146,8 @@ def describe(e: BaseException) -> str:
 
 def storage_error(op: str, path: str, e: BaseException, deadline: Deadline | None = None) -> StorageError:
     """The ``StorageError`` for ``op`` on ``path`` failing with ``e``; past a deadline, a ``CheckpointTimeoutError``."""
+    if MissingCredentialsError.caused(e):  # the client's "Unable to locate credentials" says nothing of what to set
+        return MissingCredentialsError(f"{op} {path!r} failed: {MissingCredentialsError.fix()}")
     if deadline is not None and isinstance(e, TimeoutError):
         err: StorageError = CheckpointTimeoutError(
             f"{op} {path!r} failed: no answer within the {deadline.timeout_s:g}s deadline of network.timeout_s "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -22,7 +23,7 @@ from .s3parts import S3Parts, marker_path
 from .partplan import Part
 from .s3copy import CopyOutcome, s3_planned_upload
 from .tempmark import mark_bytes, mark_name, temp_basename
-from ..errors import StorageError
+from ..errors import MissingCredentialsError, StorageError
 
 __all__ = ["FsspecStorage"]
 
@@ -328,16 +329,26 @@ def _with_socket_timeouts(protocol: str, options: dict[str, Any], deadline: Dead
 
 
 def _endpoint(fs: Any) -> str:
-    return str((getattr(fs, "client_kwargs", None) or {}).get("endpoint_url") or "the default AWS endpoint")
+    """The endpoint the client talks to: the one it resolved (``endpoint_url``, ``client_kwargs``, or botocore's
+    ``AWS_ENDPOINT_URL``/``AWS_ENDPOINT_URL_S3`` and config file), else what the options and environment name."""
+    try:  # s3fs's botocore client (built by the failed request already): it knows where it went
+        resolved = fs.s3.meta.endpoint_url
+    except Exception:  # noqa: BLE001 - another backend, or no client: fall back to what was named
+        resolved = None
+    named = (getattr(fs, "endpoint_url", None) or (getattr(fs, "client_kwargs", None) or {}).get("endpoint_url")
+             or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"))
+    found = resolved or named
+    if not found:
+        return "the default AWS endpoint"
+    return str(found) if named else f"{found} (AWS)"
 
 
 def _probe_error(what: str, url: str, bucket: str, endpoint: str, e: BaseException, deadline: Deadline) -> StorageError:
     """The one actionable error for a storage that cannot hold checkpoints."""
-    names = {c.__name__ for c in type(e).__mro__}
-    if names & {"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError"}:
-        why = ("no S3 credentials were found: set key and secret in the storage options of " + what +
-               " (storage_options / remote.storage_options), or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY")
-    elif isinstance(e, FileNotFoundError):
+    if MissingCredentialsError.caused(e):
+        return MissingCredentialsError(f"{what} {url!r} cannot hold checkpoints: " + MissingCredentialsError.fix(
+            f"the storage options of {what} (storage_options / remote.storage_options)"))
+    if isinstance(e, FileNotFoundError):
         why = f"bucket {bucket!r} does not exist at {endpoint}: fix the bucket name in {what}, or create the bucket"
     elif isinstance(e, PermissionError):
         why = f"access to bucket {bucket!r} at {endpoint} was denied: check the credentials and the bucket policy"

@@ -13,9 +13,9 @@ from typing import Protocol, Sequence, TypeVar
 
 from ..config import RetentionOptions
 from ..errors import CheckpointNotFoundError, FastCkptError, IntegrityError, StorageError
-from ..format.health import healthy_of
-from ..format.layout import MANIFEST, parse_manifest
-from ..format.layout import CheckpointInfo
+from ..format.healthrecord import healthy_of
+from ..format.manifest import MANIFEST, parse_manifest
+from ..format.manifest import CheckpointInfo
 from ..format.paths import confine
 from ..storage.deadline import storage_error
 from ..storage.local import LocalStorage

@@ -36,7 +36,7 @@ import time
 from typing import Any, Callable
 
 from ..errors import FastCkptError, StorageError
-from ..format.layout import MANIFEST
+from ..format.manifest import MANIFEST
 from ..format.paths import is_plain_name
 from ..storage.local import LocalStorage
 from ..storage.protocol import Storage
