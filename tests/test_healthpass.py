@@ -217,24 +217,14 @@ def test_io_worker_reads_each_tensor_once_for_crc_and_health(tmp_path: Path, mon
     checkpoint verifies on load and restores bit for bit."""
     passpaths.use(monkeypatch, "blocked")
     passes: Counter = Counter()
-    crc_bytes: Counter = Counter()
-    real_pass, real_crc, real_writer_crc = healthpass.tensor_pass, healthpass.crc32c, openlayout.crc32c
+    real_pass = healthpass.tensor_pass
 
     def counted_pass(raw: torch.Tensor, dtype: torch.dtype, crc: bool = False) -> Any:
         passes[(raw.numel(), crc, threading.current_thread().name.split("_")[0])] += 1
         return real_pass(raw, dtype, crc)
 
-    def pass_crc(data: Any, value: int = 0) -> int:
-        crc_bytes["pass"] += len(data)
-        return real_crc(data, value)
-
-    def writer_crc(data: Any, value: int = 0) -> int:
-        crc_bytes["writer"] += len(data)
-        return real_writer_crc(data, value)
-
     monkeypatch.setattr(healthpass, "tensor_pass", counted_pass)
-    monkeypatch.setattr(healthpass, "crc32c", pass_crc)
-    monkeypatch.setattr(openlayout, "crc32c", writer_crc)
+    crc_bytes = _crc_bytes(monkeypatch, healthpass)
     state, want = _seam_state()
     ck = Checkpointer(CheckpointConfig(root=str(tmp_path), persist={"chunk_bytes": 1 << 16}))
     try:
@@ -247,6 +237,21 @@ def test_io_worker_reads_each_tensor_once_for_crc_and_health(tmp_path: Path, mon
         assert_bit_equal(want, ck.load(1))  # persist.verify_on_load: the files' CRCs come from the pass
     finally:
         ck.close()
+
+
+def _crc_bytes(monkeypatch: pytest.MonkeyPatch, pass_module: Any) -> Counter:
+    """The bytes CRC32C'd by the pass (``pass_module``'s crc32c) and by the open layout's writer, counted."""
+    counted: Counter = Counter()
+
+    def counting(real: Any, who: str) -> Any:
+        def crc(data: Any, value: int = 0) -> int:
+            counted[who] += len(data)
+            return real(data, value)
+        return crc
+
+    monkeypatch.setattr(pass_module, "crc32c", counting(pass_module.crc32c, "pass"))
+    monkeypatch.setattr(openlayout, "crc32c", counting(openlayout.crc32c, "writer"))
+    return counted
 
 
 def _seam_state() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -263,25 +268,15 @@ def test_io_worker_batched_pass_reads_each_tensor_once(tmp_path: Path, monkeypat
     import fastckpt.format.batchpass as batchpass
     import fastckpt.format.health as health
 
-    crc_bytes: Counter = Counter()
     measured: Counter = Counter()
-    real_crc, real_writer_crc, real_run = health.crc32c, openlayout.crc32c, batchpass.run
-
-    def pass_crc(data: Any, value: int = 0) -> int:
-        crc_bytes["pass"] += len(data)
-        return real_crc(data, value)
-
-    def writer_crc(data: Any, value: int = 0) -> int:
-        crc_bytes["writer"] += len(data)
-        return real_writer_crc(data, value)
+    real_run = batchpass.run
 
     def counted_run(lay: Any, *args: Any, **kwargs: Any) -> Any:
         measured[threading.current_thread().name.split("_")[0]] += len(lay.entries)
         return real_run(lay, *args, **kwargs)
 
-    monkeypatch.setattr(health, "crc32c", pass_crc)
-    monkeypatch.setattr(openlayout, "crc32c", writer_crc)
     monkeypatch.setattr(batchpass, "run", counted_run)
+    crc_bytes = _crc_bytes(monkeypatch, health)
     state, want = _seam_state()
     ck = Checkpointer(CheckpointConfig(root=str(tmp_path), persist={"chunk_bytes": 1 << 16}))
     try:
