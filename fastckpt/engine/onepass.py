@@ -13,8 +13,8 @@ training thread waits at each hand-over: ``python -m benchmarks.gilcalls``); onc
 rest is copied in one call a shard (``copy_plain``). Elsewhere (no serial thread) the blocked pass below runs.
 
 Both calls of the blocked pass release the GIL (``ctypes.memmove``; ``crc32c`` on buffers over 32 KiB), so the
-training thread is not held behind them. Only plain CPU sources take this path: a CUDA source lands by DMA, later, and its CRC is taken
-once it has (the writer or the shared-memory check); any other layout goes through ``copy_entries``.
+training thread is not held behind them. Only CPU sources take the one pass (plain ones on the blocked pass): a CUDA
+source lands by DMA, later, and its CRC is taken once it has (the writer or the shared-memory check); any other layout goes through ``copy_entries``.
 
 The CRC is of the destination, never of the source: a source written during its copy (caught later by the
 mutation guard and the seal) must not leave a file whose recorded CRC differs from its bytes.
@@ -48,8 +48,8 @@ from ..format.plan import Shard, TensorEntry
 from .serialops import is_serial
 from .staging import copy_entries
 
-__all__ = ["CHUNK", "batch_filler", "batch_layout", "copy_batched", "copy_in_one_pass", "copy_plain", "stage_batched", "copy_with_crcs", "copy_with_health",
-           "one_pass_sources", "plain_sources"]
+__all__ = ["CHUNK", "batch_filler", "batch_layout", "copy_batched", "copy_in_one_pass", "copy_plain", "copy_with_crcs",
+           "copy_with_health", "one_pass_sources", "plain_sources", "stage_batched"]
 
 # Small enough to stay in a core's L2 (4 MiB here) between the copy and the checksum, large enough that the two
 # calls per chunk cost nothing next to the bytes.
@@ -166,7 +166,10 @@ def batch_filler(lay: Layout, tensors: list[torch.Tensor | None]) -> Callable[[S
             if p.whole:
                 dsts.append(dst)
                 srcs.append(src)
-            elif plain.setdefault(p.pos, _plain(src)) if p.pos not in plain else plain[p.pos]:
+                continue
+            if p.pos not in plain:
+                plain[p.pos] = _plain(src)
+            if plain[p.pos]:
                 ctypes.memmove(base + e.offset + p.at, src.data_ptr() + p.at, p.n)
             elif p.at == 0:
                 with torch.no_grad():
