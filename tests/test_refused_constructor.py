@@ -109,3 +109,20 @@ def test_accelerate_enable_off_the_main_thread_is_refused_before_any_thread_star
     assert isinstance(err, ConfigError) and "main thread" in str(err)
     assert _threads() == before and get_checkpointing(accelerator) is None
     _usable(tmp_path / "r")
+
+
+def test_a_failure_while_the_saver_wires_its_started_pipeline_stops_its_threads(tmp_path, monkeypatch) -> None:
+    """The Saver starts the pipeline's copy and commit threads, then places them (persist.background_cpus): a
+    failure there (an OS refusing the affinity call it makes) stops them before the constructor raises."""
+    from fastckpt.engine.affinity import ThreadPlacement
+
+    def refuse(self, *args: Any, **kwargs: Any) -> None:
+        raise OSError("injected: sched_setaffinity refused")
+
+    monkeypatch.setattr(ThreadPlacement, "follow", refuse)
+    before = _threads()
+    with pytest.raises(OSError, match="injected"):
+        Checkpointer(CheckpointConfig(root=str(tmp_path / "r")))
+    assert _threads() == before
+    monkeypatch.undo()
+    _usable(tmp_path / "r")

@@ -78,14 +78,17 @@ class Saver:
         resolve(config.persist.background_cpus, 1)  # a CPU this process may not use: ConfigError, no thread started
         self.pipeline = pipeline(storage, arena, config.persist.workers, self.dedup.watching(on_commit),
                                  self._on_failure, coord, priorities=priorities)
-        self.pipeline.on_refused = self._on_refused
-        self.pipeline.crc_in_copy = config.staging.crc_in_copy
-        self.pipeline.pacer = WritePacer(config.persist.chunk_bytes) if config.persist.pace_writes else None
-        self.pipeline.cpu_threads(config.persist.cpu_threads)
-        gate = self.pipeline.gate
-        self.pipeline.placement.follow(config.persist.background_cpus, lambda: gate.limit() if gate.limit else 1)
         self._moved: set[str] = set()  # keys a seal found moved (on_mutation retake): staged eagerly from then on
         self._retaking: SaveHandle | None = None  # set while a refused snapshot is taken again under its handle
+        try:  # the pipeline's threads run now: a failure below stops them, so a refused constructor leaves none
+            self.pipeline.on_refused, self.pipeline.crc_in_copy = self._on_refused, config.staging.crc_in_copy
+            self.pipeline.pacer = WritePacer(config.persist.chunk_bytes) if config.persist.pace_writes else None
+            self.pipeline.cpu_threads(config.persist.cpu_threads)
+            gate = self.pipeline.gate
+            self.pipeline.placement.follow(config.persist.background_cpus, lambda: gate.limit() if gate.limit else 1)
+        except BaseException:
+            self.pipeline.close()  # idle threads: they stop at once on their sentinels
+            raise
 
     # ---- watched optimizers --------------------------------------------------------
 
