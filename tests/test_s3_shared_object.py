@@ -284,3 +284,35 @@ def test_the_sweep_aborts_only_uploads_a_marker_proves_fastckpts(s3_root):
     for path, upload_id in ((f"{url}/theirs.ckpt", foreign), (f"{url}/sub/deeper/deep.ckpt", elsewhere),
                             (f"{url}/live.ckpt", live)):
         assert parts.abort(path, upload_id)
+
+
+def _rank0_commit_raises(rank: int, world: int, url: str, options: dict, out: str) -> None:
+    """Rank 0's own part of the commit (fixing the object's bytes) raises: every rank must fail the save with rank
+    0's verdict, none left waiting in a collective, and the previous object is untouched."""
+    from fastckpt.engine.sharedobject import SharedObjectWrite
+
+    os.environ["TMPDIR"] = tempfile.mkdtemp(prefix=f"node{rank}-")
+    if rank == 0:
+        def broken(self, merged):
+            raise ValueError("injected: rank 0 cannot build the fixed bytes")
+        SharedObjectWrite._fixed = broken  # this process is rank 0's alone
+    model, opt = _replica(rank, layers=1)
+    with Checkpointer(_config(url, options), distributed=True) as ckpt:
+        ckpt.watch(opt)
+        handle = ckpt.save_file(_state(model, opt, rank, 7), NAME, step=7)
+        try:
+            handle.wait()
+        except StorageError as e:
+            Path(out, f"rank{rank}.txt").write_text(str(e))
+        else:
+            Path(out, f"rank{rank}.txt").write_text("committed")
+
+
+def test_rank_0_failing_its_commit_fails_every_rank_without_a_hang(tmp_path, s3_root) -> None:
+    """A rank-0-only step of the protocol raising (a format's digest, a plan) is shared as the verdict at the next
+    collective: every rank raises the same StorageError naming it, no upload is left open, no object appears."""
+    run_ranks(_rank0_commit_raises, 2, s3_root.url, s3_root.storage_options, str(tmp_path))
+    verdicts = [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)]
+    assert all("rank 0 commit" in v and "injected" in v for v in verdicts), verdicts
+    assert not _fs(s3_root.storage_options).exists(f"{s3_root.url}/{NAME}".removeprefix("s3://"))
+    assert _uploads(s3_root.storage_options, s3_root.url) == []

@@ -118,10 +118,13 @@ class SharedObjectWrite(SharedFileWrite):
         if coord.rank == 0:
             if failed is None and ref is None:
                 failed = f"rank 0: {error}"
-            if failed is None:
-                fixed, failed = self._fixed(merged)
-            if failed is None and self.dedup:
-                dedup = self._plan(fixed)
+            try:  # rank 0 alone: whatever it raises must become the shared verdict (step 3), or the others hang
+                if failed is None:
+                    fixed, failed = self._fixed(merged)
+                if failed is None and self.dedup:
+                    dedup = self._plan(fixed)
+            except Exception as e:  # noqa: BLE001 - shared below as every rank's verdict
+                fixed, dedup, failed = None, None, f"rank 0 commit: {type(e).__name__}: {e}"
         fixed, failed, dedup = self._guarded(coord.share, (fixed, failed, dedup))  # 3.
         if fixed:
             self.size = max(off + len(b) for off, b in fixed)  # rank 0's file: its tail ends it
