@@ -64,9 +64,10 @@ def task_restore_cold_save(root: str, n: int = FLAT_TENSORS) -> dict[str, Any]:
 Runner = Callable[[str, str, dict[str, Any]], dict[str, Any]]
 
 
-def run_cold(run: Runner, shape: dict, root: Path, n_flat: int = FLAT_TENSORS) -> dict[str, Any]:
+def run_cold(run: Runner, shape: dict, root: Path, n_flat: int = FLAT_TENSORS, rounds: int = ROUNDS) -> dict[str, Any]:
     """Both cases: ``{"cases": {name: {"state_bytes", "loads": [...], "raw": {...}}}}``; ``root`` holds the
-    workload's saves (torch.pt, fc/) already."""
+    workload's saves (torch.pt, fc/) already. ``rounds``: ``ROUNDS`` in a full run; ``--quick`` runs one (each round
+    is 16 processes per case: a smoke run checks that every loader and reader works, not how close they come)."""
     cases: dict[str, Any] = {}
     flat_root = root / "flat"
     saved = run("restore cold: save the flat state", "restore_cold_save", dict(root=str(flat_root), n=n_flat))
@@ -77,7 +78,7 @@ def run_cold(run: Runner, shape: dict, root: Path, n_flat: int = FLAT_TENSORS) -
         cases[f"{n_flat} x 4 MiB"] = {"error": saved.get("error")}
     for name, where, flat, nbytes in todo:
         loads, raws = [], []
-        for k in range(ROUNDS):
+        for k in range(rounds):
             for item in round_order(k):
                 if item[0] == "load":
                     loads.append(run(f"restore cold ({name}): {item[1]}, round {k + 1}", "restore_load",
@@ -87,7 +88,7 @@ def run_cold(run: Runner, shape: dict, root: Path, n_flat: int = FLAT_TENSORS) -
                                     f"round {k + 1}", "restore_raw_read", dict(root=str(where), kind=item[1],
                                                                               reader=item[2], shape=shape, flat=flat)))
         cases[name] = {"state_bytes": nbytes, "loads": loads, "raw": merge_raw(raws)}
-    return {"cases": cases, "rounds": ROUNDS}
+    return {"cases": cases, "rounds": rounds}
 
 
 def round_order(k: int) -> list[tuple[str, ...]]:

@@ -8,7 +8,7 @@ from typing import Any
 
 from .labels import own_run_label
 from .restore import LOADERS
-from .restore_cold import FLAT_TENSORS, cold_markdown, run_cold
+from .restore_cold import FLAT_TENSORS, ROUNDS, cold_markdown, run_cold
 
 
 def _s3_server(workdir: Path) -> tuple[Any, dict | None, str | None]:
@@ -28,7 +28,7 @@ def _s3_server(workdir: Path) -> tuple[Any, dict | None, str | None]:
 
 
 def run_restore(run: Any, shape: dict, workdir: Path, peer_names: list[str], cold: bool,
-                n_flat: int = FLAT_TENSORS) -> dict[str, Any]:
+                n_flat: int = FLAT_TENSORS, cold_rounds: int = ROUNDS) -> dict[str, Any]:
     root = workdir / "restore"
     shutil.rmtree(root, ignore_errors=True)
     shm_dir = tempfile.mkdtemp(prefix="fastckpt-bench-", dir="/dev/shm")
@@ -53,7 +53,7 @@ def run_restore(run: Any, shape: dict, workdir: Path, peer_names: list[str], col
                           dict(shape=shape, root=str(root), loader=name, cold=temp == "cold", shm_dir=shm_dir, s3=s3))
                 out["loads"].append(res)
         if cold:
-            out["cold"] = run_cold(run, shape, root, n_flat)  # its workload case reads the raw ceiling of these files
+            out["cold"] = run_cold(run, shape, root, n_flat, cold_rounds)  # its workload case reads the raw ceiling of these files
             out["raw_read"] = out["cold"]["cases"]["workload"]["raw"]
         out["memcpy"] = run("restore: memcpy reference (shm)", "restore_memcpy",
                             dict(nbytes=saved["result"]["state_bytes"], shm_dir=shm_dir))

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from . import REPO, frameworks, gpu_report, peers, verdicts
+from . import REPO, frameworks, gpu_report, peers, restore_cold, verdicts
 from . import workload as wl
 
 SECTIONS = ("io", "core", "rss", "lightning", "lightning_load", "accelerate", "busy", "restore", "cli", "dedup")
@@ -43,6 +43,7 @@ class Plan:
     rss_saves: int  # saves in the (e) run
     rss_every: int  # steps between the (e) run's saves
     task_timeout: int  # seconds per subprocess
+    cold_rounds: int  # rounds of the restore section's cold loads (benchmarks/restore_cold.py)
     # Plain loop sized from this machine's step time (a calibration task measures it first): K is the
     # smallest number of steps that lasts ``window_s`` (at most ``every``), and the number of checkpointed
     # windows grows from ``n_ckpt`` up to ``max_n_ckpt`` to fill ``core_budget_s`` of timed windows per peer.
@@ -92,10 +93,10 @@ class Plan:
 # at 3 s windows DCP's flush alone was ~4 s), so the stall measures what a checkpoint costs the loop, not
 # whether the peer keeps up with a very high checkpoint rate. Lightning/Accelerate keep K=6.
 FULL_PLAN = Plan(shape=wl.FULL, warmup=2, every=12, n_ckpt=6, fw_every=6, fw_n_ckpt=8, base_steps=4, io_reps=3,
-                 cold_load=True, rss_saves=20, rss_every=4, task_timeout=600, window_s=8.0, core_budget_s=150.0,
+                 cold_load=True, rss_saves=20, rss_every=4, task_timeout=600, cold_rounds=restore_cold.ROUNDS, window_s=8.0, core_budget_s=150.0,
                  verdict_rounds=1)
 QUICK_PLAN = Plan(shape=wl.QUICK, warmup=1, every=2, n_ckpt=2, fw_every=2, fw_n_ckpt=2, base_steps=4, io_reps=1,
-                  cold_load=True, rss_saves=3, rss_every=2, task_timeout=120, busy_shape=wl.QUICK, busy_every=2,
+                  cold_load=True, rss_saves=3, rss_every=2, task_timeout=120, cold_rounds=1, busy_shape=wl.QUICK, busy_every=2,
                   busy_n_ckpt=1, busy_durable_reps=1, busy_min_runs=1)
 
 
@@ -213,7 +214,8 @@ def run_all(plan: Plan, workdir: Path, isolate: bool, sections: tuple[str, ...],
     if "restore" in sections:
         from .restore_run import run_restore
 
-        results["restore"] = run_restore(run, shape, workdir, peer_names, plan.cold_load, 4 if plan.shape == wl.QUICK else 150)
+        results["restore"] = run_restore(run, shape, workdir, peer_names, plan.cold_load,
+                                         4 if plan.shape == wl.QUICK else 150, plan.cold_rounds)
     fw = dict(shape=shape, root=ck, warmup=plan.warmup, every=plan.fw_every, n_ckpt=plan.fw_n_ckpt)
     if "cli" in sections:
         results["cli"] = _cli_help(5)

@@ -200,7 +200,7 @@ _KILLED_CHILD = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("trial", range(5))
+@pytest.mark.parametrize("trial", range(3))  # kill after the 2nd, 3rd, 4th save (5 trials until issue 55: ~10 s each)
 def test_sigkill_during_a_save_loop_never_leaves_a_folder_that_looks_committed(tmp_path, trial):
     child = tmp_path / "child.py"
     child.write_text(_KILLED_CHILD)

@@ -1,4 +1,8 @@
-"""Smoke test of the benchmark harness: ``python -m benchmarks.run --quick`` end to end (tiny model, <60 s)."""
+"""Smoke test of the benchmark harness: ``python -m benchmarks.run --quick`` end to end (tiny model, one round of
+each measure: ~50 s on 2 quiet cores, ~3 min beside a full test run on them).
+
+The subprocess limits are hang guards only, far above what the busiest machine needs: a smoke test checks that
+the harness works, never how fast (issue 55: a 170 s budget failed the suite on a loaded host)."""
 from __future__ import annotations
 
 import json
@@ -9,18 +13,19 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+HANG_S = 1500  # a hang guard: the run is ~50 s quiet and ~170 s at a load of 8 on 2 cores
 
 pytest.importorskip("matplotlib")
 pytest.importorskip("lightning")
 pytest.importorskip("accelerate")
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(HANG_S + 60)
 def test_quick_benchmark_run_writes_report(tmp_path: Path) -> None:
     out = tmp_path / "BENCHMARKS.md"
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.run", "--quick", "--out", str(out), "--workdir", str(tmp_path / "work")],
-        cwd=REPO, capture_output=True, text=True, timeout=170,
+        cwd=REPO, capture_output=True, text=True, timeout=HANG_S,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
@@ -94,13 +99,13 @@ def test_quick_benchmark_run_writes_report(tmp_path: Path) -> None:
 COMMITTED = [REPO / "BENCHMARKS.md", REPO / "benchmarks" / "results.json", REPO / "benchmarks" / "results.png"]
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(HANG_S + 60)
 def test_quick_run_without_out_leaves_the_committed_report_alone(tmp_path: Path) -> None:
     before = {path: path.read_bytes() for path in COMMITTED}
     try:
         proc = subprocess.run(
             [sys.executable, "-m", "benchmarks.run", "--quick", "--only", "io", "--workdir", str(tmp_path / "work")],
-            cwd=REPO, capture_output=True, text=True, timeout=110,
+            cwd=REPO, capture_output=True, text=True, timeout=HANG_S,
         )
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         changed = [str(path) for path in COMMITTED if path.read_bytes() != before[path]]

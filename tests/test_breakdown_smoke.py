@@ -11,16 +11,17 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+HANG_S = 900  # a hang guard, not a budget: the run takes ~10 s on 2 quiet cores, a few times that on a loaded host
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(HANG_S + 60)
 def test_breakdown_writes_its_section_only(tmp_path: Path) -> None:
     out = tmp_path / "BENCHMARKS.md"
     out.write_text("## Plain training loop\n\nkept as it is\n\n## Methodology\n\nkept too\n")
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.run", "--quick", "--only", "breakdown", "--breakdown-reps", "1",
          "--out", str(out), "--workdir", str(tmp_path / "work")],
-        cwd=REPO, capture_output=True, text=True, timeout=170, env=dict(os.environ, PYTHONPATH=str(REPO)),
+        cwd=REPO, capture_output=True, text=True, timeout=HANG_S, env=dict(os.environ, PYTHONPATH=str(REPO)),
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     md = out.read_text()

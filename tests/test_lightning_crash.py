@@ -19,7 +19,7 @@ from fastckpt.format.torchfile import verify_torch_file
 from lightning_crash_child import state_crc
 
 HERE = Path(__file__).resolve().parent
-TRIALS = 8
+TRIALS = 5  # each kill falls at a random point: an in-place writer failed every one of 8 trials (was 8 until issue 55)
 
 
 def _run_and_kill(dirpath: Path, kill_at_line: int) -> list[list[str]]:

@@ -37,7 +37,8 @@ def _fit(root: Path, url: str, endpoint: str, devices: int = 2, phase: str = "tr
     assert (code == 0) == (phase == "train"), f"training exited {code}:\n{report}"
 
 
-@pytest.mark.parametrize("devices", [2, 4])
+# 4 ranks only: a 2-rank case (until issue 55) ran the same code with two parts instead of four (no middle part).
+@pytest.mark.parametrize("devices", [4])
 def test_ddp_ranks_upload_their_parts_of_each_ckpt_on_s3(tmp_path, s3_root, devices) -> None:
     import fsspec
 

@@ -102,7 +102,8 @@ def _plain_load(data: bytes, tmp: Path) -> None:
 
 
 
-@pytest.mark.parametrize("world", [2, 4])
+# 4 ranks only: a 2-rank case (until issue 55) ran the same code with two uploaders instead of four (no middle one).
+@pytest.mark.parametrize("world", [4])
 def test_every_rank_uploads_its_parts_of_one_object(tmp_path, s3_root, world):
     run_ranks(_share, world, s3_root.url, s3_root.storage_options, str(tmp_path))
     fs = _fs(s3_root.storage_options)
