@@ -14,8 +14,9 @@ elsewhere.
 from __future__ import annotations
 
 import logging
-import warnings
 import os
+import sys
+import warnings
 from collections.abc import Mapping
 from typing import Any, Union
 
@@ -83,7 +84,7 @@ def _resolve(raw: dict[str, Any], accelerator: Accelerator) -> CheckpointConfig:
             "directly, the shared-memory tier does not hold them; set staging.shm: false in this config to "
             "silence this warning.",
             UserWarning,
-            stacklevel=3,
+            stacklevel=_user_stacklevel(),
         )
         raw["staging"] = {**staging, "shm": False}
     return CheckpointConfig.from_dict(raw)
@@ -105,8 +106,18 @@ def _warn_if_elsewhere(root: str, project: ProjectConfiguration) -> None:
         "as stock Accelerate would. Leave root out of the fastckpt config to keep them under project_dir, or leave "
         "project_dir out.",
         UserWarning,
-        stacklevel=4,
+        stacklevel=_user_stacklevel(),
     )
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning at the user's line (the ``enable(...)`` call), however many of this
+    package's frames lie between: a fixed number broke once already when a wrapper was added."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == here:
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _default_root(project_dir: str | None) -> str:

@@ -68,3 +68,12 @@ def test_nothing_is_said_where_only_one_place_is_named(tmp_path, closing, monkey
             closing.append(fastckpt_accelerate.enable(accelerator, config))
         warned = [w for w in caught if "fastckpt" in str(w.message)]
     assert warned == [], [str(w.message) for w in warned]
+
+
+def test_the_shm_warning_points_at_the_enable_call_too(tmp_path, closing, monkeypatch):
+    """The other warning config.py gives (``staging.shm: true`` ignored) names the user's line, not a frame of
+    fastckpt_accelerate: its fixed ``stacklevel`` was off by one once a wrapper was added."""
+    monkeypatch.chdir(tmp_path)
+    _, warned = _save_once(None, {"root": str(tmp_path / "c"), "staging": {"shm": True}}, closing, automatic=False)
+    shm = [w for w in warned if "staging.shm" in str(w.message)]
+    assert len(shm) == 1 and shm[0].filename == __file__, [(str(w.message), w.filename) for w in warned]

@@ -27,7 +27,8 @@ import torch
 from ..errors import IntegrityError
 from ..storage.xattr import attrs_for
 from .checksum import crc32
-from .health import HEALTH_ATTR, attr_bytes, sidecar_bytes, sidecar_path, storage_dtype, uses_sidecar
+from .health import (HEALTH_ATTR, attr_bytes, content_tie, sidecar_bytes, sidecar_path, storage_dtype,
+                     uses_sidecar)
 from .layout import CheckpointInfo, FileRecord
 from .torchrecords import hash_staged, write_with_records
 # the reading side lives in zipdir; its public checks are re-exported here, where integrations have always found them
@@ -222,7 +223,7 @@ class TorchFileFormat:
         views, crcs = staged()
         health = snap.health_doc
         if health is not None and not uses_sidecar(storage):
-            record = attr_bytes(health, snap.step, self.layout.size, self.directory_digest(crcs))
+            record = attr_bytes(health, snap.step, self.layout.size, content_tie(self, crcs))
             size = self._write_with_attr(storage, views, crcs, record)
         elif uses_sidecar(storage):  # an object store: no attributes, hidden sidecars beside the file
             sidecar = sidecar_path(self.path)
@@ -231,7 +232,7 @@ class TorchFileFormat:
             # the ranges the folder's newest file holds are copied server-side; then the records sidecar
             size = write_with_records(storage, self, views, crcs, results, getattr(snap, "dedup", None))
             if health is not None:
-                storage.write_atomic(sidecar, sidecar_bytes(health, snap.step, size, self.directory_digest(crcs)))
+                storage.write_atomic(sidecar, sidecar_bytes(health, snap.step, size, content_tie(self, crcs)))
         else:
             size = self.write(storage, views, crcs)
         return CheckpointInfo(snap.name, snap.step, self.path, size, healthy=None if health is None
