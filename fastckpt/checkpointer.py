@@ -12,6 +12,7 @@ from typing import Any, Callable
 import torch
 
 from .config import CheckpointConfig
+from .engine.devicesnap import DeviceSnapshots
 from .engine.distributed import Coordinator
 from .engine.exithook import register_exit_hook
 from .engine.futures import raise_if_left, remaining, resolved
@@ -88,7 +89,8 @@ class Checkpointer(Cadenced):
         self._planner = Planner(p.chunk_bytes)
         self._arena = HostArena(st.slots, st.max_host_bytes, self._shm)
         self._prewarm = Prewarm(self._arena)  # buffers made before the first save (engine/prewarm.py)
-        self._streams = CopyStreams()  # per-device copy streams, created on the first CUDA save
+        # per-device copy streams, created on the first CUDA save; staging.device_snapshot's device buffers
+        self._streams = CopyStreams(snapshots=DeviceSnapshots(config.staging.device_snapshot))
         self.last_load_stats: LoadStats | None = None  # which tier served the last load, bytes, seconds
         self._priorities = ThreadPriorities(p.priority)  # built here: the training thread's policy is "normal"
         self._root = RootClaim(self.storage, leader=self._leader, grace_s=config.orphan_grace_s, in_flight=self.pending_names)
@@ -411,6 +413,7 @@ def _shut_down(ckpt: Checkpointer, pipeline: Any, timeout: float | None) -> None
         if ckpt._coord is not None:
             ckpt._coord.close()  # every commit is done: its private group's threads can be joined
         ckpt._arena.close()  # else a stalled writer still reads its slot: the buffers go with the process
+        ckpt._streams.snapshots.close()  # staging.device_snapshot's device buffers, back to torch's allocator
         if hasattr(ckpt, "cadence"):  # not on a half-built object
             ckpt.cadence.end()  # a clean end in the root's record of runs: this run did not fail
         ckpt._root.release()  # after the last commit and retention: the next writer may start

@@ -41,6 +41,7 @@ __all__ = [
 _MODES = ("lazy", "eager")
 _ON_MUTATION = ("raise", "retake")
 _WHEN_BUSY = ("wait", "skip")
+_DEVICE_SNAPSHOT = ("auto", "on", "off")  # staging.device_snapshot (fastckpt/engine/devicesnap.py)
 _DIRECT_IO = ("auto", "on", "off")
 _REFLINK = ("auto", "off")  # persist.reflink: clone unchanged shards on a local root (fastckpt/storage/reflink.py)
 _BACKGROUND_CPUS = ("auto", "all")  # or a list of CPU ids: persist.background_cpus (fastckpt/engine/affinity.py)
@@ -84,8 +85,20 @@ class StagingOptions(_Freezable):
     workers measure it. On the 2-core benchmark VM at 0.36 s steps it cut the background threads' CPU per
     checkpoint by about 30% (BENCHMARKS.md, "Where the stall goes"); ``false``: two passes, as before."""
 
+    device_snapshot: str = "off"
+    """CUDA states: ``save()`` copies the state's CUDA tensors into a buffer on their own device (one fused
+    device-to-device copy per device and dtype on the current stream, about 1 ms for 2 GB on an H100), and the
+    copies to the host read that buffer over the next steps, so ``optimizer.step()`` never waits for them (no
+    mutation check either: the snapshot holds the values at ``save()``). The buffer (the state's size, per device) is
+    kept and reused. ``auto``: only while the device's free memory (``torch.cuda.mem_get_info``) exceeds what the
+    buffer still needs by the larger of 1 GiB and a tenth of the device, else the buffer is given back and the save
+    copies from the live tensors; ``on``: whenever the buffer can be allocated; ``off``: never. A refused allocation
+    is caught and said once: the save goes on without a snapshot. ``SaveStats.device_snapshot`` says which way each
+    save went (fastckpt/engine/devicesnap.py)."""
+
     def validate(self) -> None:
         _check_choice("staging.", "mode", self.mode, _MODES)
+        _check_choice("staging.", "device_snapshot", self.device_snapshot, _DEVICE_SNAPSHOT)
         if not isinstance(self.crc_in_copy, bool):
             raise ConfigError(f"staging.crc_in_copy must be true or false, got {self.crc_in_copy!r}")
         _check_int("staging.", "slots", self.slots, 1)

@@ -204,7 +204,7 @@ def test_cuda_preparation_failure_leaves_no_slot_busy(tmp_path, monkeypatch) -> 
     cfg = CheckpointConfig(root=str(tmp_path), staging={"slots": 1, "when_busy": "skip"})
     state = {"w": torch.randn(100)}
     with Checkpointer(cfg) as ckpt:
-        def boom(devices):
+        def boom(devices, tensors=None):
             raise RuntimeError("CUDA error: out of memory")
 
         with monkeypatch.context() as m:  # bookkeeping only: pretend the state is on cuda:0

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import fastckpt.engine.cudastage as cudastage_mod
 import fastckpt.engine.pipeline as pipeline_mod
 import fastckpt.engine.saver as saver_mod
 import fastckpt.engine.pinned as pinned_mod
@@ -272,7 +273,7 @@ def test_a_failed_gpu_side_wait_fails_the_save_and_frees_its_slot(tmp_path, monk
     with monkeypatch.context() as m:
         m.setattr(ckpt._saver.pipeline, "stage_now", stage_with_a_copy_event)
         m.setattr(saver_mod, "gpu_wait", cuda_error)
-        m.setattr(pipeline_mod, "host_wait", cuda_error)  # the committer's wait for the copies fails too
+        m.setattr(cudastage_mod, "host_wait", cuda_error)  # the committer's wait for the copies fails too
         with pytest.raises(FastCkptError, match="staging checkpoint 'step-000000001' failed") as err:
             ckpt.save(state, step=1)
         assert isinstance(err.value.__cause__, RuntimeError)

@@ -12,10 +12,12 @@ from typing import Any
 
 import torch
 
-import fastckpt.engine.pipeline as pipeline_mod
+import fastckpt.engine.cudastage as cudastage_mod
 import fastckpt.engine.saver as saver_mod
 import fastckpt.engine.streams as streams_mod
 from fastckpt import CheckpointConfig, Checkpointer
+from fastckpt.engine.cudacopy import DeviceBatch
+from fastckpt.engine.devicehealth import DeviceStats, figures
 from fastckpt.format.checksum import crc32c
 from fastckpt.format.plan import flatten
 from fastckpt.storage.local import LocalStorage
@@ -39,20 +41,29 @@ class Dma:
     def __init__(self) -> None:
         self.gate = threading.Event()
         self._lock = threading.Lock()
-        self._queued: list[tuple[torch.Tensor, int, torch.Tensor]] = []
+        self._queued: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._events: list["DmaEvent"] = []
 
-    def copy(self, buf: torch.Tensor, entries: Any, tensors: list, streams: Any) -> set[int]:
-        """Stands in for ``copy_entries`` on the CUDA path: the source's bytes are taken now (the copy stream is
-        ordered before the caller's next kernels), written into ``buf`` when the DMA lands."""
-        if streams is None:
-            return _real_copy(buf, entries, tensors, streams)
+    def batches(self, entries: Any, tensors: list) -> tuple[list[DeviceBatch], list]:
+        """Stands in for ``device_batches``: every non-empty source is taken for one on cuda:0."""
+        batch = DeviceBatch(0)
+        for pos, e in enumerate(entries):
+            if e.nbytes:
+                batch.positions.append(pos)
+                batch.sources.append(tensors[e.index])
+        return ([batch] if batch.positions else []), []
+
+    def copy(self, views: list, batch: DeviceBatch, stream: Any) -> None:
+        """Stands in for ``queue_copies``: the sources' values are taken now (the copy stream is ordered before the
+        caller's next kernels), written into their staged views when the DMA lands."""
         with self._lock:
-            for e in entries:
-                if e.nbytes:
-                    src = tensors[e.index].detach().reshape(-1).contiguous().view(torch.uint8).clone()
-                    self._queued.append((buf, e.offset, src))
-        return {0}
+            for pos, src in zip(batch.positions, batch.sources):
+                self._queued.append((views[pos], src.detach().clone()))
+
+    def stats(self, batch: DeviceBatch, stream: Any) -> DeviceStats | None:
+        """Stands in for ``queue_stats``: the device's figures, computed here on the CPU sources."""
+        got = figures(batch)
+        return None if got is None else DeviceStats(*got)
 
     def event(self, stream: Any) -> "DmaEvent":
         """Stands in for ``record_done``."""
@@ -65,8 +76,8 @@ class Dma:
         if not self.gate.is_set():
             return False
         with self._lock:  # held while the bytes land: a second waiter must not see them half written
-            for buf, offset, src in self._queued:
-                buf[offset: offset + src.numel()].copy_(src)
+            for view, src in self._queued:
+                view.copy_(src)
             for ev in self._events:
                 ev.done = True
             self._queued, self._events = [], []
@@ -91,9 +102,6 @@ class DmaEvent:
         self.dma.land()
 
 
-_real_copy = pipeline_mod.copy_entries
-
-
 def install(patch: Any, dma: Dma) -> None:
     """Pretend the state lives on cuda:0: fake streams and events (tests/test_cuda_logic.py), a fake cudart for the
     pinned registration, and copies that land when ``dma`` lets them."""
@@ -102,8 +110,10 @@ def install(patch: Any, dma: Dma) -> None:
     patch.setattr(torch.cuda, "cudart", lambda: cudart)
     patch.setattr(saver_mod, "cuda_devices", lambda tensors: [0])
     patch.setattr(streams_mod, "process_stream", lambda d, p: FakeStream(d, p))
-    patch.setattr(pipeline_mod, "copy_entries", dma.copy)
-    patch.setattr(pipeline_mod, "record_done", dma.event)
+    patch.setattr(cudastage_mod, "device_batches", dma.batches)
+    patch.setattr(cudastage_mod, "queue_copies", dma.copy)
+    patch.setattr(cudastage_mod, "queue_stats", dma.stats)
+    patch.setattr(cudastage_mod, "record_done", dma.event)
 
 
 def config(root: str, shm: str) -> CheckpointConfig:

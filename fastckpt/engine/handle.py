@@ -30,6 +30,8 @@ class SaveStats:
     is when an I/O worker saw the last one done: an upper bound, later if the workers were busy.
     ``nbytes`` is the size of the whole checkpoint (known on the committing rank); ``written_bytes``
     what this process wrote (all of it, unless ``distributed=True`` ranks share the writes).
+    ``device_snapshot``: the CUDA tensors were copied on their device inside ``save()`` and staged from that copy
+    (``staging.device_snapshot``); False for the live tensors (``off``, no room, a CPU state).
     """
 
     step: int
@@ -42,6 +44,7 @@ class SaveStats:
     nbytes: int = 0
     written_bytes: int = 0
     skipped: bool = False
+    device_snapshot: bool = False
 
     @property
     def throughput_mb_s(self) -> float:
@@ -57,6 +60,7 @@ class SaveStats:
             "nbytes": float(self.nbytes),
             "written_bytes": float(self.written_bytes),
             "throughput_mb_s": self.throughput_mb_s,
+            "device_snapshot": float(self.device_snapshot),
         }
 
 

@@ -27,7 +27,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import FastCkptError, StorageError
-from ..format.health import HealthPart, attr_bytes, measured, shard_health, summarize
+from ..format.health import HealthPart, attr_bytes, measured, summarize
 from ..format.layout import CheckpointInfo
 from ..format.openlayout import OPEN_LAYOUT
 from ..format.plan import Plan, Shard
@@ -43,10 +43,11 @@ from .priority import ThreadPriorities
 from .sharedfile import SharedFileWrite
 from .affinity import ThreadPlacement
 from .cpugate import CpuGate, auto_limit
-from .onepass import batch_layout, stage_batched
+from .onepass import stage_batched
 from .serialops import serial_here
+from .cudastage import all_landed, landed, queue_shard, shard_stats, submitted
 from .staging import HostArena, Slot, copy_entries
-from .streams import CudaCopy, host_wait, record_done, shard_events
+from .streams import CudaCopy, host_wait, shard_events, snapshotted
 from .writepace import WritePacer
 
 __all__ = ["Job", "Pipeline"]
@@ -173,9 +174,10 @@ class Pipeline:
     def submit(self, job: Job, lazy: list[Shard]) -> None:
         """Queue ``job``: the copy thread stages ``lazy`` shards, then the committer commits."""
         self._on_gpu = job.cuda is not None
+        submitted(job)  # a device snapshot: the next one waits for these copies (engine/cudastage.py)
         self.placement.refresh()  # a state on a GPU leaves training's CPU threads to the background (auto)
         job.cpu_section = self.gate.held
-        if lazy:
+        if lazy and not snapshotted(job):  # a device snapshot holds save()'s values: nothing to guard or seal
             # Still on the training thread inside save(): the counters are those of the snapshot's moment.
             entries = [e for s in lazy for e in s.entries]
             job.guard = VersionGuard(job.handle.name, job.version_src or job.tensors, job.keys, entries)
@@ -249,7 +251,7 @@ class Pipeline:
             except BaseException as e:  # noqa: BLE001 - reported through the job
                 job.error = e
             finally:
-                job.handle.track_copies([(d, ev) for (_, d), ev in job.shard_events.items()])
+                job.handle.track_copies([] if snapshotted(job) else [(d, ev) for (_, d), ev in job.shard_events.items()])
                 if job.cuda is None:  # CUDA copies are only queued here: timed when seen done (_write_shard)
                     job.handle.stats.staging_ms = (time.perf_counter() - job.t0) * 1e3
                 self._mark_staged(job)
@@ -289,13 +291,13 @@ class Pipeline:
                    crc: bool) -> None:
         # The one pass (copy thread only: inside save() it would lengthen the call; not once training waits for
         # staging), or a batched plain copy on a serial thread (engine/onepass.py); else tensor by tensor below
-        if not (streams is None and stage_batched(job, shard, buf, crc and job.file_format is OPEN_LAYOUT)):
+        if streams is not None:
+            queue_shard(job, shard, buf, streams)  # a few torch calls a device (engine/cudastage.py)
+        elif not stage_batched(job, shard, buf, crc and job.file_format is OPEN_LAYOUT):
             # The guard knows only the lazy tensors: eager shards (copied inside save()) pass through unchecked.
-            entries = shard.entries if job.guard is None else job.guard.around(shard.entries)
-            for d in copy_entries(buf, entries, job.tensors, streams):
-                job.shard_events[(shard.index, d)] = record_done(streams[d])  # type: ignore[index]
+            copy_entries(buf, shard.entries if job.guard is None else job.guard.around(shard.entries), job.tensors)
         for e in shard.entries if streams is not None or job.seal is None else ():  # else dropped by the seal
-            job.tensors[e.index] = None  # queued (record_stream keeps a CUDA source's memory): drop it now
+            job.tensors[e.index] = None  # queued (job.cuda.kept holds a CUDA source until copied): drop it now
         if job.seal is not None and shard.lazy:
             if streams is not None and not job.slot.ring:
                 job.to_record.append(shard)  # CUDA: sampled once every copy is queued (sealing.record_staged)
@@ -311,14 +313,12 @@ class Pipeline:
     def _write_shard(self, job: Job, shard: Shard) -> ShardResult:
         fmt = job.file_format
         try:
-            events = shard_events(job.shard_events, shard.index)
-            if events:
-                host_wait(events)  # blocking events: this worker sleeps until the DMA has filled the buffer
+            if landed(job, shard):  # blocking events: this worker sleeps until the DMA has filled the buffer
                 job.copied_at[shard.index] = time.perf_counter()
             buf = job.slot.held(shard)
             if job.health is not None and shard.index not in job.staged_health:  # else the copy thread's pass took
                 with self.gate.held():  # them; on the staged copy, never on the training thread; + CRC32C, CPU-bound
-                    job.health.update(shard_health(job, shard, buf, fmt, batch_layout(job, shard, buf, fmt)))
+                    job.health.update(shard_stats(job, shard, buf, fmt))  # CUDA: the device's figures, if taken
             if fmt.keeps_shards:  # a format that writes at the commit: here it only checksums (and hashes)
                 with self.gate.held():
                     return fmt.write_shard(self.storage, job, shard, memoryview(buf.numpy())[: shard.nbytes])
@@ -380,7 +380,7 @@ class Pipeline:
                     if job.shared is not None:
                         e = agreed  # the same verdict on every rank, naming the failing rank (``e`` chained)
             try:
-                host_wait((d, ev) for (_, d), ev in job.shard_events.items())  # never recycle a buffer a DMA may still be writing
+                all_landed(job)  # never recycle a buffer a DMA may still be writing; the sources it read may go
             except BaseException as cuda_err:  # noqa: BLE001 - the handle must still fail and the slot free
                 # A failed event wait is a sticky CUDA error: the context runs no more copies, so no DMA can still
                 # write the slot. Raising here left the handle pending and the slot busy, and close() hung.

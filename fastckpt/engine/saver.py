@@ -43,7 +43,7 @@ from .sharedfile import can_share
 from .sharedobject import can_share_object, shared_write, sweep_once
 from .stale import Hooks, StaleWatch
 from .staging import HostArena, Slot
-from .streams import CopyStreams, CudaCopy, cuda_devices, gpu_wait
+from .streams import CopyStreams, CudaCopy, cuda_devices, gpu_wait, snapshotted
 from .watch import WatchHandle, Watched, watched_identities
 from .writepace import WritePacer
 
@@ -294,7 +294,7 @@ class Saver:
         retaking, self._retaking = self._retaking, None
         handle = retaking if retaking is not None else self.new_handle(name, step, dirpath)
         stats = handle.stats
-        cuda = self._prepare_cuda(name, devices) if pin else None  # before a slot is taken: a failure holds none
+        cuda = self._prepare_cuda(name, devices, flat.tensors) if pin else None  # before a slot: a failure holds none
         keep_pace(self.pending(), self._priorities, self.config.persist.max_lag_s, name)
         # new pinned buffers are registered under the state's device: no stray context on GPU 0
         with torch.cuda.device(devices[0]) if pin else contextlib.nullcontext():
@@ -333,7 +333,7 @@ class Saver:
                 self._pending.append(handle)
         try:
             self.pipeline.stage_now(job, plan.mine([s for s in plan.shards if not s.lazy]))
-            events = [(d, ev) for (_, d), ev in job.shard_events.items()]
+            events = [(d, ev) for (_, d), ev in job.shard_events.items()] if not snapshotted(job) else []
             if events:  # the next forward (BatchNorm stats) on each device must not overwrite what the copy reads
                 # Inside the try: a CUDA error here must still hand the job to the committer, which fails the
                 # handle and frees the slot (outside, the handle stayed pending and close() hung).
@@ -352,10 +352,10 @@ class Saver:
         stats.blocking_ms = (time.perf_counter() - t0) * 1e3
         return handle
 
-    def _prepare_cuda(self, name: str, devices: list[int]) -> CudaCopy:
+    def _prepare_cuda(self, name: str, devices: list[int], tensors: list[Any]) -> CudaCopy:
         """Streams and ready events of each device the state lives on (recorded now, on the caller's streams)."""
         try:
-            return self._streams.prepare(devices)
+            return self._streams.prepare(devices, tensors)  # staging.device_snapshot: the device copy first
         except Exception as e:
             raise FastCkptError(f"preparing the CUDA copies of checkpoint {name!r} on devices {devices} failed: "
                                 f"{e}") from e

@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 
 from ..format.healthpass import usable_cpus
 from .staging import staged_crcs
-from .streams import host_wait, shard_events
+from .cudastage import landed
 
 __all__ = ["StagedChecker", "MAX_THREADS"]
 
@@ -29,7 +29,7 @@ def _threads() -> int:
 
 def check_staged(job: Any, shard: Any) -> None:
     """The CRC of each of ``shard``'s tensors as staged (the record carries them), once its copies landed."""
-    host_wait(shard_events(job.shard_events, shard.index))  # a CRC of bytes the DMA is still writing is a lie
+    landed(job, shard)  # a CRC of bytes the DMA is still writing is a lie
     job.staged_crcs[shard.index] = staged_crcs(job.slot.held(shard), shard)
 
 

@@ -20,7 +20,7 @@ import ctypes
 import functools
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Protocol
+from typing import Any, Callable, Iterable, Protocol
 
 import torch
 
@@ -91,6 +91,7 @@ class Slot:
     _made: int = 0  # ring mode: buffers made (or being made) so far
     broken: bool = False  # making a buffer failed: the arena drops the slot at its release instead of reusing it
     _layouts: dict[tuple, Layout] = field(default_factory=dict)  # the batched pass's, per (shard, buffer, dtypes)
+    _views: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)  # per (shard, buffer)
 
     def adopt(self, index: int, buffer: torch.Tensor, keep: object) -> None:
         """Called by ``tiers.shm`` while recovering a slot: shard ``index`` is the existing ``buffer``, and ``keep``
@@ -149,6 +150,16 @@ class Slot:
         if lay is None:
             lay = self._layouts[key] = Layout.of(buf, shard.entries, dtypes)
         return lay
+
+    def views(self, shard: Shard, buf: torch.Tensor) -> list[torch.Tensor]:
+        """Called by the copy thread (and ``save()``) before queuing a CUDA shard's copies: each entry's slice of
+        ``buf`` with its dtype and shape (``entry_view``), made the first time and reused by every later snapshot in
+        this slot (three torch calls a tensor, each a GIL hand-over, saved at every save)."""
+        key = (shard.index, buf.data_ptr())
+        views = self._views.get(key)
+        if views is None:
+            views = self._views[key] = [entry_view(buf, e) for e in shard.entries]
+        return views
 
     def keeps(self) -> list[object]:
         """What keeps this slot's buffers (mappings, ``Pinned`` registrations), for the arena to release."""
@@ -316,6 +327,7 @@ class HostArena:
     def _drop(self, slots: list[Slot]) -> None:
         for slot in slots:
             slot._layouts.clear()  # their views hold the buffers
+            slot._views.clear()
             for keep in slot.keeps():
                 if isinstance(keep, Pinned):
                     keep.release()
@@ -351,11 +363,9 @@ def _plain_bytes(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
 
 
-def copy_entries(buf: torch.Tensor, entries: Iterable[TensorEntry], tensors: list[torch.Tensor | None],
-                 streams: Mapping[int, Any] | None = None) -> set[int]:
-    """Copy each entry's source tensor into ``buf``. A CUDA source copies asynchronously on the stream of
-    its own device in ``streams``; returns those devices (their copies are in flight)."""
-    queued: set[int] = set()
+def copy_entries(buf: torch.Tensor, entries: Iterable[TensorEntry], tensors: list[torch.Tensor | None]) -> None:
+    """Copy each entry's source tensor into ``buf``, now (a CUDA source's copies are queued in batches by
+    engine/cudacopy.py instead; one given here is copied synchronously)."""
     for e in entries:
         if e.nbytes == 0:
             continue
@@ -370,22 +380,4 @@ def copy_entries(buf: torch.Tensor, entries: Iterable[TensorEntry], tensors: lis
                                  "while it was being saved")
             ctypes.memmove(buf.data_ptr() + e.offset, src.data_ptr(), e.nbytes)
             continue
-        dst = entry_view(buf, e)
-        if src.is_cuda and streams is not None:
-            _copy_async(dst, src, streams[src.device.index])
-            queued.add(src.device.index)
-        else:
-            dst.copy_(src)
-    return queued
-
-
-def _copy_async(dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
-    """Queue ``src`` -> ``dst`` (pinned host) on ``stream``, which belongs to ``src``'s device."""
-    with torch.cuda.device(src.device.index), torch.cuda.stream(stream):
-        # The allocator may hand src's memory to another stream once the caller frees it; the copy
-        # stream still reads it, so the block is kept until that stream's queued work is done.
-        src.record_stream(stream)
-        # A conj/neg view would be fixed up by copy_ with conj_physical_()/neg_() on the host
-        # destination, on the CPU, while the DMA is still writing it. Resolve on the device instead.
-        src = src.resolve_conj().resolve_neg()
-        dst.copy_(src, non_blocking=True)
+        entry_view(buf, e).copy_(src)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 import torch
@@ -33,7 +33,7 @@ import torch
 from ..cudart import dedicated_stream
 
 __all__ = ["CopyStreams", "CudaCopy", "StreamFactory", "cuda_devices", "dedicated_stream", "gpu_wait", "host_wait",
-           "pending", "process_stream", "record_done", "shard_events"]
+           "pending", "process_stream", "record_done", "shard_events", "snapshotted"]
 
 log = logging.getLogger("fastckpt")
 
@@ -63,11 +63,13 @@ class CopyStreams:
     save's lazy copies, and a high priority so the training stream does not starve them.
     """
 
-    def __init__(self, factory: StreamFactory | None = None) -> None:
-        """``factory``: the stream of a device with a priority (default ``process_stream``)."""
+    def __init__(self, factory: StreamFactory | None = None, snapshots: Any = None) -> None:
+        """``factory``: the stream of a device with a priority (default ``process_stream``); ``snapshots``:
+        ``staging.device_snapshot``'s ``DeviceSnapshots`` (engine/devicesnap.py), None for never."""
         self._factory = factory or process_stream
         self._lazy: dict[int, Any] = {}
         self._eager: dict[int, Any] = {}
+        self.snapshots = snapshots
 
     def lazy(self, device: int) -> Any:
         """Called by ``save()``: the lazy copy stream of ``device``."""
@@ -81,19 +83,22 @@ class CopyStreams:
             self._eager[device] = self._factory(device, _HIGHEST_PRIORITY)
         return self._eager[device]
 
-    def prepare(self, devices: list[int]) -> "CudaCopy":
-        """Called by ``save()`` on the training thread: a job's streams and ready events.
+    def prepare(self, devices: list[int], tensors: list[Any] | None = None) -> "CudaCopy":
+        """Called by ``save()`` on the training thread: a job's streams and ready events, and with ``snapshots``
+        the copy of ``tensors`` (the state's) on their devices, taken first (``CudaCopy.snapshot``).
 
         Each ready event marks where ``save()`` was called on that device's current stream:
-        the copies of that device wait for it (the state they read is computed by then).
+        the copies of that device wait for it (the state they read, or its device copy, is computed by then).
         """
+        snapshot = None if self.snapshots is None or tensors is None else self.snapshots.take(tensors, devices)
         ready = {}
         for d in devices:
             ev = torch.cuda.Event()
             ev.record(torch.cuda.current_stream(d))
             ready[d] = ev
         job = CudaCopy(devices=devices, ready=ready, eager={d: self.eager(d) for d in devices},
-                       lazy={d: self.lazy(d) for d in devices})
+                       lazy={d: self.lazy(d) for d in devices}, snapshot=snapshot,
+                       snapshots=self.snapshots if snapshot is not None else None)
         for d in devices:
             job.eager[d].wait_event(ready[d])  # host-side non-blocking
         return job
@@ -117,6 +122,14 @@ class CudaCopy:
     eager: dict[int, Any]
     lazy: dict[int, Any]
     lazy_waited: bool = False
+    # staging.device_snapshot: the state's tensors with the CUDA ones replaced by their copy on the device (the copies
+    # to the host read these), and the DeviceSnapshots that made them; None: the live tensors are read
+    snapshot: list[Any] | None = None
+    snapshots: Any = None
+    # (shard, device) -> the sources its copies read, kept until they are seen done (engine/cudacopy.py)
+    kept: dict[tuple[int, int], list[Any]] = field(default_factory=dict)
+    # (shard, device) -> its tensors' health figures measured on the device (engine/devicehealth.py)
+    stats: dict[tuple[int, int], Any] = field(default_factory=dict)
 
     def begin_lazy(self) -> None:
         """Called by the copy thread before its first lazy copy of this job."""
@@ -127,6 +140,12 @@ class CudaCopy:
             for d in self.devices:
                 self.lazy[d].wait_event(self.ready[d])
             self.lazy_waited = True
+
+
+def snapshotted(job: Any) -> bool:
+    """Whether ``job`` (engine/pipeline.py's) copies a device snapshot: no stream of the caller's waits for those
+    copies, and no seal checks its sources (engine/devicesnap.py)."""
+    return job.cuda is not None and job.cuda.snapshot is not None
 
 
 def record_done(stream: Any) -> Any:
