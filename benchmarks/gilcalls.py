@@ -11,7 +11,9 @@ extension (torch, ctypes, crc32c) calls to release the GIL; libpython's own rele
 W1 (the GPT-2-small shape + AdamW, 1.48 GB, 580 tensors) is saved ``--checkpoints`` times after a warm-up save, the
 training thread waiting for staging right away (``--hurry``: the copy thread then stages plainly and the I/O
 workers measure) or only once the copy thread is done (the default: the one pass). Prints, per checkpoint, the
-hand-overs of each thread kind and of ``save()`` on the training thread.
+hand-overs of each thread kind and of ``save()`` on the training thread. ``--cuda``: the model and its optimizer
+state on the GPU, so the CUDA path is counted (engine/cudacopy.py: a few calls a shard and device, not ten a
+tensor); ``--config '{"staging": {"device_snapshot": "on"}}'`` counts it with a device snapshot.
 """
 from __future__ import annotations
 
@@ -48,13 +50,13 @@ def _kind(name: str) -> str:
     return "-".join(p for p in name.split("_")[0].split("-") if not p.isdigit()) or name
 
 
-def measure(checkpoints: int, hurry: bool, quick: bool, config: dict[str, Any]) -> dict[str, Any]:
+def measure(checkpoints: int, hurry: bool, quick: bool, config: dict[str, Any], cuda: bool = False) -> dict[str, Any]:
     """In this process (started with the shim preloaded): the hand-overs per checkpoint, by thread kind."""
     import torch
 
     from fastckpt import CheckpointConfig, Checkpointer
 
-    from .workload import FULL, QUICK, Batches, build, make_state, tensor_bytes, train_step, unique_tensors
+    from .workload import FULL, QUICK, Batches, build, loss_fn, make_state, tensor_bytes, train_step, unique_tensors
 
     shim = ctypes.PyDLL(os.environ["FASTCKPT_GILCOUNT"])  # PyDLL: reading the count releases nothing itself
     shim.gilcount_of.restype = ctypes.c_long
@@ -62,7 +64,14 @@ def measure(checkpoints: int, hurry: bool, quick: bool, config: dict[str, Any]) 
     torch.set_num_threads(1)
     shape = QUICK if quick else FULL
     model, opt = build(shape)
-    train_step(model, opt, Batches(shape))
+    if cuda:  # moved in place: the optimizer keeps the parameters, and its state is made on the GPU by the step
+        model.cuda()
+        x, y = Batches(shape).next()
+        loss_fn(model, x.cuda(), y.cuda()).backward()
+        opt.step()
+        torch.cuda.synchronize()
+    else:
+        train_step(model, opt, Batches(shape))
     state = make_state(model, opt, 0)
 
     def counts() -> collections.Counter:
@@ -93,7 +102,7 @@ def measure(checkpoints: int, hurry: bool, quick: bool, config: dict[str, Any]) 
                 per.append(row)
         ck.close()
     return {"nbytes": tensor_bytes(state), "tensors": len(unique_tensors(state)), "hurry": hurry,
-            "config": config, "per_checkpoint": per}
+            "config": config, "cuda": cuda, "per_checkpoint": per}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,12 +110,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkpoints", type=int, default=3)
     ap.add_argument("--hurry", action="store_true", help="wait for staging right after save()")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--cuda", action="store_true", help="the state on the GPU: count the CUDA path")
     ap.add_argument("--config", default="{}", help="CheckpointConfig overrides, as JSON")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.inside:
-        print("RESULT " + json.dumps(measure(args.checkpoints, args.hurry, args.quick, json.loads(args.config))))
+        print("RESULT " + json.dumps(measure(args.checkpoints, args.hurry, args.quick, json.loads(args.config),
+                                             args.cuda)))
         return 0
     with tempfile.TemporaryDirectory(prefix="gilcount-") as tmp:
         lib = build_shim(Path(tmp))
@@ -114,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
             print("gilcalls: no C compiler (cc/gcc/clang) to build the counting shim; install one", file=sys.stderr)
             return 2
         cmd = [sys.executable, "-m", "benchmarks.gilcalls", "--inside", "--checkpoints", str(args.checkpoints),
-               "--config", args.config] + (["--hurry"] if args.hurry else []) + (["--quick"] if args.quick else [])
+               "--config", args.config] + (["--hurry"] if args.hurry else []) + (["--quick"] if args.quick else []) \
+            + (["--cuda"] if args.cuda else [])
         env = repo_env(LD_PRELOAD=str(lib), FASTCKPT_GILCOUNT=str(lib))
         out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)

@@ -4,7 +4,8 @@
 # WHEELS_DIR (default .whl, made beforehand by benchmarks/gpu_wheels.sh) holds the wheels the machine lacks;
 # they go into OUT_DIR/.site with pip --no-index --no-deps --target, put first on PYTHONPATH with the repo.
 # Steps, each time-boxed so the whole stays under 9 minutes and a failing step does not stop the later ones:
-# environment -> CUDA tests (pytest -m cuda, junit xml) -> GPU benchmark -> FSDP checks -> pin probe -> summary. Results under OUT_DIR
+# environment -> CUDA tests (pytest -m cuda, junit xml) -> GPU benchmark -> GIL hand-overs -> FSDP checks -> pin probe
+# -> summary. Results under OUT_DIR
 # (default $OUT, else gpu_out), 8 files at most (what the device tool brings back): summary.md, env.txt,
 # cuda_tests.xml, cuda_tests.txt, gpu_bench.json, gpu_bench.md, fsdp.json, logs.txt.
 # --dry-run: this CPU machine; CUDA tests are collected and skipped with their reason, the benchmark runs
@@ -95,8 +96,17 @@ tail -n 3 "$OUTD/cuda_tests.txt" | sed 's/^/    /' | tee -a "$OUTD/summary.md"
 # checkpoints on the repo's disk (not /tmp, maybe tmpfs) and outside OUT_DIR: only results travel back
 BENCH_ARGS=(--out "$OUTD" --work "$REPO/bench_out/gpu" --variants)
 [[ $DRY == 1 ]] && BENCH_ARGS+=(--dry-run --every 3 --checkpoints 2)
-step "GPU benchmark" 250 "$LOG" "$PY" -m benchmarks.gpu_bench "${BENCH_ARGS[@]}"
+step "GPU benchmark" 205 "$LOG" "$PY" -m benchmarks.gpu_bench "${BENCH_ARGS[@]}"
 rm -rf "$REPO/bench_out/gpu"
+
+# 4b. GIL hand-overs per checkpoint on the CUDA path (benchmarks/gilcalls.py --cuda; engine/cudacopy.py batches the
+# copies): the live tensors, then a device snapshot. Its lines go into the summary (no file of its own: 8 at most).
+GIL_ARGS=(--cuda --checkpoints 1)
+[[ $DRY == 1 ]] && GIL_ARGS=(--quick --checkpoints 1)  # no GPU: the CPU path, to prove the step runs
+GILOUT="$(mktemp)"
+step "GIL hand-overs, CUDA path" 45 "$GILOUT" bash -c '"$0" -m benchmarks.gilcalls "$@" && "$0" -m benchmarks.gilcalls "$@" --config "{\"staging\": {\"device_snapshot\": \"on\"}}"' "$PY" "${GIL_ARGS[@]}"
+grep '^checkpoint' "$GILOUT" | sed 's/^/    /' | tee -a "$OUTD/summary.md"
+cat "$GILOUT" >> "$LOG"; rm -f "$GILOUT"
 
 # 5. FSDP through fastckpt, resharded on load, against the stock save (world size 1, one GPU).
 FSDP_ARGS=(--out "$OUTD")

@@ -136,7 +136,7 @@ class Fast(Peer):
             # where the stall went: host waits (pre-hook included) vs GPU-side waits vs the rest (contention)
             self.details.append({"blocking_ms": round(s.blocking_ms, 1), "staging_ms": round(s.staging_ms, 1),
                                  "waited_ms": round(s.waited_ms, 1), "gpu_waits": s.gpu_waits,
-                                 "persist_s": round(s.persist_s, 3)})
+                                 "persist_s": round(s.persist_s, 3), "device_snapshot": s.device_snapshot})
             if s.staging_ms:  # an upper bound on the copy time, so a lower bound on the bandwidth
                 self.d2h_gbps.append(s.nbytes / (s.staging_ms / 1e3) / 1e9)
         self.ckpt.close()
@@ -283,6 +283,8 @@ def fast_variant(label: str, **overrides: Any) -> type[Peer]:
 
 
 VARIANTS: tuple[type[Peer], ...] = (
+    # first: the command's time box may cut the later ones (staging.device_snapshot, engine/devicesnap.py)
+    fast_variant("device snapshot", staging={"device_snapshot": "on"}),
     fast_variant("health off", health={"enabled": False}),
     fast_variant("persister process", persist={"process": "on"}, staging={"shm": True}),
     fast_variant("fsync off", persist={"fsync": False}),

@@ -125,11 +125,13 @@ def test_dry_run_end_to_end(tmp_path: Path) -> None:
     summary = (out / "summary.md").read_text()
     assert "DRY RUN, CPU" in summary and "TIMED OUT" not in summary, summary
     assert "CUDA tests (pytest -m cuda): rc=" in summary and "GPU benchmark: rc=0" in summary, summary
+    # the GIL hand-overs of the CUDA path (--cuda on a GPU; the CPU path here): two runs, each a line in the summary
+    assert "GIL hand-overs, CUDA path: rc=0" in summary and summary.count("checkpoint 1: background") == 2, summary
     bench = json.loads((out / "gpu_bench.json").read_text())
     assert bench["gpu"] is False and bench["device"].startswith("CPU fallback"), bench["device"]
     assert [r["peer"].split(" (")[0] for r in bench["peers"]] == ["fastckpt", "dcp_async_save", "lightning AsyncCheckpointIO",
                                                                    "torch_checkpointing CheckpointManager", "fastckpt",
-                                                                   "fastckpt", "fastckpt"]  # + --variants
+                                                                   "fastckpt", "fastckpt", "fastckpt"]  # + --variants
     assert "later_gbps" in bench["staging_probe"], bench["staging_probe"]
     for r in bench["peers"]:
         assert "error" not in r and r["bit_exact"], r
