@@ -19,7 +19,8 @@ caching allocator holds, so the training's peak so far is not counted as free) e
 ``margin`` (the larger of 1 GiB and a tenth of the device's memory); at a save where it no longer does, the buffer is
 given back to torch's allocator and the save stages from the live tensors. ``on`` takes one whenever the buffer can be
 allocated. Either way an allocation that fails (``torch.cuda.OutOfMemoryError``) is caught, said once, and the save
-goes on without a snapshot: a snapshot never makes a save fail. ``SaveStats.device_snapshot`` says which way a save
+goes on without a snapshot: a snapshot never makes a save fail. A buffer as large is not asked for again (each refusal
+makes torch's allocator free its cached blocks and retry); a smaller state's is. ``SaveStats.device_snapshot`` says which way a save
 went.
 """
 from __future__ import annotations
@@ -74,6 +75,9 @@ class DeviceSnapshots:
         self._mem_info = mem_info or torch.cuda.mem_get_info
         self._buffers: dict[int, _Buffer] = {}
         self._last: Any = None  # the job that read the buffers last (engine/pipeline.py's Job)
+        # device -> the size an allocation was refused at: not asked again for as much (each refusal makes torch's
+        # allocator free its cached blocks and retry, a cost for the training that uses them)
+        self._refused: dict[int, int] = {}
         self._said: set[str] = set()
 
     def take(self, tensors: Sequence[torch.Tensor | None], devices: Sequence[int]) -> list[torch.Tensor | None] | None:
@@ -133,6 +137,8 @@ class DeviceSnapshots:
                 return None
         if buf is not None and have >= need:
             return buf
+        if need >= self._refused.get(device, need + 1):
+            return None
         if buf is not None:
             del self._buffers[device]  # freed before the larger one is made: both need not fit at once
             buf = None
@@ -140,8 +146,9 @@ class DeviceSnapshots:
             with torch.cuda.device(device):
                 data = torch.empty(max(need, 1), dtype=torch.uint8, device=f"cuda:{device}")
         except torch.cuda.OutOfMemoryError as e:
+            self._refused[device] = need
             self._say("oom", f"no snapshot of {need >> 20} MiB on cuda:{device} ({e}): saves stage from the live "
-                      "tensors (staging.device_snapshot)")
+                      "tensors, and a snapshot this large is not tried again (staging.device_snapshot)")
             return None
         buf = self._buffers[device] = _Buffer(device, data)
         return buf
