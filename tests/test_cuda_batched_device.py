@@ -85,17 +85,23 @@ def test_two_devices_in_one_shard(tmp_path) -> None:
 
 
 def test_a_lazy_source_freed_right_after_save_is_not_reused_before_its_copy(tmp_path) -> None:
-    """What record_stream guaranteed: the copy thread keeps the source until its copy is seen done, so the caching
-    allocator cannot hand its block to a new tensor the training stream fills meanwhile."""
+    """What record_stream guaranteed: the save keeps a source until its copy is seen done, so the caching allocator
+    cannot hand its block to a new tensor that a stream not ordered after the copy fills meanwhile. The seal drops
+    the save's other references (wait_staged, with a side stream current: only that one is ordered after the
+    copies); the default stream's next allocation of that size is the freed block, filled at once."""
     n = 1 << 22  # 16 MiB
     with Checkpointer(CheckpointConfig(root=str(tmp_path))) as ckpt:
         ckpt.save({"warm": torch.zeros(1, device="cuda")}, step=0).wait(timeout=60)  # makes the copy streams
+        side = torch.cuda.Stream()
         tmp = torch.full((n,), 1.5, device="cuda")
-        ref = tmp.cpu()
+        ref = tmp.cpu()  # synchronizes: nothing queued is left before the save
         _busy(ckpt._streams.lazy(0))  # the lazy copy runs long after the fill below
         h = ckpt.save({"t": tmp}, step=1, lazy=[tmp])
         del tmp
-        junk = torch.full((n,), -7.0, device="cuda")  # the allocator's first pick: a block just freed
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            h.wait_staged()  # sealed: the guard's and the seal's references are dropped
+        junk = torch.full((n,), -7.0, device="cuda")  # the default stream does not wait for the copy
         h.wait(timeout=120)
         assert_bit_equal({"t": ref}, ckpt.load(step=1))
         assert junk[0].item() == -7.0
