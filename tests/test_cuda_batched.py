@@ -9,14 +9,16 @@ import gc
 import json
 import logging
 import math
+import threading
 import weakref
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+import fastckpt.engine.pipeline as pipeline_mod
 from fastckpt import CheckpointConfig, Checkpointer
-from fastckpt.errors import ConfigError
+from fastckpt.errors import ConfigError, SnapshotMutatedError
 from fastckpt.engine.cudacopy import device_batches, has_lazy_bits
 from fastckpt.engine.devicesnap import DeviceSnapshots, fits, margin
 from fastckpt.format.plan import TensorEntry
@@ -216,3 +218,57 @@ def test_a_snapshot_still_being_queued_is_not_overwritten() -> None:
     snaps = DeviceSnapshots("on", lambda d: (0, 0))
     snaps.used_by(SimpleNamespace(handle=SimpleNamespace(staged=lambda: False), shard_events={}))
     assert snaps.take([_Tensor(10)], [0]) is None
+
+
+def test_a_snapshot_save_is_neither_sealed_nor_waited_for(tmp_path, monkeypatch) -> None:
+    """With a device snapshot the copies read save()'s copy of the state: a write after save() (refused without a
+    snapshot) reaches neither the checkpoint nor the seal, and no stream of the caller's is ordered after them."""
+    dma = Dma()
+    install(monkeypatch, dma)
+    seen = []
+
+    def take(self, tensors, devices):  # the device copy, as of save() (fake: on the CPU)
+        seen.append(self._last)
+        return [t.clone() if t is not None else None for t in tensors]
+
+    monkeypatch.setattr(DeviceSnapshots, "take", take)
+    hold = threading.Event()  # the copy thread queues the lazy copies only once the write below is done
+    real = pipeline_mod.Pipeline._copy_into
+
+    def held(*args, **kwargs):
+        if threading.current_thread().name.startswith("fastckpt-copy") and not hold.wait(timeout=60):
+            raise TimeoutError("test gate never opened")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline_mod.Pipeline, "_copy_into", held)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Checkpointer(_config(tmp_path, device_snapshot="on")) as ckpt:
+        ckpt.watch(opt)
+        state = {"m": model.state_dict()}
+        ref = clone_state(state)
+        h = ckpt.save(state, step=1)
+        with torch.no_grad():
+            model.weight.add_(1)  # before the lazy copies are queued: the version counter moves
+        hold.set()
+        dma.gate.set()
+        h.wait(timeout=60)
+        assert h.stats.device_snapshot and h.stats.gpu_waits == 0 and h._cuda_events == []
+        assert_bit_equal(ref, ckpt.load(step=1))
+        h2 = ckpt.save(state, step=2)
+        h2.wait(timeout=60)
+        assert seen[0] is None and seen[1].handle is h, "the next snapshot must know whose copies read the buffer"
+    # the same write without a snapshot: refused at the seal, as before
+    dma.gate.clear()
+    monkeypatch.undo()
+    dma = Dma()
+    install(monkeypatch, dma)
+    with Checkpointer(_config(tmp_path / "live")) as ckpt:
+        ckpt.watch(opt)
+        h = ckpt.save({"m": model.state_dict()}, step=1)
+        with torch.no_grad():
+            model.weight.add_(1)
+        dma.gate.set()
+        with pytest.raises(SnapshotMutatedError, match="m/weight"):
+            h.wait(timeout=60)
