@@ -167,3 +167,55 @@ def test_rmtree_of_the_project_right_after_save_state_never_meets_retention(tmp_
     assert not failures, f"{len(failures)} of 20 trials: " + "; ".join(failures[:3])
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert not errors, errors[0]
+
+
+def test_a_removal_that_listed_the_folder_after_the_links_meets_no_missing_marker(tmp_path, closing, monkeypatch,
+                                                                                  caplog):
+    """The flake of the 20-trial loop above, replayed every time: a walker (rmtree) opens and lists the folder
+    after every name is linked but before the marker is removed, so it lists the marker too. The marker's removal
+    waits while the walker holds the folder open (as the links do); the walker's unlinks of what it listed all
+    succeed. Before: the committer unlinked the marker under the walk and the walker's unlink of it raised
+    FileNotFoundError ('.fastckpt-pending')."""
+    from fastckpt.storage.local import LocalStorage
+
+    caplog.set_level(logging.INFO, logger="fastckpt")
+    acc = make_accelerator(tmp_path / "project")
+    checkpointing = fastckpt_accelerate.enable(acc)
+    closing.append(checkpointing)
+    Setup(acc).step()
+    folder = str(tmp_path / "project" / "checkpoints" / "checkpoint_0")
+    outcome: dict[str, Any] = {}
+    walkers: list[threading.Thread] = []
+    link = LocalStorage.link_unnamed
+
+    def walk(fd: int, listed: list[str]) -> None:
+        # rmtree's order: the folder open from its listing to right before its rmdir; given the time a writer that
+        # does not wait needs to remove the marker, then removes what it listed
+        concurrent.futures.wait([checkpointing.last_handle.durable], timeout=0.5)
+        try:
+            for name in listed:
+                os.unlink(name, dir_fd=fd)
+            os.close(fd)
+            os.rmdir(folder)
+        except OSError as e:
+            outcome["error"] = e
+
+    def linking_then_listed(self, fd, path, *args, **kwargs):
+        out = link(self, fd, path, *args, **kwargs)
+        if os.path.basename(path) == MANIFEST:  # every name is there, the marker too: a walk lists them all now
+            held = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+            listed = os.listdir(held)
+            outcome["listed"] = sorted(listed)
+            walkers.append(threading.Thread(target=walk, args=(held, listed), name="test-walker"))
+            walkers[0].start()
+        return out
+
+    monkeypatch.setattr(LocalStorage, "link_unnamed", linking_then_listed)
+    assert acc.save_state() == folder
+    checkpointing.last_handle.wait(timeout=60)  # committed before the removal: the save itself succeeded
+    walkers[0].join(30)
+    assert PENDING in outcome["listed"] and MANIFEST in outcome["listed"], outcome
+    assert "error" not in outcome, outcome
+    assert not os.path.exists(folder)
+    acc.wait_for_everyone()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]

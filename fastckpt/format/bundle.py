@@ -46,7 +46,7 @@ from .layout import FORMAT, LAYOUT_FILES, MANIFEST, CheckpointInfo, FileRecord
 from .paths import plain_name
 from .picklecheck import PickleLoader, check_loads, culprits, pickle_of
 from .safetensorsfile import SafetensorsFileFormat
-from ..storage.heldlink import present, wait_unwalked
+from ..storage.heldlink import present, remove_unwalked, wait_unwalked
 from ..storage.local import LocalStorage
 from ..storage.protocol import Storage
 from .torchfile import TorchFileFormat, plan_torch_file
@@ -210,7 +210,7 @@ class FileBundle:
                                  range(len(self.members)))
                 self._check_folder(storage)
                 self._publish(storage, MANIFEST, self.manifest(records))  # <- the commit point
-            storage.delete(storage.join(self.dirpath, PENDING))
+            self._unmark(storage)
         except FolderRemovedError:
             self._undo_recreation(storage)
             raise
@@ -218,6 +218,25 @@ class FileBundle:
             self._removed_or_raise(storage, e)
             raise
         return sum(r.size for r in records)
+
+    def _unmark(self, storage: Storage) -> None:
+        """Remove the marker once the manifest is there. In a made local folder, only while no walk of this process
+        holds the folder (or one above it) open: a user's ``rmtree`` that listed the folder after the links lists the
+        marker too, and unlinking it under that walk would fail it (``FileNotFoundError``); the walk removes the
+        marker itself, and finding it gone is fine. A folder held open longer than ``wait_unwalked``'s patience (a
+        reader, not a removal) does not keep the marker: it goes then, as the links do."""
+        marker = storage.join(self.dirpath, PENDING)
+        if not (self.made and self.identities and isinstance(storage, LocalStorage)):
+            storage.delete(marker)
+            return
+        real = os.path.realpath(self.dirpath)
+        # The folder itself only: a walk lists it only while holding it open (one of a folder above it holding that
+        # one open has not listed this folder yet, or has and holds this one too). Made before the wait, which
+        # returns with the GIL held since its last look: nothing between that look and the unlink lets it go.
+        guard = frozenset([os.fsencode(real)])
+        wait_unwalked(real)
+        if not remove_unwalked(marker, guard):
+            storage.delete(marker)  # held open past the patience: a reader, not a removal
 
     def _write_then_link(self, storage: LocalStorage, views: dict[int, memoryview], crcs: dict[int, int],
                          pool: Executor | None) -> list[FileRecord]:
