@@ -3,7 +3,8 @@
 Save (every process calls ``save_state``, as Accelerate requires): 1. pick the target (``checkpoint_{iteration}``
 under the root, or ``output_dir``); the main process refuses a reused automatic name and creates the folder, as
 Accelerate does; 2. gather every process's RNG states (one small collective); 3. the main process hands the files
-stock ``save_state`` writes (``native.stock_files``) to ``Checkpointer.save_files``, which returns in milliseconds:
+stock ``save_state`` writes (``native.stock_files``) to ``Checkpointer.save_files``, which returns in milliseconds
+(with ``complete_folders``, a new local folder is written under a hidden sibling name and renamed at its commit):
 tensors are copied in the background (the watched optimizers' ``step()`` waits until they are), each torch file's
 pickle is unpickled as ``load_state`` will (``foreign.save_loaders``: a refusal fails the save, naming the keys),
 each file is written in its stock format, ``manifest.json`` last; retention (``total_limit``) then removes the
@@ -26,6 +27,7 @@ import concurrent.futures
 import functools
 import logging
 import os
+import shutil
 import time
 import weakref
 from dataclasses import dataclass, replace
@@ -38,7 +40,7 @@ from fastckpt import CheckpointConfig, Checkpointer, RemoteOptions, load_checkpo
 from fastckpt.errors import (CheckpointNotFoundError, ConfigError, FastCkptError, IntegrityError,
                              UnsafeCheckpointError)
 from fastckpt.engine.exithook import register_exit_hook
-from fastckpt.format.bundle import TORCH
+from fastckpt.format.bundle import TORCH, staging_path
 
 from . import naming
 from .distributed import all_gather, broadcast_from_main, can_share_writes
@@ -72,6 +74,7 @@ class FastAccelerateCheckpointing:
         original_load_state: Callable[..., Any] | None = None,
         allow_unsafe_pickle: bool = False,
         original_wait_for_everyone: Callable[[], Any] | None = None,
+        complete_folders: bool = False,
     ) -> None:
         self._closed = True  # until construction succeeds, so close() is safe on a half-built object
         if config.staging.shm:  # resolve_config drops it from a YAML; a config built by hand gets this error
@@ -90,7 +93,16 @@ class FastAccelerateCheckpointing:
         self._last_handle: Any | None = None
         self.save_state_ms: list[float] = []
         self.last_load_stats: LoadStateStats | None = None  # what the last load_state read, and how
-        possible = can_share_writes(accelerator, self.root)
+        self.complete_folders = bool(complete_folders)  # a new folder appears under its name only once committed
+        if self.complete_folders and naming.is_url(self.root):
+            raise ConfigError(
+                f"complete_folders=True needs a local root, not {self.root}: on an object store a folder is a prefix "
+                "with no rename; there manifest.json is the commit (copy a folder only once it lists manifest.json)")
+        if self.complete_folders and shared_writes:
+            raise ConfigError("complete_folders=True with shared_writes=True: the processes' shared writes go "
+                              "straight into the folder; pass shared_writes=None (the main process then writes every "
+                              "file, renaming the folder into place at its commit)")
+        possible = can_share_writes(accelerator, self.root) and not self.complete_folders
         if shared_writes and not possible:
             raise ConfigError(
                 f"shared_writes=True, but the processes cannot share the writes under {self.root}: that needs "
@@ -142,7 +154,7 @@ class FastAccelerateCheckpointing:
         started = time.perf_counter()
         self.log_stats()
         target = self._save_target(output_dir)
-        checked = self._on_main(lambda: self._claim(target))
+        checked = self._on_main(lambda: self._claim(target))  # its value: the folder's staging path, or None
         gathered = all_gather(
             self._accelerator, {"rng": rng_file_state(self._accelerator.step), "error": checked.wire_error}
         )
@@ -156,7 +168,10 @@ class FastAccelerateCheckpointing:
             _wait_for_saves_of(naming.normalize(target.url))
             checkpointer = self._checkpointer_for(target.root)
             self._watchers[target.root].sync(self._accelerator._optimizers, self._accelerator._models)
-            files = shared or stock_files(self._accelerator, target.url, safe_serialization, rngs)
+            staging = checked.value
+            # A staged folder's pre-hooks (register_save_state_pre_hook) write into it under its staging name too, so
+            # that their files appear with the rest.
+            files = shared or stock_files(self._accelerator, staging or target.url, safe_serialization, rngs)
             meta = {"format": NATIVE_FORMAT, "iteration": iteration, "step": self._accelerator.step,
                     "num_processes": self._accelerator.num_processes}
             # Each torch file is unpickled on the committer as load_state will read it, before the commit: a state
@@ -164,7 +179,8 @@ class FastAccelerateCheckpointing:
             loaders = save_loaders([n for n, (kind, _) in files.items() if kind == TORCH],
                                    self.config.allowed_classes, self.allow_unsafe_pickle)
             handle = checkpointer.save_files(files, target.name, step=iteration, user={META_KEY: meta},
-                                            made=not naming.is_url(target.url), loaders=loaders)
+                                            made=not naming.is_url(target.url), loaders=loaders,
+                                            staged=staging is not None)
             self._in_flight = [h for h in self._in_flight if not h.done()] + [handle]
             self._last_handle = handle
         self._accelerator.project_configuration.iteration = iteration + 1
@@ -298,25 +314,32 @@ class FastAccelerateCheckpointing:
             return naming.CheckpointTarget(self.root, naming.checkpoint_name(project.iteration))
         return naming.split(output_dir)
 
-    def _claim(self, target: naming.CheckpointTarget) -> None:
-        """Main process: raise if automatic naming would reuse a checkpoint name, as Accelerate does.
+    def _claim(self, target: naming.CheckpointTarget) -> str | None:
+        """Main process: raise if automatic naming would reuse a checkpoint name, as Accelerate does; create the
+        folder, as Accelerate does, or (``complete_folders``, a local folder that does not exist yet) its staging
+        folder, whose path is returned (None: the folder itself is written).
 
         An explicit ``output_dir`` may be saved again (Accelerate overwrites it): the new manifest replaces
         the old one atomically at commit, so the folder always holds one complete checkpoint.
         """
-        if not naming.is_url(target.url):
-            os.makedirs(target.url, exist_ok=True)  # as Accelerate: the folder exists once save_state returns
-        if not self._accelerator.project_configuration.automatic_checkpoint_naming:
-            return
-        checkpointer = self._checkpointer_for(target.root)
-        pending = any(h.name == target.name and not h.done() for h in self._in_flight)
-        if pending or checkpointer.exists(target.name):
-            iteration = self._accelerator.project_configuration.iteration
-            raise ConfigError(
-                f"checkpoint {target.url} already exists (iteration {iteration}); "
-                "load_state() to continue from the newest checkpoint, or set "
-                "accelerator.project_configuration.iteration past it"
-            )
+        if self._accelerator.project_configuration.automatic_checkpoint_naming:
+            checkpointer = self._checkpointer_for(target.root)
+            pending = any(h.name == target.name and not h.done() for h in self._in_flight)
+            if pending or checkpointer.exists(target.name):
+                iteration = self._accelerator.project_configuration.iteration
+                raise ConfigError(
+                    f"checkpoint {target.url} already exists (iteration {iteration}); "
+                    "load_state() to continue from the newest checkpoint, or set "
+                    "accelerator.project_configuration.iteration past it"
+                )
+        if naming.is_url(target.url):
+            return None
+        if self.complete_folders:
+            _wait_for_saves_of(naming.normalize(target.url))  # a pending save of this folder owns its staging folder
+            if not os.path.lexists(target.url):
+                return _stage(target.url)
+        os.makedirs(target.url, exist_ok=True)  # as Accelerate: the folder exists once save_state returns
+        return None
 
     def _checkpointer_for(self, root: str) -> Checkpointer:
         """The Checkpointer of ``root`` (main process). It takes no root lock: ``save_files`` never does, the
@@ -480,6 +503,19 @@ def _wait_for_saves_of(path: str, *, under: bool = False) -> None:
             if (saved == path or (under and _under(saved, path))) and not handle.done():
                 handle.blocking()
                 concurrent.futures.wait([handle.durable])  # not wait(): its error stays its owner's to raise
+
+
+def _stage(folder: str) -> str:
+    """Create ``folder``'s staging folder (its parents as Accelerate would create them) and return its path. A
+    staging folder already there is a killed save's leftover (none of this process's saves of ``folder`` is pending:
+    ``_claim`` waited for them): never listed, counted or loaded, and removed here by the next save of that name."""
+    staging = staging_path(folder)
+    if os.path.lexists(staging):
+        logger.warning("fastckpt: removing %s, the unfinished staging folder of an earlier save of %s", staging, folder)
+        shutil.rmtree(staging)
+    os.makedirs(os.path.dirname(staging), exist_ok=True)
+    os.mkdir(staging)
+    return staging
 
 
 def _looks_like_accelerate(path: str) -> bool:
