@@ -143,7 +143,8 @@ class Checkpointer(Cadenced):
                    made: bool = False, loaders: dict[str, Any] | None = None, staged: bool = False) -> SaveHandle:
         """Snapshot a framework's checkpoint folder ``root/name`` as one save, ``manifest.json`` written last (the
         commit): ``files`` maps each file name to ``("safetensors", {key: tensor})`` or ``("torch", obj)``. Like
-        ``save_file``: no root lock, no retention, one process. See ``Saver.save_files`` for the keyword arguments."""
+        ``save_file``: no root lock, no retention, one process. See ``Saver.save_files`` for the keyword arguments;
+        ``staged`` (with ``made``): written in ``staging_path(root/name)``, renamed to ``root/name`` once committed."""
         self._check_open()
         return self._saver.save_files(files, name, step=step, user=user, made=made, loaders=loaders, staged=staged)
 

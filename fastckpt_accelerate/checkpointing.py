@@ -22,25 +22,22 @@ Accelerate load through the same reader (their torch files checked against their
 
 from __future__ import annotations
 
-import builtins
 import concurrent.futures
 import functools
 import logging
 import os
-import shutil
 import time
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Callable
 
 from accelerate import Accelerator
 
-import fastckpt.errors as errors
 from fastckpt import CheckpointConfig, Checkpointer, RemoteOptions, load_checkpoint
 from fastckpt.errors import (CheckpointNotFoundError, ConfigError, FastCkptError, IntegrityError,
                              UnsafeCheckpointError)
 from fastckpt.engine.exithook import register_exit_hook
-from fastckpt.format.bundle import TORCH, staging_path
+from fastckpt.format.bundle import TORCH
 
 from . import naming
 from .distributed import all_gather, broadcast_from_main, can_share_writes
@@ -50,7 +47,9 @@ from .loadstats import LoadStateStats
 from .folder import CORE, FILES, inspect_folder, local_folder, unlisted_files
 from .foreign import load_accelerate_folder, save_loaders
 from .native import rng_file_state, stock_files
+from .outcome import Outcome, remote_error
 from .sharedobjects import shared_objects
+from .staging import check_complete_folders, stage
 from .state import META_KEY, read_meta, restore_process_state, restore_state
 from .stats import StatsLogger
 from .watcher import OptimizerWatcher, close_all
@@ -94,14 +93,8 @@ class FastAccelerateCheckpointing:
         self.save_state_ms: list[float] = []
         self.last_load_stats: LoadStateStats | None = None  # what the last load_state read, and how
         self.complete_folders = bool(complete_folders)  # a new folder appears under its name only once committed
-        if self.complete_folders and naming.is_url(self.root):
-            raise ConfigError(
-                f"complete_folders=True needs a local root, not {self.root}: on an object store a folder is a prefix "
-                "with no rename; there manifest.json is the commit (copy a folder only once it lists manifest.json)")
-        if self.complete_folders and shared_writes:
-            raise ConfigError("complete_folders=True with shared_writes=True: the processes' shared writes go "
-                              "straight into the folder; pass shared_writes=None (the main process then writes every "
-                              "file, renaming the folder into place at its commit)")
+        if self.complete_folders:
+            check_complete_folders(self.root, shared_writes)
         possible = can_share_writes(accelerator, self.root) and not self.complete_folders
         if shared_writes and not possible:
             raise ConfigError(
@@ -336,8 +329,9 @@ class FastAccelerateCheckpointing:
             return None
         if self.complete_folders:
             _wait_for_saves_of(naming.normalize(target.url))  # a pending save of this folder owns its staging folder
-            if not os.path.lexists(target.url):
-                return _stage(target.url)
+            staging = stage(target.url)
+            if staging is not None:
+                return staging
         os.makedirs(target.url, exist_ok=True)  # as Accelerate: the folder exists once save_state returns
         return None
 
@@ -430,16 +424,16 @@ class FastAccelerateCheckpointing:
             raise error
         for rank, wire in enumerate(wires):
             if wire is not None:
-                raise _remote_error(rank, *wire)
+                raise remote_error(rank, *wire)
 
-    def _on_main(self, fn: Callable[[], Any]) -> "_Outcome":
+    def _on_main(self, fn: Callable[[], Any]) -> "Outcome":
         if not self._accelerator.is_main_process:
-            return _Outcome()
+            return Outcome()
         try:
-            return _Outcome(value=fn())
+            return Outcome(value=fn())
         except FastCkptError as e:
             # Not raised yet: the other processes are about to enter a collective and must learn of it.
-            return _Outcome(error=e)
+            return Outcome(error=e)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -447,41 +441,6 @@ class FastAccelerateCheckpointing:
                 "fastckpt checkpointing for this Accelerator was closed (end_training() or close()); "
                 "call fastckpt_accelerate.enable(accelerator, config) again to keep saving"
             )
-
-
-@dataclass
-class _Outcome:
-    """What a main-process-only step produced, in a form every process can act on."""
-
-    value: Any = None
-    error: FastCkptError | None = None
-
-    @property
-    def wire_error(self) -> tuple[str, str] | None:
-        """The error as (class name, message): picklable for the collectives."""
-        return None if self.error is None else (type(self.error).__name__, str(self.error))
-
-    def raise_shared(self, wire_error: tuple[str, str] | None) -> None:
-        """Raise on every process if the main one failed: the original error where it happened."""
-        if self.error is not None:
-            raise self.error
-        if wire_error is not None:
-            name, message = wire_error
-            cls = getattr(errors, name, FastCkptError)
-            if not (isinstance(cls, type) and issubclass(cls, FastCkptError)):
-                cls = FastCkptError
-            raise cls(f"on the main process: {message}")
-
-
-def _remote_error(rank: int, name: str, message: str) -> Exception:
-    """The error another process raised, rebuilt here: its fastckpt or built-in class, else ``FastCkptError``."""
-    cls = getattr(errors, name, None) or getattr(builtins, name, None)
-    if not (isinstance(cls, type) and issubclass(cls, Exception)):
-        cls = FastCkptError
-    try:
-        return cls(f"on process {rank}: {message}")
-    except TypeError:  # a class whose constructor wants more than a message
-        return FastCkptError(f"on process {rank}: {name}: {message}")
 
 
 def _close_at_exit(ref: "weakref.ref[FastAccelerateCheckpointing]") -> None:
@@ -503,19 +462,6 @@ def _wait_for_saves_of(path: str, *, under: bool = False) -> None:
             if (saved == path or (under and _under(saved, path))) and not handle.done():
                 handle.blocking()
                 concurrent.futures.wait([handle.durable])  # not wait(): its error stays its owner's to raise
-
-
-def _stage(folder: str) -> str:
-    """Create ``folder``'s staging folder (its parents as Accelerate would create them) and return its path. A
-    staging folder already there is a killed save's leftover (none of this process's saves of ``folder`` is pending:
-    ``_claim`` waited for them): never listed, counted or loaded, and removed here by the next save of that name."""
-    staging = staging_path(folder)
-    if os.path.lexists(staging):
-        logger.warning("fastckpt: removing %s, the unfinished staging folder of an earlier save of %s", staging, folder)
-        shutil.rmtree(staging)
-    os.makedirs(os.path.dirname(staging), exist_ok=True)
-    os.mkdir(staging)
-    return staging
 
 
 def _looks_like_accelerate(path: str) -> bool:

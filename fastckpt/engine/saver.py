@@ -205,8 +205,7 @@ class Saver:
         framework's), one process. ``user``: extra fields of the manifest. ``made``: the caller created the folder,
         so a save whose folder vanished (the user removed it) fails instead of recreating it. ``loaders``: torch file
         name -> the ``PickleLoader`` that will read it; the committer unpickles each file's pickle as it will before
-        the commit (``FileBundle.check_pickles``), so a file that would not load fails the save, not the resume.
-        ``staged``: written under a hidden sibling name, renamed to ``root/name`` once committed (``FileBundle``)."""
+        the commit (``FileBundle.check_pickles``), so a file that would not load fails the save, not the resume."""
         t0 = time.perf_counter()
         name = file_name(name)
         if self._coord is not None or self.config.staging.shm:

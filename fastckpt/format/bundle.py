@@ -230,7 +230,7 @@ class FileBundle:
                 self._publish(storage, MANIFEST, self.manifest(records))  # <- the commit point
             storage.delete(storage.join(self.dirpath, PENDING))
             if self.publish_as:  # the marker goes before: the folder takes its name without it
-                self._rename_into_place(records, getattr(storage, "_fsync", True))
+                self._rename_into_place(storage, records)
         except FolderRemovedError:
             self._undo_recreation(storage)
             raise
@@ -240,7 +240,7 @@ class FileBundle:
             raise
         return sum(r.size for r in records)
 
-    def _rename_into_place(self, records: list[FileRecord], sync: bool, patience_s: float = 1.0) -> None:
+    def _rename_into_place(self, storage: Storage, records: list[FileRecord], patience_s: float = 1.0) -> None:
         """A staged folder, committed inside its staging name: rename it to its own name. Like the links, only
         while no thread of this process holds the parent or a folder above it open (a user's ``rmtree`` of the
         project listed it: a name vanishing or appearing under it would fail that removal), right after a check that
@@ -267,9 +267,9 @@ class FileBundle:
                     "save commits (write into it only after accelerator.wait_for_everyone()); move the staged "
                     "folder there by hand to keep this checkpoint") from e
             time.sleep(0.001)  # lets the walker's thread run (it needs the GIL) and finish
-        if sync:
+        if getattr(storage, "fsync", False):  # a local storage (or a wrapper of one): the rename made durable
             with contextlib.suppress(FileNotFoundError):  # removed right after: the user's removal, nothing to keep
-                _fsync_folder(os.path.dirname(self.publish_as))  # the rename durable: the folder's commit point
+                _fsync_folder(os.path.dirname(self.publish_as))
 
     def _write_then_link(self, storage: LocalStorage, views: dict[int, memoryview], crcs: dict[int, int],
                          pool: Executor | None) -> list[FileRecord]:
@@ -433,7 +433,7 @@ def staging_path(dirpath: str) -> str:
 
 
 def _fsync_folder(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(fd)
     finally:
