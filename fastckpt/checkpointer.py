@@ -142,12 +142,13 @@ class Checkpointer(Cadenced):
         return self._saver.save_file(state, name, step=step, kind=kind)
 
     def save_files(self, files: dict[str, tuple[str, Any]], name: str, *, step: int = 0, user: dict | None = None,
-                   made: bool = False, loaders: dict[str, Any] | None = None) -> SaveHandle:
+                   made: bool = False, loaders: dict[str, Any] | None = None, staged: bool = False) -> SaveHandle:
         """Snapshot a framework's checkpoint folder ``root/name`` as one save, ``manifest.json`` written last (the
         commit): ``files`` maps each file name to ``("safetensors", {key: tensor})`` or ``("torch", obj)``. Like
-        ``save_file``: no root lock, no retention, one process. See ``Saver.save_files`` for the keyword arguments."""
+        ``save_file``: no root lock, no retention, one process. See ``Saver.save_files`` for the keyword arguments;
+        ``staged`` (with ``made``): written in ``staging_path(root/name)``, renamed to ``root/name`` once committed."""
         self._check_open()
-        return self._saver.save_files(files, name, step=step, user=user, made=made, loaders=loaders)
+        return self._saver.save_files(files, name, step=step, user=user, made=made, loaders=loaders, staged=staged)
 
     def remove_file(self, name: str) -> Future:
         """Delete the file ``root/name`` after every save submitted before (Lightning's ``remove_checkpoint``); missing

@@ -3,7 +3,8 @@
 Save (every process calls ``save_state``, as Accelerate requires): 1. pick the target (``checkpoint_{iteration}``
 under the root, or ``output_dir``); the main process refuses a reused automatic name and creates the folder, as
 Accelerate does; 2. gather every process's RNG states (one small collective); 3. the main process hands the files
-stock ``save_state`` writes (``native.stock_files``) to ``Checkpointer.save_files``, which returns in milliseconds:
+stock ``save_state`` writes (``native.stock_files``) to ``Checkpointer.save_files``, which returns in milliseconds
+(with ``complete_folders``, a new local folder is written under a hidden sibling name and renamed at its commit):
 tensors are copied in the background (the watched optimizers' ``step()`` waits until they are), each torch file's
 pickle is unpickled as ``load_state`` will (``foreign.save_loaders``: a refusal fails the save, naming the keys),
 each file is written in its stock format, ``manifest.json`` last; retention (``total_limit``) then removes the
@@ -21,19 +22,17 @@ Accelerate load through the same reader (their torch files checked against their
 
 from __future__ import annotations
 
-import builtins
 import concurrent.futures
 import functools
 import logging
 import os
 import time
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Callable
 
 from accelerate import Accelerator
 
-import fastckpt.errors as errors
 from fastckpt import CheckpointConfig, Checkpointer, RemoteOptions, load_checkpoint
 from fastckpt.errors import (CheckpointNotFoundError, ConfigError, FastCkptError, IntegrityError,
                              UnsafeCheckpointError)
@@ -48,7 +47,9 @@ from .loadstats import LoadStateStats
 from .folder import CORE, FILES, inspect_folder, local_folder, unlisted_files
 from .foreign import load_accelerate_folder, save_loaders
 from .native import rng_file_state, stock_files
+from .outcome import Outcome, remote_error
 from .sharedobjects import shared_objects
+from .staging import check_complete_folders, stage
 from .state import META_KEY, read_meta, restore_process_state, restore_state
 from .stats import StatsLogger
 from .watcher import OptimizerWatcher, close_all
@@ -72,6 +73,7 @@ class FastAccelerateCheckpointing:
         original_load_state: Callable[..., Any] | None = None,
         allow_unsafe_pickle: bool = False,
         original_wait_for_everyone: Callable[[], Any] | None = None,
+        complete_folders: bool = False,
     ) -> None:
         self._closed = True  # until construction succeeds, so close() is safe on a half-built object
         if config.staging.shm:  # resolve_config drops it from a YAML; a config built by hand gets this error
@@ -90,7 +92,10 @@ class FastAccelerateCheckpointing:
         self._last_handle: Any | None = None
         self.save_state_ms: list[float] = []
         self.last_load_stats: LoadStateStats | None = None  # what the last load_state read, and how
-        possible = can_share_writes(accelerator, self.root)
+        self.complete_folders = bool(complete_folders)  # a new folder appears under its name only once committed
+        if self.complete_folders:
+            check_complete_folders(self.root, shared_writes)
+        possible = can_share_writes(accelerator, self.root) and not self.complete_folders
         if shared_writes and not possible:
             raise ConfigError(
                 f"shared_writes=True, but the processes cannot share the writes under {self.root}: that needs "
@@ -142,7 +147,7 @@ class FastAccelerateCheckpointing:
         started = time.perf_counter()
         self.log_stats()
         target = self._save_target(output_dir)
-        checked = self._on_main(lambda: self._claim(target))
+        checked = self._on_main(lambda: self._claim(target))  # its value: the folder's staging path, or None
         gathered = all_gather(
             self._accelerator, {"rng": rng_file_state(self._accelerator.step), "error": checked.wire_error}
         )
@@ -156,7 +161,10 @@ class FastAccelerateCheckpointing:
             _wait_for_saves_of(naming.normalize(target.url))
             checkpointer = self._checkpointer_for(target.root)
             self._watchers[target.root].sync(self._accelerator._optimizers, self._accelerator._models)
-            files = shared or stock_files(self._accelerator, target.url, safe_serialization, rngs)
+            staging = checked.value
+            # A staged folder's pre-hooks (register_save_state_pre_hook) write into it under its staging name too, so
+            # that their files appear with the rest.
+            files = shared or stock_files(self._accelerator, staging or target.url, safe_serialization, rngs)
             meta = {"format": NATIVE_FORMAT, "iteration": iteration, "step": self._accelerator.step,
                     "num_processes": self._accelerator.num_processes}
             # Each torch file is unpickled on the committer as load_state will read it, before the commit: a state
@@ -164,7 +172,8 @@ class FastAccelerateCheckpointing:
             loaders = save_loaders([n for n, (kind, _) in files.items() if kind == TORCH],
                                    self.config.allowed_classes, self.allow_unsafe_pickle)
             handle = checkpointer.save_files(files, target.name, step=iteration, user={META_KEY: meta},
-                                            made=not naming.is_url(target.url), loaders=loaders)
+                                            made=not naming.is_url(target.url), loaders=loaders,
+                                            staged=staging is not None)
             self._in_flight = [h for h in self._in_flight if not h.done()] + [handle]
             self._last_handle = handle
         self._accelerator.project_configuration.iteration = iteration + 1
@@ -298,25 +307,33 @@ class FastAccelerateCheckpointing:
             return naming.CheckpointTarget(self.root, naming.checkpoint_name(project.iteration))
         return naming.split(output_dir)
 
-    def _claim(self, target: naming.CheckpointTarget) -> None:
-        """Main process: raise if automatic naming would reuse a checkpoint name, as Accelerate does.
+    def _claim(self, target: naming.CheckpointTarget) -> str | None:
+        """Main process: raise if automatic naming would reuse a checkpoint name, as Accelerate does; create the
+        folder, as Accelerate does, or (``complete_folders``, a local folder that does not exist yet) its staging
+        folder, whose path is returned (None: the folder itself is written).
 
         An explicit ``output_dir`` may be saved again (Accelerate overwrites it): the new manifest replaces
         the old one atomically at commit, so the folder always holds one complete checkpoint.
         """
-        if not naming.is_url(target.url):
-            os.makedirs(target.url, exist_ok=True)  # as Accelerate: the folder exists once save_state returns
-        if not self._accelerator.project_configuration.automatic_checkpoint_naming:
-            return
-        checkpointer = self._checkpointer_for(target.root)
-        pending = any(h.name == target.name and not h.done() for h in self._in_flight)
-        if pending or checkpointer.exists(target.name):
-            iteration = self._accelerator.project_configuration.iteration
-            raise ConfigError(
-                f"checkpoint {target.url} already exists (iteration {iteration}); "
-                "load_state() to continue from the newest checkpoint, or set "
-                "accelerator.project_configuration.iteration past it"
-            )
+        if self._accelerator.project_configuration.automatic_checkpoint_naming:
+            checkpointer = self._checkpointer_for(target.root)
+            pending = any(h.name == target.name and not h.done() for h in self._in_flight)
+            if pending or checkpointer.exists(target.name):
+                iteration = self._accelerator.project_configuration.iteration
+                raise ConfigError(
+                    f"checkpoint {target.url} already exists (iteration {iteration}); "
+                    "load_state() to continue from the newest checkpoint, or set "
+                    "accelerator.project_configuration.iteration past it"
+                )
+        if naming.is_url(target.url):
+            return None
+        if self.complete_folders:
+            _wait_for_saves_of(naming.normalize(target.url))  # a pending save of this folder owns its staging folder
+            staging = stage(target.url)
+            if staging is not None:
+                return staging
+        os.makedirs(target.url, exist_ok=True)  # as Accelerate: the folder exists once save_state returns
+        return None
 
     def _checkpointer_for(self, root: str) -> Checkpointer:
         """The Checkpointer of ``root`` (main process). It takes no root lock: ``save_files`` never does, the
@@ -407,16 +424,16 @@ class FastAccelerateCheckpointing:
             raise error
         for rank, wire in enumerate(wires):
             if wire is not None:
-                raise _remote_error(rank, *wire)
+                raise remote_error(rank, *wire)
 
-    def _on_main(self, fn: Callable[[], Any]) -> "_Outcome":
+    def _on_main(self, fn: Callable[[], Any]) -> "Outcome":
         if not self._accelerator.is_main_process:
-            return _Outcome()
+            return Outcome()
         try:
-            return _Outcome(value=fn())
+            return Outcome(value=fn())
         except FastCkptError as e:
             # Not raised yet: the other processes are about to enter a collective and must learn of it.
-            return _Outcome(error=e)
+            return Outcome(error=e)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -424,41 +441,6 @@ class FastAccelerateCheckpointing:
                 "fastckpt checkpointing for this Accelerator was closed (end_training() or close()); "
                 "call fastckpt_accelerate.enable(accelerator, config) again to keep saving"
             )
-
-
-@dataclass
-class _Outcome:
-    """What a main-process-only step produced, in a form every process can act on."""
-
-    value: Any = None
-    error: FastCkptError | None = None
-
-    @property
-    def wire_error(self) -> tuple[str, str] | None:
-        """The error as (class name, message): picklable for the collectives."""
-        return None if self.error is None else (type(self.error).__name__, str(self.error))
-
-    def raise_shared(self, wire_error: tuple[str, str] | None) -> None:
-        """Raise on every process if the main one failed: the original error where it happened."""
-        if self.error is not None:
-            raise self.error
-        if wire_error is not None:
-            name, message = wire_error
-            cls = getattr(errors, name, FastCkptError)
-            if not (isinstance(cls, type) and issubclass(cls, FastCkptError)):
-                cls = FastCkptError
-            raise cls(f"on the main process: {message}")
-
-
-def _remote_error(rank: int, name: str, message: str) -> Exception:
-    """The error another process raised, rebuilt here: its fastckpt or built-in class, else ``FastCkptError``."""
-    cls = getattr(errors, name, None) or getattr(builtins, name, None)
-    if not (isinstance(cls, type) and issubclass(cls, Exception)):
-        cls = FastCkptError
-    try:
-        return cls(f"on process {rank}: {message}")
-    except TypeError:  # a class whose constructor wants more than a message
-        return FastCkptError(f"on process {rank}: {name}: {message}")
 
 
 def _close_at_exit(ref: "weakref.ref[FastAccelerateCheckpointing]") -> None:

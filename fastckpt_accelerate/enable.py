@@ -38,6 +38,7 @@ def enable(
     log_stats: bool = False,
     shared_writes: bool | None = None,
     allow_unsafe_pickle: bool = False,
+    complete_folders: bool = False,
 ) -> FastAccelerateCheckpointing:
     """Make ``accelerator.save_state()`` asynchronous and fastckpt-backed; call right after creating it.
 
@@ -51,12 +52,18 @@ def enable(
     ``custom_checkpoint_*.pkl`` (and, with ``load_kwargs={"weights_only": False}``, other files) without
     restriction, as Accelerate does; off by default (such files load with ``weights_only=True``, anything
     else raises ``UnsafeCheckpointError``). Turn it on only for folders you trust.
+    ``complete_folders`` (a local root): a new checkpoint folder is written under a hidden sibling name and appears
+    under its own name only once committed, complete (a copy taken too early fails: no such folder); off by default,
+    as in stock the folder exists once ``save_state()`` returns (docs/accelerate.md, "When the files are there").
     """
     check_engine(accelerator)
     previous = get_checkpointing(accelerator)
     if previous is not None and not previous.closed:
         raise ConfigError("fastckpt is already enabled on this Accelerator; close() the returned object first")
     if is_sharded_fsdp2(accelerator):
+        if complete_folders:
+            raise ConfigError("complete_folders=True is not supported with FSDP2: every process writes its own blocks "
+                              "into the folder; copy a folder only once it holds manifest.json")
         if log_stats or shared_writes is False:
             raise ConfigError("with FSDP2, log_stats=True and shared_writes=False are not supported: every process "
                               "writes its own blocks; read checkpointing.stats instead of log_stats")
@@ -77,6 +84,7 @@ def enable(
         shared_writes=shared_writes,
         original_load_state=type(accelerator).load_state.__get__(accelerator),
         allow_unsafe_pickle=allow_unsafe_pickle,
+        complete_folders=complete_folders,
         original_wait_for_everyone=type(accelerator).wait_for_everyone.__get__(accelerator),
     )
     _install(accelerator, checkpointing)

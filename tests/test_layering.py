@@ -67,8 +67,8 @@ SURFACE: dict[str, frozenset[str] | str] = {
     # registered objects, checked at save time and loaded with them)
     "fastckpt.format.picklecheck": frozenset({"PickleLoader", "allowing", "numpy_safe_globals", "resolve_globals"}),
     # a bundle's in-progress marker and its file kinds (Accelerate's save folders; EXTERNAL: a file every process
-    # uploads parts of, which the bundle waits for)
-    "fastckpt.format.bundle": frozenset({"PENDING", "SAFETENSORS", "TORCH", "EXTERNAL"}),
+    # uploads parts of, which the bundle waits for); staging_path: where a staged folder is written until its commit
+    "fastckpt.format.bundle": frozenset({"PENDING", "SAFETENSORS", "TORCH", "EXTERNAL", "staging_path"}),
     # a torch file's health record (NaN/Inf, norms; Lightning's .ckpt): its extended attribute on local storage,
     # a sidecar beside it on an object store (removed with the file)
     "fastckpt.format.healthrecord": frozenset({"delete_with_record", "file_health", "verdict"}),

@@ -198,7 +198,7 @@ class Saver:
 
     def save_files(self, files: dict[str, tuple[str, Any]], name: str, *, step: int = 0,
                    user: dict[str, Any] | None = None, made: bool = False,
-                   loaders: dict[str, Any] | None = None) -> SaveHandle:
+                   loaders: dict[str, Any] | None = None, staged: bool = False) -> SaveHandle:
         """``Checkpointer.save_files``: a framework's checkpoint folder ``root/name`` as one save
         (``fastckpt.format.bundle``): every file is written by the engine, then ``manifest.json`` (``"layout":
         "files"``, each file's size and CRC32C) last: the commit. No root lock, no retention (the folder is the
@@ -219,7 +219,7 @@ class Saver:
             sweep_once(self.storage, self.config.orphan_grace_s)
         try:
             fmt, tensors, keys, sources = FileBundle.plan(files, dirpath, name, step, self.storage, user, made,
-                                                         loaders)
+                                                         loaders, staged)
         except (TypeError, ValueError, AttributeError, RuntimeError, pickle.PicklingError) as e:
             raise StateMismatchError(f"cannot save this state as the files of {dirpath!r}: {e}") from e
         # the buffers stay held until the commit: a state larger than the limit would never fit
@@ -233,7 +233,7 @@ class Saver:
         lazy_ptrs, watched = self._lazy_ptrs()
         return self._submit(flat, step, name, dirpath, t0, lazy_ptrs, watched, file_format=fmt, version_src=sources,
                             retake=lambda: self.save_files(files, name, step=step, user=user, made=made,
-                                                           loaders=loaders))
+                                                           loaders=loaders, staged=staged))
 
     def submit_recovered(self, rec: StagedRecord, slot: Slot) -> SaveHandle:
         """Persist a snapshot a crashed process staged in shared memory (its bytes are in ``slot`` already)."""

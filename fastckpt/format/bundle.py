@@ -21,6 +21,11 @@ name after a check that the marker and the names before it are still there (``_w
 removes that folder before the commit (a ``TemporaryDirectory`` cleanup), their removal wins: the save stops with
 ``FolderRemovedError`` (quiet: the saver warns once and does not raise it later), and whatever a storage's
 ``makedirs`` recreated meanwhile is removed again (``_undo_recreation``).
+
+A ``staged`` folder (Accelerate's ``complete_folders``) is written as above under a hidden sibling name
+(``staging_path``), which the caller created, and renamed to its own name once committed (``_rename_into_place``):
+until then the folder's own name does not exist, so a copy taken too early fails ("No such file or directory")
+instead of copying a marker. The rename yields to a removal in this process exactly as the links do.
 """
 from __future__ import annotations
 
@@ -41,19 +46,24 @@ from .bundlededup import upload_records, write_member
 from .checksum import crc32c
 from .contenthash import FIELD
 from .external import EXTERNAL, ExternalFile
-from ..errors import FolderRemovedError, UnsafeCheckpointError
+from ..errors import FolderRemovedError, StorageError, UnsafeCheckpointError
 from .layout import FORMAT, LAYOUT_FILES, MANIFEST, CheckpointInfo, FileRecord
 from .paths import plain_name
 from .picklecheck import PickleLoader, check_loads, culprits, pickle_of
 from .safetensorsfile import SafetensorsFileFormat
-from ..storage.heldlink import present, remove_unwalked, wait_unwalked
+from ..storage.heldlink import guards_of, present, remove_unwalked, rename_unwalked, wait_unwalked
 from ..storage.local import LocalStorage
 from ..storage.protocol import Storage
 from .torchfile import TorchFileFormat, plan_torch_file
 
-__all__ = ["EXTERNAL", "FileBundle", "PENDING", "SAFETENSORS", "TORCH"]
+__all__ = ["EXTERNAL", "FileBundle", "PENDING", "SAFETENSORS", "STAGING_PREFIX", "TORCH", "staging_path"]
 
 PENDING = ".fastckpt-pending"
+# A staged folder's hidden name: ``.fastckpt-staging-0.checkpoint_12``. A leading dot: fastckpt's listings, gc and
+# retention skip it. The first run of digits is 0: stock Accelerate (run without fastckpt on the same project) orders
+# folders by their name's first number, so a killed save's leftover sorts oldest: its total_limit removes it first and
+# its load_state() never takes it for the newest checkpoint.
+STAGING_PREFIX = ".fastckpt-staging-0."
 SAFETENSORS, TORCH = "safetensors", "torch"
 Member = Union[SafetensorsFileFormat, TorchFileFormat, ExternalFile]
 
@@ -81,15 +91,23 @@ class FileBundle:
     catalogued = True  # a checkpoint of the root like save()'s: listed, retained and uploaded by its manifest
     keeps_shards = True  # the member files are written at the commit, from the slot
     dedup: Any = None  # the save's copy source on an object store (bundlededup.py), set at the commit
+    publish_as: str = ""  # staged: the folder's own path; ``dirpath`` (its staging path) is renamed to it at commit
 
     @classmethod
     def plan(cls, files: dict[str, tuple[str, Any]], dirpath: str, name: str, step: int, storage: Storage,
              user: dict[str, Any] | None = None, made: bool = False,
-             loaders: dict[str, PickleLoader] | None = None,
+             loaders: dict[str, PickleLoader] | None = None, staged: bool = False,
              ) -> tuple["FileBundle", list[torch.Tensor], list[str], list[Any]]:
         """``files``: file name -> (``SAFETENSORS`` with a dict of tensors | ``TORCH`` with any object);
-        ``loaders``: torch file name -> the loader that will read it (checked before the commit). Returns the
-        bundle, the tensors to stage, their keys and the tensors whose versions the guard watches."""
+        ``loaders``: torch file name -> the loader that will read it (checked before the commit); ``staged`` (with
+        ``made``, a local folder): written in ``staging_path(dirpath)``, which the caller created, and renamed to
+        ``dirpath`` once committed. Returns the bundle, the tensors to stage, their keys and the tensors whose
+        versions the guard watches."""
+        publish_as = ""
+        if staged:
+            if not made or "://" in dirpath:
+                raise ValueError(f"{dirpath}: only a local folder the caller created can be staged")
+            publish_as, dirpath = dirpath, staging_path(dirpath)
         members: list[Member] = []
         tensors: list[torch.Tensor] = []
         keys: list[str] = []
@@ -116,7 +134,7 @@ class FileBundle:
         checks = {n: (loader, files[n][1]) for n, loader in (loaders or {}).items()
                   if n in files and files[n][0] == TORCH}
         bundle = cls(dirpath, name, step, list(files), members, starts, dict(user or {}), made, checks=checks,
-                     identities=_identities(dirpath) if made else ())
+                     identities=_identities(dirpath) if made else (), publish_as=publish_as)
         return bundle, tensors, keys, sources
 
     @property
@@ -153,7 +171,7 @@ class FileBundle:
         views, crcs = staged()
         self.health, self.dedup = snap.health_doc, getattr(snap, "dedup", None)
         size = self.write(storage, views, crcs, pool)
-        return CheckpointInfo(snap.name, snap.step, self.dirpath, size,
+        return CheckpointInfo(snap.name, snap.step, self.publish_as or self.dirpath, size,
                               healthy=None if self.health is None else self.health["healthy"]), size
 
     def check_pickles(self, storage: Storage) -> None:
@@ -211,11 +229,14 @@ class FileBundle:
                 self._check_folder(storage)
                 self._publish(storage, MANIFEST, self.manifest(records))  # <- the commit point
             self._unmark(storage)
+            if self.publish_as:  # the marker goes before: the folder takes its name without it
+                self._rename_into_place(storage, records)
         except FolderRemovedError:
             self._undo_recreation(storage)
             raise
         except Exception as e:
-            self._removed_or_raise(storage, e)
+            if not self.publish_as or not isinstance(e, _NotPlaced):
+                self._removed_or_raise(storage, e)
             raise
         return sum(r.size for r in records)
 
@@ -237,6 +258,37 @@ class FileBundle:
         wait_unwalked(real)
         if not remove_unwalked(marker, guard):
             storage.delete(marker)  # held open past the patience: a reader, not a removal
+
+    def _rename_into_place(self, storage: Storage, records: list[FileRecord], patience_s: float = 1.0) -> None:
+        """A staged folder, committed inside its staging name: rename it to its own name. Like the links, only
+        while no thread of this process holds the parent or a folder above it open (a user's ``rmtree`` of the
+        project listed it: a name vanishing or appearing under it would fail that removal), right after a check that
+        every file is still there, the check and the rename as one step; after ``patience_s`` of a folder held open
+        by something else it goes ahead. The staging folder gone (the user's removal): ``FolderRemovedError``."""
+        guards = guards_of(self.dirpath) | guards_of(self.publish_as)
+        names = [r.name for r in records] + [MANIFEST]
+        deadline = time.monotonic() + patience_s
+        while True:
+            try:
+                for name in names:
+                    if not present(os.path.join(self.dirpath, name)):
+                        raise FileNotFoundError(os.path.join(self.dirpath, name))
+                if rename_unwalked(self.dirpath, self.publish_as, guards if time.monotonic() < deadline else ()):
+                    break
+            except FileNotFoundError as e:  # the staging folder (or its parent) went: the user's removal wins
+                raise FolderRemovedError(f"{os.path.dirname(self.publish_as)} was removed while its checkpoint "
+                                         f"{self.name!r} was being written; the save is abandoned and nothing is "
+                                         "recreated there") from e
+            except OSError as e:
+                raise _NotPlaced(
+                    f"checkpoint {self.name!r} is complete in {self.dirpath}, but it cannot take its name "
+                    f"{self.publish_as} ({e.strerror}): with complete_folders the folder must not exist before its "
+                    "save commits (write into it only after accelerator.wait_for_everyone()); move the staged "
+                    "folder there by hand to keep this checkpoint") from e
+            time.sleep(0.001)  # lets the walker's thread run (it needs the GIL) and finish
+        if getattr(storage, "fsync", False):  # a local storage (or a wrapper of one): the rename made durable
+            with contextlib.suppress(FileNotFoundError):  # removed right after: the user's removal, nothing to keep
+                _fsync_folder(os.path.dirname(self.publish_as))
 
     def _write_then_link(self, storage: LocalStorage, views: dict[int, memoryview], crcs: dict[int, int],
                          pool: Executor | None) -> list[FileRecord]:
@@ -386,6 +438,25 @@ class FileBundle:
         if self.health is not None:
             doc["health"] = self.health
         return json.dumps(doc, indent=1).encode()
+
+
+class _NotPlaced(StorageError):
+    """A staged folder's rename failed for another reason than a removal: raised as it is, not as the user's removal
+    (the staging folder, its marker gone, would look removed)."""
+
+
+def staging_path(dirpath: str) -> str:
+    """Where a staged folder is written until its commit: a hidden sibling (``STAGING_PREFIX`` + its name)."""
+    parent, name = os.path.split(os.path.abspath(dirpath))
+    return os.path.join(parent, STAGING_PREFIX + name)
+
+
+def _fsync_folder(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,8 @@ Removals race such a walk the other way: a name the walk listed and a background
 unlink or its descent with ``FileNotFoundError`` (retention deleting an old checkpoint while the user removes the
 project). ``remove_unwalked`` removes one entry only while no descriptor of this process has its folder or any
 folder above it open, the check and the removal as one step; the caller yields to the walk otherwise.
+``rename_unwalked`` renames a folder into place the same way (a name that vanishes from a folder the walk listed,
+and one that appears there, would both fail it).
 """
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ import os
 import time
 from collections.abc import Collection
 
-__all__ = ["UNNAMED_OK", "guards_of", "link_fd", "present", "remove_unwalked", "wait_unwalked", "walked"]
+__all__ = ["UNNAMED_OK", "guards_of", "link_fd", "present", "remove_unwalked", "rename_unwalked", "wait_unwalked",
+           "walked"]
 
 # linkat(/proc/self/fd/N, AT_SYMLINK_FOLLOW) names an O_TMPFILE file (AT_EMPTY_PATH needs privileges, and os.link
 # calls link(2), which would link the /proc symlink itself).
@@ -30,12 +33,12 @@ _AT_FDCWD, _AT_SYMLINK_NOFOLLOW, _AT_SYMLINK_FOLLOW, _F_OK = -100, 0x100, 0x400,
 try:
     _libc = ctypes.PyDLL(None, use_errno=True)
     _linkat, _faccessat, _readlink = _libc.linkat, _libc.faccessat, _libc.readlink
-    _unlink, _rmdir = _libc.unlink, _libc.rmdir
+    _unlink, _rmdir, _rename = _libc.unlink, _libc.rmdir, _libc.rename
     _opendir, _readdir, _closedir = _libc.opendir, _libc.readdir, _libc.closedir
     _opendir.restype = _readdir.restype = ctypes.c_void_p
     _readdir.argtypes = _closedir.argtypes = [ctypes.c_void_p]
 except (OSError, AttributeError):
-    _linkat = _faccessat = _readlink = _opendir = _unlink = _rmdir = None
+    _linkat = _faccessat = _readlink = _opendir = _unlink = _rmdir = _rename = None
 _D_NAME = 19  # offsetof(struct dirent, d_name) in glibc on 64-bit Linux (d_ino, d_off, d_reclen, d_type)
 UNNAMED_OK = _linkat is not None and hasattr(os, "O_TMPFILE") and os.path.isdir("/proc/self/fd")
 
@@ -112,6 +115,22 @@ def remove_unwalked(path: str, guards: Collection[bytes], *, folder: bool = Fals
         code = ctypes.get_errno()
         if code != errno.ENOENT:
             raise OSError(code, os.strerror(code), path)
+    return True
+
+
+def rename_unwalked(src: str, dst: str, guards: Collection[bytes]) -> bool:
+    """Rename ``src`` to ``dst`` (no parent is created) unless a descriptor of this process has one of ``guards``
+    (``guards_of`` the folder holding both) open; the check and the rename run as one step for every other Python
+    thread. True: renamed; False: a walk holds a guard open, nothing was done (yield to it). Errors raise ``OSError``
+    as ``os.rename`` would (``FileNotFoundError``: ``src`` or its folder is gone)."""
+    if _rename is None:  # no libc to keep the GIL with: rename as os does (no walk is seen)
+        os.rename(src, dst)
+        return True
+    if _walked_any(guards):
+        return False
+    if _rename(os.fsencode(src), os.fsencode(dst)) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code), src, None, dst)
     return True
 
 

@@ -37,7 +37,7 @@ class LocalStorage:
     def __init__(self, root: str, direct_io: str = "auto", fsync: bool = True) -> None:
         self.url = os.path.abspath(root.removeprefix("file://"))
         self._direct = direct_io
-        self._fsync = fsync
+        self.fsync = self._fsync = fsync  # public: a folder renamed into the root is synced likewise (bundle.py)
         self._direct_works: bool | None = None if direct_io == "auto" else direct_io == "on"
         # around each buffered write (the kernel's copy burns CPU; O_DIRECT and fsync wait): engine/cpugate.py
         self.cpu_section: Callable[[], AbstractContextManager] = nullcontext

@@ -69,6 +69,8 @@ class Catalog:
         """Committed checkpoints under the root, oldest step first."""
         found: dict[str, CheckpointInfo] = {}
         for name in self.storage.listdir(self.storage.url):
+            if name.startswith("."):  # never a checkpoint's name (format/paths.py): fastckpt's own, or a staged folder
+                continue
             info = self._known.get(name) or self.info(name)
             if info is not None:
                 found[name] = info
