@@ -23,7 +23,7 @@ removes that folder before the commit (a ``TemporaryDirectory`` cleanup), their 
 ``makedirs`` recreated meanwhile is removed again (``_undo_recreation``).
 
 A ``staged`` folder (Accelerate's ``complete_folders``) is written as above under a hidden sibling name
-(``staging_path``), which the caller created, and renamed to its own name once committed (``_rename_into_place``):
+(``staging_path``), which the caller created, and renamed to its own name once committed (``placing.rename_into_place``):
 until then the folder's own name does not exist, so a copy taken too early fails ("No such file or directory")
 instead of copying a marker. The rename yields to a removal in this process exactly as the links do.
 """
@@ -46,19 +46,19 @@ from .bundlededup import upload_records, write_member
 from .checksum import crc32c
 from .contenthash import FIELD
 from .external import EXTERNAL, ExternalFile
-from ..errors import FolderRemovedError, StorageError, UnsafeCheckpointError
+from ..errors import FolderRemovedError, UnsafeCheckpointError
 from .layout import FORMAT, LAYOUT_FILES, MANIFEST, CheckpointInfo, FileRecord
 from .paths import plain_name
+from .placing import PENDING, NotPlaced, rename_into_place, unmark
 from .picklecheck import PickleLoader, check_loads, culprits, pickle_of
 from .safetensorsfile import SafetensorsFileFormat
-from ..storage.heldlink import guards_of, present, remove_unwalked, rename_unwalked, wait_unwalked
+from ..storage.heldlink import present, wait_unwalked
 from ..storage.local import LocalStorage
 from ..storage.protocol import Storage
 from .torchfile import TorchFileFormat, plan_torch_file
 
 __all__ = ["EXTERNAL", "FileBundle", "PENDING", "SAFETENSORS", "STAGING_PREFIX", "TORCH", "staging_path"]
 
-PENDING = ".fastckpt-pending"
 # A staged folder's hidden name: ``.fastckpt-staging-0.checkpoint_12``. A leading dot: fastckpt's listings, gc and
 # retention skip it. The first run of digits is 0: stock Accelerate (run without fastckpt on the same project) orders
 # folders by their name's first number, so a killed save's leftover sorts oldest: its total_limit removes it first and
@@ -228,67 +228,17 @@ class FileBundle:
                                  range(len(self.members)))
                 self._check_folder(storage)
                 self._publish(storage, MANIFEST, self.manifest(records))  # <- the commit point
-            self._unmark(storage)
+            unmark(storage, self.dirpath, self.made and bool(self.identities) and isinstance(storage, LocalStorage))
             if self.publish_as:  # the marker goes before: the folder takes its name without it
-                self._rename_into_place(storage, records)
+                rename_into_place(storage, self.dirpath, self.publish_as, self.name, records)
         except FolderRemovedError:
             self._undo_recreation(storage)
             raise
         except Exception as e:
-            if not self.publish_as or not isinstance(e, _NotPlaced):
+            if not self.publish_as or not isinstance(e, NotPlaced):
                 self._removed_or_raise(storage, e)
             raise
         return sum(r.size for r in records)
-
-    def _unmark(self, storage: Storage) -> None:
-        """Remove the marker once the manifest is there. In a made local folder, only while no walk of this process
-        holds the folder (or one above it) open: a user's ``rmtree`` that listed the folder after the links lists the
-        marker too, and unlinking it under that walk would fail it (``FileNotFoundError``); the walk removes the
-        marker itself, and finding it gone is fine. A folder held open longer than ``wait_unwalked``'s patience (a
-        reader, not a removal) does not keep the marker: it goes then, as the links do."""
-        marker = storage.join(self.dirpath, PENDING)
-        if not (self.made and self.identities and isinstance(storage, LocalStorage)):
-            storage.delete(marker)
-            return
-        real = os.path.realpath(self.dirpath)
-        # The folder itself only: a walk lists it only while holding it open (one of a folder above it holding that
-        # one open has not listed this folder yet, or has and holds this one too). Made before the wait, which
-        # returns with the GIL held since its last look: nothing between that look and the unlink lets it go.
-        guard = frozenset([os.fsencode(real)])
-        wait_unwalked(real)
-        if not remove_unwalked(marker, guard):
-            storage.delete(marker)  # held open past the patience: a reader, not a removal
-
-    def _rename_into_place(self, storage: Storage, records: list[FileRecord], patience_s: float = 1.0) -> None:
-        """A staged folder, committed inside its staging name: rename it to its own name. Like the links, only
-        while no thread of this process holds the parent or a folder above it open (a user's ``rmtree`` of the
-        project listed it: a name vanishing or appearing under it would fail that removal), right after a check that
-        every file is still there, the check and the rename as one step; after ``patience_s`` of a folder held open
-        by something else it goes ahead. The staging folder gone (the user's removal): ``FolderRemovedError``."""
-        guards = guards_of(self.dirpath) | guards_of(self.publish_as)
-        names = [r.name for r in records] + [MANIFEST]
-        deadline = time.monotonic() + patience_s
-        while True:
-            try:
-                for name in names:
-                    if not present(os.path.join(self.dirpath, name)):
-                        raise FileNotFoundError(os.path.join(self.dirpath, name))
-                if rename_unwalked(self.dirpath, self.publish_as, guards if time.monotonic() < deadline else ()):
-                    break
-            except FileNotFoundError as e:  # the staging folder (or its parent) went: the user's removal wins
-                raise FolderRemovedError(f"{os.path.dirname(self.publish_as)} was removed while its checkpoint "
-                                         f"{self.name!r} was being written; the save is abandoned and nothing is "
-                                         "recreated there") from e
-            except OSError as e:
-                raise _NotPlaced(
-                    f"checkpoint {self.name!r} is complete in {self.dirpath}, but it cannot take its name "
-                    f"{self.publish_as} ({e.strerror}): with complete_folders the folder must not exist before its "
-                    "save commits (write into it only after accelerator.wait_for_everyone()); move the staged "
-                    "folder there by hand to keep this checkpoint") from e
-            time.sleep(0.001)  # lets the walker's thread run (it needs the GIL) and finish
-        if getattr(storage, "fsync", False):  # a local storage (or a wrapper of one): the rename made durable
-            with contextlib.suppress(FileNotFoundError):  # removed right after: the user's removal, nothing to keep
-                _fsync_folder(os.path.dirname(self.publish_as))
 
     def _write_then_link(self, storage: LocalStorage, views: dict[int, memoryview], crcs: dict[int, int],
                          pool: Executor | None) -> list[FileRecord]:
@@ -440,23 +390,10 @@ class FileBundle:
         return json.dumps(doc, indent=1).encode()
 
 
-class _NotPlaced(StorageError):
-    """A staged folder's rename failed for another reason than a removal: raised as it is, not as the user's removal
-    (the staging folder, its marker gone, would look removed)."""
-
-
 def staging_path(dirpath: str) -> str:
     """Where a staged folder is written until its commit: a hidden sibling (``STAGING_PREFIX`` + its name)."""
     parent, name = os.path.split(os.path.abspath(dirpath))
     return os.path.join(parent, STAGING_PREFIX + name)
-
-
-def _fsync_folder(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 @dataclass(frozen=True)
