@@ -250,3 +250,21 @@ def test_a_dtype_cat_lacks_on_the_device_goes_as_integers(monkeypatch) -> None:
         got = seal_mod._cat(views)
         assert got.dtype == torch.uint8
         assert torch.equal(got, torch.cat([v.view(torch.uint8) for v in views]))
+
+
+def test_a_shard_smaller_than_a_line_is_compared_byte_by_byte() -> None:
+    """A shard holding only tensors under a line (0-dim step counters) is staged in a buffer smaller than a line:
+    its bytes are compared, and the line-sized views of the other tensors' groups are not made over it."""
+    tensors = [torch.randn(_BIG), torch.tensor(3.0), torch.tensor(4.0)]
+    entries = [TensorEntry(index=0, dtype=torch.float32, shape=(_BIG,), nbytes=4 * _BIG, lazy=True, shard=0),
+               TensorEntry(index=1, dtype=torch.float32, shape=(), nbytes=4, lazy=True, shard=1, offset=0),
+               TensorEntry(index=2, dtype=torch.float32, shape=(), nbytes=4, lazy=True, shard=1, offset=4)]
+    big = tensors[0].reshape(-1).view(torch.uint8).clone()
+    small = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors[1:]])  # 8 bytes: under one line
+    for staged_small, moved in ((small, []), (small.clone().index_put_((torch.tensor([5]),), torch.tensor(9,
+                                                                       dtype=torch.uint8)), ["t2"])):
+        s = Seal(_NoCounter(), list(tensors), ["t0", "t1", "t2"], entries)  # type: ignore[arg-type]
+        s.record(big, entries[:1])
+        s.record(staged_small, entries[1:])
+        s.recorded()
+        assert s.moved() == moved

@@ -161,6 +161,8 @@ class HostSamples:
         moved: list[int] = []
         for g, (rel, owner, ends), then in zip(self._groups, self._at, self.then):
             ks = [k for k in map(g.pos.get, (e.index for e in entries)) if k is not None]
+            if not ks:  # (a buffer smaller than a line holds none of the line groups' tensors)
+                continue
             view = np.ndarray((staged.nbytes - g.dtype.itemsize + 1,), g.dtype, buffer=staged, strides=(1,))
             for k0, k1 in _runs_of(ks):
                 r0, r1 = int(ends[k0 - 1]) if k0 else 0, int(ends[k1 - 1])

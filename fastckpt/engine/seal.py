@@ -16,7 +16,9 @@ cache line because the page touch is the cost, not the bytes: a write that chang
 elements (clipping) escapes a run with probability (1 - f)^16 in float32, not (1 - f)^2 as with the 8-byte runs
 of before, so 4,096 line runs find it more surely than 16,384 of 8 bytes did, at a quarter of the page touches.
 
-The samples are views (no copy per tensor), gathered by one ``torch.cat`` per dtype and device: every torch call
+CPU tensors' samples are read straight from their memory by one numpy gather (engine/hostsamples.py), at positions
+derived once per structure; the rest of this paragraph is about the others (CUDA). Their samples are views (no copy
+per tensor), gathered by one ``torch.cat`` per dtype and device: every torch call
 costs about 1 us of Python and dispatch, more once a training step has evicted the tensors' metadata from the
 caches, and a state has hundreds of tensors (588, 441 of them under 64 KiB, in the GPT-2-small state of the
 benchmarks): a copy per tensor made the samples 6 ms of a 13 ms ``save()``. The bytes compared are the raw ones
