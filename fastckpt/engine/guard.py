@@ -21,14 +21,18 @@ the seal (fastckpt/engine/seal.py): on the training thread, before the commit, e
 """
 from __future__ import annotations
 
-from typing import Iterable, Iterator, Sequence
+import operator
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
 from ..errors import SnapshotMutatedError
 from ..format.plan import TensorEntry
 
-__all__ = ["VersionGuard"]
+__all__ = ["LazyOrder", "VersionGuard"]
+
+
+_VERSION = operator.attrgetter("_version")
 
 
 def _version(t: torch.Tensor) -> int | None:
@@ -40,17 +44,50 @@ def _version(t: torch.Tensor) -> int | None:
         return None
 
 
+class LazyOrder:
+    """The lazy entries of a plan's shards in the order the copy thread copies them, their table indices, each
+    index's position, and a C-level gather of their sources: made once per plan (``of``), shared by every save of
+    it (the guard and the seal read the sources in this order)."""
+
+    __slots__ = ("entries", "indices", "pos", "pick")
+
+    def __init__(self, entries: list[TensorEntry]) -> None:
+        self.entries = entries
+        self.indices = [e.index for e in entries]
+        self.pos = {i: k for k, i in enumerate(self.indices)}
+        get = operator.itemgetter(*self.indices) if len(self.indices) > 1 else None
+        self.pick: Callable[[Sequence[Any]], list[Any]] = (
+            (lambda xs: list(get(xs))) if get is not None else (lambda xs: [xs[i] for i in self.indices]))
+
+    @staticmethod
+    def of(memo: dict[Any, Any] | None, shards: Sequence[Any]) -> LazyOrder:
+        """The ``LazyOrder`` of ``shards`` (a plan's lazy shards), from ``memo`` (the plan's) where made before."""
+        key = ("lazy", tuple(s.index for s in shards))
+        got = memo.get(key) if memo is not None else None
+        if got is None:
+            got = LazyOrder([e for s in shards for e in s.entries])
+            if memo is not None:
+                memo[key] = got
+        return got
+
+
 class VersionGuard:
     """Version counters of one save's lazy tensors. Built by ``save()``; checked by the copy thread."""
 
     def __init__(self, name: str, tensors: Sequence[torch.Tensor], keys: Sequence[str],
-                 entries: Iterable[TensorEntry]) -> None:
+                 entries: Iterable[TensorEntry] | LazyOrder) -> None:
         self._name = name
         self._keys = keys
+        self._order = entries if isinstance(entries, LazyOrder) else LazyOrder(list(entries))
         # Its own references: the copy loop drops a source from the save's list once its copy is queued, and
         # check_all() reads every counter after that (the optimizer owns these tensors: they stay alive anyway).
-        self._tensors = {e.index: tensors[e.index] for e in entries}
-        self._seen = {i: _version(t) for i, t in self._tensors.items()}
+        # Gathered and read in C-level calls (inside save(), on the training thread): no Python call per tensor.
+        self._sources: list[torch.Tensor] = self._order.pick(tensors)
+        try:
+            self._seen: list[int | None] = list(map(_VERSION, self._sources))
+        except RuntimeError:  # an inference tensor among them: no counter, asked one by one
+            self._seen = list(map(_version, self._sources))
+        self._counted = None not in self._seen  # every one has a counter: compared in one map
 
     def around(self, entries: Iterable[TensorEntry]) -> Iterator[TensorEntry]:
         """``entries`` for the copy loop, each checked right before it is handed out and right after.
@@ -65,26 +102,33 @@ class VersionGuard:
     def let_go(self) -> None:
         """Called once the snapshot is sealed: no check is made any more; the tensors are dropped by the caller's
         thread (engine/sealing.py says why)."""
-        self._tensors = {}
-        self._seen = {}
+        self._sources = []
+        self._seen = []
 
     def check_all(self) -> None:
         """Called by the copy thread once every lazy copy is done, before ``wait_staged()`` returns: raise
         ``SnapshotMutatedError`` if any lazy tensor changed since ``save()``, however late its counter moved."""
-        for index in self._seen:
+        if self._counted and list(map(_VERSION, self._sources)) == self._seen:
+            return
+        for index in self._order.indices:
             self.check(index)
 
     def moved(self) -> list[int]:
         """The indices of the lazy tensors whose counter moved since ``save()`` (the seal's check, on the
         training thread: no in-place kernel of its own is still running there, so none is missed)."""
-        return [i for i, then in self._seen.items() if then is not None and self._tensors[i]._version != then]
+        sources, seen = self._sources, self._seen
+        if self._counted and list(map(_VERSION, sources)) == seen:
+            return []
+        return [i for i, t, then in zip(self._order.indices, sources, seen) if then is not None and t._version != then]
 
     def check(self, index: int) -> None:
         """Raise ``SnapshotMutatedError`` if tensor ``index`` changed in place since ``save()``."""
-        then = self._seen.get(index)
-        if then is None:
+        sources, seen = self._sources, self._seen  # let_go() may empty them meanwhile (the seal's thread)
+        k = self._order.pos.get(index)
+        if k is None or k >= len(sources) or k >= len(seen) or seen[k] is None:
             return
-        now = self._tensors[index]._version
+        then = seen[k]
+        now = sources[k]._version
         if now != then:
             raise SnapshotMutatedError(
                 f"checkpoint {self._name!r}: tensor {self._keys[index]!r} was changed in place after save() "

@@ -34,7 +34,7 @@ from ..format.plan import Plan, Shard
 from ..format.protocol import FileFormat, ShardResult
 from ..storage.protocol import Storage
 from .distributed import Coordinator
-from .guard import VersionGuard
+from .guard import LazyOrder, VersionGuard
 from .handle import SaveHandle
 from .seal import Seal
 from .stagedcheck import StagedChecker, check_staged
@@ -98,10 +98,10 @@ class Job:
     health_doc: dict[str, Any] | None = None  # their summary (format/health.py), set by the committer
     stale_mark: Any = None  # engine/stale.py: optimizer steps before this save, and its parameter keys
     dedup: Any = None  # engine/dedupwrite.py: a direct object-store root's copy source (single writer), or None
-    # the open layout's shards list their content records (format/contenthash.py): only where something reads them
-    # (an upload with dedup, a copy source, clones); a pass over every byte otherwise spent for nothing
-    records: bool = True
+    records: bool = True  # shards list content records (format/contenthash.py): only for an upload with dedup, a copy
+    # source, clones (what reads them); a pass over every byte otherwise spent for nothing
     cpu_section: Callable[[], Any] = nullcontext  # entered by a format around its CPU-bound work (engine/cpugate.py)
+    token: Any = None  # format/flatcache.py's skeleton the state matched (what the seal derived from it is reused)
 
     # what a FileFormat reads of a save (format/protocol.py's Snapshot)
     @property
@@ -178,10 +178,10 @@ class Pipeline:
         self.placement.refresh()  # a state on a GPU leaves training's CPU threads to the background (auto)
         job.cpu_section = self.gate.held
         if lazy and not snapshotted(job):  # a device snapshot holds save()'s values: nothing to guard or seal
-            # Still on the training thread inside save(): the counters are those of the snapshot's moment.
-            entries = [e for s in lazy for e in s.entries]
-            job.guard = VersionGuard(job.handle.name, job.version_src or job.tensors, job.keys, entries)
-            job.seal = Seal(job.guard, job.tensors, job.keys, entries)
+            # Still in save(), on the training thread: the snapshot's counters. The order is made once per plan.
+            order = LazyOrder.of(job.plan.memo, lazy)
+            job.guard = VersionGuard(job.handle.name, job.version_src or job.tensors, job.keys, order)
+            job.seal = Seal(job.guard, job.tensors, job.keys, order.entries, reuse=(job.token, job.plan))
             job.handle.needs_seal(lambda: self._seal(job))
         else:
             job.handle.sealed_now()

@@ -21,6 +21,7 @@ from ..config import CheckpointConfig
 from ..errors import ConfigError, FastCkptError, FolderRemovedError, StateMismatchError, StorageError
 from ..format.bundle import FileBundle
 from ..format.codec import dumps_objects
+from ..format.flatcache import FlatCache
 from ..format.identity import address, named_addresses
 from ..format.layout import CheckpointInfo
 from ..format.openlayout import OPEN_LAYOUT
@@ -39,12 +40,12 @@ from .handle import SaveHandle, SaveStats
 from .pipeline import Job, Pipeline
 from .pace import keep_pace, slot_wait_reason, warn_all_eager, warn_retake
 from .priority import ThreadPriorities
-from .sharedfile import can_share
+from .sharedfile import can_share, shared_chunk
 from .sharedobject import can_share_object, shared_write, sweep_once
 from .stale import Hooks, StaleWatch
 from .staging import HostArena, Slot
 from .streams import CopyStreams, CudaCopy, cuda_devices, gpu_wait, snapshotted
-from .watch import WatchHandle, Watched, watched_identities
+from .watch import WatchHandle, Watched, WatchedCache
 from .writepace import WritePacer
 
 __all__ = ["Saver", "WatchHandle"]
@@ -68,6 +69,8 @@ class Saver:
         self._planner, self._arena, self._streams, self._priorities = planner, arena, streams, priorities
         self._coord, self._uploads, self._claim_root = coord, uploads, claim_root
         self._watched: weakref.WeakSet = weakref.WeakSet()
+        self._watched_ids = WatchedCache()  # the watched optimizers' identities, walked again only when they change
+        self._flats = FlatCache()  # save()'s flattening: the last state's skeleton, reused (format/flatcache.py)
         self._hooks: list[WatchHandle] = []
         self._lock = threading.Lock()
         self._pending: list[SaveHandle] = []
@@ -122,7 +125,7 @@ class Saver:
         if self._retaking is None:  # a retake runs inside a seal: the other errors wait for the caller
             self.seal_all(block=False)  # the staged ones: waiting here for a copy would cost the overlap
             self.raise_pending()
-        flat = flatten(state)  # StateMismatchError names what it cannot walk
+        flat = self._flats.flatten(state)  # StateMismatchError names what it cannot walk
         objects = dumps_objects(flat.objects, self.config.allowed_classes, flat.object_keys) if flat.objects else None
         if self._coord is None:
             for rec in flat.dtensors:
@@ -185,7 +188,7 @@ class Saver:
         if self._coord is not None:  # only what DDP keeps identical on every rank may come from another rank
             shared = watched[0] | watched[1]
             owners = [-1 if address(t) in shared else self._coord.leader for t in tensors]
-            chunk = _shared_chunk(self.config.persist.chunk_bytes, [r.nbytes for r in fmt.layout.records],
+            chunk = shared_chunk(self.config.persist.chunk_bytes, [r.nbytes for r in fmt.layout.records],
                                   self._coord.world)
         flat = FlatState(tree=None, tensors=tensors, keys=keys, numpy=[False] * len(tensors), objects=[],
                          owners=owners, lazy_src=list(tensors))
@@ -264,8 +267,8 @@ class Saver:
             raise ConfigError(f"staging.max_host_bytes ({limit}) is smaller than {what} ({size} bytes), which "
                               f"{verb} written whole; raise the limit or unset it")
 
-    def _submit(self, flat: FlatState, step: int, name: str, dirpath: str, t0: float, lazy_ptrs: set[Hashable],
-                watched: Watched, *,
+    def _submit(self, flat: FlatState, step: int, name: str, dirpath: str, t0: float,
+                lazy_ptrs: AbstractSet[Hashable], watched: Watched, *,
                 objects: bytes | None = None, dtensors: list[dict[str, Any]] | None = None,
                 file_format: FileFormat = OPEN_LAYOUT, version_src: list[Any] | None = None,
                 chunk_bytes: int | None = None, shared_file: TorchFileFormat | None = None,
@@ -289,7 +292,8 @@ class Saver:
             self.seal_all()  # the committer reaches this only past the pending commits, which wait for their seals
             self._priorities.waiting("save() agrees a new plan with the other ranks")
             self.pipeline.run_in_order(lambda: coord.assign(plan, keys)).result()
-        devices = cuda_devices(flat.tensors)
+        memo = flat.token.memo if flat.token is not None else {}  # once per structure (format/flatcache.py)
+        devices = memo["devices"] if "devices" in memo else memo.setdefault("devices", cuda_devices(flat.tensors))
         pin = bool(devices)
         retaking, self._retaking = self._retaking, None
         handle = retaking if retaking is not None else self.new_handle(name, step, dirpath)
@@ -314,7 +318,8 @@ class Saver:
             handle.expect_upload()
         job = Job(handle=handle, plan=plan, slot=slot, tensors=flat.tensors, keys=flat.keys, numpy=flat.numpy,
                   tree=flat.tree, objects=objects, dirpath=dirpath, t0=t0, dtensors=dtensors or [],
-                  file_format=file_format, version_src=version_src, dedup=self.dedup.source(file_format.catalogued))
+                  file_format=file_format, version_src=version_src, dedup=self.dedup.source(file_format.catalogued),
+                  token=flat.token if version_src is None else None)
         job.records = job.dedup is not None
         self.stale.prepare(job, watched[1], lambda: flat.identities() if version_src is None else
                            [address(src) for src in version_src])
@@ -372,12 +377,13 @@ class Saver:
         return handle
 
     def _lazy_ptrs(self, also: AbstractSet[Hashable] = frozenset(), never: AbstractSet[Hashable] = frozenset()
-                   ) -> tuple[set[Hashable], Watched]:
-        """The identities to copy lazily, and the watched optimizers' own (``watched_identities``)."""
-        watched = watched_identities(list(self._watched))
+                   ) -> tuple[AbstractSet[Hashable], Watched]:
+        """The identities to copy lazily, and the watched optimizers' own (``watched_identities``); without ``also``
+        and ``never``, one frozenset while the optimizers are unchanged (the planner's check of the copy classes)."""
+        watched = self._watched_ids.get(list(self._watched))
         if self.config.staging.mode != "lazy" or self._retaking is not None:
             return set(), watched  # eager mode: save(lazy=...) is ignored too; a retake is taken whole, at the seal
-        return (watched[0] | watched[1] | also) - never, watched
+        return ((watched[0] | watched[1] | also) - never if also or never else self._watched_ids.union), watched
 
     # ---- the ledger: saves in flight, errors not yet raised --------------------------
 
@@ -492,9 +498,3 @@ class Saver:
         with self._lock:
             self._errors = [(h, e) for h, e in self._errors if h is not handle]
 
-
-def _shared_chunk(chunk_bytes: int, sizes: list[int], world: int) -> int:
-    """The shard size of a torch file shared by ``world`` ranks: about four shards per rank, so that the balance by
-    bytes (in whole shards) evens out, and never above ``persist.chunk_bytes``. A function of the structure only, so
-    every rank plans alike and the plan stays cached."""
-    return max(4096, min(chunk_bytes, sum(sizes) // (4 * world)))

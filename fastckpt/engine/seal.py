@@ -16,7 +16,9 @@ cache line because the page touch is the cost, not the bytes: a write that chang
 elements (clipping) escapes a run with probability (1 - f)^16 in float32, not (1 - f)^2 as with the 8-byte runs
 of before, so 4,096 line runs find it more surely than 16,384 of 8 bytes did, at a quarter of the page touches.
 
-The samples are views (no copy per tensor), gathered by one ``torch.cat`` per dtype and device: every torch call
+CPU tensors' samples are read straight from their memory by one numpy gather (engine/hostsamples.py), at positions
+derived once per structure; the rest of this paragraph is about the others (CUDA). Their samples are views (no copy
+per tensor), gathered by one ``torch.cat`` per dtype and device: every torch call
 costs about 1 us of Python and dispatch, more once a training step has evicted the tensors' metadata from the
 caches, and a state has hundreds of tensors (588, 441 of them under 64 KiB, in the GPT-2-small state of the
 benchmarks): a copy per tensor made the samples 6 ms of a 13 ms ``save()``. The bytes compared are the raw ones
@@ -50,23 +52,22 @@ from __future__ import annotations
 import random
 import threading
 from dataclasses import dataclass
-from typing import Iterable, NamedTuple, Sequence
+from typing import Any, Iterable, NamedTuple, Sequence
 
 import numpy as np
 import torch
 
 from ..errors import SnapshotMutatedError
-from ..format.plan import TensorEntry
+from ..format.plan import Plan, TensorEntry
 from .guard import VersionGuard
+from .hostsamples import RUN, WHOLE, HostLayout, HostSamples, plain_host
 
-__all__ = ["Seal", "PAGE", "WHOLE", "BUDGET", "stride_for", "mutated_error"]
+__all__ = ["Seal", "PAGE", "WHOLE", "BUDGET", "RUN", "stride_for", "mutated_error"]
 
 PAGE = 4096  # the smallest stride: one sample run per page
-WHOLE = 64 * 1024  # tensors up to this size are compared whole
 BUDGET = 4096  # sample runs (pages touched) per save at most: the stride grows with the state
 _RNG = random.Random()  # its own: drawing from the global one would change the user's random stream (and resumes)
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-RUN = 64  # bytes per sample run: one cache line (a multiple of every element size)
 
 
 def stride_for(sampled_bytes: int) -> int:
@@ -217,30 +218,67 @@ class _DeviceSamples:
     landed: bool = False  # ``copied`` was seen complete (by the copy thread)
 
 
+class _Layout:
+    """What a save's seal derives from its lazy entries and their sources before sampling: the stride, the CPU
+    tensors' ``HostLayout``, and the other tensors (CUDA; sampled through torch views, per save)."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor | None], entries: list[TensorEntry]) -> None:
+        self.stride = stride_for(sum(e.nbytes for e in entries if e.nbytes > WHOLE))
+        host: list[tuple[int, torch.Tensor, TensorEntry]] = []
+        self.others: list[TensorEntry] = []
+        for e in entries:
+            src = tensors[e.index]
+            if src is None or not e.nbytes:
+                continue
+            if src.device.type == "cpu":
+                if src.nbytes == e.nbytes and plain_host(src):
+                    host.append((e.index, src, e))
+            else:
+                self.others.append(e)
+        self.host = HostLayout(host, self.stride) if host else None
+
+
+def _layout(tensors: Sequence[torch.Tensor | None], entries: Iterable[TensorEntry], reuse: tuple[Any, Plan] | None
+            ) -> _Layout:
+    """The seal's ``_Layout``; derived once per structure and plan where ``reuse`` = (token, plan) has a token (the
+    state passed format/flatcache.py's identity check: the same tensors at the same addresses)."""
+    token, plan = reuse if reuse is not None else (None, None)
+    if token is None:
+        return _Layout(tensors, list(entries))
+    memo = token.memo.get("seal")
+    if memo is None or memo[0] is not plan:
+        memo = token.memo["seal"] = (plan, _Layout(tensors, list(entries)))
+    return memo[1]
+
+
 class Seal:
     """One lazy snapshot's seal: the version guard plus sampled elements of each lazy tensor."""
 
     def __init__(self, guard: VersionGuard, tensors: Sequence[torch.Tensor | None], keys: Sequence[str],
-                 entries: Iterable[TensorEntry]) -> None:
-        """Called inside ``save()``, on the training thread: the sampled bytes of the moment of the snapshot."""
+                 entries: Iterable[TensorEntry], reuse: tuple[Any, Plan] | None = None) -> None:
+        """Called inside ``save()``, on the training thread: the sampled bytes of the moment of the snapshot.
+        ``reuse``: (format/flatcache.py's token, the plan) of a state that passed the flattening's identity check:
+        where the CPU tensors are sampled is then the previous save's, only the lines drawn anew."""
         self.guard = guard
         self._keys = keys
-        entries = list(entries)
-        self._stride = stride_for(sum(e.nbytes for e in entries if e.nbytes > WHOLE))
+        layout = _layout(tensors, entries, reuse)
+        self._stride = layout.stride
         self._shift = _RNG.randrange(self._stride)  # per save: a writer cannot learn which bytes are compared
+        # CPU tensors: gathered from their memory, no torch call per tensor (engine/hostsamples.py)
+        self._host: HostSamples | None = layout.host.take(self._shift, tensors) if layout.host is not None else None
         self._sources: dict[int, torch.Tensor] = {}
         self._memory: dict[int, tuple[int, int]] = {}  # each source's (address, size) at save(): see ``_held``
-        self._runs: dict[int, _Run] = {}
+        self._dev_runs: dict[int, _Run] = {}
         per_device: dict[int, list[tuple[int, torch.Tensor]]] = {}
         with torch.no_grad():
-            for e in entries:
+            for e in layout.others:
                 src = tensors[e.index]
-                got = None if src is None or not e.nbytes else _window(src, self._stride, self._shift)
+                got = None if src is None else _window(src, self._stride, self._shift)
                 if got is None or src.nbytes != e.nbytes:
                     continue
                 self._sources[e.index] = src  # its own reference: the copy loop drops the save's one
                 self._memory[e.index] = (src.data_ptr(), e.nbytes)
-                self._runs[e.index] = got[1]
+                self._dev_runs[e.index] = got[1]
                 per_device.setdefault(src.get_device() if src.is_cuda else -1, []).append((e.index, got[0]))
             # one gather per device; on CUDA queued on the current stream and kept there: no sync in save()
             self._cpu = _Samples.gather(per_device.pop(-1)) if -1 in per_device else None
@@ -258,8 +296,14 @@ class Seal:
         Host samples are compared as numpy bytes: no torch call per tensor, so the copy thread never hands the
         training thread's GIL back and forth per tensor (engine/onepass.py says why that matters)."""
         staged = None
-        for e in entries:
-            run = self._runs.get(e.index)
+        entries = entries if isinstance(entries, list) else list(entries)
+        if self._host is not None:
+            staged = buf.numpy()
+            compared, moved = self._host.record(staged, entries)
+            self._staged.update(compared)
+            self._staged_moved += moved
+        for e in entries if self._dev_runs else ():
+            run = self._dev_runs.get(e.index)
             if run is None:
                 continue
             dev = self._where.get(e.index)
@@ -289,6 +333,8 @@ class Seal:
         """Called at the end of the seal, on the sealing thread: the sources and ``save()``'s views are no longer
         compared (the copy thread's later comparisons use the gathered bytes and spans only); dropped here."""
         self._sources = {}
+        if self._host is not None:
+            self._host.let_go()
         for samples in [self._cpu, *(dev.samples for dev in self._devices.values())]:
             if samples is not None:
                 samples.groups = []
@@ -302,6 +348,10 @@ class Seal:
         sampled bytes, as copied or as they are now, differ from those of ``save()``; CUDA tensors' comparisons are
         only queued here (``pending()``), their keys come from ``verdict()``."""
         moved = self.guard.moved() + list(self._staged_moved)
+        if self._host is not None:
+            moved += self._host.moved()
+            if not self._recorded.is_set() and not self._host.recorded_all(self._staged):
+                self._pending = True  # in a shard with CUDA tensors: compared after the seal (verdict())
         with torch.no_grad():
             if self._cpu is not None:
                 now, changed = self._again(self._cpu)
@@ -347,9 +397,15 @@ class Seal:
         out = {}
         for index in order:
             got = _window(self._sources[index], self._stride, self._shift)
-            if got is not None and got[1] == self._runs[index]:
+            if got is not None and got[1] == self._dev_runs[index]:
                 out[index] = got[0]
         return out
+
+    @property
+    def _runs(self) -> dict[int, _Run]:
+        """Where each lazy tensor is sampled this save (tests read the geometry)."""
+        runs = {i: _Run(*r) for i, r in self._host.runs().items()} if self._host is not None else {}
+        return {**runs, **self._dev_runs}
 
     def _named(self, indices: Iterable[int]) -> list[str]:
         keys: list[str] = []

@@ -35,7 +35,7 @@ from ..format.health import HEALTH_ATTR, HealthPart, content_tie
 from ..format.torchfile import TorchFileFormat
 from ..storage.tempmark import temp_basename
 
-__all__ = ["SharedFileWrite", "can_share", "raise_agreed", "temporary_name"]
+__all__ = ["SharedFileWrite", "can_share", "raise_agreed", "shared_chunk", "temporary_name"]
 
 log = logging.getLogger("fastckpt")
 
@@ -199,3 +199,10 @@ def raise_agreed(name: str, path: str, verdict: str, local: BaseException | None
     if local is not None:
         raise err from local
     raise err
+
+
+def shared_chunk(chunk_bytes: int, sizes: list[int], world: int) -> int:
+    """The shard size of a torch file shared by ``world`` ranks: about four shards per rank, so that the balance by
+    bytes (in whole shards) evens out, and never above ``persist.chunk_bytes``. A function of the structure only, so
+    every rank plans alike and the plan stays cached."""
+    return max(4096, min(chunk_bytes, sum(sizes) // (4 * world)))

@@ -52,6 +52,7 @@ class StaleWatch:
         self._lock = threading.Lock()
         self._previous: tuple[int, dict[str, str]] | None = None  # the last commit's (steps, param fingerprints)
         self.warned = False
+        self._params: tuple[Any, Any, frozenset[str]] | None = None  # (keys, state_ptrs, params) of the last save
 
     def count(self, *_: Any) -> None:
         """A watched optimizer's step post-hook (training thread)."""
@@ -65,7 +66,14 @@ class StaleWatch:
             return
         job.health = {}
         if self.warn:
-            params = frozenset(k for k, i in zip(job.keys, identities()) if i not in state_ptrs)
+            last = self._params
+            # a reused flattening (format/flatcache.py) hands every save the same keys list, with the same identities,
+            # and the watched optimizers' unchanged state the same set: the parameter keys are those of the last save
+            if last is not None and last[0] is job.keys and last[1] is state_ptrs:
+                params = last[2]
+            else:
+                params = frozenset(k for k, i in zip(job.keys, identities()) if i not in state_ptrs)
+                self._params = (job.keys, state_ptrs, params)
             job.stale_mark = StaleMark(self.steps, params)
 
     def committed(self, job: Any) -> None:

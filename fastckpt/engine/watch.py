@@ -3,13 +3,14 @@ away again), and the identities of what they own, whose copies may wait until th
 from __future__ import annotations
 
 import weakref
-from typing import Any, Hashable, Iterable
+from itertools import chain
+from typing import Any, Hashable, Iterable, Sequence
 
 import torch
 
 from ..format.identity import address
 
-__all__ = ["WatchHandle", "Watched", "watched_identities"]
+__all__ = ["WatchHandle", "Watched", "WatchedCache", "watched_identities"]
 
 Watched = tuple[set[Hashable], set[Hashable]]  # (parameters, optimizer state), as ``watched_identities`` gives them
 
@@ -27,6 +28,51 @@ def watched_identities(optimizers: Iterable[torch.optim.Optimizer]) -> Watched:
         for st in opt.state.values():
             state.update(address(v) for v in st.values() if isinstance(v, torch.Tensor))
     return params - {0}, state - {0}
+
+
+_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
+_ptr = torch._C.TensorBase.data_ptr
+
+
+class WatchedCache:
+    """``watched_identities``, taken again only when the optimizers changed: ``save()`` asks at every call, and
+    walking every parameter and state tensor through ``address()`` was a Python call per tensor. The check is C-level
+    ``map``s over the same tensors: the optimizers, their parameters' and state values' types, and the parameters'
+    and state tensors' data addresses, compared as lists with those of the last walk. Equal: the same ``Watched``
+    (the same set objects) is returned. Optimizers holding DTensors or empty tensors (whose identity is not their
+    address) are walked every time."""
+
+    def __init__(self) -> None:
+        self._key: Any = None
+        self._value: Watched | None = None
+        self.union: frozenset[Hashable] = frozenset()  # both sets of the last value, as one (the lazy identities)
+
+    def get(self, optimizers: Sequence[torch.optim.Optimizer]) -> Watched:
+        key = _fingerprint(optimizers)
+        if key is not None and key == self._key and self._value is not None:
+            return self._value
+        value = watched_identities(optimizers)
+        self._key, self._value, self.union = key, value, frozenset(value[0] | value[1])
+        return value
+
+
+def _fingerprint(optimizers: Sequence[torch.optim.Optimizer]) -> Any:
+    """What ``watched_identities`` depends on, as lists; None where an identity is not a data address."""
+    out: list[Any] = [list(map(id, optimizers))]
+    for opt in optimizers:
+        params = list(chain.from_iterable(g["params"] for g in opt.param_groups))
+        values = list(chain.from_iterable(map(dict.values, opt.state.values())))
+        kinds = list(map(type, params)) + list(map(type, values))
+        if not _PLAIN.issuperset(kinds[:len(params)]):
+            return None
+        tensors = values if _PLAIN.issuperset(kinds[len(params):]) else [v for v in values if type(v) in _PLAIN]
+        if len(tensors) != len(values) and any(isinstance(v, torch.Tensor) for v in values if type(v) not in _PLAIN):
+            return None  # a tensor subclass (DTensor) in the state
+        ptrs = list(map(_ptr, params)) + list(map(_ptr, tensors))
+        if 0 in ptrs:
+            return None
+        out += [kinds, ptrs]
+    return out
 
 
 class WatchHandle:

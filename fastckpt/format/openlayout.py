@@ -21,6 +21,7 @@ from .clonewrite import write_cloned
 from .contenthash import hash_records
 from .layout import (
     MANIFEST, VERSION, CheckpointInfo, FileRecord, build_manifest, parse_manifest, shard_file_name, shard_header)
+from .flatcache import tree_json
 from .objectdedup import as_records, write_deduped
 from .plan import Shard
 from .protocol import ShardResult, Snapshot, StagedBytes
@@ -96,7 +97,7 @@ class OpenLayout:
             storage.write_file(storage.join(snap.dirpath, obj_name), [memoryview(snap.objects)])
             files.append(FileRecord(obj_name, len(snap.objects), crc32c(snap.objects)))
             wrote += len(snap.objects)
-        doc: dict[str, Any] = {"tree": snap.tree, "tensors": table,
+        doc: dict[str, Any] = {"tree": tree_json(snap.tree), "tensors": table,
                                "objects": f"objects.{snap.uid}.pt" if snap.objects is not None else None}
         if snap.dtensors:
             doc["dtensors"] = snap.dtensors

@@ -61,6 +61,7 @@ class Plan:
     total_bytes: int
     plan_id: int = 0
     owned: set[int] | None = None  # shards this rank stages and writes (None: all of them)
+    memo: dict[Any, Any] = field(default_factory=dict)  # what the engine derives from this plan once (engine/guard.py)
 
     def mine(self, shards: list[Shard]) -> list[Shard]:
         """The subset of ``shards`` this rank is responsible for."""
@@ -97,6 +98,9 @@ class FlatState:
     dtensors: list[DTensorRecord] = field(default_factory=list)
     object_keys: list[str] = field(default_factory=list)  # key path of each pickled-object leaf (for errors)
     ids: list[Hashable] = field(default_factory=list)  # address() of each lazy_src: see ``identities``
+    # format/flatcache.py's skeleton whose identity check this state passed (the same object for every save of the
+    # same structure and tensors: what is derived from it once is reused); None: not cached
+    token: Any = None
 
     def identities(self) -> list[Hashable]:
         """``address()`` of each entry's ``lazy_src``: which tensor it is (format/identity.py). Known to ``flatten``
@@ -271,16 +275,33 @@ class Planner:
         self._capacity = capacity
         self._lock = threading.Lock()
         self.plans_built = 0
+        # (token, chunk, lazy_ids, plan) of the last call with a reused flattening (format/flatcache.py)
+        self._last: tuple[Any, int, frozenset, Plan] | None = None
+        self.reused = 0  # calls answered by ``_last`` without a look at any tensor (tests assert on it)
 
     def plan(self, flat: FlatState, lazy_ids: Collection[Hashable], chunk_bytes: int | None = None) -> Plan:
         """Return the cached plan for this structure, building it on the first sight. ``lazy_ids``: the identities
         (``FlatState.identities``) of the tensors copied lazily. ``chunk_bytes``: this plan's shard size instead of
-        the Planner's (a smaller one splits a shared file finer between ranks)."""
+        the Planner's (a smaller one splits a shared file finer between ranks).
+
+        A state whose flattening was reused (``flat.token``, the same skeleton: the same tensors, dtypes and shapes)
+        with the same lazy identities gets the last plan back without a key built tensor by tensor."""
+        chunk = self._chunk_bytes if chunk_bytes is None else chunk_bytes
+        token, last = flat.token, self._last
+        if (token is not None and last is not None and last[0] is token and last[1] == chunk
+                and (last[2] is lazy_ids or last[2] == lazy_ids)):
+            self.reused += 1
+            return last[3]
+        plan = self._plan(flat, lazy_ids, chunk)
+        if token is not None:
+            self._last = (token, chunk, lazy_ids if isinstance(lazy_ids, frozenset) else frozenset(lazy_ids), plan)
+        return plan
+
+    def _plan(self, flat: FlatState, lazy_ids: Collection[Hashable], chunk: int) -> Plan:
         lazy = [(not n) and i in lazy_ids for i, n in zip(flat.identities(), flat.numpy)]
         # Names are not part of the key: a state whose keys change every save (Lightning's
         # best_k_models is keyed by file path) still reuses one plan and one set of buffers.
         key = tuple((t.dtype, tuple(t.shape), lz, o) for t, lz, o in zip(flat.tensors, lazy, flat.owners))
-        chunk = self._chunk_bytes if chunk_bytes is None else chunk_bytes
         if chunk != self._chunk_bytes:
             key = (("chunk_bytes", chunk),) + key
         with self._lock:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ..errors import IntegrityError
+from .flatcache import tree_json
 from .layout import shard_file_name
 from .paths import confine, plain_name
 from .plan import Plan, Shard, TensorEntry
@@ -64,7 +65,7 @@ def encode_record(job: Any, owner: str, rank: int, world: int) -> bytes:
     doc = {
         "version": RECORD_VERSION, "owner": owner, "rank": rank, "world": world,
         "name": job.handle.name, "step": job.handle.step, "uid": job.uid, "dirpath": job.dirpath,
-        "tree": job.tree, "numpy": job.numpy, "keys": job.keys,
+        "tree": tree_json(job.tree), "numpy": job.numpy, "keys": job.keys,
         "objects": base64.b64encode(job.objects).decode() if job.objects is not None else None,
         "entries": [[str(e.dtype).removeprefix("torch."), list(e.shape), e.nbytes, e.lazy, e.shard, e.offset]
                     for e in plan.entries],

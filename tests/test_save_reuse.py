@@ -1,0 +1,205 @@
+"""save() reuses the previous save's flattening, plan and seal layout when the state passes the identity check
+(fastckpt/format/flatcache.py), and never when it does not: every checkpoint restores bit for bit either way.
+
+The figures that motivate it are benchmarks' (``python -m benchmarks.save_call``); here only structural facts are
+asserted: what was reused (counters, object identity), and that a steady-state save() makes no Python call per
+tensor (``sys.setprofile`` counts the calls of the training thread: doubling the tensors must not add any).
+"""
+from __future__ import annotations
+
+import sys
+from collections import OrderedDict
+from typing import Any, Callable
+
+import pytest
+import torch
+from torch import nn
+
+from fastckpt import Checkpointer, CheckpointConfig, SnapshotMutatedError
+from fastckpt.format.flatcache import FlatCache, tree_json
+from fastckpt.format.plan import flatten
+from tests.helpers import assert_bit_equal, bounded, clone_state
+
+
+def _model(n: int = 4, width: int = 64) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(width, width) for _ in range(n)])
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    opt.zero_grad()
+    model(torch.ones(2, model[0].in_features)).pow(2).sum().backward()
+    opt.step()  # its pre-hook seals the pending snapshot
+
+
+def _state(model: nn.Module, opt: torch.optim.Optimizer, step: int) -> dict[str, Any]:
+    return {"model": model.state_dict(), "optim": opt.state_dict(), "step": step, "lr": 1e-3 / (step + 1)}
+
+
+def _ckpt(tmp_path) -> Checkpointer:
+    return Checkpointer(CheckpointConfig(root=str(tmp_path), staging={"mode": "lazy"}))
+
+
+def _reused(ckpt: Checkpointer) -> tuple[int, int, int]:
+    """(flattenings reused, skeletons built, plans returned without a key built) so far."""
+    saver = ckpt._saver
+    return saver._flats.reused, saver._flats.built, saver._planner.reused
+
+
+def test_a_steady_state_save_reuses_the_flattening_the_plan_and_the_seal_layout(tmp_path) -> None:
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    _train(model, opt)
+    refs = {}
+    with _ckpt(tmp_path) as ckpt:
+        ckpt.watch(opt)
+        layouts = []
+        for step in range(1, 5):
+            state = _state(model, opt, step)  # a fresh state_dict() every time, as a training loop makes it
+            refs[step] = clone_state(state)
+            ckpt.save(state, step)
+            layouts.append(ckpt._saver._flats._skeleton.memo["seal"][1])
+            _train(model, opt)
+        ckpt.wait()
+        assert _reused(ckpt) == (3, 1, 3)
+        assert all(layout is layouts[0] for layout in layouts)  # the seal's sampling positions: derived once
+        assert ckpt._saver._planner.plans_built == 1
+        for step, ref in refs.items():
+            assert_bit_equal(ckpt.load(step), ref)
+
+
+def _reorder(sd: dict) -> None:
+    items = list(sd.items())
+    sd.clear()
+    sd.update(reversed(items))
+
+
+def _set_data(p: torch.Tensor, make: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    p.data = make(p.data)  # what weight surgery does; the version counter does not move
+
+
+MODEL_CHANGES: dict[str, Callable[[nn.Module], None]] = {  # applied to the model once
+    "a parameter re-allocated": lambda m: _set_data(m[1].weight, torch.clone),
+    "a parameter reshaped in place": lambda m: _set_data(m[1].bias, lambda d: d.view(8, 8)),
+    "a parameter viewed as another dtype": lambda m: _set_data(m[2].bias.requires_grad_(False),
+                                                               lambda d: d.view(torch.int32)),
+    "a parameter transposed in place": lambda m: _set_data(m[2].weight, lambda d: d.t()),
+    "a parameter as a neg view": lambda m: _set_data(m[3].bias, torch._neg_view),
+}
+_OTHER, _EXTRA = torch.randn(64, 64), torch.arange(5.0)  # the same tensors in every state from the change on
+STATE_CHANGES: dict[str, Callable[[dict], None]] = {  # applied to every state from then on
+    "a tensor replaced": lambda st: st["model"].__setitem__("0.weight", _OTHER),
+    "a key added": lambda st: st["model"].__setitem__("extra", _EXTRA),
+    "the keys reordered": lambda st: _reorder(st["model"]),
+    "a container's type": lambda st: st.__setitem__("model", dict(st["model"])),
+    "a leaf's type": lambda st: st.__setitem__("step", float(st["step"])),
+}
+
+
+@pytest.mark.parametrize("change", list(MODEL_CHANGES) + list(STATE_CHANGES))
+def test_nothing_is_reused_once_the_state_changed(tmp_path, change: str) -> None:
+    """A change the identity check must see: the save after it is flattened in full (its skeleton then reused),
+    and every checkpoint, before, at and after the change, restores bit for bit."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    refs = {}
+    with _ckpt(tmp_path) as ckpt:
+        ckpt.watch(opt)
+        for step in range(1, 5):
+            if step == 3 and change in MODEL_CHANGES:
+                ckpt.wait()  # the change itself must not be refused as a write after save()
+                with torch.no_grad():
+                    MODEL_CHANGES[change](model)
+            state = _state(model, opt, step)
+            if step >= 3 and change in STATE_CHANGES:
+                STATE_CHANGES[change](state)
+            refs[step] = clone_state(state)
+            ckpt.save(state, step)
+            if step == 3:
+                assert _reused(ckpt)[:2] == (1, 2), "the changed state passed the identity check"
+            if change in STATE_CHANGES or step < 3:
+                _train(model, opt)
+            else:
+                ckpt.wait()  # a reshaped or retyped parameter trains no more
+        assert _reused(ckpt)[:2] == (2, 2)
+        ckpt.wait()
+        for step, ref in refs.items():
+            assert_bit_equal(ckpt.load(step), ref)
+
+
+def test_the_deferred_tree_is_the_tree_flatten_encodes() -> None:
+    """Plain leaves change from save to save (a step, a learning rate, NaN, a huge int): each save's tree is
+    encoded later, from its own values, exactly as ``flatten`` encodes it."""
+    model = _model(2)
+    cache = FlatCache()
+    floats, ints, strs = [1.5, float("nan"), -0.0, float("inf")], [1, 2 ** 70, -5, 0], ["a", "", "b", "\u00e9"]
+    for i, (f, n, text) in enumerate(zip(floats, ints, strs)):
+        state = {"model": model.state_dict(), "f": f, "n": n, "s": text, "none": None, "flag": i % 2 == 0,
+                 "k": {1: b"ab", 2.5: torch.float16, None: (1, [2.0])}, "size": torch.Size([3, i]),
+                 "dev": torch.device("cpu"), "od": OrderedDict(a=i), "obj": ValueError(i)}
+        flat = cache.flatten(state)
+        assert cache.reused == i
+        assert repr(tree_json(flat.tree)) == repr(flatten(state).tree)  # NaN != NaN: compared as text
+        assert [type(o) for o in flat.objects] == [ValueError] and flat.objects[0].args == (i,)
+
+
+def _calls_in(fn: Callable[[], Any]) -> int:
+    """Python and C function calls made from Python code by this thread while ``fn`` runs (C functions that C
+    calls, such as ``map``'s, are not events: what counts is the Python work)."""
+    count = 0
+
+    def profile(_frame, event, _arg) -> None:
+        nonlocal count
+        if event in ("call", "c_call"):
+            count += 1
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return count
+
+
+def _steady_calls(tmp_path, layers: int) -> int:
+    """The fewest calls of the steady-state saves (a busy host may move the training thread to another CPU, and
+    the background threads are then placed anew: calls that depend on the host, not on the state)."""
+    model = _model(layers, 16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    _train(model, opt)
+    calls = []
+    with _ckpt(tmp_path / str(layers)) as ckpt:
+        ckpt.watch(opt)
+        for step in range(1, 6):
+            state = _state(model, opt, step)
+            ckpt.wait()  # the same pending saves (none) before each: only the state's size differs
+            calls.append(_calls_in(lambda: ckpt.save(state, step)))
+            _train(model, opt)
+        assert _reused(ckpt) == (4, 1, 4)
+    return min(calls[1:])
+
+
+def test_a_steady_state_save_makes_no_python_call_per_tensor(tmp_path) -> None:
+    """30 tensors or 60 (and 60 or 120 optimizer state tensors): a reused save() makes the same calls, give or take
+    the few a random draw makes; one call a tensor would add at least 90."""
+    small, large = _steady_calls(tmp_path, 15), _steady_calls(tmp_path, 30)
+    assert abs(large - small) < 30, (small, large)
+
+
+def test_a_data_write_after_a_reused_save_is_still_refused(tmp_path) -> None:
+    """The seal of a save whose layout was reused compares this save's bytes: a ``.data`` write (no counter moves)
+    after the third save is found at the next step."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with _ckpt(tmp_path) as ckpt:
+        ckpt.watch(opt)
+        for step in range(1, 3):
+            ckpt.save(_state(model, opt, step), step)
+            _train(model, opt)
+        handle = ckpt.save(_state(model, opt, 3), 3)
+        assert _reused(ckpt)[0] == 2
+        model[1].bias.data.mul_(2.0)  # skips the version counter; a small tensor: compared whole
+        bounded(lambda: _train(model, opt), 30)
+        with pytest.raises(SnapshotMutatedError, match="model/1.bias"):
+            bounded(handle.wait, 30)
+        assert [info.step for info in ckpt.list()] == [1, 2]
