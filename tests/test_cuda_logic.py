@@ -213,6 +213,9 @@ def test_cuda_preparation_failure_leaves_no_slot_busy(tmp_path, monkeypatch) -> 
             with pytest.raises(FastCkptError, match=r"CUDA copies of checkpoint 'step-000000001'.*\[0\]") as err:
                 ckpt.save(state, step=1)
             assert isinstance(err.value.__cause__, RuntimeError)
+        # A new tensor: the plan of the same one remembers the devices the patch pretended (a tensor's device
+        # cannot change without its identity, which the plan's reuse checks)
+        state = {"w": torch.randn(100)}
         h = ckpt.save(state, step=2)
         assert not h.skipped, "the failed save left its staging slot busy"
         h.wait(timeout=60)
