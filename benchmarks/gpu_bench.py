@@ -157,13 +157,16 @@ class DCP(Peer):
 
         self.dcp, self.pending, self.futures = dcp, None, []
         try:
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+            from torch.distributed.checkpoint.staging import DefaultStager  # noqa: F401 - ImportError: older torch
+
+            from .dcpstager import kept_stager
 
             gpu = torch.cuda.is_available()  # pinning and non-blocking copies need CUDA (refused otherwise)
             # pinned, staged on the stager's thread, no shared memory (the uploader is a thread, not a process);
             # by keyword: the positional order is (pinned, shared memory, async, non-blocking)
-            self.stager: Any = DefaultStager(StagingOptions(use_pinned_memory=gpu, use_shared_memory=False,
-                                                            use_async_staging=True, use_non_blocking_copy=gpu))
+            # kept: torch 2.11's async_save closes the stager it is given after each upload (benchmarks/dcpstager.py)
+            self.stager: Any = kept_stager(use_pinned_memory=gpu, use_shared_memory=False, use_async_staging=True,
+                                           use_non_blocking_copy=gpu)
             self.name = "dcp_async_save (pinned DefaultStager)" if gpu else "dcp_async_save (DefaultStager, CPU)"
         except ImportError:  # older torch: DCP's own default staging, said in the label
             self.stager = None
@@ -176,10 +179,10 @@ class DCP(Peer):
             self.futures[-1].result()  # checkpoint's upload may still be reading (else ckpt N holds N+1's values)
         try:
             r = self.dcp.async_save(flat_state(self.model, self.opt), checkpoint_id=str(self.root / str(step)), **kw)
-        except Exception as e:  # noqa: BLE001 - torch 2.11's DefaultStager: KeyError <class 'type'>; DCP's own staging
+        except Exception as e:  # noqa: BLE001 - a stager this torch refuses: DCP's own staging, said in the label
             if self.stager is None:
                 raise
-            self.stager.close()
+            self.stager.release()
             self.stager = None
             self.name = f"dcp_async_save (default staging: DefaultStager raised {type(e).__name__}: {e})"
             r = self.dcp.async_save(flat_state(self.model, self.opt), checkpoint_id=str(self.root / str(step)))
@@ -204,7 +207,7 @@ class DCP(Peer):
         for f in self.futures:
             f.result()
         if self.stager is not None:
-            self.stager.close()
+            self.stager.release()
 
     def load(self, step: int) -> dict[str, torch.Tensor]:
         tmpl = {k: torch.empty_like(v, device="cpu") for k, v in flat_state(self.model, self.opt).items()}

@@ -206,14 +206,14 @@ class DcpStager(Peer):
     def __init__(self, root: Path) -> None:
         super().__init__(root)
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        from .dcpstager import kept_stager
 
         self.dcp = dcp
         # CPU-only box: no pinned memory / non-blocking copies (they need an accelerator); no shared memory
         # (the uploader is a thread, not a process). Staging runs on the stager's own thread and reuses its
         # cached host storages from one checkpoint to the next.
-        self.stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
-                                                   use_async_staging=True, use_non_blocking_copy=False))
+        self.stager = kept_stager(use_pinned_memory=False, use_shared_memory=False, use_async_staging=True,
+                                  use_non_blocking_copy=False)
         self.resp: Any = None
 
     def save(self, state: dict, step: int) -> None:
@@ -234,7 +234,7 @@ class DcpStager(Peer):
 
     def close(self) -> None:
         self.flush()
-        self.stager.close()
+        self.stager.release()
 
     def load(self, step: int, template: dict) -> dict:
         self.dcp.load(template, checkpoint_id=str(self.root / f"step-{step:09d}"), no_dist=True)
