@@ -140,7 +140,7 @@ class Launcher:
         return n
 
 
-def _cpu_now() -> float:
+def cpu_now() -> float:
     """CPU seconds of this process and of every child, live or exited."""
     import resource
 
@@ -224,13 +224,13 @@ def measure(name: str, n_ckpt: int, n_cpu: int, window: float, step_ms: float, q
         cpu_saves: list[float] = []
         for _ in range(n_cpu):
             step += 1
-            c0 = _cpu_now()
+            c0 = cpu_now()
             t0 = time.perf_counter()
             peer.save(state, step)
             cpu_saves.append(time.perf_counter() - t0)
             peer.before_optimizer_step()
             peer.flush()
-            cpu.append(_cpu_now() - c0)
+            cpu.append(cpu_now() - c0)
         peer.close()
     return {"peer": name, "nbytes": nbytes, "tensors": tensors, "lost_ms": [x * 1e3 for x in lost],
             "save_ms": [x * 1e3 for x in saves + cpu_saves], "waited_ms": [x * 1e3 for x in waited],

@@ -193,3 +193,41 @@ def test_the_batched_one_pass_cuts_large_tensors_and_measures_as_the_blocked_one
         assert {k: mine[k] for k in ("n", "nan", "inf", "absmax", "fp")} == \
             {k: stats[k] for k in ("n", "nan", "inf", "absmax", "fp")}, key
         assert abs(mine["l2"] - stats["l2"]) <= 1e-6 * stats["l2"], key
+
+
+def _rows_only(lay: batchpass.Layout) -> batchpass.Layout:
+    """``lay`` measured as before issue 53's single-entry pieces: every piece's extremes row by row."""
+    for piece in lay.pieces:
+        piece.extremes = piece.flat = None
+    for s in lay.stretches:
+        s.pmin = s.pmax = None
+        s.powners = []
+    return lay
+
+
+@pytest.mark.parametrize("piece", [4096, 1 << 14, 1 << 16])
+@pytest.mark.parametrize("seed", range(4))
+def test_one_entrys_pieces_give_todays_statistics_bit_for_bit(monkeypatch, piece: int, seed: int) -> None:
+    """A piece whose rows all belong to one tensor takes its extremes in one ``aminmax`` over the piece (one pass,
+    one call, not a max and a min per row): every statistic, ``l2`` included, and every CRC equal the row by row
+    pass's bit for bit, NaN, Inf and float32-overflowing squares among them."""
+    monkeypatch.setattr(batchpass, "PIECE", piece)
+    srcs, entries, buf = _shard(random.Random(seed * 104729 + piece))
+    big = _random(200_000, torch.float32)  # many pieces of its own rows whatever the piece
+    if seed % 2:  # a NaN or an Inf in a piece of its own: the whole tensor is measured by the blocked pass
+        big[150_000] = float("nan") if seed == 1 else float("inf")
+    srcs.append(big)
+    at = -(-buf.numel() // 64) * 64  # aligned: a stretch of its own
+    entries.append(TensorEntry(len(srcs) - 1, big.dtype, tuple(big.shape), big.numel() * 4, True, 0, at))
+    buf = torch.zeros(at + big.numel() * 4, dtype=torch.uint8)
+    for e, src in zip(entries, srcs):
+        if e.nbytes:
+            buf[e.offset:e.offset + e.nbytes] = src.reshape(-1).view(torch.uint8)
+    dtypes = [e.dtype for e in entries]
+    lay = batchpass.Layout.of(buf, entries, dtypes)
+    assert sum(p.extremes is not None for p in lay.pieces) >= 2  # the path under test is taken
+    crcs, stats = batchpass.run(lay, buf, checksum=crc32c, health=True)
+    old_crcs, old = batchpass.run(_rows_only(batchpass.Layout.of(buf, entries, dtypes)), buf, checksum=crc32c,
+                                  health=True)
+    assert crcs == old_crcs
+    assert stats == old  # n, nan, inf, absmax, l2 and fp: the same floats

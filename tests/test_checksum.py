@@ -58,3 +58,40 @@ def test_crc32_without_zlib_ng_falls_back_to_zlib(monkeypatch: pytest.MonkeyPatc
         monkeypatch.undo()
         importlib.reload(checksum)
     assert checksum._zip_crc32 is not zlib.crc32  # zlib-ng again, for the tests that follow
+
+
+def _combine_bitwise(crc_a: int, crc_b: int, len_b: int) -> int:
+    """The reference: zlib's crc32_combine, each zero-byte operator applied column by column (the former code)."""
+    k = 0
+    while len_b:
+        if len_b & 1:
+            crc_a = checksum._gf2_times(checksum._ZERO_OPS[k], crc_a)
+        len_b >>= 1
+        k += 1
+    return crc_a ^ crc_b
+
+
+def test_combine_by_tables_equals_the_bitwise_operators_for_any_length() -> None:
+    """combine applies each operator by byte tables (a writer combines hundreds of CRCs a shard); its values are
+    the bitwise operators' for every CRC and length, lengths up to 2**64 - 1 included."""
+    rng = random.Random(11)
+    cases = [(rng.getrandbits(32), rng.getrandbits(32), rng.getrandbits(rng.randrange(1, 65))) for _ in range(5000)]
+    cases += [(0xFFFFFFFF, 0, (1 << 64) - 1), (0, 0xFFFFFFFF, 1), (0x80000000, 1, 1 << 40), (5, 7, 0)]
+    for a, b, n in cases:
+        assert combine(a, b, n) == _combine_bitwise(a, b, n), (a, b, n)
+
+
+def test_combine_chains_tensor_crcs_into_the_file_crc() -> None:
+    """As a writer does: the CRCs of a header and of each tensor, combined, give the file's CRC; combining the
+    tensors' first and the header's last gives the same."""
+    rng = random.Random(5)
+    header = os.urandom(4096)
+    parts = [os.urandom(n) for n in (0, 1, 511, 4096, 65537, 3 * 4096 + 17)] + [os.urandom(rng.randrange(1, 9000))
+                                                                                 for _ in range(20)]
+    chained = crc32c(header)
+    data = 0
+    for p in parts:
+        chained = combine(chained, crc32c(p), len(p))
+        data = combine(data, crc32c(p), len(p))
+    whole = header + b"".join(parts)
+    assert chained == crc32c(whole) == combine(crc32c(header), data, len(whole) - len(header))

@@ -8,6 +8,8 @@ checkpoint to them. Here a shard is cut into *pieces* of ``PIECE`` bytes and eac
 whatever the tensors in it: the copy of its tensors (one ``torch._foreach_copy_``, or one ``memmove`` per part of a
 tensor larger than a piece), one checksum call per tensor part, then three reductions over the piece's whole groups
 of ``GROUP`` values (their max, their min, their float32 norms: the blocked pass's statistics, group for group).
+A piece whose groups all belong to one tensor (a large tensor's middle) takes its extremes in one ``aminmax`` over
+all its values instead: one pass and one call, not two (W1: 98 of 243 pieces; the same extremes, exactly).
 After the last piece, one segmented reduction per statistic gives each tensor's extremes and sum of squares.
 
 The piece's size trades the two costs: in smaller pieces the copy's bytes are still in cache when the checksum
@@ -71,6 +73,10 @@ class Piece:
     parts: list[Part]
     grouped: torch.Tensor | None = None  # (rows, GROUP) view of the staged values
     outs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (max, min, norm) of each row
+    # where every row belongs to one entry: the piece's values flat and (min, max) of them all, taken in one
+    # ``aminmax`` (its rows' max and min stay -inf and +inf: the segment reductions pass over them)
+    flat: torch.Tensor | None = None
+    extremes: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass(slots=True)
@@ -83,6 +89,9 @@ class _Stretch:
     gsq: torch.Tensor  # float64 squares of the norms (scratch)
     lengths: torch.Tensor
     owners: list[int | None]  # entry position of each segment; None: rows that straddle two entries
+    pmin: torch.Tensor | None = None  # the extremes of each piece whose rows are all one entry's...
+    pmax: torch.Tensor | None = None
+    powners: list[int] = field(default_factory=list)  # ...and that entry's position
 
 
 @dataclass(eq=False)
@@ -170,9 +179,9 @@ class Layout:
         if rows > cursor:
             lengths.append(rows - cursor)
             owners.append(None)
-        if rows:
-            self.stretches.append(_Stretch(gmax, gmin, gnorm, torch.empty(rows, dtype=torch.float64), torch.tensor(lengths),
-                                           owners))
+        stretch = _Stretch(gmax, gmin, gnorm, torch.empty(rows, dtype=torch.float64), torch.tensor(lengths), owners)
+        spans = _spans(lengths, owners)
+        pieces: list[Piece] = []
         for lo, hi in _cuts([(self.entries[p].offset, self.entries[p].nbytes) for p in members], start, gbytes):
             piece = Piece(self._parts(members, lo, hi))
             # the rows that end in this piece: a row straddling ``lo`` is whole once this piece's copy has run
@@ -180,7 +189,24 @@ class Layout:
             if r1 > r0 and grouped is not None:
                 piece.grouped = grouped[r0:r1]
                 piece.outs = (gmax[r0:r1], gmin[r0:r1], gnorm[r0:r1])
+                owner = next((o for a, b, o in spans if a <= r0 and r1 <= b), None)
+                if owner is not None:  # one entry's rows alone: one aminmax over them, not a max and a min per row
+                    piece.flat = piece.grouped.view(-1)
+                    stretch.powners.append(owner)
+                    gmax[r0:r1] = -math.inf
+                    gmin[r0:r1] = math.inf
+            pieces.append(piece)
             self.pieces.append(piece)
+        if stretch.powners:
+            stretch.pmin = torch.empty(len(stretch.powners), dtype=dtype)
+            stretch.pmax = torch.empty(len(stretch.powners), dtype=dtype)
+            whole = iter(range(len(stretch.powners)))
+            for piece in pieces:
+                if piece.flat is not None:
+                    j = next(whole)
+                    piece.extremes = (stretch.pmin[j], stretch.pmax[j])
+        if rows:
+            self.stretches.append(stretch)
 
     def _parts(self, members: list[int], lo: int, hi: int) -> list[Part]:
         parts = []
@@ -195,6 +221,16 @@ class Layout:
         if n > 0:
             self.smalls.append(buf[at:at + n].view(self.dtypes[pos]))
             self.small_of.append(pos)
+
+
+def _spans(lengths: list[int], owners: list[int | None]) -> list[tuple[int, int, int | None]]:
+    """The rows ``[a, b)`` of each segment of a stretch, with its owner."""
+    out = []
+    at = 0
+    for n, owner in zip(lengths, owners):
+        out.append((at, at + n, owner))
+        at += n
+    return out
 
 
 def _cuts(spans: list[tuple[int, int]], start: int, gbytes: int) -> list[tuple[int, int]]:
@@ -268,8 +304,11 @@ def run(lay: Layout, buf: torch.Tensor, *, checksum: Checksum | None, health: bo
                 crcs[p.pos] = crc(mv[at:at + p.n], crcs[p.pos])
         if health and piece.grouped is not None:
             gmax, gmin, gnorm = piece.outs  # type: ignore[misc]
-            torch.amax(piece.grouped, dim=1, out=gmax)
-            torch.amin(piece.grouped, dim=1, out=gmin)
+            if piece.extremes is not None:
+                torch.aminmax(piece.flat, out=piece.extremes)  # type: ignore[arg-type]
+            else:
+                torch.amax(piece.grouped, dim=1, out=gmax)
+                torch.amin(piece.grouped, dim=1, out=gmin)
             torch.linalg.vector_norm(piece.grouped, 2, dim=1, dtype=gnorm.dtype, out=gnorm)
         if fill is not None and check is not None:
             for p in piece.parts:
@@ -298,6 +337,8 @@ def measure(lay: Layout, mv: memoryview) -> dict[int, dict[str, Any]]:
         _collect(lay, s.owners, torch.segment_reduce(s.gmax, "max", lengths=s.lengths).tolist(),
                  torch.segment_reduce(s.gmin, "min", lengths=s.lengths).tolist(),
                  torch.segment_reduce(s.gsq, "sum", lengths=s.lengths).tolist(), absmax, squares)
+        if s.pmax is not None and s.pmin is not None:  # the pieces of one entry's rows alone
+            _collect(lay, s.powners, s.pmax.tolist(), s.pmin.tolist(), [0.0] * len(s.powners), absmax, squares)
     if lay.smalls:  # every small's values in one float64 scratch, then the same segmented reductions
         vals, sq = lay.small_vals, lay.small_sq
         torch.cat(lay.smalls, out=vals)

@@ -49,8 +49,8 @@ class OpenLayout:
             for i, e in enumerate(shard.entries):
                 c = staged[i] if staged is not None else crc32c(data[e.offset: e.offset + e.nbytes])
                 tensor_crcs.append(c)
-                crc = combine(crc, c, e.nbytes)
                 data_crc = combine(data_crc, c, e.nbytes)
+            crc = combine(crc, data_crc, sum(e.nbytes for e in shard.entries))  # the header's, then the data's
             # content records for the next upload's dedup or clone, hashed here from the staged bytes (an I/O worker)
             hashes = (hash_records(header, data[: shard.nbytes], [e.offset for e in shard.entries])
                       if getattr(snap, "records", True) else None)
