@@ -268,3 +268,34 @@ def test_a_shard_smaller_than_a_line_is_compared_byte_by_byte() -> None:
         s.record(staged_small, entries[1:])
         s.recorded()
         assert s.moved() == moved
+
+
+def test_the_lines_drawn_from_the_precomputed_candidates_are_those_the_counts_give() -> None:
+    """``_LinePlan`` lays each large tensor's candidate lines out once per layout and a save only adds its first lines
+    and drops the candidates past a tensor's end: for any draw, tensors around and far above the stride, the lines
+    (positions, owners, ends, where each is read) are exactly those derived from the first lines and counts."""
+    import random
+
+    import numpy as np
+
+    from fastckpt.engine.hostsamples import _LinePlan, _positions
+
+    class Group:  # what _LinePlan reads of a _Group: sizes and where each tensor starts in the memory view
+        def __init__(self, nbytes: list[int], at: list[int]) -> None:
+            self.nbytes, self.at = np.array(nbytes, dtype=np.int64), np.array(at, dtype=np.int64)
+
+    rng = random.Random(0)
+    for _ in range(200):
+        stride = PAGE << rng.randrange(8)
+        sizes = [rng.choice([rng.randrange(WHOLE + 1, WHOLE + 3 * stride), rng.randrange(WHOLE + 1, 40 * stride)])
+                 for _ in range(rng.randrange(12))]
+        g = Group(sizes, sorted(rng.randrange(1 << 40) for _ in sizes))
+        plan = _LinePlan(g, stride)  # type: ignore[arg-type]
+        for _ in range(20):
+            shift = rng.randrange(stride)
+            first = (shift % (g.nbytes - RUN + 1)) & -RUN
+            at = _positions(first, (g.nbytes - RUN - first) // stride + 1, stride, g.nbytes - RUN)
+            got_first, got_at, got_idx = plan.draw(shift)
+            assert np.array_equal(got_first, first)
+            assert all(np.array_equal(a, b) for a, b in zip(got_at, at))
+            assert np.array_equal(got_idx, at[0] + g.at[at[1]])
