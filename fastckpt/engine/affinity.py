@@ -15,9 +15,9 @@ the background threads' placement is what counts.)
 training thread and the scheduler's placement of it; and at each ``save()`` never on the CPU the training thread is
 running on right then (``sched_getcpu``): the scheduler moves the training thread between steps, and on the busy
 host (two CPU-bound neighbours pinned to each of 2 CPUs) it was on the last CPU, sharing it with every background
-thread, in ~40% of the steps (a lazy save resolves the set inside ``save()`` and its copy thread moves the threads, so
-that the system calls stay off the training thread). Placed away from it at each save, the busy host's stall per checkpoint (``python -m
-benchmarks.placement --busy --runs 8``, 96 checkpoints per setting in turns, 2026-11-30): 32 +- 3 ms (median 31)
+thread, in ~40% of the steps (a lazy save resolves the set inside ``save()`` and its copy thread moves the threads:
+the system calls stay off the training thread). Placed away from it at each save, the busy host's stall per
+checkpoint (``python -m benchmarks.placement --busy --runs 8``, 96 checkpoints per setting in turns, 2026-11-30): 32 +- 3 ms (median 31)
 against 37 +- 3 ms (median 34) held on the last CPU; two earlier trials of the same, 31.0 +- 3.6 against 37.7 +- 2.6
 and 46.2 +- 3.3 against 52.4 +- 3.8 ms. A persister process's threads (fastckpt/tiers/persister.py) are placed once,
 on the last CPUs: that process cannot see where the training thread runs. Not where torchrun started several ranks on

@@ -102,7 +102,6 @@ class Job:
     # source, clones (what reads them); a pass over every byte otherwise spent for nothing
     cpu_section: Callable[[], Any] = nullcontext  # entered by a format around its CPU-bound work (engine/cpugate.py)
     token: Any = None  # format/flatcache.py's skeleton the state matched (what the seal derived from it is reused)
-    cpus: frozenset[int] | None = None  # persist.background_cpus resolved in save(), for the copy thread to place
 
     # what a FileFormat reads of a save (format/protocol.py's Snapshot)
     @property
@@ -176,15 +175,7 @@ class Pipeline:
         """Queue ``job``: the copy thread stages ``lazy`` shards, then the committer commits."""
         self._on_gpu = job.cuda is not None
         submitted(job)  # a device snapshot: the next one waits for these copies (engine/cudastage.py)
-        copies = bool(lazy) or bool(job.unchecked and job.error is None)  # the copy thread takes the job
-        # The threads go off the training thread's CPU (a state on a GPU leaves training's CPU threads to the
-        # background: auto). The set is resolved here, where training runs; the copy thread, taking the job, moves
-        # the threads (system calls: ~0.1 ms of save() each time the scheduler had moved training).
-        if copies:
-            job.cpus = self.placement.want()
-        else:
-            self.placement.refresh()
-        job.cpu_section = self.gate.held
+        cpus, job.cpu_section = self.placement.want(), self.gate.held  # CPUs resolved here, moved to by the copy thread
         if lazy and not snapshotted(job):  # a device snapshot holds save()'s values: nothing to guard or seal
             # Still in save(), on the training thread: the snapshot's counters. The order is made once per plan.
             order = LazyOrder.of(job.plan.memo, lazy)
@@ -194,9 +185,10 @@ class Pipeline:
         else:
             job.handle.sealed_now()
         self._commit_q.put(job)
-        if copies:
-            self._copy_q.put((job, lazy))  # type: ignore[arg-type]
+        if lazy or (job.unchecked and job.error is None):
+            self._copy_q.put((job, lazy, cpus))  # type: ignore[arg-type]
         else:
+            self.placement.place(cpus)
             self._mark_staged(job)
 
     def submit_recovered(self, job: Job) -> None:
@@ -236,16 +228,15 @@ class Pipeline:
     # ---- copy thread ---------------------------------------------------------------
 
     def _copy_loop(self) -> None:
-        # Normal priority: the next optimizer step waits for this thread, so starving it
-        # would turn overlap into a stall. Checksums and writes (below) can yield.
+        # Normal priority: the next optimizer step waits for it (starved, overlap turns into a stall); writes can yield
         self.placement.enlist()
         serial_here()  # its copies and reductions never fan out onto the training thread's core
         while True:
             item = self._copy_q.get()
             if item is None:
                 return
-            job, shards = item  # type: ignore[misc]
-            self.placement.place(job.cpus)  # off the CPU save() ran on, before this thread copies
+            job, shards, cpus = item  # type: ignore[misc]
+            self.placement.place(cpus)  # off the CPU save() ran on (resolved there), before this thread copies
             try:
                 if job.cuda is not None:
                     job.cuda.begin_lazy()
