@@ -15,10 +15,10 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-import os
 import queue
 import threading
 import time
+import uuid
 from contextlib import nullcontext
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -70,7 +70,7 @@ class Job:
     objects: bytes | None
     dirpath: str
     t0: float
-    uid: str = field(default_factory=lambda: os.urandom(6).hex())  # 48 random bits, as uuid4().hex[:12] had
+    uid: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     writes: list[Future] = field(default_factory=list)
     cuda: CudaCopy | None = None  # per-device streams and ready events, when any tensor is on CUDA
     devices: list[str] = field(default_factory=list)  # each tensor's device (CUDA saves): map_location's key
