@@ -127,6 +127,38 @@ def test_nothing_is_reused_once_the_state_changed(tmp_path, change: str) -> None
             assert_bit_equal(ckpt.load(step), ref)
 
 
+_X, _Y, _Z = torch.randn(16), torch.randn(16), torch.randn(16)
+PER_PARAM = {  # an optimizer-state-like dict of flat dicts, compared as one list of keys and one of counts
+    "as saved before": lambda: {0: {"a": _X, "b": _Y}, 1: {"c": _Z}},
+    "a key renamed": lambda: {0: {"a": _X, "B": _Y}, 1: {"c": _Z}},
+    "a key moved to the next dict": lambda: {0: {"a": _X}, 1: {"b": _Y, "c": _Z}},  # the same keys in one list
+    "a dict's type": lambda: {0: OrderedDict(a=_X, b=_Y), 1: {"c": _Z}},
+}
+
+
+@pytest.mark.parametrize("change", [c for c in PER_PARAM if c != "as saved before"])
+def test_a_changed_per_parameter_dict_is_not_reused(tmp_path, change: str) -> None:
+    """The dicts of an optimizer's per-parameter state are checked together (their types, their key counts, all their
+    keys as one list): a key renamed, or moved into the next dict (the keys in the same order overall), is seen."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    refs = {}
+    with _ckpt(tmp_path) as ckpt:
+        ckpt.watch(opt)
+        for step in range(1, 5):
+            state = _state(model, opt, step)
+            state["per_param"] = PER_PARAM[change if step >= 3 else "as saved before"]()
+            refs[step] = clone_state(state)
+            ckpt.save(state, step)
+            if step == 3:
+                assert _reused(ckpt)[:2] == (1, 2), "the changed state passed the identity check"
+            _train(model, opt)
+        assert _reused(ckpt)[:2] == (2, 2)
+        ckpt.wait()
+        for step, ref in refs.items():
+            assert_bit_equal(ckpt.load(step), ref)
+
+
 def test_the_deferred_tree_is_the_tree_flatten_encodes() -> None:
     """Plain leaves change from save to save (a step, a learning rate, NaN, a huge int): each save's tree is
     encoded later, from its own values, exactly as ``flatten`` encodes it."""
