@@ -130,11 +130,19 @@ class HostLayout:
 
     def take(self, shift: int, tensors: Sequence[Any]) -> HostSamples:
         """The samples of a save, drawn at ``shift``, gathered now from ``tensors`` (the state's, indexed by entry)."""
-        first, lines_at, lines_idx = self._lines.draw(shift)
-        at, idx, k = self._fixed[:], self._fixed_idx[:], self._n_whole
-        at[k], idx[k] = lines_at, lines_idx
+        first, lines_idx, keep = self._lines.draw(shift)
+        idx = self._fixed_idx[:]
+        idx[self._n_whole] = lines_idx
         # a copy of the list, not a gather of the sampled ones: the seal picks them (one C-level call, here or there)
-        return HostSamples(self, first, at, idx, list(tensors))
+        return HostSamples(self, first, keep, idx, list(tensors))
+
+    def positions(self, first: np.ndarray, idx: list[np.ndarray], keep: np.ndarray | None
+                  ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """Per group, (positions within each tensor, owner of each, where each tensor's end) of a save drawn as
+        ``take`` drew it: what the comparisons after ``save()`` need, derived there (``HostSamples._at``)."""
+        at = self._fixed[:]
+        at[self._n_whole] = self._lines.positions(first, idx[self._n_whole], keep)
+        return at
 
 
 class _LinePlan:
@@ -143,28 +151,37 @@ class _LinePlan:
     line. ``shift`` is below the stride, so a tensor over the stride has its first line below the stride and ``M`` or
     ``M - 1`` lines, ``M`` those of a first line at 0; a shorter one has one line (``M`` = 1). The ``M`` candidate
     positions of every tensor are laid out once here; a draw adds its first lines and drops the candidates past a
-    tensor's last line: a dozen numpy operations a save, where deriving them from the counts (``_positions``) took
-    twenty and a ``repeat`` (~0.15 ms of ``save()`` after a training step on the 2-core benchmark host)."""
+    tensor's last line (its last one, where the first line is above ``slack``): four numpy operations in ``save()``,
+    six where one is dropped, where deriving them from the counts (``_positions``) took twenty and a ``repeat``
+    (~0.15 ms of ``save()`` after a training step on the 2-core benchmark host). The positions within each tensor
+    and the counts, which only the comparisons after ``save()`` read, are derived there (``positions``)."""
 
     def __init__(self, g: _Group, stride: int) -> None:
         self.stride = stride
         self.span = g.nbytes - RUN + 1
         self.last = g.nbytes - RUN  # each tensor's last line
         most = self.last // stride + 1  # ``M``: the lines of a first line at 0
+        self.slack = self.last - (most - 1) * stride  # a first line above it leaves M - 1 lines
         self.step, self.owner, _ = _positions(np.zeros_like(most), most, stride, self.last)  # k * stride, and whose
-        self.last_of = self.last[self.owner]
-        self.at_of = g.at[self.owner]  # each candidate's tensor's start in the group's memory view
+        self.at = g.at  # each tensor's start in the group's memory view
+        self.read_at = self.step + g.at[self.owner]  # each candidate in the memory view, for a first line at 0
+        self.limit = self.last[self.owner] + g.at[self.owner]  # each candidate's tensor's last line in the view
 
-    def draw(self, shift: int) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray], np.ndarray]:
-        """Each tensor's first line, (positions within each tensor, owner of each, where each tensor's end), and where
-        each line is in the group's memory view: ``_positions`` of these first lines and counts, exactly."""
+    def draw(self, shift: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """Each tensor's first line, where each line is in the group's memory view, and which candidates are kept
+        (None: all of them): ``_positions`` of these first lines and counts, exactly."""
         first = (shift % self.span) & -RUN
-        pos = first[self.owner] + self.step
-        ends = ((self.last - first) // self.stride + 1).cumsum()
-        if not len(ends) or int(ends[-1]) == len(pos):  # every candidate within its tensor (first lines at 0)
-            return first, (pos, self.owner, ends), pos + self.at_of
-        keep = pos <= self.last_of
-        return first, (pos[keep], self.owner[keep], ends), (pos + self.at_of)[keep]
+        idx = first[self.owner] + self.read_at
+        if not (first > self.slack).any():  # (empty arrays: nothing above)
+            return first, idx, None
+        keep = idx <= self.limit
+        return first, idx[keep], keep
+
+    def positions(self, first: np.ndarray, idx: np.ndarray, keep: np.ndarray | None
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(positions within each tensor, owner of each, where each tensor's end) of a draw."""
+        owner = self.owner if keep is None else self.owner[keep]
+        return idx - self.at[owner], owner, ((self.last - first) // self.stride + 1).cumsum()
 
 
 def _picker(order: list[int]) -> Callable[[Sequence[Any]], list[Any]]:
@@ -178,17 +195,26 @@ class HostSamples:
     """One save's samples of its CPU tensors: the bytes of save() (``then``), compared with the staged copy by the
     copy thread (``record``) and with the sources at the seal (``moved``)."""
 
-    def __init__(self, layout: HostLayout, first: np.ndarray, at: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
-                 idx: list[np.ndarray], tensors: list[torch.Tensor | None]) -> None:
+    def __init__(self, layout: HostLayout, first: np.ndarray, keep: np.ndarray | None, idx: list[np.ndarray],
+                 tensors: list[torch.Tensor | None]) -> None:
         self.layout = layout
         self.order = layout.order
         self._first = first  # each large tensor's first sampled line, this save
+        self._keep = keep  # the large tensors' candidate lines drawn (None: all)
         self._groups = layout.groups
-        self._at = at  # per group: (positions within each tensor, owner of each, where each tensor's end)
+        self._positions: list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None
         self._idx = idx  # per group: where save() read each record in the group's memory view
         self.then = [g.memory[i] if len(i) else np.empty(0, g.dtype) for g, i in zip(self._groups, idx)]
         # the state's tensors (by table index), held until the seal lets go: their memory stays valid
         self.tensors: list[torch.Tensor | None] | None = tensors
+
+    @property
+    def _at(self) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """Per group: (positions within each tensor, owner of each, where each tensor's end); derived at the first
+        comparison, after ``save()`` (the copy thread and the seal may both derive it: the same value)."""
+        if self._positions is None:
+            self._positions = self.layout.positions(self._first, self._idx, self._keep)
+        return self._positions
 
     def record(self, staged: np.ndarray, entries: Iterable[TensorEntry]) -> tuple[list[int], list[int]]:
         """The staged bytes of ``entries`` (a shard, as numpy bytes) against those of save(): the indices compared,
