@@ -235,3 +235,33 @@ def test_a_data_write_after_a_reused_save_is_still_refused(tmp_path) -> None:
         with pytest.raises(SnapshotMutatedError, match="model/1.bias"):
             bounded(handle.wait, 30)
         assert [info.step for info in ckpt.list()] == [1, 2]
+
+
+def test_the_watched_optimizers_identities_are_walked_again_exactly_when_they_change() -> None:
+    """engine/watch.py's ``WatchedCache``: the same answer object while the optimizers hold the same tensors at the
+    same addresses, and ``watched_identities`` anew after any change that moves one (a parameter re-allocated, a
+    state tensor replaced, a state value that was None becoming a tensor, a parameter group added)."""
+    from fastckpt.engine.watch import WatchedCache, watched_identities
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    cache = WatchedCache()
+    first = cache.get([opt])
+    assert first == watched_identities([opt]) and cache.get([opt]) is first
+    _train(model, opt)  # momentum buffers appear in the state
+    changes: list[Callable[[], None]] = [
+        lambda: None,
+        lambda: _set_data(model[0].weight, torch.clone),
+        lambda: opt.state[model[1].bias].__setitem__("momentum_buffer", torch.zeros(64)),
+        lambda: opt.state[model[2].bias].__setitem__("momentum_buffer", None),
+        lambda: opt.state[model[2].bias].__setitem__("momentum_buffer", torch.ones(64)),
+        lambda: opt.add_param_group({"params": [nn.Parameter(torch.randn(3))]}),
+    ]
+    last = first
+    for change in changes:
+        change()
+        got = cache.get([opt])
+        assert got == watched_identities([opt])
+        assert (got is not last) == (got != last)  # walked again only when the identities changed
+        assert cache.get([opt]) is got
+        last = got

@@ -63,17 +63,18 @@ def _fingerprint(optimizers: Sequence[torch.optim.Optimizer]) -> Any:
         groups = opt.param_groups
         params = groups[0]["params"] if len(groups) == 1 else list(chain.from_iterable(g["params"] for g in groups))
         values = list(chain.from_iterable(map(dict.values, opt.state.values())))
-        kinds = list(map(type, chain(params, values)))
-        n = len(params)
-        if _PLAIN.issuperset(kinds):  # the usual case: plain tensors only, their addresses read in one map
+        kinds: Any = len(params)
+        if _PLAIN.issuperset(map(type, chain(params, values))):
+            # the usual case: plain tensors only, whose identities are their addresses, read in one map; the key is
+            # those and where the parameters end (their exact types change no identity)
             ptrs = list(map(_ptr, chain(params, values)))
-        elif not _PLAIN.issuperset(kinds[:n]):
-            return None
         else:
-            tensors = [v for v in values if type(v) in _PLAIN]
+            kinds = list(map(type, chain(params, values)))
+            if not _PLAIN.issuperset(kinds[:len(params)]):
+                return None
             if any(isinstance(v, torch.Tensor) for v in values if type(v) not in _PLAIN):
                 return None  # a tensor subclass (DTensor) in the state
-            ptrs = list(map(_ptr, chain(params, tensors)))
+            ptrs = list(map(_ptr, chain(params, [v for v in values if type(v) in _PLAIN])))
         if 0 in ptrs:
             return None
         out += [kinds, ptrs]
