@@ -114,7 +114,7 @@ class HostLayout:
         whole = [x for x in addressed if RUN <= x[2].nbytes <= WHOLE]
         # whole tensors by records of the widest of _WIDTHS they hold (the last ending at the tensor's end): a gather
         # copies record by record, and 64-byte ones made the 1.46 MB of W1's 294 small tensors 22,752 of them
-        # (~0.24 ms of save() after a training step on the 2-core benchmark host); 1,422 of 1 and 4 KiB, ~0.16 ms
+        # (~0.24 ms of save() after a training step on the 2-core benchmark host); 882 of 1 and 4 KiB, ~0.17 ms
         widths = [max(w for w in _WIDTHS if w <= e.nbytes) for _, _, e in whole]
         self.wholes = [_Group([x for x, at in zip(whole, widths) if at == w], np.dtype(f"V{w}"))
                        for w in _WIDTHS if w in widths]
