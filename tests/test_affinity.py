@@ -176,6 +176,47 @@ def test_a_checkpointers_threads_run_off_the_training_threads_cpu_and_training_i
 
 
 @needs_two
+def test_a_lazy_save_leaves_moving_the_threads_to_the_copy_thread(tmp_path, monkeypatch) -> None:
+    """Inside a lazy ``save()`` the training thread only asks where it runs; the copy thread resolves the set and
+    moves the threads (system calls: ~0.1 ms of save() each time the scheduler had moved training), before it
+    copies: once the snapshot is staged every background thread is off the CPU save() ran on."""
+    now = [CPUS[0]]
+    monkeypatch.setattr(affinity, "current_cpu", lambda: now[0])
+    real = affinity._set_affinity
+    applied: list[int] = []  # the threads that moved a thread
+
+    def recorded(tid: int, cpus: frozenset[int]) -> None:
+        applied.append(threading.get_ident())
+        real(tid, cpus)
+
+    monkeypatch.setattr(affinity, "_set_affinity", recorded)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    alive = _alive()
+    with Checkpointer(CheckpointConfig(root=str(tmp_path), persist={"cpu_threads": 1})) as ck:
+        ck.watch(opt)
+        ck.save(model.state_dict(), 1).wait()
+        ours = _ours(alive)
+        assert ours and all(cpus == {CPUS[-1]} for cpus in ours.values()), ours
+        model(torch.ones(2, 64)).sum().backward()
+        opt.step()
+        now[0] = CPUS[-1]  # the scheduler moved training onto the background's CPU
+        applied.clear()
+        state = model.state_dict()
+        ref = {k: v.clone() for k, v in state.items()}
+        handle = ck.save(state, 2)
+        assert threading.get_ident() not in applied  # save() itself moved no thread
+        handle.wait_staged()
+        ours = _ours(alive)
+        assert ours and all(cpus == {CPUS[-2]} for cpus in ours.values()), ours
+        assert applied and threading.get_ident() not in applied
+        handle.wait()
+        got = ck.load(2)
+    assert all(torch.equal(got[k], ref[k]) for k in ref)
+
+
+@needs_two
 @pytest.mark.parametrize("setting", ["all", "list"])
 def test_all_leaves_the_threads_free_and_a_list_is_obeyed(tmp_path, setting) -> None:
     value = "all" if setting == "all" else [CPUS[0]]

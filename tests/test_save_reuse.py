@@ -127,6 +127,38 @@ def test_nothing_is_reused_once_the_state_changed(tmp_path, change: str) -> None
             assert_bit_equal(ckpt.load(step), ref)
 
 
+_X, _Y, _Z = torch.randn(16), torch.randn(16), torch.randn(16)
+PER_PARAM = {  # an optimizer-state-like dict of flat dicts, compared as one list of keys and one of counts
+    "as saved before": lambda: {0: {"a": _X, "b": _Y}, 1: {"c": _Z}},
+    "a key renamed": lambda: {0: {"a": _X, "B": _Y}, 1: {"c": _Z}},
+    "a key moved to the next dict": lambda: {0: {"a": _X}, 1: {"b": _Y, "c": _Z}},  # the same keys in one list
+    "a dict's type": lambda: {0: OrderedDict(a=_X, b=_Y), 1: {"c": _Z}},
+}
+
+
+@pytest.mark.parametrize("change", [c for c in PER_PARAM if c != "as saved before"])
+def test_a_changed_per_parameter_dict_is_not_reused(tmp_path, change: str) -> None:
+    """The dicts of an optimizer's per-parameter state are checked together (their types, their key counts, all their
+    keys as one list): a key renamed, or moved into the next dict (the keys in the same order overall), is seen."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    refs = {}
+    with _ckpt(tmp_path) as ckpt:
+        ckpt.watch(opt)
+        for step in range(1, 5):
+            state = _state(model, opt, step)
+            state["per_param"] = PER_PARAM[change if step >= 3 else "as saved before"]()
+            refs[step] = clone_state(state)
+            ckpt.save(state, step)
+            if step == 3:
+                assert _reused(ckpt)[:2] == (1, 2), "the changed state passed the identity check"
+            _train(model, opt)
+        assert _reused(ckpt)[:2] == (2, 2)
+        ckpt.wait()
+        for step, ref in refs.items():
+            assert_bit_equal(ckpt.load(step), ref)
+
+
 def test_the_deferred_tree_is_the_tree_flatten_encodes() -> None:
     """Plain leaves change from save to save (a step, a learning rate, NaN, a huge int): each save's tree is
     encoded later, from its own values, exactly as ``flatten`` encodes it."""
@@ -203,3 +235,33 @@ def test_a_data_write_after_a_reused_save_is_still_refused(tmp_path) -> None:
         with pytest.raises(SnapshotMutatedError, match="model/1.bias"):
             bounded(handle.wait, 30)
         assert [info.step for info in ckpt.list()] == [1, 2]
+
+
+def test_the_watched_optimizers_identities_are_walked_again_exactly_when_they_change() -> None:
+    """engine/watch.py's ``WatchedCache``: the same answer object while the optimizers hold the same tensors at the
+    same addresses, and ``watched_identities`` anew after any change that moves one (a parameter re-allocated, a
+    state tensor replaced, a state value that was None becoming a tensor, a parameter group added)."""
+    from fastckpt.engine.watch import WatchedCache, watched_identities
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    cache = WatchedCache()
+    first = cache.get([opt])
+    assert first == watched_identities([opt]) and cache.get([opt]) is first
+    _train(model, opt)  # momentum buffers appear in the state
+    changes: list[Callable[[], None]] = [
+        lambda: None,
+        lambda: _set_data(model[0].weight, torch.clone),
+        lambda: opt.state[model[1].bias].__setitem__("momentum_buffer", torch.zeros(64)),
+        lambda: opt.state[model[2].bias].__setitem__("momentum_buffer", None),
+        lambda: opt.state[model[2].bias].__setitem__("momentum_buffer", torch.ones(64)),
+        lambda: opt.add_param_group({"params": [nn.Parameter(torch.randn(3))]}),
+    ]
+    last = first
+    for change in changes:
+        change()
+        got = cache.get([opt])
+        assert got == watched_identities([opt])
+        assert (got is not last) == (got != last)  # walked again only when the identities changed
+        assert cache.get([opt]) is got
+        last = got

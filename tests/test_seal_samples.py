@@ -268,3 +268,69 @@ def test_a_shard_smaller_than_a_line_is_compared_byte_by_byte() -> None:
         s.record(staged_small, entries[1:])
         s.recorded()
         assert s.moved() == moved
+
+
+def test_the_lines_drawn_from_the_precomputed_candidates_are_those_the_counts_give() -> None:
+    """``_LinePlan`` lays each large tensor's candidate lines out once per layout and a save only adds its first lines
+    and drops the candidates past a tensor's end: for any draw, tensors around and far above the stride, the lines
+    (where each is read in save(); positions, owners, ends, derived after it) are exactly those derived from the
+    first lines and counts."""
+    import random
+
+    import numpy as np
+
+    from fastckpt.engine.hostsamples import _LinePlan, _positions
+
+    class Group:  # what _LinePlan reads of a _Group: sizes and where each tensor starts in the memory view
+        def __init__(self, nbytes: list[int], at: list[int]) -> None:
+            self.nbytes, self.at = np.array(nbytes, dtype=np.int64), np.array(at, dtype=np.int64)
+
+    rng = random.Random(0)
+    for _ in range(200):
+        stride = PAGE << rng.randrange(8)
+        sizes = [rng.choice([rng.randrange(WHOLE + 1, WHOLE + 3 * stride), rng.randrange(WHOLE + 1, 40 * stride)])
+                 for _ in range(rng.randrange(12))]
+        g = Group(sizes, sorted(rng.randrange(1 << 40) for _ in sizes))
+        plan = _LinePlan(g, stride)  # type: ignore[arg-type]
+        for _ in range(20):
+            shift = rng.randrange(stride)
+            first = (shift % (g.nbytes - RUN + 1)) & -RUN
+            at = _positions(first, (g.nbytes - RUN - first) // stride + 1, stride, g.nbytes - RUN)
+            got_first, got_idx, keep = plan.draw(shift)
+            assert np.array_equal(got_first, first)
+            assert np.array_equal(got_idx, at[0] + g.at[at[1]])
+            assert all(np.array_equal(a, b) for a, b in zip(plan.positions(got_first, got_idx, keep), at))
+
+
+def test_a_whole_tensor_is_read_by_wide_records_and_every_byte_of_it_is_compared() -> None:
+    """Whole tensors (up to ``WHOLE`` bytes) are gathered by records of the widest power of two from a line to 16 KiB
+    they hold, the last one ending at the tensor's end (numpy copies record by record: 64-byte ones made W1's small
+    tensors 22,752 records). Every byte is still compared: a change of any byte of any of them, whatever its size
+    (odd sizes leave a last record overlapping the one before), is named at the seal and in the staged copy."""
+    from fastckpt.engine.hostsamples import HostSamples
+
+    torch.manual_seed(2)
+    sizes = [16, 100, 700, 2304, 3000, 5000, 16384]  # float32 elements: 64 B ... WHOLE
+    tensors = [torch.randn(n) for n in sizes]
+    s, entries = _seal(tensors)
+    host: HostSamples = s._host  # type: ignore[assignment]
+    widths = {i: g.dtype.itemsize for g in host.layout.wholes for i in g.index}
+    assert widths == {0: 64, 1: 256, 2: 1024, 3: 4096, 4: 4096, 5: 16384, 6: 16384}
+    assert sum(len(at[0]) for at in host._at[:len(host.layout.wholes)]) < sum(t.nbytes for t in tensors) // 256
+    buf = _stage(tensors, entries)
+    s.record(buf, entries)
+    s.recorded()
+    assert s.moved() == [] and s.verdict() == []
+    for i, t in enumerate(tensors):
+        n, w = t.nbytes, widths[i]
+        for pos in sorted({0, 63, 64, w - 1, w, n // 2, n - w - 1, n - w, n - 1} & set(range(n))):
+            _raw(t)[pos] ^= 0x20
+            assert s.moved() == [f"t{i}"], (i, pos)
+            _raw(t)[pos] ^= 0x20
+            staged = buf.clone()
+            staged[entries[i].offset + pos] ^= 0x20
+            again, _ = _seal(tensors)
+            again.record(staged, entries)
+            again.recorded()
+            assert again.verdict() == [f"t{i}"], (i, pos)
+    assert s.moved() == []

@@ -15,8 +15,9 @@ the background threads' placement is what counts.)
 training thread and the scheduler's placement of it; and at each ``save()`` never on the CPU the training thread is
 running on right then (``sched_getcpu``): the scheduler moves the training thread between steps, and on the busy
 host (two CPU-bound neighbours pinned to each of 2 CPUs) it was on the last CPU, sharing it with every background
-thread, in ~40% of the steps. Placed away from it at each save, the busy host's stall per checkpoint (``python -m
-benchmarks.placement --busy --runs 8``, 96 checkpoints per setting in turns, 2026-11-30): 32 +- 3 ms (median 31)
+thread, in ~40% of the steps (a lazy save resolves the set inside ``save()`` and its copy thread moves the threads:
+the system calls stay off the training thread). Placed away from it at each save, the busy host's stall per
+checkpoint (``python -m benchmarks.placement --busy --runs 8``, 96 checkpoints per setting in turns, 2026-11-30): 32 +- 3 ms (median 31)
 against 37 +- 3 ms (median 34) held on the last CPU; two earlier trials of the same, 31.0 +- 3.6 against 37.7 +- 2.6
 and 46.2 +- 3.3 against 52.4 +- 3.8 ms. A persister process's threads (fastckpt/tiers/persister.py) are placed once,
 on the last CPUs: that process cannot see where the training thread runs. Not where torchrun started several ranks on
@@ -100,10 +101,17 @@ class ThreadPlacement:
         self._setting, self._limit = setting, limit
         self.refresh()
 
+    def want(self) -> frozenset[int] | None:
+        """The CPUs the setting gives as things stand, away from the calling thread's CPU under ``auto``: what
+        ``refresh`` places. Resolved on the training thread: the usable CPUs are the calling thread's mask, which
+        the background threads' own pinning narrows."""
+        return resolve(self._setting, self._limit(), avoid=self._where() if self._setting == "auto" else None)
+
     def refresh(self) -> None:
-        """Place the threads for the setting as things stand, away from the calling thread's CPU under ``auto`` (the
-        pipeline calls it on the training thread at every submitted save)."""
-        self.place(resolve(self._setting, self._limit(), avoid=self._where() if self._setting == "auto" else None))
+        """Place the threads for the setting as things stand (``want``), away from the calling thread's CPU under
+        ``auto``. A lazy save resolves the set inside ``save()`` and leaves moving the threads (system calls, ~0.1
+        ms of save() whenever the scheduler had moved training) to the copy thread (engine/pipeline.py)."""
+        self.place(self.want())
 
     def with_(self, *first: Callable[[], Any]) -> Callable[[], None]:
         """A thread pool's initializer: each of ``first``, then ``enlist()``."""
@@ -115,24 +123,22 @@ class ThreadPlacement:
         tid = thread.native_id
         if tid is None:  # not started yet: nothing to place
             return
-        with self._lock:
+        with self._lock:  # applied under the lock, as ``place`` does: never a set older than the recorded one
             self._threads[tid] = thread
-            cpus = self._cpus
-        if cpus is not None:
-            self._apply(tid, cpus)
+            if self._cpus is not None:
+                self._apply(tid, self._cpus)
 
     def place(self, cpus: frozenset[int] | None) -> None:
         """Run every enlisted thread on ``cpus`` from now on (None: back on all of the process's CPUs)."""
-        with self._lock:
-            if cpus == self._cpus:
+        with self._lock:  # held while applying: two threads placing at once (the copy thread, an eager save's
+            if cpus == self._cpus:  # training thread) leave every thread on the set recorded last
                 return
             self._cpus = cpus
             self._threads = {tid: t for tid, t in self._threads.items() if t.is_alive()}
-            tids = list(self._threads)
-        target = cpus if cpus is not None else self._everywhere
-        if target:
-            for tid in tids:
-                self._apply(tid, target)
+            target = cpus if cpus is not None else self._everywhere
+            if target:
+                for tid in self._threads:
+                    self._apply(tid, target)
 
 
 @functools.cache

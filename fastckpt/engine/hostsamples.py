@@ -7,9 +7,10 @@ or three torch calls a tensor (a view or an ``as_strided``, the checks of ``_win
 numpy arrays (byte offsets of lines), derived once per structure where format/flatcache.py certifies the same
 tensors at the same addresses (``HostLayout``), and per save only for the large tensors' lines (a few vectorized
 numpy operations on ~4,000 positions, whatever the number of tensors). The bytes are then gathered by one numpy
-index per kind of position from a read-only numpy view of this process's memory: lines as 64-byte records (a
-whole tensor's last line ends at its last byte, so a tensor is read only within its bytes), tensors under a line
-byte by byte.
+index per kind of position from a read-only numpy view of this process's memory: a large tensor's lines as 64-byte
+records, a whole tensor as records of the widest power of two from 64 bytes to 16 KiB it holds (its last record ends
+at its last byte, so a tensor is read only within its bytes: numpy copies record by record, and wider records made
+the gather of W1's small tensors a third cheaper), tensors under a line byte by byte.
 
 Reading memory by address is safe here for the reason the copy thread's ``memmove`` of the same tensors is
 (engine/staging.py): every address read is that of a live CPU tensor held by the caller, read while it is held,
@@ -37,6 +38,7 @@ _T = torch._C.TensorBase
 _ptr = _T.data_ptr
 _nbytes = operator.attrgetter("nbytes")
 _LINE = np.dtype(f"V{RUN}")
+_WIDTHS = (RUN, 256, 1024, 4096, 16384)  # the records whole tensors are read by (powers of two from a line)
 _BYTE = np.dtype(np.uint8)
 
 
@@ -74,8 +76,8 @@ def _positions(first: np.ndarray, counts: np.ndarray, step: np.ndarray | int, la
 
 
 class _Group:
-    """Tensors sampled alike, in entry order: whole ones by lines, large ones by lines a stride apart, those under a
-    line by bytes."""
+    """Tensors sampled alike, in entry order: whole ones by records of one width (a line or wider), large ones by
+    lines a stride apart, those under a line by bytes."""
 
     def __init__(self, picks: list[tuple[int, int, TensorEntry]], dtype: np.dtype) -> None:
         self.index = [i for i, _, _ in picks]
@@ -89,7 +91,7 @@ class _Group:
         self.at = self.addr - base  # each tensor's start in ``memory``
 
     def fixed(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The positions of a whole group: every line (the last one ending at the tensor's end), or every byte."""
+        """The positions of a whole group: every record (the last one ending at the tensor's end), or every byte."""
         width = self.dtype.itemsize
         counts = -(-self.nbytes // width)
         return _positions(np.zeros_like(self.nbytes), counts, width, self.nbytes - width)
@@ -109,25 +111,77 @@ class HostLayout:
         self.sizes = [e.nbytes for _, _, e in picks]
         self.pick: Callable[[Sequence[Any]], list[Any]] = _picker(self.order)
         addressed = [(i, p, e) for (i, _, e), p in zip(picks, self.ptrs)]
-        self.whole = _Group([x for x in addressed if RUN <= x[2].nbytes <= WHOLE], _LINE)
+        whole = [x for x in addressed if RUN <= x[2].nbytes <= WHOLE]
+        # whole tensors by records of the widest of _WIDTHS they hold (the last ending at the tensor's end): a gather
+        # copies record by record, and 64-byte ones made the 1.46 MB of W1's 294 small tensors 22,752 of them
+        # (~0.24 ms of save() after a training step on the 2-core benchmark host); 882 of 1 and 4 KiB, ~0.17 ms
+        widths = [max(w for w in _WIDTHS if w <= e.nbytes) for _, _, e in whole]
+        self.wholes = [_Group([x for x, at in zip(whole, widths) if at == w], np.dtype(f"V{w}"))
+                       for w in _WIDTHS if w in widths]
         self.lines = _Group([x for x in addressed if x[2].nbytes > WHOLE], _LINE)
         self.bytes = _Group([x for x in addressed if x[2].nbytes < RUN], _BYTE)
-        self.whole_at = self.whole.fixed()
-        self.bytes_at = self.bytes.fixed()
-        # where save() reads the fixed groups, in their memory views: the same for every save of this layout
-        self.whole_idx = self.whole_at[0] + self.whole.at[self.whole_at[1]]
-        self.bytes_idx = self.bytes_at[0] + self.bytes.at[self.bytes_at[1]]
+        self.groups = [*self.wholes, self.lines, self.bytes]  # the order of a save's samples
+        # where save() reads the fixed groups (all but the lines), in their memory views: the same for every save
+        self._n_whole = len(self.wholes)  # the lines' place in ``groups``: drawn per save
+        self._fixed: list[Any] = [g.fixed() if g is not self.lines else None for g in self.groups]
+        self._fixed_idx: list[Any] = [None if at is None else at[0] + g.at[at[1]]
+                                      for g, at in zip(self.groups, self._fixed)]
+        self._lines = _LinePlan(self.lines, stride)
 
     def take(self, shift: int, tensors: Sequence[Any]) -> HostSamples:
         """The samples of a save, drawn at ``shift``, gathered now from ``tensors`` (the state's, indexed by entry)."""
-        g = self.lines
-        first = (shift % (g.nbytes - RUN + 1)) & -RUN  # a tensor shorter than the stride still gets one line
-        counts = (g.nbytes - RUN - first) // self.stride + 1
-        lines_at = _positions(first, counts, self.stride, g.nbytes - RUN)
-        lines_idx = lines_at[0] + g.at[lines_at[1]]
+        first, lines_idx, keep = self._lines.draw(shift)
+        idx = self._fixed_idx[:]
+        idx[self._n_whole] = lines_idx
         # a copy of the list, not a gather of the sampled ones: the seal picks them (one C-level call, here or there)
-        return HostSamples(self, first, [self.whole_at, lines_at, self.bytes_at],
-                           [self.whole_idx, lines_idx, self.bytes_idx], list(tensors))
+        return HostSamples(self, first, keep, idx, list(tensors))
+
+    def positions(self, first: np.ndarray, idx: list[np.ndarray], keep: np.ndarray | None
+                  ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """Per group, (positions within each tensor, owner of each, where each tensor's end) of a save drawn as
+        ``take`` drew it: what the comparisons after ``save()`` need, derived there (``HostSamples._at``)."""
+        at = self._fixed[:]
+        at[self._n_whole] = self._lines.positions(first, idx[self._n_whole], keep)
+        return at
+
+
+class _LinePlan:
+    """The lines of the large tensors, for any draw: each tensor's first line is ``(shift % (nbytes - RUN + 1)) &
+    -RUN`` (a tensor shorter than the stride still gets one line), then one every ``stride`` bytes up to its last
+    line. ``shift`` is below the stride, so a tensor over the stride has its first line below the stride and ``M`` or
+    ``M - 1`` lines, ``M`` those of a first line at 0; a shorter one has one line (``M`` = 1). The ``M`` candidate
+    positions of every tensor are laid out once here; a draw adds its first lines and drops the candidates past a
+    tensor's last line (its last one, where the first line is above ``slack``): four numpy operations in ``save()``,
+    six where one is dropped, where deriving them from the counts (``_positions``) took twenty and a ``repeat``
+    (~0.15 ms of ``save()`` after a training step on the 2-core benchmark host). The positions within each tensor
+    and the counts, which only the comparisons after ``save()`` read, are derived there (``positions``)."""
+
+    def __init__(self, g: _Group, stride: int) -> None:
+        self.stride = stride
+        self.span = g.nbytes - RUN + 1
+        self.last = g.nbytes - RUN  # each tensor's last line
+        most = self.last // stride + 1  # ``M``: the lines of a first line at 0
+        self.slack = self.last - (most - 1) * stride  # a first line above it leaves M - 1 lines
+        self.step, self.owner, _ = _positions(np.zeros_like(most), most, stride, self.last)  # k * stride, and whose
+        self.at = g.at  # each tensor's start in the group's memory view
+        self.read_at = self.step + g.at[self.owner]  # each candidate in the memory view, for a first line at 0
+        self.limit = self.last[self.owner] + g.at[self.owner]  # each candidate's tensor's last line in the view
+
+    def draw(self, shift: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """Each tensor's first line, where each line is in the group's memory view, and which candidates are kept
+        (None: all of them): ``_positions`` of these first lines and counts, exactly."""
+        first = (shift % self.span) & -RUN
+        idx = first[self.owner] + self.read_at
+        if not (first > self.slack).any():  # (empty arrays: nothing above)
+            return first, idx, None
+        keep = idx <= self.limit
+        return first, idx[keep], keep
+
+    def positions(self, first: np.ndarray, idx: np.ndarray, keep: np.ndarray | None
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(positions within each tensor, owner of each, where each tensor's end) of a draw."""
+        owner = self.owner if keep is None else self.owner[keep]
+        return idx - self.at[owner], owner, ((self.last - first) // self.stride + 1).cumsum()
 
 
 def _picker(order: list[int]) -> Callable[[Sequence[Any]], list[Any]]:
@@ -141,17 +195,26 @@ class HostSamples:
     """One save's samples of its CPU tensors: the bytes of save() (``then``), compared with the staged copy by the
     copy thread (``record``) and with the sources at the seal (``moved``)."""
 
-    def __init__(self, layout: HostLayout, first: np.ndarray, at: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
-                 idx: list[np.ndarray], tensors: list[torch.Tensor | None]) -> None:
+    def __init__(self, layout: HostLayout, first: np.ndarray, keep: np.ndarray | None, idx: list[np.ndarray],
+                 tensors: list[torch.Tensor | None]) -> None:
         self.layout = layout
         self.order = layout.order
         self._first = first  # each large tensor's first sampled line, this save
-        self._groups = [layout.whole, layout.lines, layout.bytes]
-        self._at = at  # per group: (positions within each tensor, owner of each, where each tensor's end)
+        self._keep = keep  # the large tensors' candidate lines drawn (None: all)
+        self._groups = layout.groups
+        self._positions: list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None
         self._idx = idx  # per group: where save() read each record in the group's memory view
         self.then = [g.memory[i] if len(i) else np.empty(0, g.dtype) for g, i in zip(self._groups, idx)]
         # the state's tensors (by table index), held until the seal lets go: their memory stays valid
         self.tensors: list[torch.Tensor | None] | None = tensors
+
+    @property
+    def _at(self) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """Per group: (positions within each tensor, owner of each, where each tensor's end); derived at the first
+        comparison, after ``save()`` (the copy thread and the seal may both derive it: the same value)."""
+        if self._positions is None:
+            self._positions = self.layout.positions(self._first, self._idx, self._keep)
+        return self._positions
 
     def record(self, staged: np.ndarray, entries: Iterable[TensorEntry]) -> tuple[list[int], list[int]]:
         """The staged bytes of ``entries`` (a shard, as numpy bytes) against those of save(): the indices compared,

@@ -175,8 +175,7 @@ class Pipeline:
         """Queue ``job``: the copy thread stages ``lazy`` shards, then the committer commits."""
         self._on_gpu = job.cuda is not None
         submitted(job)  # a device snapshot: the next one waits for these copies (engine/cudastage.py)
-        self.placement.refresh()  # a state on a GPU leaves training's CPU threads to the background (auto)
-        job.cpu_section = self.gate.held
+        cpus, job.cpu_section = self.placement.want(), self.gate.held  # CPUs resolved here, moved to by the copy thread
         if lazy and not snapshotted(job):  # a device snapshot holds save()'s values: nothing to guard or seal
             # Still in save(), on the training thread: the snapshot's counters. The order is made once per plan.
             order = LazyOrder.of(job.plan.memo, lazy)
@@ -187,8 +186,9 @@ class Pipeline:
             job.handle.sealed_now()
         self._commit_q.put(job)
         if lazy or (job.unchecked and job.error is None):
-            self._copy_q.put((job, lazy))  # type: ignore[arg-type]
+            self._copy_q.put((job, lazy, cpus))  # type: ignore[arg-type]
         else:
+            self.placement.place(cpus)
             self._mark_staged(job)
 
     def submit_recovered(self, job: Job) -> None:
@@ -228,15 +228,15 @@ class Pipeline:
     # ---- copy thread ---------------------------------------------------------------
 
     def _copy_loop(self) -> None:
-        # Normal priority: the next optimizer step waits for this thread, so starving it
-        # would turn overlap into a stall. Checksums and writes (below) can yield.
+        # Normal priority: the next optimizer step waits for it (starved, overlap turns into a stall); writes can yield
         self.placement.enlist()
         serial_here()  # its copies and reductions never fan out onto the training thread's core
         while True:
             item = self._copy_q.get()
             if item is None:
                 return
-            job, shards = item  # type: ignore[misc]
+            job, shards, cpus = item  # type: ignore[misc]
+            self.placement.place(cpus)  # off the CPU save() ran on (resolved there), before this thread copies
             try:
                 if job.cuda is not None:
                     job.cuda.begin_lazy()

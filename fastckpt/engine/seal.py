@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import random
 import threading
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Iterable, NamedTuple, Sequence
 
@@ -68,6 +69,7 @@ PAGE = 4096  # the smallest stride: one sample run per page
 BUDGET = 4096  # sample runs (pages touched) per save at most: the stride grows with the state
 _RNG = random.Random()  # its own: drawing from the global one would change the user's random stream (and resumes)
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_NOTHING = nullcontext()  # reusable: it keeps no state
 
 
 def stride_for(sampled_bytes: int) -> int:
@@ -270,7 +272,7 @@ class Seal:
         self._memory: dict[int, tuple[int, int]] = {}  # each source's (address, size) at save(): see ``_held``
         self._dev_runs: dict[int, _Run] = {}
         per_device: dict[int, list[tuple[int, torch.Tensor]]] = {}
-        with torch.no_grad():
+        with torch.no_grad() if layout.others else _NOTHING:  # a CPU state: no view to take
             for e in layout.others:
                 src = tensors[e.index]
                 got = None if src is None else _window(src, self._stride, self._shift)

@@ -60,15 +60,21 @@ def _fingerprint(optimizers: Sequence[torch.optim.Optimizer]) -> Any:
     """What ``watched_identities`` depends on, as lists; None where an identity is not a data address."""
     out: list[Any] = [list(map(id, optimizers))]
     for opt in optimizers:
-        params = list(chain.from_iterable(g["params"] for g in opt.param_groups))
+        groups = opt.param_groups
+        params = groups[0]["params"] if len(groups) == 1 else list(chain.from_iterable(g["params"] for g in groups))
         values = list(chain.from_iterable(map(dict.values, opt.state.values())))
-        kinds = list(map(type, params)) + list(map(type, values))
-        if not _PLAIN.issuperset(kinds[:len(params)]):
-            return None
-        tensors = values if _PLAIN.issuperset(kinds[len(params):]) else [v for v in values if type(v) in _PLAIN]
-        if len(tensors) != len(values) and any(isinstance(v, torch.Tensor) for v in values if type(v) not in _PLAIN):
-            return None  # a tensor subclass (DTensor) in the state
-        ptrs = list(map(_ptr, params)) + list(map(_ptr, tensors))
+        kinds: Any = len(params)
+        if _PLAIN.issuperset(map(type, chain(params, values))):
+            # the usual case: plain tensors only, whose identities are their addresses, read in one map; the key is
+            # those and where the parameters end (their exact types change no identity)
+            ptrs = list(map(_ptr, chain(params, values)))
+        else:
+            kinds = list(map(type, chain(params, values)))
+            if not _PLAIN.issuperset(kinds[:len(params)]):
+                return None
+            if any(isinstance(v, torch.Tensor) for v in values if type(v) not in _PLAIN):
+                return None  # a tensor subclass (DTensor) in the state
+            ptrs = list(map(_ptr, chain(params, [v for v in values if type(v) in _PLAIN])))
         if 0 in ptrs:
             return None
         out += [kinds, ptrs]

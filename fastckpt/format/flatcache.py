@@ -66,7 +66,7 @@ class _Node:
     """One container of the skeleton. ``children[i]`` is None for a leaf."""
 
     __slots__ = ("kind", "is_dict", "keys", "key_types", "n", "children", "mode", "child_types", "child_keys",
-                 "enc_keys", "extra")
+                 "child_lens", "enc_keys", "extra")
 
     def __init__(self, obj: Any, enc: Any, on_leaf: Callable[[Any, Any], None]) -> None:
         self.kind = type(obj)
@@ -93,14 +93,17 @@ class _Node:
                 children.append(None)
                 on_leaf(v, e)
         self.children = children
-        self.child_types = self.child_keys = None
+        self.child_types = self.child_keys = self.child_lens = None
         if all(c is None for c in children):
             self.mode = _LEAVES
         elif children and all(c is not None and c.is_dict and c.mode == _LEAVES and c.key_types is None
                               for c in children):
             self.mode = _FLAT_DICTS  # an optimizer's state: {param index: {"step": t, "exp_avg": t, ...}}
             self.child_types = [c.kind for c in children]  # type: ignore[union-attr]
-            self.child_keys = [c.keys for c in children]  # type: ignore[union-attr]
+            # their keys as one list (a dict iterates its keys) and each one's count: two flat lists compared, not a
+            # list per child dict
+            self.child_keys = [k for c in children for k in c.keys]  # type: ignore[union-attr]
+            self.child_lens = [c.n for c in children]  # type: ignore[union-attr]
         else:
             self.mode = _MIXED
 
@@ -121,7 +124,8 @@ class _Node:
             return True
         if mode == _FLAT_DICTS:
             values = list(values)
-            if list(map(type, values)) != self.child_types or list(map(list, values)) != self.child_keys:
+            if (list(map(type, values)) != self.child_types or list(map(len, values)) != self.child_lens
+                    or list(chain.from_iterable(values)) != self.child_keys):
                 return False
             out.extend(chain.from_iterable(map(dict.values, values)))
             return True

@@ -44,6 +44,8 @@ def address_read(t: torch.Tensor, ptr: int) -> Hashable:
 
 def named_addresses(flat: Any, names: Any, what: str) -> set[Hashable]:
     """Identities of the tensors ``save(eager=/lazy=...)`` names: tensors, or fnmatch patterns of flattened keys."""
+    if type(names) is tuple and not names:  # the default, at every save()
+        return set()
     if isinstance(names, (str, torch.Tensor)):
         names = [names]
     names = list(names)
