@@ -176,3 +176,36 @@ class GatedStorage:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
+
+
+def rmtree_trials(tmp_path: Any, enable: Any, caplog: Any, trials: int = 20) -> None:
+    """Accelerate's ``test_checkpoint_deletion`` pattern without ``TemporaryDirectory`` (which swallows
+    ``FileNotFoundError``): ``total_limit=2``, six saves, a plain ``shutil.rmtree(project_dir)`` right after the last,
+    ``trials`` times, with fastckpt turned on by ``enable(accelerator)``. The user's removal must win every time: no
+    ``FileNotFoundError`` or "Directory not empty" from a name the background added or removed under the walk,
+    nothing recreated, no error logged."""
+    import logging
+    import shutil
+
+    caplog.set_level(logging.INFO, logger="fastckpt")
+    failures: list[str] = []
+    for trial in range(trials):
+        project = tmp_path / f"project-{trial}"
+        acc = make_accelerator(project, total_limit=2)
+        enable(acc)
+        setup = Setup(acc, seed=trial)
+        for _ in range(6):
+            setup.step()
+            acc.save_state()
+        try:
+            shutil.rmtree(project)
+        except OSError as e:
+            failures.append(f"trial {trial}: {type(e).__name__}: {e}")
+            shutil.rmtree(project, ignore_errors=True)
+        acc.wait_for_everyone()
+        acc.end_training()
+        assert not project.exists(), f"trial {trial}: {project} recreated"
+        del setup
+    assert not failures, f"{len(failures)} of {trials} trials: " + "; ".join(failures[:3])
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, errors[0]

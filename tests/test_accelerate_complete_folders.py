@@ -31,7 +31,7 @@ import pytest
 import fastckpt.format.bundle as bundle
 import fastckpt_accelerate
 from accelerate_testing import (GatedStorage, Setup, assert_same, closing, fresh_accelerate,  # noqa: F401 (fixtures)
-                                make_accelerator, reset_accelerate)
+                                make_accelerator, reset_accelerate, rmtree_trials)
 from fastckpt.errors import ConfigError, FolderRemovedError, StorageError
 from fastckpt.format.bundle import PENDING, staging_path
 from fastckpt.format.layout import MANIFEST
@@ -158,28 +158,7 @@ def test_rmtree_of_the_project_right_after_save_state_wins_20_trials(tmp_path, c
     """A plain shutil.rmtree(project_dir) right after the last of six saves (total_limit=2: retention deletes in the
     background), 20 trials: the rename into place never meets the walk (no FileNotFoundError, no "Directory not
     empty"), nothing is recreated, no error is logged."""
-    caplog.set_level(logging.INFO, logger="fastckpt")
-    failures: list[str] = []
-    for trial in range(20):
-        project = tmp_path / f"project-{trial}"
-        acc = make_accelerator(project, total_limit=2)
-        _enable(acc, closing)
-        setup = Setup(acc, seed=trial)
-        for _ in range(6):
-            setup.step()
-            acc.save_state()
-        try:
-            shutil.rmtree(project)
-        except OSError as e:
-            failures.append(f"trial {trial}: {type(e).__name__}: {e}")
-            shutil.rmtree(project, ignore_errors=True)
-        acc.wait_for_everyone()
-        acc.end_training()
-        assert not project.exists(), f"trial {trial}: {project} recreated"
-        del setup
-    assert not failures, f"{len(failures)} of 20 trials: " + "; ".join(failures[:3])
-    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
-    assert not errors, errors[0]
+    rmtree_trials(tmp_path, lambda acc: _enable(acc, closing), caplog)
 
 
 def test_a_removal_that_listed_the_parent_wins_over_the_rename(tmp_path, closing, monkeypatch, caplog):
@@ -300,7 +279,7 @@ _KILLED_CHILD = textwrap.dedent("""
     import sys, torch
     sys.path[:0] = [sys.argv[2], sys.argv[2] + "/tests"]
     import fastckpt_accelerate
-    from accelerate_testing import Setup, make_accelerator
+    from accelerate_testing import Setup, rmtree_trials, make_accelerator
     acc = make_accelerator(sys.argv[1], total_limit=2)
     checkpointing = fastckpt_accelerate.enable(acc, {"persist": {"fsync": False}}, complete_folders=True)
     setup = Setup(acc, width=768)  # ~2.4 MB of weights, ~7 MB per checkpoint with AdamW's state

@@ -22,7 +22,7 @@ import pytest
 
 import fastckpt.format.bundle as bundle
 import fastckpt_accelerate
-from accelerate_testing import Setup, assert_same, closing, make_accelerator  # noqa: F401 (closing: a fixture)
+from accelerate_testing import Setup, assert_same, closing, make_accelerator, rmtree_trials  # noqa: F401 (closing: a fixture)
 from fastckpt.errors import FolderRemovedError
 from fastckpt.format.bundle import PENDING
 from fastckpt.format.layout import MANIFEST
@@ -144,29 +144,7 @@ def test_rmtree_of_the_project_right_after_save_state_never_meets_retention(tmp_
     fastckpt's retention deletes the old folders in the background once a save commits; stock's runs inside
     ``save_state()``. The user's removal must win every time: no ``FileNotFoundError`` from a file or folder
     retention removed under the walk, nothing recreated, no error logged."""
-    caplog.set_level(logging.INFO, logger="fastckpt")
-    failures: list[str] = []
-    for trial in range(20):
-        project = tmp_path / f"project-{trial}"
-        acc = make_accelerator(project, total_limit=2)
-        checkpointing = fastckpt_accelerate.enable(acc)
-        closing.append(checkpointing)
-        setup = Setup(acc, seed=trial)
-        for _ in range(6):
-            setup.step()
-            acc.save_state()
-        try:
-            shutil.rmtree(project)
-        except OSError as e:
-            failures.append(f"trial {trial}: {type(e).__name__}: {e}")
-            shutil.rmtree(project, ignore_errors=True)
-        acc.wait_for_everyone()
-        acc.end_training()
-        assert not project.exists(), f"trial {trial}: {project} recreated"
-        del setup
-    assert not failures, f"{len(failures)} of 20 trials: " + "; ".join(failures[:3])
-    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
-    assert not errors, errors[0]
+    rmtree_trials(tmp_path, lambda acc: closing.append(fastckpt_accelerate.enable(acc)), caplog)
 
 
 def test_a_removal_that_listed_the_folder_after_the_links_meets_no_missing_marker(tmp_path, closing, monkeypatch,

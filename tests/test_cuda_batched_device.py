@@ -14,10 +14,10 @@ import math
 
 import pytest
 import torch
-from torch import nn
 
 from fastckpt import CheckpointConfig, Checkpointer
 from tests.helpers import assert_bit_equal, clone_state
+from tests.test_cuda import _setup, _step  # the same small model and step as the CUDA path's own tests
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none on this machine)")]
@@ -105,20 +105,6 @@ def test_a_lazy_source_freed_right_after_save_is_not_reused_before_its_copy(tmp_
         h.wait(timeout=120)
         assert_bit_equal({"t": ref}, ckpt.load(step=1))
         assert junk[0].item() == -7.0
-
-
-def _setup():
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(512, 1024), nn.BatchNorm1d(1024), nn.ReLU(), nn.Linear(1024, 512)).cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
-    x = torch.randn(64, 512, device="cuda")
-    return model, opt, x
-
-
-def _step(model, opt, x):
-    opt.zero_grad()
-    model(x).square().mean().backward()
-    opt.step()
 
 
 @pytest.mark.parametrize("snapshot", ["on", "auto"])
