@@ -16,6 +16,7 @@ from typing import Any, Sequence
 
 from ..errors import FolderRemovedError, StorageError
 from ..storage.heldlink import guards_of, present, remove_unwalked, rename_unwalked, wait_unwalked
+from ..storage.local import fsync_dir
 from .layout import MANIFEST, FileRecord
 
 __all__ = ["NotPlaced", "PENDING", "rename_into_place", "unmark"]
@@ -77,12 +78,5 @@ def rename_into_place(storage: Any, dirpath: str, publish_as: str, name: str, re
         time.sleep(0.001)  # lets the walker's thread run (it needs the GIL) and finish
     if getattr(storage, "fsync", False):  # a local storage (or a wrapper of one): the rename made durable
         with contextlib.suppress(FileNotFoundError):  # removed right after: the user's removal, nothing to keep
-            _fsync_folder(os.path.dirname(publish_as))
+            fsync_dir(os.path.dirname(publish_as))
 
-
-def _fsync_folder(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -22,7 +22,7 @@ from .tempmark import mark_bytes, mark_name, temp_basename
 from .xattr import get_attr, set_attrs, take_attrs
 from ..errors import IntegrityError, StorageError
 
-__all__ = ["LocalStorage", "aligned_buffer", "open_regular"]
+__all__ = ["LocalStorage", "aligned_buffer", "fsync_dir", "open_regular"]
 
 log = logging.getLogger("fastckpt")
 
@@ -119,7 +119,7 @@ class LocalStorage:
                 before_publish()
             os.replace(tmp, path)  # atomic on POSIX: readers see old or new, never half
             if self._fsync:
-                _fsync_dir(os.path.dirname(path))
+                fsync_dir(os.path.dirname(path))
         except StorageError:  # before_publish refused: its own error, as it is
             _silent_remove(tmp)
             raise
@@ -150,7 +150,7 @@ class LocalStorage:
                 before_publish()
             os.replace(tmp, path)
             if self._fsync:
-                _fsync_dir(folder)
+                fsync_dir(folder)
         except (OSError, StorageError) as e:  # a StorageError: before_publish refused, raised as it is
             _silent_remove(tmp)
             if marked:
@@ -252,7 +252,7 @@ class LocalStorage:
                 if mark:
                     self.unmark_temp(tmp)
         if self._fsync and sync_folder:
-            _fsync_dir(os.path.dirname(path))
+            fsync_dir(os.path.dirname(path))
 
     # ---- one file written by several processes (fastckpt.engine.sharedfile) -----------------------------------------
 
@@ -299,7 +299,7 @@ class LocalStorage:
         try:
             os.replace(tmp, path)
             if self._fsync:
-                _fsync_dir(os.path.dirname(path))
+                fsync_dir(os.path.dirname(path))
         except OSError as e:
             raise storage_error("committing", path, e) from e
 
@@ -477,7 +477,8 @@ def _write_all(fd: int, data: memoryview) -> None:
         data = data[n:]
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
+    """Make the names in the folder ``path`` durable (a rename, a new file)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
