@@ -11,6 +11,14 @@ device, not on the host; ``--step-ms N`` makes it wait on the host where the pee
 launches, which on this CPU adds the copy's own time); the launches it lost against the clean windows on
 either side, divided by the clean rate, are the **time lost** by that checkpoint. The window is long enough for the
 checkpoint to be durable in it; what the training thread still waits at the window's end for it counts as lost.
+The training thread is pinned to its CPU only while it launches: a peer's threads, made inside its constructor or
+``save()`` by the training thread, must not inherit that one CPU (they did before 2026-12-07, and every peer's
+background then shared the training thread's core: fastckpt's ran there with a 480 ms wait for the CPU a
+checkpoint). **Stalled** is the other, steadier figure: the training thread times every iteration of 64 launches,
+and an iteration slower than three times the clean windows' median counts its excess over that median (the time
+the thread waited for the GIL or for its CPU); the same sum over the clean windows on either side, per second,
+is taken off. It leaves out a uniform slowdown (shared caches, memory bandwidth) that *time lost* includes, and it
+does not swing with the host's speed, which moves the clean rate by tens of percent between windows here.
 
 Per peer, in a fresh process each (peers in turns, ``--rounds`` times): its staging prewarmed where it offers it
 (fastckpt's ``prewarm``, torch_checkpointing's ``prewarm_staging``), one warm-up checkpoint (timed as the first), then
@@ -32,7 +40,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -118,26 +125,60 @@ class TorchCheckpointing:
 
 
 class Launcher:
-    """The launch-bound training thread: tiny ops, counted."""
+    """The launch-bound training thread: tiny ops, counted, on ``cpu`` while it launches (None: where it runs);
+    each iteration's time is kept (``times``) for the stall figure."""
 
-    def __init__(self) -> None:
+    SLOW = 3.0  # an iteration slower than this many clean medians stalled
+
+    def __init__(self, cpu: int | None = None) -> None:
+        import numpy as np
         import torch
 
         self.a, self.b, self.c = torch.ones(16), torch.ones(16), torch.empty(16)
         self.add = torch.add
+        self.cpu = cpu
+        self.times = np.zeros(1 << 22)  # seconds per iteration of the last run (64 launches each)
+        self.count = 0
 
     def run_until(self, deadline: float) -> int:
-        """Launch until ``deadline`` (perf_counter); returns the iterations run."""
-        a, b, c, add = self.a, self.b, self.c, self.add
+        """Launch until ``deadline`` (perf_counter); returns the iterations run (of 64 launches each)."""
+        mask = os.sched_getaffinity(0)
+        if self.cpu is not None:
+            os.sched_setaffinity(0, {self.cpu})  # this thread only (0: the caller): threads it makes later do not inherit it
+        try:
+            return self._run(deadline)
+        finally:
+            if self.cpu is not None:
+                os.sched_setaffinity(0, mask)
+
+    def _run(self, deadline: float) -> int:
+        a, b, c, add, times, now = self.a, self.b, self.c, self.add, self.times, time.perf_counter
+        cap = len(times) - 1
         n = 0
-        while time.perf_counter() < deadline:
-            for _ in range(16):
+        t = now()
+        while t < deadline:
+            for _ in range(4):
                 add(a, b, out=c)
                 add(c, b, out=c)
                 add(a, c, out=c)
                 add(c, a, out=c)
-            n += 16
-        return n
+            t2 = now()
+            times[min(n, cap)] = t2 - t
+            t = t2
+            n += 1
+        self.count = min(n, cap)
+        return n * 4
+
+    def stalled(self, median: float) -> float:
+        """Seconds of the last run's iterations beyond ``median`` where slower than ``SLOW`` medians."""
+        x = self.times[:self.count]
+        slow = x[x > self.SLOW * median]
+        return float((slow - median).sum())
+
+    def median(self) -> float:
+        import numpy as np
+
+        return float(np.median(self.times[:self.count])) if self.count else 0.0
 
 
 def cpu_now() -> float:
@@ -173,9 +214,9 @@ def measure(name: str, n_ckpt: int, n_cpu: int, window: float, step_ms: float, q
     nbytes = tensor_bytes(state)
     tensors = len(unique_tensors(state))
     first = sorted(os.sched_getaffinity(0))[0]
-    # the training thread on one CPU (a GPU job's launching thread); the peer's threads go where they go
-    os.sched_setaffinity(threading.get_native_id(), {first})
-    launcher = Launcher()
+    # the training thread on one CPU while it launches (a GPU job's launching thread); the peer's threads go where
+    # they go: they are made while it is not pinned, so they do not inherit its one CPU
+    launcher = Launcher(first)
     launcher.run_until(time.perf_counter() + 0.3)  # warm
     with tempfile.TemporaryDirectory(prefix=f"launchbound-{name}-", dir=os.environ.get("LAUNCHBOUND_DIR")) as root:
         peer = _peer(name, Path(root))
@@ -192,14 +233,20 @@ def measure(name: str, n_ckpt: int, n_cpu: int, window: float, step_ms: float, q
         # waits at the window's end is not a peer's background running long
         window = max(window, 1.5 * first_s + 1.0)
         clean: list[float] = []
+        clean_stall: list[float] = []  # stalled seconds per second of each clean window
+        medians: list[float] = []
         lost: list[float] = []
+        stalled: list[float] = []
         saves: list[float] = []
         waited: list[float] = []
 
         def clean_rate() -> float:
             t0 = time.perf_counter()
             n = launcher.run_until(t0 + window)
-            return n / (time.perf_counter() - t0)
+            took = time.perf_counter() - t0
+            medians.append(launcher.median())
+            clean_stall.append(launcher.stalled(medians[-1]) / took)
+            return n / took
 
         clean.append(clean_rate())
         for _ in range(n_ckpt):
@@ -213,11 +260,14 @@ def measure(name: str, n_ckpt: int, n_cpu: int, window: float, step_ms: float, q
                 peer.before_optimizer_step()
             t3 = time.perf_counter()
             n += launcher.run_until(t0 + window)
+            t4 = time.perf_counter()
             peer.flush()  # durable within the window, or the rest of the wait is lost too
             end = time.perf_counter()
+            stall = launcher.stalled(medians[-1]) + (t1 - t0) + (t3 - t2) + (end - t4)
             clean.append(clean_rate())
             rate = (clean[-2] + clean[-1]) / 2
             lost.append((end - t0) - n / rate)
+            stalled.append(stall - (end - t0) * (clean_stall[-2] + clean_stall[-1]) / 2)
             saves.append(t1 - t0)
             waited.append(t3 - t2)
         cpu: list[float] = []
@@ -233,6 +283,7 @@ def measure(name: str, n_ckpt: int, n_cpu: int, window: float, step_ms: float, q
             cpu.append(cpu_now() - c0)
         peer.close()
     return {"peer": name, "nbytes": nbytes, "tensors": tensors, "lost_ms": [x * 1e3 for x in lost],
+            "stalled_ms": [x * 1e3 for x in stalled],
             "save_ms": [x * 1e3 for x in saves + cpu_saves], "waited_ms": [x * 1e3 for x in waited],
             "cpu_s": cpu, "cpu_s_per_gb": [c / (nbytes / 1e9) for c in cpu], "first_s": first_s,
             "clean_iter_per_s": clean, "window_s": window, "step_ms": step_ms}
@@ -249,18 +300,19 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         if "error" in r:
             out.setdefault(r["peer"], {"error": r["error"]})
             continue
-        s = out.setdefault(r["peer"], {"lost_ms": [], "cpu_s": [], "cpu_s_per_gb": [], "save_ms": [],
+        s = out.setdefault(r["peer"], {"lost_ms": [], "stalled_ms": [], "cpu_s": [], "cpu_s_per_gb": [], "save_ms": [],
                                        "waited_ms": [], "first_s": [], "nbytes": r["nbytes"],
                                        "tensors": r["tensors"]})
         s.pop("error", None)
-        for k in ("lost_ms", "cpu_s", "cpu_s_per_gb", "save_ms", "waited_ms"):
-            s[k].extend(r[k])
+        for k in ("lost_ms", "stalled_ms", "cpu_s", "cpu_s_per_gb", "save_ms", "waited_ms"):
+            s[k].extend(r.get(k, []))
         s["first_s"].append(r["first_s"])
     for s in out.values():
         if "error" not in s:
-            s["median"] = {k: _median(s[k]) for k in ("lost_ms", "cpu_s", "cpu_s_per_gb", "save_ms", "waited_ms",
-                                                      "first_s")}
-            s["range"] = {k: [min(s[k]), max(s[k])] for k in ("lost_ms", "cpu_s_per_gb", "save_ms")}
+            s["median"] = {k: _median(s[k]) for k in ("lost_ms", "stalled_ms", "cpu_s", "cpu_s_per_gb", "save_ms",
+                                                      "waited_ms", "first_s")}
+            s["range"] = {k: [min(s[k]), max(s[k])] if s[k] else [0.0, 0.0]
+                          for k in ("lost_ms", "stalled_ms", "cpu_s_per_gb", "save_ms")}
     return out
 
 
@@ -270,10 +322,11 @@ def markdown(summary: dict[str, dict[str, Any]], command: str, machine: str, gil
     rows = []
     for name, s in summary.items():
         if "error" in s:
-            rows.append(f"| {name} | failed: {s['error'][:80]} | | | |")
+            rows.append(f"| {name} | failed: {s['error'][:80]} | | | | |")
             continue
         m, r = s["median"], s["range"]
         rows.append(f"| {name} | **{m['lost_ms']:.0f}** ({r['lost_ms'][0]:.0f}..{r['lost_ms'][1]:.0f}) "
+                    f"| **{m['stalled_ms']:.0f}** ({r['stalled_ms'][0]:.0f}..{r['stalled_ms'][1]:.0f}) "
                     f"| **{m['cpu_s_per_gb']:.2f}** ({r['cpu_s_per_gb'][0]:.2f}..{r['cpu_s_per_gb'][1]:.2f}); "
                     f"{m['cpu_s']:.2f} CPU-s a checkpoint | {m['save_ms']:.1f} ({r['save_ms'][0]:.1f}.."
                     f"{r['save_ms'][1]:.1f}) | {m['waited_ms']:.0f} |")
@@ -282,7 +335,8 @@ def markdown(summary: dict[str, dict[str, Any]], command: str, machine: str, gil
                 if "median" in s and not n.startswith("fastckpt") and n != "torch_save"), default=None)
     verdict = ""
     if fast and best:
-        verdict = (f"\n\nfastckpt loses {fast['lost_ms']:.0f} ms per checkpoint, {fast['lost_ms'] / best:.2f}x of the "
+        verdict = (f"\n\nfastckpt loses {fast['lost_ms']:.0f} ms per checkpoint (stalled {fast['stalled_ms']:.0f}), "
+                   f"{fast['lost_ms'] / best:.2f}x of the "
                    f"best peer's {best:.0f} ms; {fast['cpu_s_per_gb']:.2f} CPU-s per GB; save() "
                    f"{fast['save_ms']:.1f} ms (median).")
     if gil and gil.get("per_checkpoint"):
@@ -297,11 +351,14 @@ def markdown(summary: dict[str, dict[str, Any]], command: str, machine: str, gil
         HEADING, "",
         f"`{command}` ({machine}). W1: {nb / 1e9:.2f} GB of state in {nt} tensors. The training thread launches "
         "tiny ops on one CPU (as a GPU job's Python thread does); **time lost** is what one checkpoint cost it "
-        "(the launches it missed against the clean windows on either side), **CPU-s** the CPU time of one "
+        "(the launches it missed against the clean windows on either side), **stalled** the time its iterations "
+        "waited beyond three clean medians (for the GIL or its CPU; save(), waits and the flush included; the "
+        "clean windows' own rate taken off), **CPU-s** the CPU time of one "
         "checkpoint from save() to durable, this process and its children, with the training thread idle. "
         "Medians over every run (range).", "",
-        "| peer | time lost per checkpoint, ms | CPU-s per GB | save(), ms | waited before the optimizer step, ms |",
-        "|---|---|---|---|---|", *rows]) + verdict + "\n"
+        "| peer | time lost per checkpoint, ms | stalled per checkpoint, ms | CPU-s per GB | save(), ms "
+        "| waited before the optimizer step, ms |",
+        "|---|---|---|---|---|---|", *rows]) + verdict + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,7 +29,7 @@ from typing import Any, Sequence
 import torch
 
 from ..format.batchpass import NATIVE
-from ..format.healthpass import fingerprint, tensor_pass
+from ..format.healthpass import fingerprints, tensor_pass
 from ..format.plan import TensorEntry
 from .cudacopy import DeviceBatch
 
@@ -93,13 +93,16 @@ def finish(stats: Sequence[DeviceStats], buf: torch.Tensor, entries: Sequence[Te
         k = len(st.positions)
         for i, pos in enumerate(st.positions):
             figures[pos] = (vals[i], vals[k + i])
-    data = memoryview(buf.numpy())
+    measured = [pos for pos in range(len(entries))
+                if all(math.isfinite(v) for v in figures.get(pos, (math.nan, math.nan)))]
+    fps = dict(zip(measured, fingerprints(memoryview(buf.numpy()),
+                                          [(entries[pos].offset, entries[pos].nbytes) for pos in measured])))
     out: dict[str, Any] = {}
     for pos, e in enumerate(entries):
-        l2, top = figures.get(pos, (math.nan, math.nan))
-        if math.isfinite(l2) and math.isfinite(top):
+        if pos in fps:
+            l2, top = figures[pos]
             out[keys[e.index]] = {"n": e.nbytes // e.dtype.itemsize, "nan": 0, "inf": 0, "absmax": top, "l2": l2,
-                                  "fp": fingerprint(data[e.offset:e.offset + e.nbytes], e.nbytes)}
+                                  "fp": fps[pos]}
         else:  # not measured on the device, or a NaN/Inf/overflow there: value for value, as before
             out[keys[e.index]] = tensor_pass(buf[e.offset:e.offset + e.nbytes], e.dtype)[0]
     return out

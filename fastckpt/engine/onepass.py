@@ -45,6 +45,7 @@ from ..format.checksum import crc32c
 from ..format.health import value_dtype
 from ..format.healthpass import block_values, tensor_pass
 from ..format.plan import Shard, TensorEntry
+from .cudacopy import has_lazy_bits
 from .serialops import is_serial
 from .staging import copy_entries
 
@@ -73,7 +74,7 @@ def plain_sources(entries: Iterable[TensorEntry], tensors: list[torch.Tensor | N
 
 def _plain(t: torch.Tensor | None) -> bool:
     """Whether ``t`` is a contiguous CPU tensor holding exactly its values (no lazy conj/neg bit)."""
-    return t is not None and t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+    return t is not None and t.device.type == "cpu" and t.is_contiguous() and not has_lazy_bits(t)  # no hand-over
 
 
 def stage_batched(job: Any, shard: Shard, buf: torch.Tensor, one_pass: bool) -> bool:

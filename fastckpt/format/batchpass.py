@@ -41,7 +41,7 @@ import crc32c as _crc32c
 import torch
 
 from .checksum import crc32c
-from .healthpass import GROUP, fingerprint, tensor_pass
+from .healthpass import GROUP, fingerprints, tensor_pass
 
 __all__ = ["Layout", "Part", "Piece", "PIECE", "RELEASE", "NATIVE", "run", "measure"]
 
@@ -347,11 +347,14 @@ def measure(lay: Layout, mv: memoryview) -> dict[int, dict[str, Any]]:
                  torch.segment_reduce(vals, "min", lengths=lay.small_lengths).tolist(),
                  torch.segment_reduce(sq, "sum", lengths=lay.small_lengths).tolist(), absmax, squares)
     out: dict[int, dict[str, Any]] = {}
+    measured = [pos for pos in range(len(lay.entries))
+                if lay.grouped[pos] and math.isfinite(squares[pos]) and math.isfinite(absmax[pos])]
+    fps = fingerprints(mv, [(lay.entries[pos].offset, lay.entries[pos].nbytes) for pos in measured])
+    for pos, fp in zip(measured, fps):
+        e = lay.entries[pos]
+        out[pos] = {"n": e.nbytes // _SIZE[lay.dtypes[pos]], "nan": 0, "inf": 0, "absmax": absmax[pos],
+                    "l2": math.sqrt(squares[pos]), "fp": fp}
     for pos, e in enumerate(lay.entries):
-        if lay.grouped[pos] and math.isfinite(squares[pos]) and math.isfinite(absmax[pos]):
-            data = mv[e.offset:e.offset + e.nbytes]
-            out[pos] = {"n": e.nbytes // _SIZE[lay.dtypes[pos]], "nan": 0, "inf": 0, "absmax": absmax[pos],
-                        "l2": math.sqrt(squares[pos]), "fp": fingerprint(data, e.nbytes)}
-        else:  # another dtype, or a NaN/Inf/overflow somewhere in it (rare): the blocked pass, exact
+        if pos not in out:  # another dtype, or a NaN/Inf/overflow somewhere in it (rare): the blocked pass, exact
             out[pos] = tensor_pass(lay.buf[e.offset:e.offset + e.nbytes], lay.dtypes[pos])[0]
-    return out
+    return dict(sorted(out.items()))

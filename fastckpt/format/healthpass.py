@@ -42,7 +42,7 @@ import xxhash
 
 from .checksum import crc32c
 
-__all__ = ["tensor_pass", "shard_pass", "fingerprint", "usable_cpus", "usable_cpu_ids", "block_values", "BLOCK",
+__all__ = ["tensor_pass", "shard_pass", "fingerprint", "fingerprints", "usable_cpus", "usable_cpu_ids", "block_values", "BLOCK",
            "GROUP", "GRAIN"]
 
 GROUP = 512  # values normed together in float32; the groups' squares are summed in float64
@@ -91,6 +91,34 @@ def fingerprint(data: Any, nbytes: int) -> str:
             at = k * last // (_WINDOWS - 1)
             h.update(mv[at:at + _WINDOW])
     return h.hexdigest()
+
+
+def fingerprints(data: Any, spans: Sequence[tuple[int, int]]) -> list[str]:
+    """``fingerprint`` of each ``(offset, nbytes)`` span of ``data`` (a buffer), equal to it span for span, in a
+    few numpy calls and one xxh3 call a span: the windows of every span gathered at once, each behind its 8-byte
+    length (xxh3 over bytes fed in parts equals xxh3 over their concatenation). ``fingerprint`` takes 66 calls a
+    tensor, each a GIL hold on the background thread that a launch-bound training thread waits behind."""
+    import numpy as np
+
+    u8 = np.frombuffer(data, dtype=np.uint8)
+    out: list[str] = [""] * len(spans)
+    big = [k for k, (_, n) in enumerate(spans) if n > _WINDOWS * _WINDOW]
+    for k, (at, n) in enumerate(spans):
+        if n <= _WINDOWS * _WINDOW:
+            out[k] = fingerprint(u8[at:at + n], n)
+    if big:
+        at = np.array([spans[k][0] for k in big], dtype=np.int64)
+        n = np.array([spans[k][1] for k in big], dtype=np.int64)
+        starts = at[:, None] + np.arange(_WINDOWS, dtype=np.int64)[None, :] * (n - _WINDOW)[:, None] // (_WINDOWS - 1)
+        windows = np.lib.stride_tricks.as_strided(u8, shape=(max(len(u8) - _WINDOW + 1, 0), _WINDOW),
+                                                  strides=(1, 1), writeable=False)
+        rows = np.empty((len(big), 8 + _WINDOWS * _WINDOW), dtype=np.uint8)
+        rows[:, :8] = n.astype("<u8").view(np.uint8).reshape(-1, 8)
+        rows[:, 8:] = windows[starts.reshape(-1)].reshape(len(big), -1)
+        digest = xxhash.xxh3_64_hexdigest
+        for j, k in enumerate(big):
+            out[k] = digest(rows[j])
+    return out
 
 
 class _Values:
