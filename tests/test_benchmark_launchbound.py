@@ -38,3 +38,32 @@ def test_gilcalls_counts_the_background_hand_overs(tmp_path) -> None:
     assert run.returncode == 0, run.stderr[-2000:]
     row = json.loads(out.read_text())["per_checkpoint"][0]
     assert row.get("fastckpt-copy", 0) > 0 and row["save() (training thread)"] > 0, row
+
+
+def test_the_launching_thread_is_pinned_only_while_it_launches() -> None:
+    """Peers' threads are made by the training thread (in their constructor or ``save()``): pinned for the whole
+    run, it gave them its one CPU, and every peer's background then competed with it for that CPU."""
+    import os
+    import threading
+    import time
+
+    import pytest
+
+    from benchmarks.launchbound import Launcher
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs two CPUs to tell a pinned thread from a free one")
+    seen: dict[str, set[int]] = {}
+    launcher = Launcher(cpus[0])
+    n = launcher.run_until(time.perf_counter() + 0.05)
+    assert n > 0 and launcher.count > 0 and launcher.median() > 0
+    assert os.sched_getaffinity(0) == set(cpus)  # restored after the launches
+    t = threading.Thread(target=lambda: seen.setdefault("child", os.sched_getaffinity(0)))
+    t.start()
+    t.join()
+    assert seen["child"] == set(cpus)
+    # a stalled iteration counts its excess over the median; ordinary ones do not
+    launcher.times[:4] = [1e-5, 1e-5, 1e-5, 1e-3]
+    launcher.count = 4
+    assert abs(launcher.stalled(1e-5) - (1e-3 - 1e-5)) < 1e-12

@@ -320,3 +320,29 @@ def test_torch_file_crc32_comes_from_the_pass(tmp_path: Path, monkeypatch: pytes
         assert z.testzip() is None  # every record's CRC-32 is right
     assert verify_torch_file(str(path)) == []
     assert_bit_equal(want, torch.load(path, weights_only=True))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_fingerprints_of_a_shard_equal_each_tensors_fingerprint(seed: int) -> None:
+    """The batched form (one gather a shard: format/batchpass.py, engine/devicehealth.py) must give exactly what
+    ``fingerprint`` gives span for span: records written before it are compared with records written after."""
+    import random
+
+    rng = random.Random(seed)
+    data = torch.randint(0, 256, (3_000_000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    mv = memoryview(data.numpy())
+    spans = [(0, 0), (0, len(data)), (len(data) - 4097, 4097), (len(data) - 4096, 4096), (5, 64 * 64 + 1)]
+    for _ in range(200):
+        n = rng.choice([0, 1, 63, 64, 4095, 4096, 4097, 5000, 70_000, 1_000_001])
+        spans.append((rng.randrange(0, len(data) - n + 1), n))
+    rng.shuffle(spans)
+    assert healthpass.fingerprints(mv, spans) == [fingerprint(mv[a:a + n], n) for a, n in spans]
+    assert healthpass.fingerprints(mv, []) == []
+    # a flipped byte at a span's start (its first window) changes that span's fingerprint; spans without it keep theirs
+    before = healthpass.fingerprints(mv, spans)
+    k, (a, n) = next((k, s) for k, s in enumerate(spans) if s[1] > 4096)
+    data[a] ^= 0xFF
+    after = healthpass.fingerprints(mv, spans)
+    assert after[k] != before[k]
+    assert all(after[j] == before[j] for j, (a0, n0) in enumerate(spans) if not a0 <= a < a0 + n0)
+    assert after == [fingerprint(mv[a0:a0 + n0], n0) for a0, n0 in spans]
