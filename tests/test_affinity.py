@@ -260,3 +260,43 @@ def test_a_persister_process_is_told_the_cpus_resolved_here(tmp_path) -> None:
     assert Persister(LocalStorage(str(tmp_path)), cfg).opts["background_cpus"] == [CPUS[-1]]
     cfg = CheckpointConfig(root=str(tmp_path), staging={"shm": True}, persist={"background_cpus": "all"})
     assert Persister(LocalStorage(str(tmp_path)), cfg).opts["background_cpus"] == "all"
+
+
+@needs_two
+def test_a_training_thread_pinned_to_one_cpu_before_the_checkpointer_is_told_once(tmp_path, caplog) -> None:
+    """The background threads start from their maker's mask: a training thread pinned to one CPU before it builds the
+    Checkpointer gives them that CPU, and they then run in turns with training. Said once per process, naming the
+    CPUs the machine offers; the saves still work; pinned after building it, nothing is said and the threads stay
+    off the training thread's CPU."""
+    from fastckpt.engine.once import WARNED
+
+    cpus = sorted(os.sched_getaffinity(0))
+    state = {"w": torch.randn(1 << 12)}
+    WARNED.reset()
+    os.sched_setaffinity(0, {cpus[0]})  # this thread only
+    try:
+        with caplog.at_level(logging.WARNING, logger="fastckpt"):
+            with Checkpointer(CheckpointConfig(root=str(tmp_path / "pinned"))) as ck:
+                for step in (1, 2):
+                    ck.save(state, step).wait()
+                assert torch.equal(ck.load()["w"], state["w"])
+                mine = {t.name: os.sched_getaffinity(t.native_id) for t in threading.enumerate()
+                        if t.name.startswith("fastckpt-")}
+    finally:
+        os.sched_setaffinity(0, set(cpus))
+    said = [r.getMessage() for r in caplog.records if "may run on CPU" in r.getMessage()]
+    assert len(said) == 1 and f"CPU {cpus[0]} alone" in said[0], said
+    assert mine and all(m == {cpus[0]} for m in mine.values()), mine
+    caplog.clear()
+    WARNED.reset()
+    with caplog.at_level(logging.WARNING, logger="fastckpt"):
+        with Checkpointer(CheckpointConfig(root=str(tmp_path / "free"))) as ck:
+            os.sched_setaffinity(0, {cpus[0]})  # pinned after: as the docs say
+            try:
+                ck.save(state, 1).wait()
+                theirs = {t.name: os.sched_getaffinity(t.native_id) for t in threading.enumerate()
+                          if t.name.startswith("fastckpt-")}
+            finally:
+                os.sched_setaffinity(0, set(cpus))
+    assert not [r for r in caplog.records if "may run on CPU" in r.getMessage()]
+    assert theirs and all(cpus[0] not in m for m in theirs.values()), theirs

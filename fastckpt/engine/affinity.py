@@ -38,9 +38,10 @@ import threading
 from typing import Any, Callable, Collection
 
 from ..errors import ConfigError
+from .once import WARNED
 from ..format.healthpass import usable_cpu_ids as usable  # the CPUs this process may run on, ascending
 
-__all__ = ["CHOICES", "ThreadPlacement", "current_cpu", "resolve", "usable"]
+__all__ = ["CHOICES", "ThreadPlacement", "current_cpu", "offered_cpus", "resolve", "usable"]
 
 log = logging.getLogger("fastckpt")
 
@@ -57,6 +58,8 @@ def resolve(setting: str | Collection[int], limit: int, cpus: list[int] | None =
         return None
     if setting == "auto":
         if len(cpus) < 2 or _local_ranks() > 1:
+            if len(cpus) == 1:
+                _say_one_cpu(cpus[0])
             return None
         count = max(1, min(limit, len(cpus) - 1))
         return frozenset([c for c in cpus if c != avoid][-count:])
@@ -65,6 +68,54 @@ def resolve(setting: str | Collection[int], limit: int, cpus: list[int] | None =
         raise ConfigError(f"persist.background_cpus lists CPUs {sorted(chosen - set(cpus))} this process may not "
                           f"use (it may use {cpus}); list some of those, or set it to auto or all")
     return chosen
+
+
+def _say_one_cpu(cpu: int) -> None:
+    """Once per process: the calling thread may use CPU ``cpu`` alone where this machine (its CPU cgroup) offers
+    more. The threads fastckpt makes start from their maker's CPU mask, so a training thread pinned to one CPU before
+    the ``Checkpointer`` is built gives them that CPU too, and every byte they copy, check and write then runs in
+    turns with training (the launch-bound benchmark did that until 2026-12-07: its training thread waited ~480 ms
+    a checkpoint for its CPU). ``taskset -c`` on the whole process is the same case, chosen: then it says so once."""
+    offered = offered_cpus()
+    if len(offered) > 1 and WARNED.first("one-cpu"):
+        log.warning("fastckpt: this thread may run on CPU %d alone, so the background threads share it with training "
+                    "(checkpoints then slow training down); this machine offers CPUs %s: pin the training thread "
+                    "after building the Checkpointer, or give the process more than one CPU", cpu, _ranges(offered))
+
+
+def offered_cpus() -> list[int]:
+    """The CPUs of this process's CPU cgroup (cgroup v2 ``cpuset.cpus.effective``, v1 ``cpuset.effective_cpus``),
+    else every online CPU: what a thread may be given, whatever its maker's mask."""
+    for path in ("/sys/fs/cgroup/cpuset.cpus.effective", "/sys/fs/cgroup/cpuset/cpuset.effective_cpus"):
+        try:
+            with open(path) as f:
+                cpus = _parse(f.read())
+        except (OSError, ValueError):
+            continue
+        if cpus:
+            return cpus
+    return list(range(os.cpu_count() or 1))
+
+
+def _parse(text: str) -> list[int]:
+    """``0-3,6`` -> [0, 1, 2, 3, 6]."""
+    out: set[int] = set()
+    for part in text.strip().split(","):
+        if part:
+            lo, _, hi = part.partition("-")
+            out.update(range(int(lo), int(hi or lo) + 1))
+    return sorted(out)
+
+
+def _ranges(cpus: list[int]) -> str:
+    """[0, 1, 2, 5] -> ``0-2,5``."""
+    out: list[str] = []
+    for c in cpus:
+        if out and int(out[-1].split("-")[-1]) == c - 1:
+            out[-1] = f"{out[-1].split('-')[0]}-{c}"
+        else:
+            out.append(str(c))
+    return ",".join(out)
 
 
 def _local_ranks() -> int:
@@ -103,9 +154,11 @@ class ThreadPlacement:
 
     def want(self) -> frozenset[int] | None:
         """The CPUs the setting gives as things stand, away from the calling thread's CPU under ``auto``: what
-        ``refresh`` places. Resolved on the training thread: the usable CPUs are the calling thread's mask, which
-        the background threads' own pinning narrows."""
-        return resolve(self._setting, self._limit(), avoid=self._where() if self._setting == "auto" else None)
+        ``refresh`` places. The usable CPUs are the mask of the thread that built the placement (the threads start
+        from it), not the caller's now: a training thread that pins itself to its CPU after building the
+        ``Checkpointer`` still has its background placed on the others."""
+        return resolve(self._setting, self._limit(), cpus=sorted(self._everywhere) or None,
+                       avoid=self._where() if self._setting == "auto" else None)
 
     def refresh(self) -> None:
         """Place the threads for the setting as things stand (``want``), away from the calling thread's CPU under
