@@ -333,12 +333,17 @@ def markdown(summary: dict[str, dict[str, Any]], command: str, machine: str, gil
     fast = summary.get("fastckpt", {}).get("median")
     best = min((s["median"]["lost_ms"] for n, s in summary.items()
                 if "median" in s and not n.startswith("fastckpt") and n != "torch_save"), default=None)
+    calm = min((s["median"]["stalled_ms"] for n, s in summary.items()
+                if "median" in s and s["median"].get("stalled_ms") is not None and not n.startswith("fastckpt")
+                and n != "torch_save"), default=None)
     verdict = ""
     if fast and best:
-        verdict = (f"\n\nfastckpt loses {fast['lost_ms']:.0f} ms per checkpoint (stalled {fast['stalled_ms']:.0f}), "
-                   f"{fast['lost_ms'] / best:.2f}x of the "
-                   f"best peer's {best:.0f} ms; {fast['cpu_s_per_gb']:.2f} CPU-s per GB; save() "
-                   f"{fast['save_ms']:.1f} ms (median).")
+        verdict = (f"\n\nfastckpt loses {fast['lost_ms']:.0f} ms per checkpoint, {fast['lost_ms'] / best:.2f}x of the "
+                   f"best peer's {best:.0f} ms")
+        if calm and fast.get("stalled_ms") is not None:
+            verdict += (f"; stalled {fast['stalled_ms']:.0f} ms, {fast['stalled_ms'] / calm:.2f}x of the least "
+                        f"stalled peer's {calm:.0f} ms")
+        verdict += f"; {fast['cpu_s_per_gb']:.2f} CPU-s per GB; save() {fast['save_ms']:.1f} ms (median)."
     if gil and gil.get("per_checkpoint"):
         row = gil["per_checkpoint"][-1]
         background = sum(v for k, v in row.items() if not k.startswith("save()"))
