@@ -76,8 +76,10 @@ def _say_one_cpu(cpu: int) -> None:
     the ``Checkpointer`` is built gives them that CPU too, and every byte they copy, check and write then runs in
     turns with training (the launch-bound benchmark did that until 2026-12-07: its training thread waited ~480 ms
     a checkpoint for its CPU). ``taskset -c`` on the whole process is the same case, chosen: then it says so once."""
+    if not WARNED.first("one-cpu"):  # asked first: resolve() runs at every save, the cgroup is read once
+        return
     offered = offered_cpus()
-    if len(offered) > 1 and WARNED.first("one-cpu"):
+    if len(offered) > 1:
         log.warning("fastckpt: this thread may run on CPU %d alone, so the background threads share it with training "
                     "(checkpoints then slow training down); this machine offers CPUs %s: pin the training thread "
                     "after building the Checkpointer, or give the process more than one CPU", cpu, _ranges(offered))
@@ -109,13 +111,13 @@ def _parse(text: str) -> list[int]:
 
 def _ranges(cpus: list[int]) -> str:
     """[0, 1, 2, 5] -> ``0-2,5``."""
-    out: list[str] = []
+    runs: list[list[int]] = []
     for c in cpus:
-        if out and int(out[-1].split("-")[-1]) == c - 1:
-            out[-1] = f"{out[-1].split('-')[0]}-{c}"
+        if runs and runs[-1][1] == c - 1:
+            runs[-1][1] = c
         else:
-            out.append(str(c))
-    return ",".join(out)
+            runs.append([c, c])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _local_ranks() -> int:
