@@ -49,8 +49,10 @@ def test_ranks_share_each_file_and_an_interrupted_run_resumes_bit_exact(tmp_path
     # The reference is stock Lightning (DDPStrategy, torch.save on rank 0) interrupted and resumed at the same step,
     # since a straight run differs from a resumed one here even with stock Lightning (DDP rebuilds its gradient
     # buckets at a resume's first step, which changes the order in which gloo's ring sums 4 ranks' floats).
+    # The stock reference trains and resumes in one launch (a fresh Trainer and module for its resume: see _main);
+    # fastckpt's train and resume stay two launches, since a resume in a new process is what this test proves.
     devices, reference = 4, "stock-resume"
-    _run_phase(tmp_path, "stock-train", devices=devices)
+    _run_phase(tmp_path, "stock", devices=devices)
     _run_phase(tmp_path, "train", devices=devices)
     ckpt = tmp_path / "ckpt"
     assert sorted(p.name for p in ckpt.iterdir()) == [".fastckpt.lock", "epoch=0-step=3.ckpt", "last.ckpt"], \
@@ -71,8 +73,9 @@ def test_ranks_share_each_file_and_an_interrupted_run_resumes_bit_exact(tmp_path
     at_save = [r["by_step"][STOP_AT] for r in train]
     assert_bit_equal(saved["state_dict"], at_save[0]["state_dict"])
     assert_bit_equal(saved["optimizer_states"], at_save[0]["optimizer_states"])
-    # what stock Lightning saved at that step (its last.ckpt, not yet resumed), bit for bit
-    stock = torch.load(tmp_path / "stock" / "last.ckpt", weights_only=True)
+    # what stock Lightning saved at that step (its last.ckpt before it resumed, copied aside), bit for bit
+    stock = torch.load(tmp_path / "stock-at-stop.ckpt", weights_only=True)
+    assert stock["global_step"] == STOP_AT
     assert_bit_equal(saved["state_dict"], stock["state_dict"])
     assert_bit_equal(saved["optimizer_states"], stock["optimizer_states"])
     assert_bit_equal(at_save[1]["state_dict"]["net.0.weight"], at_save[0]["state_dict"]["net.0.weight"])
@@ -95,11 +98,11 @@ def test_ranks_share_each_file_and_an_interrupted_run_resumes_bit_exact(tmp_path
     loaded = TinyModule.load_from_checkpoint(ckpt / "last.ckpt", map_location="cpu")  # Lightning's own reader
     assert_bit_equal(loaded.state_dict(), at_save[0]["state_dict"])
 
-    _run_phase(tmp_path, "stock-resume", devices=devices)
     _run_phase(tmp_path, "resume", devices=devices)
     for rank in range(devices):
         resumed, expected = _result(tmp_path, "resume", rank), _result(tmp_path, reference, rank)
         assert resumed["start_step"] == STOP_AT, "the rank did not restore the checkpoint"
+        assert expected["start_step"] == STOP_AT, "the stock reference's resume did not restore its checkpoint"
         assert_bit_equal(resumed["state"], expected["state"])
     assert torch.load(ckpt / "last.ckpt", weights_only=True)["global_step"] == TOTAL_STEPS
 
@@ -180,6 +183,7 @@ def test_a_folder_rank_0_removed_from_first_gets_the_shared_checkpointer(tmp_pat
 
 def _main(phase: str, root: Path, devices: int) -> None:
     import errno
+    import shutil
 
     import torch.distributed as dist
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
@@ -221,25 +225,39 @@ def _main(phase: str, root: Path, devices: int) -> None:
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             self.step = trainer.global_step
 
-    start, record = StartStep(), RecordAfterStep()
-    faulty = phase in ("fail", "kill")
-    stock = phase.startswith("stock-")  # DDPStrategy and torch.save on rank 0: the reference
-    io_class = FaultyIO if faulty else FastCheckpointIO
-    plugin = None if stock else io_class(persist={"fsync": False, "chunk_bytes": 4096})
-    keep = -1 if faulty else 1
-    checkpoints = ModelCheckpoint(dirpath=root / ("stock" if stock else "ckpt"), every_n_train_steps=1,
-                                  save_top_k=keep, save_last=not faulty)
-    callbacks: list[Any] = [start, record, checkpoints]
-    max_steps = {"train": STOP_AT, "stock-train": STOP_AT, "fail": 4, "kill": 4}.get(phase, TOTAL_STEPS)
-    strategy = DDPStrategy() if stock else FastDDPStrategy()
-    trainer = make_trainer(callbacks, plugin, devices=devices, strategy=strategy, max_steps=max_steps)
-    module = TinyModule(batchnorm=True)
-    trainer.fit(module, RankBatches(), ckpt_path="last" if phase.endswith("resume") else None)
-    assert trainer.global_rank == rank
-    written = {s.path: (s.written_bytes, s.nbytes) for s in plugin.stats} if plugin is not None else {}
-    result = {"start_step": start.step, "state": training_state(module), "by_step": record.by_step,
-              "written": written}
-    torch.save(result, root / f"{phase}-rank{rank}.pt")
+    def fit(phase: str) -> None:
+        start, record = StartStep(), RecordAfterStep()
+        faulty = phase in ("fail", "kill")
+        stock = phase.startswith("stock-")  # DDPStrategy and torch.save on rank 0: the reference
+        io_class = FaultyIO if faulty else FastCheckpointIO
+        plugin = None if stock else io_class(persist={"fsync": False, "chunk_bytes": 4096})
+        keep = -1 if faulty else 1
+        checkpoints = ModelCheckpoint(dirpath=root / ("stock" if stock else "ckpt"), every_n_train_steps=1,
+                                      save_top_k=keep, save_last=not faulty)
+        callbacks: list[Any] = [start, record, checkpoints]
+        max_steps = {"train": STOP_AT, "stock-train": STOP_AT, "fail": 4, "kill": 4}.get(phase, TOTAL_STEPS)
+        strategy = DDPStrategy() if stock else FastDDPStrategy()
+        trainer = make_trainer(callbacks, plugin, devices=devices, strategy=strategy, max_steps=max_steps)
+        module = TinyModule(batchnorm=True)
+        trainer.fit(module, RankBatches(), ckpt_path="last" if phase.endswith("resume") else None)
+        assert trainer.global_rank == rank
+        written = {s.path: (s.written_bytes, s.nbytes) for s in plugin.stats} if plugin is not None else {}
+        result = {"start_step": start.step, "state": training_state(module), "by_step": record.by_step,
+                  "written": written}
+        torch.save(result, root / f"{phase}-rank{rank}.pt")
+
+    if phase != "stock":
+        fit(phase)
+        return
+    # The stock reference, interrupted and resumed in one launch (its ranks' imports cost more than its training):
+    # the resume gets a fresh Trainer, strategy, module and batches, and restores everything from last.ckpt, as a new
+    # process would (the process group stays: Lightning reuses an initialized one, and launches no ranks again since
+    # rank 0's launcher set LOCAL_RANK). Rank 0 alone writes stock/ files: its copy of last.ckpt at STOP_AT is done
+    # before its resume saves again.
+    fit("stock-train")
+    if rank == 0:
+        shutil.copyfile(root / "stock" / "last.ckpt", root / "stock-at-stop.ckpt")
+    fit("stock-resume")
 
 
 if __name__ == "__main__":
