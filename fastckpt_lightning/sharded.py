@@ -114,6 +114,18 @@ class _ShardedThroughCore(FastIOOwner):
         if self.is_global_zero:
             self.fast_io.remove_sharded(os.fspath(filepath))
 
+    def teardown(self) -> None:
+        """The parent's, then the plugin's teardown (flush, close its Checkpointers, raise a background error once).
+
+        ``Strategy.teardown`` ends with ``checkpoint_io.teardown()``, but ``ModelParallelStrategy`` and
+        ``FSDPStrategy`` replace it without calling it: the plugin's Checkpointers stayed open after ``fit``, holding
+        the checkpoint root's lock, so a second Trainer of the same folder in this process (``validate``/``test``
+        with ``ckpt_path``) was refused as "in use by another writer" (this very process)."""
+        try:
+            super().teardown()
+        finally:
+            self.checkpoint_io.teardown()
+
 
 class FastModelParallelStrategy(_ShardedThroughCore, ModelParallelStrategy):
     """``Trainer(strategy=FastModelParallelStrategy(...), plugins=[FastCheckpointIO(...)])``; same arguments as
