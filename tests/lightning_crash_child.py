@@ -1,7 +1,9 @@
-"""Run as a script by ``test_lightning_crash``: a Lightning run that checkpoints a ~100 MB model at every step with
-FastCheckpointIO, reporting on stdout what it does so that the parent can SIGKILL it at chosen points.
+"""The child of ``test_lightning_crash``: a Lightning run that checkpoints a ~100 MB model at every step with
+FastCheckpointIO, reporting what it does so that the parent can SIGKILL it at chosen points.
 
-``python lightning_crash_child.py DIRPATH`` prints, one line each, flushed:
+The test runs ``forked`` in a fork of a forkserver that imported Lightning and fastckpt once, reporting
+through a pipe; ``python lightning_crash_child.py DIRPATH`` (by hand) prints the same lines on stdout. One line each,
+flushed:
 ``state STEP CRC`` (the CRC-32 of every tensor of ``state_dict`` right after step STEP, what its checkpoint holds),
 ``begin PATH`` / ``returned PATH`` around ``save_checkpoint``, ``write PATH I`` before the I-th byte range of a file
 goes to disk (so that a kill can land inside a write), and ``durable PATH STEP`` once a file has landed.
@@ -9,10 +11,12 @@ goes to disk (so that a kill can land inside a write), and ``durable PATH STEP``
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from multiprocessing.connection import Connection
 from typing import Any
 
 import lightning.pytorch as pl
@@ -27,10 +31,17 @@ from helpers import WrappedStorage
 _print_lock = threading.Lock()  # the committer thread reports too
 
 
+def _to_stdout(line: str) -> None:
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+_report: Callable[[str], None] = _to_stdout  # forked() reports through its pipe instead
+
+
 def say(line: str) -> None:
     with _print_lock:
-        sys.stdout.write(line + "\n")
-        sys.stdout.flush()
+        _report(line)
 
 
 def state_crc(state: dict[str, torch.Tensor]) -> int:
@@ -115,6 +126,17 @@ def main(dirpath: str) -> None:
                          enable_model_summary=False, max_steps=10_000, callbacks=[ReportState(plugin), checkpoints],
                          plugins=[plugin])
     trainer.fit(Wide())
+
+
+def forked(dirpath: str, conn: Connection) -> None:
+    """The test's entry, in a fork of the forkserver: each line goes to ``conn`` as it is said (as a flushed stdout
+    line went to a pipe), and the process's own output is discarded (as the script's stderr was)."""
+    global _report
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.dup2(devnull, 2)
+    _report = lambda line: conn.send_bytes(line.encode())  # noqa: E731
+    main(dirpath)
 
 
 if __name__ == "__main__":
