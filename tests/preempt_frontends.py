@@ -15,6 +15,9 @@ from tests.preempt_trials import CHILD_AS_BYTES, SAVE_EVERY, Trial
 
 def lightning_child(root: str, grace_s: float, shm_dir: str | None, conn: Any) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (CHILD_AS_BYTES, CHILD_AS_BYTES))
+    # One intra-op thread: the model is tiny, and beside CPU-bound neighbours each op's parallel region waited for a
+    # second OpenMP thread to be scheduled (batch_norm and backward took 50-90 ms a step instead of 1 ms).
+    torch.set_num_threads(1)
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -77,7 +80,8 @@ def judge_lightning(root: Path, seen: int, exitcode: int | None, recorded: int |
 
 preempt_trials.CHILDREN["lightning"] = lightning_child
 preempt_trials.JUDGES["lightning"] = judge_lightning
-preempt_trials.PRELOAD.extend(["lightning.pytorch", "fastckpt_lightning", "tests.preempt_frontends"])
+# s3fs: ModelCheckpoint's setup imports it (a second in every child) to ask whether its folder is object storage
+preempt_trials.PRELOAD.extend(["lightning.pytorch", "fastckpt_lightning", "s3fs", "tests.preempt_frontends"])
 
 
 def accelerate_child(root: str, grace_s: float, shm_dir: str | None, conn: Any) -> None:
