@@ -136,6 +136,9 @@ def forked(dirpath: str, conn: Connection) -> None:
     os.dup2(devnull, 1)
     os.dup2(devnull, 2)
     _report = lambda line: conn.send_bytes(line.encode())  # noqa: E731
+    # One intra-op thread: beside CPU-bound neighbours, each op's parallel region waited (spinning) for a second
+    # OpenMP thread to be scheduled; the saves' copies and writes run on fastckpt's own threads either way.
+    torch.set_num_threads(1)
     main(dirpath)
 
 
