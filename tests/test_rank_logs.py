@@ -55,33 +55,57 @@ def test_a_failing_spawned_rank_reports_every_ranks_output() -> None:
     assert "----- rank1 -----\nrank 1 was here" in message and "ValueError: rank 1 fails on purpose" in message
 
 
-def _ranks_hang(rank: int, world: int) -> None:
+def _ranks_hang(rank: int, world: int, folder: str) -> None:
     import threading
 
     import torch.distributed as dist
     print(f"rank {rank} was here", flush=True)
+    Path(folder, f"hangs{rank}").touch()  # the last thing before the blocking call: the test's clock waits for it
     if rank == 0:
         dist.barrier()  # waits for rank 1, which never comes: gloo's own timeout is 30 minutes
     else:
         threading.Event().wait()
 
 
-def test_hung_ranks_are_dumped_and_killed_before_pytest_timeout(monkeypatch) -> None:
+class _ClockPastTheDeadlineOnceHung:
+    """``dist_launcher``'s clock: the real one until every rank is in its blocking call, then ``DEADLINE_S`` later.
+
+    A real deadline had to cover the spawned ranks' start (torch's import, gloo's rendezvous: seconds, many more on a
+    loaded host) and so made the test wait 40 s. This clock makes the deadline's path run once the ranks do hang,
+    however long their start took. "In its blocking call": a rank's file (written just before the call) was seen at a
+    read of this clock at least a second earlier; the launcher reads it around each of its polls (``join`` for up to
+    5 s), so in practice a whole poll passes between the files and the dump."""
+
+    def __init__(self, folder: Path, world: int, jump: float) -> None:
+        self._files = [folder / f"hangs{r}" for r in range(world)]
+        self._jump = jump
+        self._seen: float | None = None
+
+    def monotonic(self) -> float:
+        import time
+
+        now = time.monotonic()
+        if self._seen is None and all(f.exists() for f in self._files):
+            self._seen = now
+        return now + self._jump if self._seen is not None and now - self._seen >= 1.0 else now
+
+
+def test_hung_ranks_are_dumped_and_killed_before_pytest_timeout(monkeypatch, tmp_path) -> None:
     """A hung rank was cut by pytest-timeout in the parent, whose report showed the parent's frame only: the
     launcher's deadline asks every rank for its threads, kills them and raises with the stacks."""
     import pytest
 
     from tests import dist_launcher
 
-    monkeypatch.setattr(dist_launcher, "DEADLINE_S", 40.0)  # the spawned imports take seconds on a loaded host
+    monkeypatch.setattr(dist_launcher, "DEADLINE_S", 40.0)
+    monkeypatch.setattr(dist_launcher, "time", _ClockPastTheDeadlineOnceHung(tmp_path, 2, 40.0))
     with pytest.raises(dist_launcher.RanksFailed) as info:
-        dist_launcher.run_ranks(_ranks_hang, 2)
+        dist_launcher.run_ranks(_ranks_hang, 2, str(tmp_path))
     message = str(info.value)
     assert "ranks still running after 40 s" in message
     rank0, rank1 = message.split("----- rank0 -----")[1].split("----- rank1 -----")
     assert "rank 0 was here" in rank0 and "in _ranks_hang" in rank0 and "in barrier" in rank0
     assert "rank 1 was here" in rank1 and "in _ranks_hang" in rank1 and "in wait" in rank1
-
 
 
 def _rank_leaves_work_for_its_exit(rank: int, world: int, folder: str) -> None:
@@ -120,10 +144,12 @@ import os, signal, subprocess, sys
 folder = sys.argv[1]
 if len(sys.argv) > 2:  # the other rank: started by rank 0, as Lightning's launcher does, then stuck
     open(os.path.join(folder, "child.pid"), "w").write(str(os.getpid()))
+    os.write(int(sys.argv[2]), b"up")
     signal.pause()
-child = subprocess.Popen([sys.executable, __file__, folder, "child"])
-while not os.path.exists(os.path.join(folder, "child.pid")):
-    pass
+up, tell = os.pipe()
+child = subprocess.Popen([sys.executable, __file__, folder, str(tell)], pass_fds=(tell,))
+os.close(tell)
+os.read(up, 2)  # the other rank is up (or gone: end of file)
 print("both ranks up", file=sys.stderr, flush=True)
 signal.pause()  # rank 0 stuck as well: the phase times out
 """
@@ -133,7 +159,8 @@ def test_a_timed_out_phase_takes_every_rank_with_it(tmp_path) -> None:
     """A phase cut short killed rank 0 only; the rank it started (Lightning's launcher's way) ran on as an orphan."""
     script = tmp_path / "hang.py"
     script.write_text(HANGING)
-    code, err, _ = run_phase([sys.executable, str(script), str(tmp_path)], dict(os.environ), tmp_path / "logs", 20)
+    # 5 s: two bare interpreters' start (a few tenths of a second on a loaded host), then the phase hangs
+    code, err, _ = run_phase([sys.executable, str(script), str(tmp_path)], dict(os.environ), tmp_path / "logs", 5)
     assert code == -1 and "both ranks up" in err, err
     pid = int((tmp_path / "child.pid").read_text())
     # SIGKILLed, rank 1 closes its files (the pipes run_phase read to their end) before it becomes a zombie: on a
