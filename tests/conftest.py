@@ -56,7 +56,7 @@ class ProxiedS3:
     @property
     def storage_options(self) -> dict:
         return s3_storage_options(self.proxy.endpoint_url, connect_timeout=2, read_timeout=5,
-                                  retries={"max_attempts": 1, "mode": "standard"})
+                                  retries={"total_max_attempts": 1, "mode": "standard"})
 
     def fresh_url(self, prefix: str = "t") -> str:
         return self.server.fresh_url(prefix)

@@ -68,3 +68,25 @@ def test_multipart_upload_cut_is_aborted_and_reported(s3_fault_proxy) -> None:
         s3_fault_proxy.proxy.pass_through()
         assert ckpt.latest() == 1
         assert_bit_equal(_state(1.0), ckpt.load())
+
+
+
+@pytest.mark.parametrize("retries", [0, 1])
+def test_a_refused_request_is_sent_once_per_attempt_of_network_retries(s3_fault_proxy, retries) -> None:
+    """botocore's and s3fs's own retries are left to ``network.retries``: each of fastckpt's attempts is one request
+    sent by botocore. ``{"max_attempts": 1}`` (botocore's count of *retries*) made each attempt two, the second after
+    botocore's own jittered backoff of up to a second, in no log of fastckpt's."""
+    from fastckpt.config import NetworkOptions
+    from fastckpt.storage.fsspec import FsspecStorage
+    from tests.s3server import s3_storage_options
+
+    url = s3_fault_proxy.fresh_url("refused")
+    storage = FsspecStorage(url, s3_storage_options(s3_fault_proxy.endpoint_url),  # fastckpt's botocore defaults
+                            network=NetworkOptions(timeout_s=10, retries=retries, backoff_s=0))
+    storage.fs.connect()  # s3fs's botocore client, to count what it sends
+    sent: list[str] = []
+    storage.fs.s3.meta.events.register("before-send.s3", lambda request, **_: sent.append(request.method))
+    s3_fault_proxy.proxy.refuse()
+    with pytest.raises(StorageError, match=url.removeprefix("s3://")):
+        storage.read_bytes(f"{url}/manifest.json")
+    assert sent == ["HEAD"] * (retries + 1)  # s3fs's cat_file asks for the size first: the request that fails

@@ -323,7 +323,9 @@ def _with_socket_timeouts(protocol: str, options: dict[str, Any], deadline: Dead
     kwargs = dict(options.get("config_kwargs") or {})
     kwargs.setdefault("connect_timeout", min(10.0, deadline.timeout_s))
     kwargs.setdefault("read_timeout", deadline.timeout_s)
-    kwargs.setdefault("retries", {"max_attempts": 1, "mode": "standard"})  # botocore: a single try
+    # botocore: a single try. Its "max_attempts" counts the retries (1 would be a second try, after its own
+    # jittered backoff of up to a second, logged nowhere of ours); "total_max_attempts" counts every try.
+    kwargs.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})
     options["config_kwargs"] = kwargs
     return options
 
