@@ -22,7 +22,10 @@ from tests.helpers import GatedStorage, StillBlocked, assert_bit_equal, bounded
 from tests.s3server import s3_storage_options
 
 _PATIENT_BOTOCORE = {"connect_timeout": 3600, "read_timeout": 3600}  # alone, it would wait an hour
-_FAST = {"timeout_s": 3, "retries": 1, "backoff_s": 0.1}  # roomy for a loaded machine
+# A stalled save sits through each of its requests' deadline twice (one retry), for three requests in turn (the
+# previous manifest read for dedup, the PUT, the partial files' removal): 1.5 s keeps that under 10 s, and still
+# leaves a healthy loopback request (milliseconds; a 4 MiB PUT under a tenth of a second) room on a loaded host.
+_FAST = {"timeout_s": 1.5, "retries": 1, "backoff_s": 0.1}
 
 
 def _state(v: float) -> dict:
