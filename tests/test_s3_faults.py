@@ -8,6 +8,12 @@ from fastckpt import CheckpointConfig, Checkpointer, StorageError
 from tests.helpers import assert_bit_equal
 
 
+# After a cut (or with refuse()) the proxy refuses every connection: each request a failed save sends (the parts,
+# the abort, the marker's and partial files' removal) fails its attempts at once, and only the backoff between them
+# (1 s, then 2 s by default) is waited. Still retried as often, just not slept through.
+_QUICK_RETRIES = {"backoff_s": 0.05}
+
+
 def _state(v: float) -> dict:
     return {"w": torch.full((1024, 1024), v), "step": int(v)}  # 4 MiB
 
@@ -15,7 +21,7 @@ def _state(v: float) -> dict:
 def test_unreachable_bucket_names_the_url(s3_fault_proxy) -> None:
     url = s3_fault_proxy.fresh_url("unreachable")
     s3_fault_proxy.proxy.refuse()
-    cfg = CheckpointConfig(root=url, storage_options=s3_fault_proxy.storage_options)
+    cfg = CheckpointConfig(root=url, storage_options=s3_fault_proxy.storage_options, network=_QUICK_RETRIES)
     with pytest.raises(StorageError) as ei:
         with Checkpointer(cfg) as ckpt:
             ckpt.save(_state(1.0), step=1).wait()
@@ -25,7 +31,7 @@ def test_unreachable_bucket_names_the_url(s3_fault_proxy) -> None:
 def test_upload_cut_mid_file_keeps_previous_checkpoint(s3_fault_proxy) -> None:
     url = s3_fault_proxy.fresh_url("cut")
     cfg = CheckpointConfig(root=url, storage_options=s3_fault_proxy.storage_options,
-                           persist={"chunk_bytes": 2 << 20, "workers": 1})
+                           persist={"chunk_bytes": 2 << 20, "workers": 1}, network=_QUICK_RETRIES)
     with Checkpointer(cfg) as ckpt:
         ckpt.save(_state(1.0), step=1).wait()
         s3_fault_proxy.proxy.cut_upload_after(1 << 20)  # the connection dies 1 MiB into the next upload
@@ -58,7 +64,7 @@ def test_large_file_goes_up_as_concurrent_multipart(s3_server) -> None:
 
 def test_multipart_upload_cut_is_aborted_and_reported(s3_fault_proxy) -> None:
     url = s3_fault_proxy.fresh_url("mpcut")
-    cfg = CheckpointConfig(root=url, storage_options=s3_fault_proxy.storage_options)
+    cfg = CheckpointConfig(root=url, storage_options=s3_fault_proxy.storage_options, network=_QUICK_RETRIES)
     big = {"big": torch.randn(12 << 20)}
     with Checkpointer(cfg) as ckpt:
         ckpt.save(_state(1.0), step=1).wait()
