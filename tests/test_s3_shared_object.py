@@ -145,25 +145,32 @@ def test_a_file_smaller_than_a_part_goes_up_as_one_part_from_one_rank(tmp_path, 
 
 
 def _killed_entry(rank: int, world: int, folder: str, victims: tuple[int, ...], url: str, options: dict) -> None:
-    """One rank of a save in which ``victims`` SIGKILL themselves once their first part is up (not through
-    ``run_ranks``, which kills every rank as soon as one dies: here the survivors must abort the upload)."""
+    """One rank of a job that first saves ``NAME`` whole (the previous object, its bytes kept in ``previous``),
+    then saves it again with a fresh ``Checkpointer``, in which ``victims`` SIGKILL themselves once their first part
+    is up (not through ``run_ranks``, which kills every rank as soon as one dies: here the survivors must abort the
+    upload). The previous object comes from the same launch: a launch of its own cost every rank its imports."""
     log = open(os.path.join(folder, f"rank{rank}.log"), "a", buffering=1)
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
     dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"file://{folder}/store")
-    if rank in victims:
-        from fastckpt.storage.s3parts import S3Parts
-
-        upload = S3Parts.upload
-
-        def first_part_then_die(self, path, upload_id, parts):
-            out = upload(self, path, upload_id, parts[:1])  # one part of this rank is in the upload...
-            Path(folder, f"part-up-{rank}").write_text(repr(out))
-            os.kill(os.getpid(), signal.SIGKILL)  # ...and the rank dies before the rest
-
-        S3Parts.upload = first_part_then_die
     model, opt = _replica(rank)
     try:
+        with Checkpointer(_config(url, options), distributed=True) as ckpt:  # the previous object, committed
+            ckpt.save_file(_state(model, opt, rank, 7), NAME, step=7).wait()
+        if rank == 0:
+            Path(folder, "previous").write_bytes(_object(options, url))
+        dist.barrier()  # the previous object is read before any rank starts the next save
+        if rank in victims:
+            from fastckpt.storage.s3parts import S3Parts
+
+            upload = S3Parts.upload
+
+            def first_part_then_die(self, path, upload_id, parts):
+                out = upload(self, path, upload_id, parts[:1])  # one part of this rank is in the upload...
+                Path(folder, f"part-up-{rank}").write_text(repr(out))
+                os.kill(os.getpid(), signal.SIGKILL)  # ...and the rank dies before the rest
+
+            S3Parts.upload = first_part_then_die
         with Checkpointer(_config(url, options), distributed=True) as ckpt:
             ckpt.watch(opt)
             with pytest.raises(StorageError) as raised:
@@ -193,6 +200,7 @@ def _run_killed(tmp_path: Path, victims: tuple[int, ...], url: str, options: dic
     assert codes == [-signal.SIGKILL if r in victims else 0 for r in range(world)], f"{codes}{report}"
     for r in victims:
         assert (folder / f"part-up-{r}").exists(), f"rank {r} died before its first part was up{report}"
+    assert torch.load(io.BytesIO((folder / "previous").read_bytes()), weights_only=True)["global_step"] == 7
     return folder
 
 
@@ -204,9 +212,8 @@ def _object(options: dict, url: str) -> bytes:
 
 def test_a_rank_killed_mid_upload_aborts_it_and_leaves_the_previous_object(tmp_path, s3_root):
     url, options = s3_root.url, s3_root.storage_options
-    run_ranks(_share, 2, url, options, str(tmp_path))
-    before = _object(options, url)
     folder = _run_killed(tmp_path, (1,), url, options)
+    before = (folder / "previous").read_bytes()
     error = (folder / "error-0").read_text()
     assert "failed" in error and NAME in error, error
     assert _object(options, url) == before, "the previous object is intact"
@@ -216,9 +223,7 @@ def test_a_rank_killed_mid_upload_aborts_it_and_leaves_the_previous_object(tmp_p
 
 def test_an_upload_whose_ranks_all_died_is_swept_at_the_next_start(tmp_path, s3_root):
     url, options = s3_root.url, s3_root.storage_options
-    run_ranks(_share, 2, url, options, str(tmp_path))
-    before = _object(options, url)
-    _run_killed(tmp_path, (0, 1), url, options)
+    before = (_run_killed(tmp_path, (0, 1), url, options) / "previous").read_bytes()
     assert _object(options, url) == before, "the previous object is intact"
     left = _uploads(options, url)
     assert len(left) == 1 and left[0]["Key"].endswith(NAME), f"the killed save's upload is left: {left}"
