@@ -10,7 +10,7 @@ from typing import NamedTuple
 import pytest
 
 from tests.faultproxy import FaultProxy
-from tests.s3server import S3Server, s3_storage_options, start_s3_server
+from tests.s3server import S3Server, fail_fast_storage_options, start_s3_server
 
 _S3_FIXTURES = {"s3_server", "s3_root", "s3_fault_proxy"}
 # The session's server once started, so a failed S3 test's report can quote the server's side of the story.
@@ -55,8 +55,7 @@ class ProxiedS3:
 
     @property
     def storage_options(self) -> dict:
-        return s3_storage_options(self.proxy.endpoint_url, connect_timeout=2, read_timeout=5,
-                                  retries={"total_max_attempts": 1, "mode": "standard"})
+        return fail_fast_storage_options(self.proxy.endpoint_url)
 
     def fresh_url(self, prefix: str = "t") -> str:
         return self.server.fresh_url(prefix)

@@ -69,6 +69,13 @@ def s3_storage_options(endpoint_url: str, **config_kwargs) -> dict:
     return options
 
 
+def fail_fast_storage_options(endpoint_url: str) -> dict:
+    """`s3_storage_options` for a fault proxy's endpoint: no botocore retries, short timeouts, so that a fault shows
+    up in seconds, not minutes (botocore's "max_attempts" counts retries: "total_max_attempts" counts every try)."""
+    return s3_storage_options(endpoint_url, connect_timeout=2, read_timeout=5,
+                              retries={"total_max_attempts": 1, "mode": "standard"})
+
+
 @dataclass
 class S3Server:
     """A running `weed mini`: where it listens, how to reach it, and its log."""

@@ -3,6 +3,7 @@
 test SeaweedFS. The ranks see no common local disk (each its own tmp folder: simulated nodes), only the bucket."""
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -12,6 +13,7 @@ import sys
 import tempfile
 import traceback
 from pathlib import Path
+from typing import NamedTuple
 
 import fsspec
 import pytest
@@ -101,7 +103,6 @@ def _plain_load(data: bytes, tmp: Path) -> None:
     assert done.returncode == 0 and done.stdout.strip() == "7", done.stderr[-3000:]
 
 
-
 # 4 ranks only: a 2-rank case (until issue 55) ran the same code with two uploaders instead of four (no middle one).
 @pytest.mark.parametrize("world", [4])
 def test_every_rank_uploads_its_parts_of_one_object(tmp_path, s3_root, world):
@@ -129,16 +130,6 @@ def test_every_rank_uploads_its_parts_of_one_object(tmp_path, s3_root, world):
     from fastckpt.format.health import file_health  # ...tied to the object's bytes: believed as its own
     from fastckpt.storage.protocol import open_storage
     assert file_health(open_storage(s3_root.url, s3_root.storage_options), f"{s3_root.url}/{NAME}")["healthy"]
-
-
-def test_a_file_smaller_than_a_part_goes_up_as_one_part_from_one_rank(tmp_path, s3_root):
-    # 3 MB: one part (S3's smallest but the last is 5 MiB); the other rank's records reach its owner over gloo.
-    run_ranks(_share, 2, s3_root.url, s3_root.storage_options, str(tmp_path), 0)
-    data = _object(s3_root.storage_options, s3_root.url)
-    written = torch.load(tmp_path / "rank0.pt", weights_only=False)["written"]
-    assert sorted(written) == [0, len(data)] and len(data) < MIN_PART, written
-    assert_same_torch_file(data, (tmp_path / "stock.ckpt").read_bytes())
-    assert _uploads(s3_root.storage_options, s3_root.url) == []
 
 
 # ---- a rank killed mid-upload ------------------------------------------------------------------------------------
@@ -234,23 +225,6 @@ def test_an_upload_whose_ranks_all_died_is_swept_at_the_next_start(tmp_path, s3_
     assert torch.load(io.BytesIO(_object(options, url)), weights_only=True)["global_step"] == 7
 
 
-def test_a_part_damaged_in_flight_is_sent_again(tmp_path, s3_fault_proxy, capsys):
-    from tests.test_s3_checksums import FlipOnce
-
-    url = s3_fault_proxy.fresh_url("sharedflip")
-    flip = FlipOnce(8 << 20)  # 8 MiB into the upload stream of both ranks: inside a part's body
-    s3_fault_proxy.proxy.rewrite = flip
-    try:
-        run_ranks(_share, 2, url, s3_fault_proxy.storage_options, str(tmp_path))
-    finally:
-        s3_fault_proxy.proxy.rewrite = None
-    assert flip.flipped.is_set()
-    assert "were sent again (damaged in flight)" in capsys.readouterr().out, "the store rejected the part"
-    data = _object(s3_fault_proxy.server.storage_options, url)
-    assert_same_torch_file(data, (tmp_path / "stock.ckpt").read_bytes())  # the damaged bytes never made it in
-    assert _uploads(s3_fault_proxy.server.storage_options, url) == []
-
-
 def test_the_sweep_aborts_only_uploads_a_marker_proves_fastckpts(s3_root):
     """``fastckpt gc`` and the Lightning plugin's first use of a folder (``collect_temp_files``) abort the uploads of
     dead shared saves: exactly those a marker of another process names, for an object of this folder or of one
@@ -314,11 +288,72 @@ def _rank0_commit_raises(rank: int, world: int, url: str, options: dict, out: st
             Path(out, f"rank{rank}.txt").write_text("committed")
 
 
-def test_rank_0_failing_its_commit_fails_every_rank_without_a_hang(tmp_path, s3_root) -> None:
+# ---- three 2-rank saves in one launch ----------------------------------------------------------------------------
+
+
+def _three_saves(rank: int, world: int, options: dict, proxied: dict, urls: dict[str, str], out: str) -> None:
+    """The three 2-rank cases below, one after the other in the same two processes, each a fresh ``Checkpointer`` on
+    a folder of its own: a launch costs every rank its imports (torch, torch._dynamo at the optimizer's first use,
+    botocore's endpoint data), seconds of CPU each."""
+    _share(rank, world, urls["small"], options, f"{out}/small", 0)
+    _share(rank, world, urls["flipped"], proxied, f"{out}/flipped")  # through the proxy that damages a part
+    _rank0_commit_raises(rank, world, urls["broken"], options, f"{out}/broken")  # last: rank 0's commit stays broken
+
+
+class ThreeSaves(NamedTuple):
+    urls: dict[str, str]
+    out: Path  # each case's files in its own folder
+    options: dict  # straight to the server
+    flipped: bool  # the proxy damaged the flipped case's upload stream
+    printed: str  # every rank's output
+
+
+@pytest.fixture(scope="module")
+def three_saves(s3_server, tmp_path_factory) -> ThreeSaves:
+    from tests.faultproxy import FaultProxy
+    from tests.s3server import fail_fast_storage_options
+    from tests.test_s3_checksums import FlipOnce
+
+    out = tmp_path_factory.mktemp("three-saves")
+    urls = {case: s3_server.fresh_url(case) for case in ("small", "flipped", "broken")}
+    for case in urls:
+        (out / case).mkdir()
+    with FaultProxy(("127.0.0.1", s3_server.port), name="s3-faultproxy") as proxy:
+        flip = FlipOnce(8 << 20)  # 8 MiB into the upload stream of both ranks: inside a part's body
+        proxy.rewrite = flip  # only the flipped case goes through the proxy
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):  # run_ranks echoes every rank's output on success
+            run_ranks(_three_saves, 2, s3_server.storage_options, fail_fast_storage_options(proxy.endpoint_url), urls,
+                      str(out))
+    print(printed.getvalue())
+    return ThreeSaves(urls, out, s3_server.storage_options, flip.flipped.is_set(), printed.getvalue())
+
+
+def test_a_file_smaller_than_a_part_goes_up_as_one_part_from_one_rank(three_saves):
+    # 3 MB: one part (S3's smallest but the last is 5 MiB); the other rank's records reach its owner over gloo.
+    url, tmp, options = three_saves.urls["small"], three_saves.out / "small", three_saves.options
+    data = _object(options, url)
+    written = torch.load(tmp / "rank0.pt", weights_only=False)["written"]
+    assert sorted(written) == [0, len(data)] and len(data) < MIN_PART, written
+    assert_same_torch_file(data, (tmp / "stock.ckpt").read_bytes())
+    assert _uploads(options, url) == []
+
+
+def test_a_part_damaged_in_flight_is_sent_again(three_saves):
+    url, tmp, options = three_saves.urls["flipped"], three_saves.out / "flipped", three_saves.options
+    assert three_saves.flipped
+    resent = [line for line in three_saves.printed.splitlines() if "were sent again (damaged in flight)" in line]
+    assert any(url.removeprefix("s3://") in line for line in resent), "the store rejected the part"
+    data = _object(options, url)
+    assert_same_torch_file(data, (tmp / "stock.ckpt").read_bytes())  # the damaged bytes never made it in
+    assert _uploads(options, url) == []
+
+
+def test_rank_0_failing_its_commit_fails_every_rank_without_a_hang(three_saves) -> None:
     """A rank-0-only step of the protocol raising (a format's digest, a plan) is shared as the verdict at the next
     collective: every rank raises the same StorageError naming it, no upload is left open, no object appears."""
-    run_ranks(_rank0_commit_raises, 2, s3_root.url, s3_root.storage_options, str(tmp_path))
-    verdicts = [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)]
+    url, tmp, options = three_saves.urls["broken"], three_saves.out / "broken", three_saves.options
+    verdicts = [(tmp / f"rank{r}.txt").read_text() for r in range(2)]
     assert all("rank 0 commit" in v and "injected" in v for v in verdicts), verdicts
-    assert not _fs(s3_root.storage_options).exists(f"{s3_root.url}/{NAME}".removeprefix("s3://"))
-    assert _uploads(s3_root.storage_options, s3_root.url) == []
+    assert not _fs(options).exists(f"{url}/{NAME}".removeprefix("s3://"))
+    assert _uploads(options, url) == []
