@@ -270,7 +270,9 @@ class TorchCheckpointing(Peer):
         from torch_checkpointing import CheckpointManager
 
         into = {"state": {k: torch.zeros_like(v, device="cpu") for k, v in flat_state(self.model, self.opt).items()}}
-        reader = CheckpointManager()  # a fresh one, as after a restart
+        # a fresh one, as after a restart; it only loads, so with the synchronous saver: the default (asynchronous)
+        # one spawns its writer process at construction, 3 s of a dry run's CPU for each load that never writes
+        reader = CheckpointManager(CheckpointManager.Config.with_sync_save())
         try:
             return reader.load(str(self.root / str(step)), into=into)["state"]
         finally:

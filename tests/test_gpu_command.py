@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import importlib.metadata
 import json
+import os
 import re
 import subprocess
 import sys
@@ -113,10 +114,12 @@ def test_the_machine_list_is_the_one_read_from_kinds_md() -> None:
 
 def test_dry_run_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "out"
+    # One OpenMP thread a process, as the other tests' subprocesses: with two, each tiny step's threads spun waiting
+    # for a CPU that the other test worker held, and the CPU fallback's steps took 10x longer (gpu_bench 40 -> 20 s CPU).
     proc = subprocess.run(
         ["bash", str(REPO / "benchmarks" / "gpu.sh"), "--dry-run", "--tests", "tests/test_cuda.py",
          str(tmp_path / "no-wheels"), str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=400,
+        cwd=REPO, capture_output=True, text=True, timeout=400, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     files = {p.name for p in out.iterdir()}
