@@ -6,11 +6,12 @@ background takes from it is stall. This stands a CPU thread in for it: the train
 16-value adds, microseconds each, as kernel launches are) on CPU 0, one intra-op thread, and counts how many it
 runs. A checkpoint is saved (W1: the GPT-2-small shape + AdamW, 1.48 GB of float32 state, 580 tensors) and the
 training thread goes on launching until the window's end (a window lasts ``--window`` seconds, or 1.5 times the
-peer's first checkpoint to durable plus a second where that is longer) (on a GPU its optimizer step waits for the copies on the
-device, not on the host; ``--step-ms N`` makes it wait on the host where the peer says it must, after N ms of
-launches, which on this CPU adds the copy's own time); the launches it lost against the clean windows on
-either side, divided by the clean rate, are the **time lost** by that checkpoint. The window is long enough for the
-checkpoint to be durable in it; what the training thread still waits at the window's end for it counts as lost.
+peer's first checkpoint to durable plus a second, a tenth of one with ``--quick``, where that is longer) (on a GPU
+its optimizer step waits for the copies on the device, not on the host; ``--step-ms N`` makes it wait on the host
+where the peer says it must, after N ms of launches, which on this CPU adds the copy's own time); the launches it
+lost against the clean windows on either side, divided by the clean rate, are the **time lost** by that checkpoint.
+The window is long enough for the checkpoint to be durable in it; what the training thread still waits at the
+window's end for it counts as lost.
 The training thread is pinned to its CPU only while it launches: a peer's threads, made inside its constructor or
 ``save()`` by the training thread, must not inherit that one CPU (they did before 2026-12-07, and every peer's
 background then shared the training thread's core: fastckpt's ran there with a 480 ms wait for the CPU a
@@ -230,8 +231,9 @@ def measure(name: str, n_ckpt: int, n_cpu: int, window: float, step_ms: float, q
         peer.flush()
         first_s = time.perf_counter() - t
         # each window holds a whole checkpoint to durable with room to spare: what the training thread then still
-        # waits at the window's end is not a peer's background running long
-        window = max(window, 1.5 * first_s + 1.0)
+        # waits at the window's end is not a peer's background running long (--quick: the tiny model's checkpoint is
+        # durable in milliseconds, and a spare second held a smoke run's --window 0.2 at 1.1 s, three times a peer)
+        window = max(window, 1.5 * first_s + (0.1 if quick else 1.0))
         clean: list[float] = []
         clean_stall: list[float] = []  # stalled seconds per second of each clean window
         medians: list[float] = []
