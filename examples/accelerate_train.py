@@ -25,10 +25,34 @@ weights, optimizer, scheduler, RNG, dataloader position and `project_configurati
 from __future__ import annotations
 
 import argparse
+import sys
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--project-dir", required=True, help="Accelerate project dir (default checkpoint root)")
+    parser.add_argument("--config", help="fastckpt YAML file (root, storage_options, staging, ...)")
+    parser.add_argument("--root", help="checkpoint root, e.g. s3://bucket/run; overrides the config's root")
+    parser.add_argument("--storage-options", default="{}", help="JSON fsspec options for --root")
+    parser.add_argument("--steps", type=int, default=40, help="optimizer steps in the whole run")
+    parser.add_argument("--save-every", type=int, default=5, help="save_state() every N optimizer steps")
+    parser.add_argument("--total-limit", type=int, default=3, help="checkpoints to keep (ProjectConfiguration)")
+    parser.add_argument("--accumulate", type=int, default=2, help="gradient accumulation steps")
+    parser.add_argument("--stop-after", type=int, help="leave after this optimizer step (simulated interruption)")
+    parser.add_argument("--resume", action="store_true", help="load_state() the newest checkpoint first")
+    parser.add_argument("--hidden", type=int, default=64, help="width of the hidden layer of the small model")
+    parser.add_argument("--dump", help="write the final state to FILE.rank{i}.pt")
+    parser.add_argument("--shared-writes", choices=["auto", "on", "off"], default="auto",
+                        help="with several processes, each writes its share of a checkpoint (auto: when it can)")
+    return parser.parse_args()
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and a wrong argument are answered here, before torch's and Accelerate's imports (seconds)
+
 import json
 import math
 import random
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -55,25 +79,6 @@ class Progress:
 
     def load_state_dict(self, state: dict) -> None:
         self.micro_step, self.step, self.losses = state["micro_step"], state["step"], list(state["losses"])
-
-
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--project-dir", required=True, help="Accelerate project dir (default checkpoint root)")
-    parser.add_argument("--config", help="fastckpt YAML file (root, storage_options, staging, ...)")
-    parser.add_argument("--root", help="checkpoint root, e.g. s3://bucket/run; overrides the config's root")
-    parser.add_argument("--storage-options", default="{}", help="JSON fsspec options for --root")
-    parser.add_argument("--steps", type=int, default=40, help="optimizer steps in the whole run")
-    parser.add_argument("--save-every", type=int, default=5, help="save_state() every N optimizer steps")
-    parser.add_argument("--total-limit", type=int, default=3, help="checkpoints to keep (ProjectConfiguration)")
-    parser.add_argument("--accumulate", type=int, default=2, help="gradient accumulation steps")
-    parser.add_argument("--stop-after", type=int, help="leave after this optimizer step (simulated interruption)")
-    parser.add_argument("--resume", action="store_true", help="load_state() the newest checkpoint first")
-    parser.add_argument("--hidden", type=int, default=64, help="width of the hidden layer of the small model")
-    parser.add_argument("--dump", help="write the final state to FILE.rank{i}.pt")
-    parser.add_argument("--shared-writes", choices=["auto", "on", "off"], default="auto",
-                        help="with several processes, each writes its share of a checkpoint (auto: when it can)")
-    return parser.parse_args()
 
 
 def make_data(n: int = 512, features: int = 16) -> TensorDataset:

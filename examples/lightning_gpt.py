@@ -39,11 +39,55 @@ timeline-from-step-N.png, so the first run's picture stays; needs matplotlib: pi
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+
+DEFAULT_WINDOWS = 22  # a warm-up, 5 checkpointed windows per plugin between clean ones, a clean one to close
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    """The demo's command line (``cli ...`` is LightningCLI's own), ``--steps`` resolved. It needs nothing from
+    Lightning, torch or fastckpt, which the file imports only below it."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--root", default="checkpoints/lightning_gpt", help="checkpoint folder: a path or s3://...")
+    parser.add_argument("--storage-options", default="{}", help="fsspec options as JSON (endpoint, credentials)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from last.ckpt in --root for --steps more (the model's size from there)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help=f"steps to train (with --resume: steps to add); default: {DEFAULT_WINDOWS} windows of "
+                             "--every steps, five checkpoints per plugin")
+    parser.add_argument("--every", type=int, default=3,
+                        help="window length in steps: each checkpointed window holds one checkpoint")
+    parser.add_argument("--width", type=int, default=512,
+                        help="the model's width (attention heads of 64): 512 with 8 --layers is 25M parameters, "
+                             "a checkpoint of about 300 MB")
+    parser.add_argument("--layers", type=int, default=8, help="the model's transformer blocks")
+    parser.add_argument("--batch-size", type=int, default=2, help="sequences of 64 tokens per step")
+    parser.add_argument("--threads", type=int, default=max(1, len(os.sched_getaffinity(0)) - 1),
+                        help="training's CPU threads (torch.set_num_threads); default: all CPUs but one, which is left "
+                             "to the checkpoint threads of both plugins")
+    parser.add_argument("--config", default=None, help="a fastckpt YAML file (staging, persist...)")
+    parser.add_argument("--compare", action=argparse.BooleanOptionalAction, default=True,
+                        help="also measure Lightning's AsyncCheckpointIO, in windows interleaved with fastckpt's "
+                             "in the same run (not with --resume)")
+    parser.add_argument("--plot", default=None,
+                        help="timeline PNG (default: timeline.png in a local --root; after --resume from step N, "
+                             "timeline-from-step-N.png there)")
+    args = parser.parse_args(argv)
+    if args.steps is None:
+        args.steps = DEFAULT_WINDOWS * args.every
+    if min(args.every, args.steps, args.width, args.layers, args.batch_size, args.threads) < 1:
+        parser.error("--steps, --every, --width, --layers, --batch-size and --threads must be at least 1")
+    return args
+
+
+if __name__ == "__main__" and sys.argv[1:2] != ["cli"]:
+    # --help and a wrong argument are answered here, at once, not after the seconds of importing Lightning below
+    parse(sys.argv[1:])
+
 import json
 import math
-import os
 import statistics
-import sys
 import tempfile
 import time
 from typing import NamedTuple
@@ -538,43 +582,12 @@ class ResumableCLI(LightningCLI):
         print_stats(plugin)
 
 
-DEFAULT_WINDOWS = 22  # a warm-up, 5 checkpointed windows per plugin between clean ones, a clean one to close
-
-
 def main(argv: list[str]) -> None:
     if argv[:1] == ["cli"]:
         ResumableCLI(TinyGPT, SequenceDataModule, args=argv[1:], save_config_kwargs={"overwrite": True})
         return
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--root", default="checkpoints/lightning_gpt", help="checkpoint folder: a path or s3://...")
-    parser.add_argument("--storage-options", default="{}", help="fsspec options as JSON (endpoint, credentials)")
-    parser.add_argument("--resume", action="store_true",
-                        help="continue from last.ckpt in --root for --steps more (the model's size from there)")
-    parser.add_argument("--steps", type=int, default=None,
-                        help=f"steps to train (with --resume: steps to add); default: {DEFAULT_WINDOWS} windows of "
-                             "--every steps, five checkpoints per plugin")
-    parser.add_argument("--every", type=int, default=3,
-                        help="window length in steps: each checkpointed window holds one checkpoint")
-    parser.add_argument("--width", type=int, default=512,
-                        help="the model's width (attention heads of 64): 512 with 8 --layers is 25M parameters, "
-                             "a checkpoint of about 300 MB")
-    parser.add_argument("--layers", type=int, default=8, help="the model's transformer blocks")
-    parser.add_argument("--batch-size", type=int, default=2, help="sequences of 64 tokens per step")
-    parser.add_argument("--threads", type=int, default=max(1, len(os.sched_getaffinity(0)) - 1),
-                        help="training's CPU threads (torch.set_num_threads); default: all CPUs but one, which is left "
-                             "to the checkpoint threads of both plugins")
-    parser.add_argument("--config", default=None, help="a fastckpt YAML file (staging, persist...)")
-    parser.add_argument("--compare", action=argparse.BooleanOptionalAction, default=True,
-                        help="also measure Lightning's AsyncCheckpointIO, in windows interleaved with fastckpt's "
-                             "in the same run (not with --resume)")
-    parser.add_argument("--plot", default=None,
-                        help="timeline PNG (default: timeline.png in a local --root; after --resume from step N, "
-                             "timeline-from-step-N.png there)")
-    args = parser.parse_args(argv)
-
-    steps = DEFAULT_WINDOWS * args.every if args.steps is None else args.steps
-    if min(args.every, steps, args.width, args.layers, args.batch_size, args.threads) < 1:
-        parser.error("--steps, --every, --width, --layers, --batch-size and --threads must be at least 1")
+    args = parse(argv)
+    steps = args.steps
     torch.set_num_threads(args.threads)
     options = json.loads(args.storage_options)
     local = "://" not in args.root

@@ -9,16 +9,9 @@
 from __future__ import annotations
 
 import argparse
-import json
-import time
-
-import torch
-from torch import nn
-
-from fastckpt import CheckpointConfig, Checkpointer
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--root", default="checkpoints/plain",
@@ -30,8 +23,23 @@ def main() -> None:
                         help="save a checkpoint every N steps (and at the last step); the newest 3 are kept")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the newest committed checkpoint under --root (up to --steps)")
-    args = parser.parse_args()
+    return parser.parse_args()
 
+
+if __name__ == "__main__":
+    parse_args()  # --help and a wrong argument are answered here, before torch's import below (seconds)
+
+import json
+import time
+
+import torch
+from torch import nn
+
+from fastckpt import CheckpointConfig, Checkpointer
+
+
+def main() -> None:
+    args = parse_args()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 1024), nn.BatchNorm1d(1024), nn.GELU(), nn.Linear(1024, 256))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
