@@ -128,6 +128,7 @@ class Runner:
         self.logs = workdir / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.count = 0
+        self.frozen_before = gc.get_freeze_count()
 
     def __call__(self, label: str, task: str, args: dict[str, Any]) -> dict[str, Any]:
         self.count += 1
@@ -155,6 +156,12 @@ class Runner:
             log(f"#{self.count} {label}: FAILED in {dt:.0f}s: {res['error']}")
         return res
 
+    def close(self) -> None:
+        """In process: the objects frozen before each task go back to the collector (the caller's interpreter
+        lives on: a test calls run_all in its own), unless the caller had frozen some itself."""
+        if not self.isolate and not self.frozen_before:
+            gc.unfreeze()
+
     def _subprocess(self, label: str, task: str, args: dict[str, Any]) -> dict[str, Any]:
         slug = label.replace(" ", "_").replace("/", "_")
         out = self.logs / f"{self.count:02d}_{slug}.json"
@@ -177,6 +184,14 @@ class Runner:
 def run_all(plan: Plan, workdir: Path, isolate: bool, sections: tuple[str, ...],
             peer_names: list[str], reps: int = 3) -> dict[str, Any]:
     run = Runner(workdir, isolate, plan.task_timeout)
+    try:
+        return _sections(run, plan, workdir, sections, peer_names, reps)
+    finally:
+        run.close()
+
+
+def _sections(run: Runner, plan: Plan, workdir: Path, sections: tuple[str, ...], peer_names: list[str],
+              reps: int) -> dict[str, Any]:
     shape = plan.shape.to_dict()
     ck = str(workdir / "ckpt")
     if {"core", "lightning", "accelerate", "breakdown"} & set(sections) and plan.window_s is not None:
