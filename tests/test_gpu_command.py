@@ -18,6 +18,8 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
 from benchmarks import gpu_report
 
 REPO = Path(__file__).resolve().parent.parent
@@ -112,6 +114,7 @@ def test_the_machine_list_is_the_one_read_from_kinds_md() -> None:
     assert not {"crc32c", "zlib-ng"} & have  # what the issue says is missing there
 
 
+@pytest.mark.timeout(600)  # a hang guard: ~45 s on 2 quiet cores, 234 s beside two CPU-bound processes and a full run
 def test_dry_run_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "out"
     # One OpenMP thread a process, as the other tests' subprocesses: with two, each tiny step's threads spun waiting
@@ -119,7 +122,7 @@ def test_dry_run_end_to_end(tmp_path: Path) -> None:
     proc = subprocess.run(
         ["bash", str(REPO / "benchmarks" / "gpu.sh"), "--dry-run", "--tests", "tests/test_cuda.py",
          str(tmp_path / "no-wheels"), str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=400, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        cwd=REPO, capture_output=True, text=True, timeout=540, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     files = {p.name for p in out.iterdir()}
@@ -127,6 +130,8 @@ def test_dry_run_end_to_end(tmp_path: Path) -> None:
                      "fsdp.json", "logs.txt"}, files  # 8 at most: what the device tool brings back
     summary = (out / "summary.md").read_text()
     assert "DRY RUN, CPU" in summary and "TIMED OUT" not in summary, summary
+    # the CPUs this machine gives it, whatever OMP_NUM_THREADS says (nproc obeys it)
+    assert f"; cpus {len(os.sched_getaffinity(0))}\n" in (out / "env.txt").read_text(), (out / "env.txt").read_text()
     assert "CUDA tests (pytest -m cuda): rc=" in summary and "GPU benchmark: rc=0" in summary, summary
     # the GIL hand-overs of the CUDA path (--cuda on a GPU; the CPU path here): two runs, each a line in the summary
     assert "GIL hand-overs, CUDA path: rc=0" in summary and summary.count("checkpoint 1: background") == 2, summary
