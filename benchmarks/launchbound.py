@@ -52,7 +52,7 @@ PEERS = ("fastckpt", "fastckpt-nohealth", "dcp_stager", "torch_checkpointing", "
 _OPS_PER_ITER = 4  # tiny ops per counted iteration
 
 
-def _peer(name: str, root: Path) -> Any:
+def make_peer(name: str, root: Path) -> Any:
     """The peer adapter: benchmarks/peers.py's, plus the ones only this benchmark drives."""
     from . import peers
 
@@ -220,7 +220,7 @@ def measure(name: str, n_ckpt: int, n_cpu: int, window: float, step_ms: float, q
     launcher = Launcher(first)
     launcher.run_until(time.perf_counter() + 0.3)  # warm
     with tempfile.TemporaryDirectory(prefix=f"launchbound-{name}-", dir=os.environ.get("LAUNCHBOUND_DIR")) as root:
-        peer = _peer(name, Path(root))
+        peer = make_peer(name, Path(root))
         peer.attach(model, opt)
         if hasattr(peer, "prewarm"):  # buffers made before the first save, where the peer offers it (untimed)
             peer.prewarm(state)

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .launchbound import Launcher, _peer
+from .launchbound import Launcher, make_peer
 
 __all__ = ["ThreadCounters", "attribute", "main"]
 
@@ -97,7 +97,20 @@ def _excess(launcher: Launcher, median: float, start: float, t_from: float, t_to
 
 def attribute(name: str, n_ckpt: int, window: float, config: dict[str, Any] | None = None, quick: bool = False
               ) -> dict[str, Any]:
-    """The attribution of ``name``'s stall, measured here (see the module's docstring)."""
+    """The attribution of ``name``'s stall, measured here (see the module's docstring). The process's intra-op
+    threads and CPU mask are the benchmark's while it runs and the caller's again after (a test calls it in its
+    own process, whose later tests must not find one intra-op thread)."""
+    import torch
+
+    threads, mask = torch.get_num_threads(), os.sched_getaffinity(0)
+    try:
+        return _attribute(name, n_ckpt, window, config, quick)
+    finally:
+        torch.set_num_threads(threads)
+        os.sched_setaffinity(0, mask)
+
+
+def _attribute(name: str, n_ckpt: int, window: float, config: dict[str, Any] | None, quick: bool) -> dict[str, Any]:
     import torch
 
     from .workload import FULL, QUICK, Batches, build, make_state, tensor_bytes, train_step
@@ -113,7 +126,7 @@ def attribute(name: str, n_ckpt: int, window: float, config: dict[str, Any] | No
     launcher.run_until(time.perf_counter() + 0.3)
     counters = ThreadCounters(threading.get_native_id())
     with tempfile.TemporaryDirectory(prefix=f"stallwhere-{name}-", dir=os.environ.get("LAUNCHBOUND_DIR")) as root:
-        peer = _peer(name, Path(root))
+        peer = make_peer(name, Path(root))
         if config and hasattr(peer, "inner"):  # fastckpt with other settings: the same adapter, another config
             from fastckpt import CheckpointConfig, Checkpointer
 

@@ -47,11 +47,18 @@ def test_thread_cpu_is_booked_under_the_python_name_of_the_thread() -> None:
 
 
 def test_a_quick_run_splits_fastckpt_stall_by_phase_and_thread() -> None:
+    import os
+
+    import torch
+
+    threads, mask = torch.get_num_threads(), os.sched_getaffinity(0)
     res = attribute("fastckpt", 2, 0.5, quick=True)
+    # the run's one intra-op thread and CPU mask stay the run's: a later test in this worker finds its own
+    assert (torch.get_num_threads(), os.sched_getaffinity(0)) == (threads, mask)
     assert len(res["windows"]) == 2
     for w in res["windows"]:
         assert 0 < w["staged_at_s"] <= w["durable_at_s"], w
         assert any(k.startswith("bin") for k in w) and "run_delay_s" in w and "flush_s" in w
         assert "cpu:fastckpt-copy" in w, sorted(w)  # the copy thread ran in the window, under its own name
     text = markdown(res)
-    assert "stalled" in text and "fastckpt-copy" in text
+    assert "stalled" in text and "CPU-s of the checkpoint by thread" in text
