@@ -1,6 +1,8 @@
 """Retention keeps the right checkpoints and never touches pending or newest ones."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 from fastckpt.storage.protocol import open_storage
@@ -56,3 +58,56 @@ def test_delete_is_queued_behind_saves(tmp_path) -> None:
         fut.result(10)
         assert not ckpt.exists("a")
         assert not (tmp_path / "a").exists()
+
+
+_KILLED_IN_REMOVAL = """
+import os, signal, sys
+import torch
+import fastckpt.storage.yieldremove as yr
+from fastckpt import CheckpointConfig, Checkpointer
+
+real, count = yr._remove, [0]
+def dying(path, *args, **kwargs):  # the third entry retention removes: the process dies mid-removal
+    count[0] += 1
+    if count[0] == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(path, *args, **kwargs)
+ckpt = Checkpointer(CheckpointConfig(root=sys.argv[1], retention={"keep_last": 1}, persist={"fsync": False}))
+ckpt.save({"w": torch.ones(4)}, 1).wait()
+yr._remove = dying
+ckpt.save({"w": torch.ones(4) * 2}, 2).wait()  # its commit's retention removes step 1
+ckpt.close()
+"""
+
+
+def test_a_process_killed_while_retention_removes_a_folder_leaves_no_half_folder_under_its_name(tmp_path) -> None:
+    """Retention takes an old folder from its name (one rename) before it removes its entries: a process killed in
+    the middle leaves only a hidden folder (never listed, sorted oldest by stock Accelerate), not a checkpoint's name
+    without its files, which stock readers would count or load; the next retention finishes the removal."""
+    import subprocess
+    import sys
+
+    from fastckpt.format.manifest import MANIFEST
+    from fastckpt.tiers.gc import REMOVING_PREFIX
+
+    script = tmp_path / "child.py"
+    script.write_text(_KILLED_IN_REMOVAL)
+    root = tmp_path / "ckpt"
+    done = subprocess.run([sys.executable, str(script), str(root)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == -9, done.stderr[-3000:]
+    visible = sorted(n for n in os.listdir(root) if not n.startswith("."))
+    assert visible == ["step-000000002"], visible  # not step 1's name, half removed
+    assert all((root / n / MANIFEST).exists() for n in visible)
+    leftovers = [n for n in os.listdir(root) if n.startswith(REMOVING_PREFIX)]
+    assert leftovers == [REMOVING_PREFIX + "step-000000001"], os.listdir(root)
+    # the next writer's first write collects it as the dead save it is (its manifest went first; tiers/gc.py's proof)
+    ckpt = Checkpointer(CheckpointConfig(root=str(root), retention={"keep_last": 1}, persist={"fsync": False},
+                                         orphan_grace_s=0))
+    try:
+        assert [i.step for i in ckpt.list()] == [2]
+        assert torch.equal(ckpt.load(2)["w"], torch.ones(4) * 2)
+        ckpt.save({"w": torch.ones(4) * 3}, 3).wait()
+    finally:
+        ckpt.close()
+    assert not any(n.startswith(REMOVING_PREFIX) for n in os.listdir(root)), os.listdir(root)  # collected
+    assert sorted(n for n in os.listdir(root) if not n.startswith(".")) == ["step-000000003"], os.listdir(root)

@@ -19,8 +19,10 @@ from ..format.manifest import CheckpointInfo
 from ..format.paths import confine
 from ..storage.deadline import storage_error
 from ..storage.local import LocalStorage
+from ..storage.heldlink import guards_of, rename_unwalked
 from ..storage.yieldremove import remove_folder
 from ..storage.protocol import Storage
+from .gc import REMOVING_PREFIX
 
 __all__ = ["Catalog", "doomed"]
 
@@ -170,7 +172,7 @@ class Catalog:
         mpath = self.storage.join(path, MANIFEST)
         if yielding and isinstance(self.storage, LocalStorage):
             try:
-                gone = remove_folder(path, first=[MANIFEST])
+                gone = _remove_local(path, name)
             except OSError as e:
                 raise storage_error("deleting", path, e) from e
             if gone or not os.path.lexists(mpath):  # uncommitted now, whoever removes the rest
@@ -215,3 +217,27 @@ class Catalog:
                 log.info("fastckpt: retention removed %s (step %d)", info.name, info.step)
             except FastCkptError as e:
                 log.warning("fastckpt: retention could not remove %s: %s", info.path, e)
+
+
+
+def _remove_local(path: str, name: str) -> bool:
+    """Retention's removal of the local checkpoint folder ``path``: out of sight first, then entry by entry.
+
+    One rename takes it from its name, so a process killed during the removal (which takes many unlinks) leaves no
+    half folder under a checkpoint's name, which stock readers (Accelerate's ``total_limit`` and ``load_state``,
+    a copy of the project) would count or take for a checkpoint. A walk of this process holding the root open (the
+    user's ``rmtree`` of the project, which may have listed the name) gets the removal in place instead, manifest
+    first, each entry yielding to it (storage/yieldremove.py). True: gone; False: left to such a walk. A process
+    killed after the rename leaves the hidden folder, its manifest removed first: tiers/gc.py collects it as the dead
+    save it then looks like (its files proven fastckpt's by their bytes), at the next writer's first write or by
+    ``fastckpt gc``; killed between the rename and that first removal, it stays, hidden and never listed."""
+    parent = os.path.dirname(path)
+    hidden = os.path.join(parent, REMOVING_PREFIX + name)
+    if os.path.lexists(hidden):  # a leftover of this name (gc's to prove dead, never removed by its name): in place
+        return remove_folder(path, first=[MANIFEST])
+    try:
+        moved = rename_unwalked(path, hidden, guards_of(parent))
+    except FileNotFoundError:
+        return True  # gone already (a user's removal won the race)
+    return remove_folder(hidden if moved else path, first=[MANIFEST])
+

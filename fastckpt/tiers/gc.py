@@ -43,7 +43,8 @@ from ..storage.protocol import Storage
 from ..storage.s3parts import sweep
 from ..storage.tempmark import MAX_MARK_BYTES, is_mark_name, is_temp_name, mark_bytes, mark_name
 
-__all__ = ["collect", "collect_quietly", "collect_temp_files", "collect_uploads", "is_save_folder", "is_temp_file"]
+__all__ = ["REMOVING_PREFIX", "collect", "collect_quietly", "collect_temp_files", "collect_uploads", "is_save_folder",
+           "is_temp_file"]
 
 log = logging.getLogger("fastckpt")
 
@@ -53,6 +54,12 @@ _OURS = re.compile(r"shard-\d{5}\.(?P<uid>[0-9a-f]{12})\.safetensors|meta\.(?P<m
                    r"|objects\.(?P<ouid>[0-9a-f]{12})\.pt"
                    rf"|{re.escape(MANIFEST)}\.tmp-(?:\d+-\d+|[0-9a-f]{{16}})")
 _MAX_PROOF_BYTES = 16 << 20  # a shard header or a meta file read as a proof: past this it is not ours to judge
+
+
+# Retention renames a folder to this hidden sibling before removing it (tiers/catalog.py): a process killed during
+# the removal leaves it under this name, never listed (the dot) and sorted oldest by stock Accelerate's "first number
+# in the name" (the "-0."), as format/bundle.py's staging folders are. ``collect`` looks at these hidden folders too.
+REMOVING_PREFIX = ".fastckpt-removing-0."
 
 
 def is_temp_file(name: str) -> bool:
@@ -134,7 +141,7 @@ def collect(storage: Storage, grace_s: float, *, protected: Callable[[str], bool
     removed = []
     now = time.time()
     for name in sorted(storage.listdir(storage.url)):
-        if not is_plain_name(name) or name.startswith(".") or protected(name):
+        if not is_plain_name(name) or (name.startswith(".") and not name.startswith(REMOVING_PREFIX)) or protected(name):
             continue
         path = storage.join(storage.url, name)
         age = _dead_for(storage, path, modified, now)
