@@ -111,3 +111,32 @@ def test_a_process_killed_while_retention_removes_a_folder_leaves_no_half_folder
         ckpt.close()
     assert not any(n.startswith(REMOVING_PREFIX) for n in os.listdir(root)), os.listdir(root)  # collected
     assert sorted(n for n in os.listdir(root) if not n.startswith(".")) == ["step-000000003"], os.listdir(root)
+
+
+def test_a_planted_link_named_as_a_removal_leftover_is_never_followed_or_removed(tmp_path) -> None:
+    """The collection of removal leftovers goes by gc's proof, never by the name: a symlink named like one, pointing
+    at a folder that looks like a dead save (a real leftover's files), is left alone, and so is what it points to."""
+    import shutil
+    import subprocess
+    import sys
+
+    from fastckpt.tiers.gc import REMOVING_PREFIX
+
+    script = tmp_path / "child.py"
+    script.write_text(_KILLED_IN_REMOVAL)
+    root = tmp_path / "ckpt"
+    done = subprocess.run([sys.executable, str(script), str(root)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == -9, done.stderr[-3000:]
+    outside = tmp_path / "users-folder"
+    shutil.move(str(root / (REMOVING_PREFIX + "step-000000001")), outside)  # a dead save's files, elsewhere
+    kept = sorted(os.listdir(outside))
+    link = root / (REMOVING_PREFIX + "planted")
+    link.symlink_to(outside, target_is_directory=True)
+    ckpt = Checkpointer(CheckpointConfig(root=str(root), retention={"keep_last": 1}, persist={"fsync": False},
+                                         orphan_grace_s=0))
+    try:
+        ckpt.save({"w": torch.ones(4) * 3}, 3).wait()  # the first write collects; retention removes step 2
+    finally:
+        ckpt.close()
+    assert link.is_symlink() and sorted(os.listdir(outside)) == kept and kept
+    assert sorted(n for n in os.listdir(root) if not n.startswith(".")) == ["step-000000003"]
