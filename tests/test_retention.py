@@ -140,3 +140,15 @@ def test_a_planted_link_named_as_a_removal_leftover_is_never_followed_or_removed
         ckpt.close()
     assert link.is_symlink() and sorted(os.listdir(outside)) == kept and kept
     assert sorted(n for n in os.listdir(root) if not n.startswith(".")) == ["step-000000003"]
+
+
+def test_a_name_too_long_for_the_hidden_prefix_is_removed_in_place(tmp_path) -> None:
+    """A checkpoint name of 250 bytes leaves no room for the removal's hidden prefix (the rename fails with
+    ENAMETOOLONG): retention removes it in place, as before, instead of failing."""
+    ckpt = Checkpointer(CheckpointConfig(root=str(tmp_path), retention={"keep_last": 1}, persist={"fsync": False}))
+    try:
+        ckpt.save({"w": torch.ones(4)}, 1, name="a" * 250).wait()
+        ckpt.save({"w": torch.ones(4) * 2}, 2).wait()
+    finally:
+        ckpt.close()
+    assert sorted(n for n in os.listdir(tmp_path) if not n.startswith(".")) == ["step-000000002"]

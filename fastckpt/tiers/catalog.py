@@ -219,7 +219,6 @@ class Catalog:
                 log.warning("fastckpt: retention could not remove %s: %s", info.path, e)
 
 
-
 def _remove_local(path: str, name: str) -> bool:
     """Retention's removal of the local checkpoint folder ``path``: out of sight first, then entry by entry.
 
@@ -239,5 +238,6 @@ def _remove_local(path: str, name: str) -> bool:
         moved = rename_unwalked(path, hidden, guards_of(parent))
     except FileNotFoundError:
         return True  # gone already (a user's removal won the race)
+    except OSError:  # a name too long for the prefix, a file system refusing the rename: in place, as before
+        moved = False
     return remove_folder(hidden if moved else path, first=[MANIFEST])
-
