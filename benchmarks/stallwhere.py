@@ -85,14 +85,20 @@ def _delta(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
     return {k: b.get(k, 0.0) - a.get(k, 0.0) for k in set(a) | set(b)}
 
 
-def _excess(launcher: Launcher, median: float, start: float, t_from: float, t_to: float) -> float:
-    """Stalled seconds of the iterations of the last run that ended in [t_from, t_to)."""
-    import numpy as np
+class _Excess:
+    """The last run's iterations as (when each ended, its stalled seconds: its excess over ``median`` where slower
+    than ``Launcher.SLOW`` medians, else 0), derived once per window; ``between`` sums any interval of them."""
 
-    x = launcher.times[:launcher.count]
-    ends = start + np.cumsum(x)
-    sel = (ends >= t_from) & (ends < t_to) & (x > Launcher.SLOW * median)
-    return float((x[sel] - median).sum())
+    def __init__(self, launcher: Launcher, median: float, start: float) -> None:
+        import numpy as np
+
+        x = launcher.times[:launcher.count]
+        self.ends = start + np.cumsum(x)
+        self.over = np.where(x > Launcher.SLOW * median, x - median, 0.0)
+
+    def between(self, t_from: float, t_to: float) -> float:
+        """Stalled seconds of the iterations that ended in [t_from, t_to)."""
+        return float(self.over[(self.ends >= t_from) & (self.ends < t_to)].sum())
 
 
 def attribute(name: str, n_ckpt: int, window: float, config: dict[str, Any] | None = None, quick: bool = False
@@ -174,12 +180,13 @@ def _attribute(name: str, n_ckpt: int, window: float, config: dict[str, Any] | N
             b = snapshot()
             stats = getattr(getattr(getattr(peer, "inner", None), "ckpt", None), "stats", None)
             row: dict[str, float] = {"save_s": t1 - t0, "flush_s": end - t4}
+            excess = _Excess(launcher, median, start)
             for k in range(int((t4 - t1) / _BIN_S) + 1):
-                row[f"bin{k:03d}"] = _excess(launcher, median, start, t1 + k * _BIN_S, t1 + (k + 1) * _BIN_S)
+                row[f"bin{k:03d}"] = excess.between(t1 + k * _BIN_S, t1 + (k + 1) * _BIN_S)
             if stats:
                 staged = t0 + stats[-1].staging_ms / 1e3
-                row["copying_s"] = _excess(launcher, median, start, t1, staged)
-                row["after_staged_s"] = _excess(launcher, median, start, staged, t4 + 1)
+                row["copying_s"] = excess.between(t1, staged)
+                row["after_staged_s"] = excess.between(staged, t4 + 1)
                 row["staged_at_s"] = staged - t0
                 row["durable_at_s"] = stats[-1].persist_s
             row["stalled_s"] = launcher.stalled(median) + row["save_s"] + row["flush_s"]

@@ -6,7 +6,7 @@ import threading
 import numpy as np
 
 from benchmarks.launchbound import Launcher
-from benchmarks.stallwhere import ThreadCounters, _excess, _family, attribute, markdown
+from benchmarks.stallwhere import ThreadCounters, _Excess, _family, attribute, markdown
 
 
 def test_excess_counts_only_slow_iterations_ending_inside_the_interval() -> None:
@@ -16,10 +16,11 @@ def test_excess_counts_only_slow_iterations_ending_inside_the_interval() -> None
     launcher.count = len(times)
     ends = 5.0 + np.cumsum(times)
     first, second = ends[10], ends[16]
-    assert abs(_excess(launcher, 1e-3, 5.0, 5.0, first + 1e-9) - 9e-3) < 1e-9
-    assert abs(_excess(launcher, 1e-3, 5.0, first + 1e-9, 99.0) - 19e-3) < 1e-9
-    assert abs(_excess(launcher, 1e-3, 5.0, 5.0, 99.0) - launcher.stalled(1e-3)) < 1e-9
-    assert _excess(launcher, 1e-3, 5.0, second + 1e-9, 99.0) == 0.0
+    excess = _Excess(launcher, 1e-3, 5.0)
+    assert abs(excess.between(5.0, first + 1e-9) - 9e-3) < 1e-9
+    assert abs(excess.between(first + 1e-9, 99.0) - 19e-3) < 1e-9
+    assert abs(excess.between(5.0, 99.0) - launcher.stalled(1e-3)) < 1e-9
+    assert excess.between(second + 1e-9, 99.0) == 0.0
 
 
 def test_thread_cpu_is_booked_under_the_python_name_of_the_thread() -> None:
