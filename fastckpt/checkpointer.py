@@ -88,7 +88,7 @@ class Checkpointer(Cadenced):
         self._shm = ShmTier.trusted(st.shm_dir, self.storage, self._coord) if st.shm else None
         self._planner = Planner(p.chunk_bytes)
         self._arena = HostArena(st.slots, st.max_host_bytes, self._shm)
-        self._prewarm = Prewarm(self._arena)  # buffers made before the first save (engine/prewarm.py)
+        self._prewarm = Prewarm(self._arena, config.staging.compiled_pass)  # buffers made before the first save
         # per-device copy streams, created on the first CUDA save; staging.device_snapshot's device buffers
         self._streams = CopyStreams(snapshots=DeviceSnapshots(config.staging.device_snapshot))
         self.last_load_stats: LoadStats | None = None  # which tier served the last load, bytes, seconds
@@ -159,7 +159,8 @@ class Checkpointer(Cadenced):
 
     def prewarm(self, state: Any, *, eager: Any = (), lazy: Any = ()) -> Future:
         """Make ``state``'s staging buffers now, in the background (page-locked on CUDA), so that the first save()
-        costs what later ones do; the Future gives the bytes made once they exist (engine/prewarm.py)."""
+        costs what later ones do; the Future gives the bytes made once they exist, and once the compiled pass
+        (``staging.compiled_pass``, format/fused.py) is ready or known to be unavailable (engine/prewarm.py)."""
         self._check_open()
         if self._coord is not None:  # mine() needs the shards' owners, which the ranks agree at the first save
             raise ConfigError("prewarm() with distributed=True: the first save makes the buffers")

@@ -41,6 +41,7 @@ __all__ = [
 _MODES = ("lazy", "eager")
 _ON_MUTATION = ("raise", "retake")
 _WHEN_BUSY = ("wait", "skip")
+_COMPILED_PASS = ("auto", "on", "off")  # staging.compiled_pass (fastckpt/format/fused.py)
 _DEVICE_SNAPSHOT = ("auto", "on", "off")  # staging.device_snapshot (fastckpt/engine/devicesnap.py)
 _DIRECT_IO = ("auto", "on", "off")
 _REFLINK = ("auto", "off")  # persist.reflink: clone unchanged shards on a local root (fastckpt/storage/reflink.py)
@@ -84,6 +85,14 @@ class StagingOptions(_Freezable):
     layout; lazy copies only). Once the training thread waits for staging, the rest is staged plainly and the I/O
     workers measure it. On the 2-core benchmark VM at 0.36 s steps it cut the background threads' CPU per
     checkpoint by about 30% (BENCHMARKS.md, "Where the stall goes"); ``false``: two passes, as before."""
+    compiled_pass: str = "auto"
+    """Take that one pass (and the I/O workers' CRC32C and statistics of staged CUDA shards) in one compiled call a
+    shard that holds no GIL (numba, format/fused.py), instead of a handful of torch calls per 8 MiB: a launch-bound
+    training thread waits each time a background thread takes the GIL back. The kernel is compiled once per machine
+    in a low-priority child process and loaded from numba's cache once per process (about 0.3 s of one GIL hold, in
+    the background); shards take the batched torch pass until it is ready. ``auto``: the warm-up starts at the first
+    save of 64 MiB or more, or at ``prewarm()``; ``on``: when the ``Checkpointer`` is made, and a failed warm-up
+    warns; ``off``: never. Without numba installed ``auto`` quietly keeps the torch pass."""
 
     device_snapshot: str = "off"
     """CUDA states: ``save()`` copies the state's CUDA tensors into a buffer on their own device (one fused
@@ -99,6 +108,9 @@ class StagingOptions(_Freezable):
     def validate(self) -> None:
         _check_choice("staging.", "mode", self.mode, _MODES)
         _check_choice("staging.", "device_snapshot", self.device_snapshot, _DEVICE_SNAPSHOT)
+        if isinstance(self.compiled_pass, bool):  # YAML 1.1 reads a bare on/off as true/false
+            self.compiled_pass = "on" if self.compiled_pass else "off"
+        _check_choice("staging.", "compiled_pass", self.compiled_pass, _COMPILED_PASS)
         if not isinstance(self.crc_in_copy, bool):
             raise ConfigError(f"staging.crc_in_copy must be true or false, got {self.crc_in_copy!r}")
         _check_int("staging.", "slots", self.slots, 1)

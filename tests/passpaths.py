@@ -1,10 +1,13 @@
-"""The two ways the background stages, checksums and measures a CPU shard, for tests that must hold on both.
+"""The three ways the background stages, checksums and measures a CPU shard, for tests that must hold on each.
 
+``compiled``: format/fused.py, one compiled call a shard (numba; the warm-up is awaited here, and its failure fails
+the test: numba is one of fastckpt's dependencies).
 ``batched``: format/batchpass.py, a few torch calls a piece, on threads whose torch reductions run serially
 (engine/serialops.py: every fastckpt thread where torch's OpenMP runtime is found). ``blocked``: the block-by-block
 pass (format/healthpass.py, engine/onepass.py's ``copy_with_*``, staging's ``copy_entries``), what a thread that
 cannot be made serial runs. ``use(monkeypatch, path)`` forces one; ``around_fill`` places a "concurrent" write
-deterministically around the batched copy of a piece, as the entry iterators of the blocked copies allow.
+deterministically around the batched copy of a piece (the compiled pass: around its one call), as the entry
+iterators of the blocked copies allow.
 """
 from __future__ import annotations
 
@@ -16,17 +19,23 @@ import torch
 
 import fastckpt.engine.onepass as onepass
 import fastckpt.format.batchpass as batchpass
+import fastckpt.format.fused as fused
 import fastckpt.format.healthpass as healthpass
 
-PATHS = ["batched", "blocked"]
+PATHS = ["compiled", "batched", "blocked"]
 # the real functions, so that a second ``measuring_threads`` in one test does not wrap the first one's wrappers
 _REAL = {m: m.tensor_pass for m in (healthpass, onepass, batchpass)}
 _MEASURE = batchpass.measure
+_STATS = fused._stats
 
 
 def use(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
     """Make the background take ``path``: ``blocked`` tells the engine its threads are not serial."""
     assert path in PATHS, path
+    if path == "compiled":
+        assert fused.warm("on").result(timeout=600) is not None, fused.state()
+        return
+    monkeypatch.setattr(fused, "kernel", lambda mode, nbytes: None)  # a kernel warmed by another test stays unused
     if path == "blocked":
         monkeypatch.setattr(onepass, "is_serial", lambda: False)
 
@@ -48,6 +57,19 @@ def around_fill(monkeypatch: pytest.MonkeyPatch, before: Callable[[list[torch.Te
         return each
 
     monkeypatch.setattr(onepass, "batch_filler", filler)
+    real_run = fused.run
+
+    def run(k: Any, lay: Any, *, tensors: Any, health: bool, **kw: Any) -> Any:
+        if tensors is None:
+            return real_run(k, lay, tensors=tensors, health=health, **kw)
+        sources = [tensors[e.index] for e in lay.entries]
+        before(sources)
+        try:
+            return real_run(k, lay, tensors=tensors, health=health, **kw)
+        finally:
+            after(sources)
+
+    monkeypatch.setattr(fused, "run", run)
 
 
 def measuring_threads(monkeypatch: pytest.MonkeyPatch) -> set[str]:
@@ -63,4 +85,5 @@ def measuring_threads(monkeypatch: pytest.MonkeyPatch) -> set[str]:
     for module, real in _REAL.items():
         monkeypatch.setattr(module, "tensor_pass", seen(real))
     monkeypatch.setattr(batchpass, "measure", seen(_MEASURE))
+    monkeypatch.setattr(fused, "_stats", seen(_STATS))
     return threads

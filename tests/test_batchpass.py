@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import fastckpt.format.batchpass as batchpass
+import fastckpt.format.fused as fused
 from fastckpt import CheckpointConfig, Checkpointer
 from fastckpt.engine.serialops import is_serial, serial_here
 from fastckpt.format.checksum import crc32c
@@ -131,6 +132,16 @@ def test_the_copy_thread_makes_a_few_calls_a_piece_not_a_tensor(tmp_path, monkey
     """400 tensors (most small, as in a transformer: biases, norms) and a few large: on the batched path the copy
     thread's one pass makes fewer native calls than there are tensors; the blocked path makes several a tensor."""
     passpaths.use(monkeypatch, path)
+    kernel_calls: list[bool] = []  # the compiled pass: one call a shard (each a GIL hand-over), None: not covered
+    real_run = fused.run
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        got = real_run(*args, **kwargs)
+        if native.active:
+            kernel_calls.append(got is not None)
+        return got
+
+    monkeypatch.setattr(fused, "run", counted)
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(n)) for n in [768] * 396 + [1 << 20] * 4]
     opt = torch.optim.SGD(params, lr=0.1)
@@ -150,7 +161,10 @@ def test_the_copy_thread_makes_a_few_calls_a_piece_not_a_tensor(tmp_path, monkey
     finally:
         threading.setprofile(None)
     copy = native.calls["fastckpt-copy"]
-    if path == "batched":
+    if path == "compiled":  # the tensors' accessors (no GIL release) are counted too: the kernel calls are the bound
+        assert kernel_calls and all(kernel_calls) and len(kernel_calls) <= 4, kernel_calls  # 4 shards of 8 MiB
+    elif path == "batched":
+        assert not kernel_calls
         assert 0 < copy < len(params) // 4, dict(native.calls)
     else:
         assert copy > 2 * len(params), dict(native.calls)  # the contrast: the bound above can fail

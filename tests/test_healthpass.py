@@ -184,6 +184,9 @@ def test_squares_beyond_float32_are_measured_in_float64() -> None:
     wide = torch.randn(GRAIN + 1, dtype=torch.float64)
     wide[5] = 1e200  # beyond float64 squares too: no L2, like before
     assert _check(_staged(wide, 0), torch.float64)["l2"] is None
+    wide[5], wide[-1] = 1.0, -1.7e300  # in the tail, measured in float64 one value at a time: raised OverflowError
+    got = _check(_staged(wide, 0), torch.float64)
+    assert got["l2"] is None and got["absmax"] == 1.7e300
 
 
 def test_reductions_stay_on_the_calling_thread() -> None:

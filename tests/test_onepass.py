@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 import fastckpt.engine.onepass as onepass
+import fastckpt.format.fused as fused
 import fastckpt.format.healthpass as healthpass
 import fastckpt.format.openlayout as openlayout
 from fastckpt import CheckpointConfig, Checkpointer, ConfigError
@@ -62,6 +63,15 @@ def _crc_calls(monkeypatch: pytest.MonkeyPatch) -> Counter:
     monkeypatch.setattr(openlayout, "crc32c", counting(openlayout))
     monkeypatch.setattr(healthpass, "crc32c", counting(healthpass))
     monkeypatch.setattr(health, "crc32c", counting(health))  # the I/O workers' batched pass (format/batchpass.py)
+    real_run = fused.run
+
+    def compiled(k: Any, lay: Any, *, tensors: Any, health: bool, **kw: Any) -> Any:  # the compiled pass: every entry's CRC
+        got = real_run(k, lay, tensors=tensors, health=health, **kw)
+        if got is not None:
+            calls["-".join(threading.current_thread().name.split("-")[:2]), True] += len(lay.entries)
+        return got
+
+    monkeypatch.setattr(fused, "run", compiled)
     return calls
 
 
@@ -162,7 +172,7 @@ def test_a_waiting_training_thread_makes_the_copy_stage_the_rest_plainly(tmp_pat
     by the I/O workers, and the checkpoint's health record is complete, restores bit for bit."""
     passpaths.use(monkeypatch, path)
     started, calls = threading.Event(), []
-    name = "copy_batched" if path == "batched" else "copy_with_health"
+    name = "copy_with_health" if path == "blocked" else "copy_batched"
     real = getattr(onepass, name)
 
     def first_waits(*args):
@@ -293,7 +303,7 @@ def test_a_write_landing_during_the_single_pass_copy_is_refused(tmp_path, monkey
             with torch.no_grad():
                 model["odd"].add_(1.0)  # copied and checksummed: its after-copy check must see this
 
-    if path == "batched":
+    if path in ("batched", "compiled"):
         passpaths.around_fill(monkeypatch, lambda sources: None, write_odd)
     else:
         name = "copy_with_health" if health else "copy_with_crcs"

@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from ..format import batchpass
+from ..format import batchpass, fused
 from ..format.batchpass import Layout, Part
 from ..format.checksum import crc32c
 from ..format.health import value_dtype
@@ -124,8 +124,17 @@ def copy_batched(job: Any, shard: Shard, buf: torch.Tensor, check: Callable[[int
     """The batched one pass (format/batchpass.py) of ``shard`` into ``buf``: copies, CRC32Cs and, where measured,
     statistics in a few calls a piece, ``check`` around each tensor's copy."""
     lay = job.slot.layout(shard, buf, [e.dtype for e in shard.entries])
-    crcs, stats = batchpass.run(lay, buf, checksum=crc32c, health=job.health is not None,
-                                fill=batch_filler(lay, job.tensors), check=check)
+    got = None
+    if job.fused is not None:  # one compiled call for the shard (format/fused.py), checked around it as a whole
+        if check is not None:
+            for e in lay.entries:
+                check(e.index)
+        got = fused.run(job.fused, lay, tensors=job.tensors, health=job.health is not None, plain=_plain)
+        if got is not None and check is not None:
+            for e in lay.entries:
+                check(e.index)
+    crcs, stats = got or batchpass.run(lay, buf, checksum=crc32c, health=job.health is not None,
+                                       fill=batch_filler(lay, job.tensors), check=check)
     if job.health is not None:
         job.health.update({job.keys[lay.entries[pos].index]: st for pos, st in stats.items()})
         job.staged_health.add(shard.index)

@@ -27,6 +27,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import FastCkptError, StorageError
+from ..format import fused
 from ..format.health import HealthPart, attr_bytes, measured, summarize
 from ..format.layout import CheckpointInfo
 from ..format.openlayout import OPEN_LAYOUT
@@ -102,6 +103,7 @@ class Job:
     # source, clones (what reads them); a pass over every byte otherwise spent for nothing
     cpu_section: Callable[[], Any] = nullcontext  # entered by a format around its CPU-bound work (engine/cpugate.py)
     token: Any = None  # format/flatcache.py's skeleton the state matched (what the seal derived from it is reused)
+    fused: Any = None  # format/fused.py's compiled kernel, where ready when the copy thread took this job
 
     # what a FileFormat reads of a save (format/protocol.py's Snapshot)
     @property
@@ -145,6 +147,7 @@ class Pipeline:
         # Called at the seal with a refused snapshot's error (staging.on_mutation "raise"): the owner records it.
         self.on_refused: Callable[[Job, BaseException], None] | None = None
         self.crc_in_copy = False  # staging.crc_in_copy: the copy thread checksums what it stages (engine/onepass.py)
+        self.compiled_pass = "off"  # staging.compiled_pass: that pass in one compiled call a shard (format/fused.py)
         self.pacer: WritePacer | None = None  # persist.pace_writes (engine/writepace.py)
         self._on_gpu = False  # the newest job's state is on a GPU: training then keeps one CPU busy, not torch's threads
         self.gate = CpuGate(None)  # persist.cpu_threads (engine/cpugate.py): auto until the config says otherwise
@@ -238,6 +241,7 @@ class Pipeline:
             job, shards, cpus = item  # type: ignore[misc]
             self.placement.place(cpus)  # off the CPU save() ran on (resolved there), before this thread copies
             try:
+                job.fused = fused.kernel(self.compiled_pass, job.plan.total_bytes)  # asked once a job: no wait
                 if job.cuda is not None:
                     job.cuda.begin_lazy()
                 for shard in shards:

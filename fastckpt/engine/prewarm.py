@@ -5,7 +5,8 @@ shards: the first checkpoint of a run pays for making its memory, page-locking i
 0.39 s per GB on an H200: the first checkpoint stalled 1,297 ms there against 113 ms for the later ones) and the
 batched pass's layouts. ``prewarm`` plans the state as ``save()`` would, takes a slot and makes all of that on a
 thread of its own (``fastckpt-prewarm-N``, owned by ``Prewarm``, joined at ``close()``), then gives the slot back:
-the first save finds everything made. A slot's bytes must fit the host's available memory (psutil), else
+the first save finds everything made, the compiled pass (``staging.compiled_pass``, format/fused.py) included: its
+warm-up starts here and the Future waits for it. A slot's bytes must fit the host's available memory (psutil), else
 ``ConfigError`` names ``staging.max_host_bytes``, which streams the state through a ring of smaller buffers.
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ import psutil
 import torch
 
 from ..errors import ConfigError
+from ..format import fused
 from ..format.plan import Plan
 from .staging import HostArena
 
@@ -31,8 +33,9 @@ _ids = itertools.count(1)
 class Prewarm:
     """The prewarming threads of one ``Checkpointer``."""
 
-    def __init__(self, arena: HostArena) -> None:
+    def __init__(self, arena: HostArena, compiled_pass: str = "off") -> None:
         self._arena = arena
+        self._compiled_pass = compiled_pass  # staging.compiled_pass: its warm-up starts at prewarm() too
         self._threads: list[threading.Thread] = []
 
     def start(self, plan: Plan, devices: list[int]) -> Future:
@@ -45,12 +48,13 @@ class Prewarm:
                               f"memory and {free / 2**30:.2f} GiB is available; set staging.max_host_bytes (the "
                               "state then streams through a ring of smaller buffers) or free host memory")
         pin = bool(devices)
+        kernel = fused.warm(self._compiled_pass)  # the compiled pass (format/fused.py): its own thread, once
         on_device = torch.cuda.device(devices[0]) if pin else contextlib.nullcontext()
         with on_device:  # buffers register under the state's device: no stray context on GPU 0
             slot = self._arena.acquire(plan, pin, block=False)
         done: Future = Future()
         if slot is None:  # every slot is taken by a save: their buffers exist
-            done.set_result(0)
+            kernel.add_done_callback(lambda _: done.set_result(0))
             return done
         before = self._arena.allocated_bytes
 
@@ -62,7 +66,9 @@ class Prewarm:
                         buf = slot.buffer(shard)
                         if not pin:  # the copy thread's batched pass (format/batchpass.py)
                             slot.layout(shard, buf, [e.dtype for e in shard.entries])
-                done.set_result(self._arena.allocated_bytes - before)
+                made = self._arena.allocated_bytes - before
+                kernel.result()  # never raises: None where the warm-up failed (said there)
+                done.set_result(made)
             except BaseException as e:  # noqa: BLE001 - handed to the caller's future
                 done.set_exception(e)
             finally:

@@ -112,6 +112,7 @@ class Layout:
     others: list[int] = field(default_factory=list)  # entries the blocked pass measures
     grouped: list[bool] = field(default_factory=list)  # per entry: measured by the stretches and smalls
     wholes: list[Part] = field(default_factory=list)  # every entry whole: a plain copy's parts
+    fused: Any = None  # format/fused.py's plan of this layout (False: a shard it does not cover), made once
 
     @classmethod
     def of(cls, buf: torch.Tensor, entries: Sequence[Any], dtypes: Sequence[torch.dtype]) -> "Layout":

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from . import batchpass
+from . import batchpass, fused
 from .checksum import crc32c
 from .healthpass import shard_pass, tensor_pass
 from .healthrecord import (HEALTH_ATTR, SIDECAR_SUFFIX, attr_bytes, check_health, content_digest, content_tie,
@@ -48,8 +48,12 @@ def shard_health(job: Any, shard: Any, raw: torch.Tensor, fmt: Any, layout: Any 
     format/batchpass.py ``Layout``, on a serial thread) in a few calls a piece, else block by block."""
     checksum = getattr(fmt, "pass_checksum", None)
     crc = checksum or (getattr(fmt, "crc32c_per_tensor", False) and shard.index not in job.staged_crcs)
+    got = None
+    if layout is not None and checksum is None and getattr(job, "fused", None) is not None:
+        got = fused.run(job.fused, layout, tensors=None, health=True)  # one compiled call (CRC32C or none)
     if layout is not None:
-        by_pos, measured_ = batchpass.run(layout, raw, checksum=checksum or (crc32c if crc else None), health=True)
+        by_pos, measured_ = got or batchpass.run(layout, raw, checksum=checksum or (crc32c if crc else None),
+                                                 health=True)
         stats = {job.keys[e.index]: measured_[pos] for pos, e in enumerate(layout.entries)}
         crcs = by_pos if crc else None
     else:

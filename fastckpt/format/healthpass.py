@@ -215,7 +215,7 @@ def tensor_pass(raw: torch.Tensor, dtype: torch.dtype, crc: bool | Checksum = Fa
         if vals.numel():
             lo, hi = torch.aminmax(vals)
             absmax = max(absmax, -float(lo), float(hi))
-        squares += part ** 2
+        squares += part * part  # inf past float64, where ``**`` raises OverflowError
         if k < len(flagged) and not kind.wide:  # flagged for its squares alone? then they overflow float32
             overflow = overflow or not math.isfinite(float(torch.linalg.vector_norm(vals, dtype=torch.float32)))
     if overflow:  # squares beyond float32 somewhere: the whole tensor's in float64, as format/health.py did
