@@ -49,6 +49,9 @@ from . import REPO, repo_env
 
 HEADING = "## The launch-bound training thread"
 PEERS = ("fastckpt", "fastckpt-nohealth", "dcp_stager", "torch_checkpointing", "torch_save")
+# fastckpt variants by config, for A/B runs beside the defaults (not in the default --peers)
+VARIANTS = {"fastckpt-nohealth": {"health": {"enabled": False}},
+            "fastckpt-torchpass": {"staging": {"compiled_pass": "off"}}}  # the batched torch pass (format/batchpass.py)
 _OPS_PER_ITER = 4  # tiny ops per counted iteration
 
 
@@ -56,8 +59,8 @@ def make_peer(name: str, root: Path) -> Any:
     """The peer adapter: benchmarks/peers.py's, plus the ones only this benchmark drives."""
     from . import peers
 
-    if name == "fastckpt-nohealth":
-        cls = type("FastckptNoHealth", (peers.Fastckpt,), {"name": name, "config": {"health": {"enabled": False}}})
+    if name in VARIANTS:
+        cls = type("FastckptVariant", (peers.Fastckpt,), {"name": name, "config": VARIANTS[name]})
         return _Fast(cls(root))
     if name == "torch_checkpointing":
         return TorchCheckpointing(root)

@@ -61,6 +61,16 @@ class ProxiedS3:
         return self.server.fresh_url(prefix)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _compiled_pass_ready():
+    """Every test sees the compiled pass (format/fused.py) ready, whatever ran before it in this worker: what a
+    user's large state gets by default. Tests of the torch passes turn it off (``passpaths.use``); a failed warm-up
+    fails here (numba is one of fastckpt's dependencies)."""
+    from fastckpt.format import fused
+
+    assert fused.warm("on").result(timeout=600) is not None, fused.state()
+
+
 @pytest.fixture(autouse=True)
 def _private_read_cache(tmp_path_factory, monkeypatch):
     """Each test (and the processes it starts) keeps read-strategy verdicts in a folder of its own, not in the

@@ -23,6 +23,7 @@ import torch
 import fastckpt.format.fused as fused
 from fastckpt import CheckpointConfig, Checkpointer, ConfigError
 from fastckpt.format.batchpass import Layout
+from fastckpt.format.checksum import crc32
 from fastckpt.format.plan import TensorEntry
 from tests.helpers import assert_bit_equal, clone_state
 from tests.test_healthpass import _random, _reference
@@ -95,6 +96,10 @@ def _assert_reference(lay: Layout, buf: torch.Tensor, srcs: list[torch.Tensor], 
             assert abs(got["l2"] - want["l2"]) / want["l2"] < 1e-6, (e, got, want)
 
 
+def test_both_checksums_are_found(kernel) -> None:
+    assert set(kernel.sums) == {"crc32c", "crc32"}  # zlib-ng is a dependency: a torch file's records too
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_the_compiled_pass_equals_the_reference(kernel, seed: int) -> None:
     srcs, entries, buf = _shard(random.Random(seed))
@@ -109,6 +114,10 @@ def test_the_compiled_pass_equals_the_reference(kernel, seed: int) -> None:
     buf.zero_()
     crcs2, none = fused.run(kernel, lay, tensors=srcs, health=False)  # type: ignore[misc]
     assert crcs2 == crcs and none == {}
+    # a torch file's records: zip's CRC-32
+    zips, _ = fused.run(kernel, lay, tensors=None, health=False, checksum="crc32")  # type: ignore[misc]
+    assert zips == [crc32(bytes(buf[e.offset:e.offset + e.nbytes].numpy())) for e in lay.entries]
+    assert fused.run(kernel, lay, tensors=None, health=False, checksum="adler") is None
 
 
 def test_bfloat16_and_float64_extremes_are_exact(kernel) -> None:
@@ -249,7 +258,8 @@ def test_a_kernel_that_computes_something_else_is_never_trusted(monkeypatch) -> 
     """The self-test runs before the kernel is used: here the checksum function is zlib's adler32 (the same C
     signature, other values)."""
     zlib = ctypes.CDLL(ctypes.util.find_library("z") or "libz.so.1")
-    monkeypatch.setattr(fused, "_crc_function", lambda: int(ctypes.cast(zlib.adler32, ctypes.c_void_p).value))
+    adler = int(ctypes.cast(zlib.adler32, ctypes.c_void_p).value)
+    monkeypatch.setattr(fused, "_checksums", lambda: {"crc32c": (adler, 0xFFFFFFFF)})
     loader, said = _failed_warm_up(monkeypatch, loud=False)
     assert "self-test failed" in loader.reason and len(said) == 1
 
@@ -300,3 +310,41 @@ def test_scratch_is_per_thread(kernel) -> None:
     t.start()
     t.join()
     assert other[0] is not mine and kernel.scratch() is mine
+
+
+def test_a_torch_file_takes_the_compiled_pass_for_its_zip_crcs(tmp_path, kernel, monkeypatch) -> None:
+    """A torch file (Lightning's ``.ckpt``): the I/O workers measure its records and take their zip CRC-32 in one
+    compiled call a shard; the zip's CRC checks pass, it loads bit for bit, its health equals the batched pass's."""
+    import zipfile
+
+    from fastckpt.format.torchfile import verify_torch_file
+
+    calls: list[tuple[str, bool]] = []
+    real = fused.run
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        got = real(*args, **kwargs)
+        calls.append((kwargs.get("checksum", "crc32c"), got is not None))
+        return got
+
+    monkeypatch.setattr(fused, "run", spy)
+    torch.manual_seed(4)
+    state = {"w": torch.randn(300_007), "b": torch.randn(70_001).bfloat16(), "h": torch.randn(9, 5).half(),
+             "step": torch.tensor(3), "e": torch.empty(0)}
+    want = clone_state(state)
+    for mode in ("on", "off"):
+        monkeypatch.setattr(fused, "kernel", (lambda m, n: kernel) if mode == "on" else (lambda m, n: None))
+        with Checkpointer(CheckpointConfig(root=str(tmp_path / mode), persist={"chunk_bytes": 1 << 16})) as ck:
+            ck.save_file(state, "a.ckpt", step=1).wait()
+        path = tmp_path / mode / "a.ckpt"
+        with zipfile.ZipFile(path) as z:
+            assert z.testzip() is None  # every record's CRC-32 is right
+        assert verify_torch_file(str(path)) == []
+        assert_bit_equal(want, torch.load(path, weights_only=True))
+        if mode == "on":
+            assert calls and all(ok and name == "crc32" for name, ok in calls), calls
+    from fastckpt.format.health import file_health
+    from fastckpt.storage.local import LocalStorage
+
+    on, off = (file_health(LocalStorage(str(tmp_path / m)), str(tmp_path / m / "a.ckpt")) for m in ("on", "off"))
+    assert on is not None and off is not None and on["healthy"] and on.keys() == off.keys()

@@ -270,7 +270,9 @@ def test_io_worker_batched_pass_reads_each_tensor_once(tmp_path: Path, monkeypat
     and the checkpoint verifies on load and restores bit for bit."""
     import fastckpt.format.batchpass as batchpass
     import fastckpt.format.health as health
+    from tests import passpaths
 
+    passpaths.use(monkeypatch, "batched")  # the compiled pass's twin: tests/test_fused_pass.py
     measured: Counter = Counter()
     real_run = batchpass.run
 

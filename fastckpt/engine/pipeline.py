@@ -18,101 +18,41 @@ import logging
 import queue
 import threading
 import time
-import uuid
 from contextlib import nullcontext
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
+from ..config import StagingOptions
 from ..errors import FastCkptError, StorageError
 from ..format import fused
 from ..format.health import HealthPart, attr_bytes, measured, summarize
 from ..format.layout import CheckpointInfo
 from ..format.openlayout import OPEN_LAYOUT
-from ..format.plan import Plan, Shard
-from ..format.protocol import FileFormat, ShardResult
+from ..format.plan import Shard
+from ..format.protocol import ShardResult
 from ..storage.protocol import Storage
 from .distributed import Coordinator
 from .guard import LazyOrder, VersionGuard
-from .handle import SaveHandle
 from .seal import Seal
 from .stagedcheck import StagedChecker, check_staged
 from .sealing import await_seal, record_staged, seal_job
 from .priority import ThreadPriorities
-from .sharedfile import SharedFileWrite
 from .affinity import ThreadPlacement
+from .job import Job
 from .cpugate import CpuGate, auto_limit
 from .onepass import stage_batched
 from .serialops import serial_here
 from .cudastage import all_landed, landed, queue_shard, shard_stats, submitted
-from .staging import HostArena, Slot, copy_entries
-from .streams import CudaCopy, host_wait, shard_events, snapshotted
+from .staging import HostArena, copy_entries
+from .streams import host_wait, shard_events, snapshotted
 from .writepace import WritePacer
 
 __all__ = ["Job", "Pipeline"]
 
 log = logging.getLogger("fastckpt")
 _ids = itertools.count(1)
-
-
-@dataclass(eq=False)
-class Job:
-    """One snapshot on its way to storage."""
-
-    handle: SaveHandle
-    plan: Plan
-    slot: Slot
-    tensors: list[torch.Tensor | None]  # a source is dropped once its copy is queued (GPU memory)
-    keys: list[str]
-    numpy: list[bool]
-    tree: Any
-    objects: bytes | None
-    dirpath: str
-    t0: float
-    uid: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
-    writes: list[Future] = field(default_factory=list)
-    cuda: CudaCopy | None = None  # per-device streams and ready events, when any tensor is on CUDA
-    devices: list[str] = field(default_factory=list)  # each tensor's device (CUDA saves): map_location's key
-    error: BaseException | None = None
-    reported: bool = False  # the error was already raised from save() itself
-    shard_events: dict[tuple[int, int], Any] = field(default_factory=dict)  # (shard, device) -> copied event
-    copied_at: dict[int, float] = field(default_factory=dict)  # shard -> when its CUDA copies were seen done
-    dtensors: list[dict[str, Any]] = field(default_factory=list)  # DTensorRecord.as_json() of each DTensor leaf
-    guard: VersionGuard | None = None  # version counters of the lazy tensors, taken in save()
-    staged_crcs: dict[int, list[int]] = field(default_factory=dict)  # shm: per shard, each tensor's CRC32C as staged
-    file_format: FileFormat = OPEN_LAYOUT  # the open layout, or a framework's file(s)
-    version_src: list[Any] | None = None  # what the mutation guard watches, per tensor (default: the tensors)
-    shared: SharedFileWrite | None = None  # one file written by every rank: its commit protocol on this rank
-    seal: Seal | None = None  # what the seal compares (lazy snapshots only)
-    # staging.on_mutation "retake": called at the seal with the keys that moved (the refused snapshot is cleared)
-    retake: Callable[[list[str]], None] | None = None
-    retaken: bool = False  # refused and taken again under the same handle: fail quietly, leave the handle alone
-    cleared: threading.Event = field(default_factory=threading.Event)  # set once the committer is done with it
-    # shm: eager shards whose CUDA copies were still in flight when save() returned; the copy thread takes their
-    # CRCs once the copies are done, and only then writes the record (which must claim only checked bytes)
-    unchecked: list[Shard] = field(default_factory=list)
-    to_record: list[Shard] = field(default_factory=list)  # lazy CUDA shards the seal samples once landed
-    health: dict[str, Any] | None = None  # health.enabled: each staged tensor's statistics by key (I/O workers)
-    staged_health: set[int] = field(default_factory=set)  # shards whose statistics the copy thread took (one pass)
-    health_doc: dict[str, Any] | None = None  # their summary (format/health.py), set by the committer
-    stale_mark: Any = None  # engine/stale.py: optimizer steps before this save, and its parameter keys
-    dedup: Any = None  # engine/dedupwrite.py: a direct object-store root's copy source (single writer), or None
-    records: bool = True  # shards list content records (format/contenthash.py): only for an upload with dedup, a copy
-    # source, clones (what reads them); a pass over every byte otherwise spent for nothing
-    cpu_section: Callable[[], Any] = nullcontext  # entered by a format around its CPU-bound work (engine/cpugate.py)
-    token: Any = None  # format/flatcache.py's skeleton the state matched (what the seal derived from it is reused)
-    fused: Any = None  # format/fused.py's compiled kernel, where ready when the copy thread took this job
-
-    # what a FileFormat reads of a save (format/protocol.py's Snapshot)
-    @property
-    def name(self) -> str:
-        return self.handle.name
-
-    @property
-    def step(self) -> int:
-        return self.handle.step
 
 
 class Pipeline:
@@ -146,8 +86,9 @@ class Pipeline:
         self._closed = False
         # Called at the seal with a refused snapshot's error (staging.on_mutation "raise"): the owner records it.
         self.on_refused: Callable[[Job, BaseException], None] | None = None
-        self.crc_in_copy = False  # staging.crc_in_copy: the copy thread checksums what it stages (engine/onepass.py)
-        self.compiled_pass = "off"  # staging.compiled_pass: that pass in one compiled call a shard (format/fused.py)
+        # staging.crc_in_copy: the copy thread checksums what it stages (engine/onepass.py); staging.compiled_pass:
+        # in one compiled call a shard (format/fused.py). Off unless a Saver hands its config's options over.
+        self.staging = StagingOptions(crc_in_copy=False, compiled_pass="off")
         self.pacer: WritePacer | None = None  # persist.pace_writes (engine/writepace.py)
         self._on_gpu = False  # the newest job's state is on a GPU: training then keeps one CPU busy, not torch's threads
         self.gate = CpuGate(None)  # persist.cpu_threads (engine/cpugate.py): auto until the config says otherwise
@@ -177,6 +118,7 @@ class Pipeline:
     def submit(self, job: Job, lazy: list[Shard]) -> None:
         """Queue ``job``: the copy thread stages ``lazy`` shards, then the committer commits."""
         self._on_gpu = job.cuda is not None
+        job.fused = fused.kernel(self.staging.compiled_pass, job.plan.total_bytes)  # where ready: never waits
         submitted(job)  # a device snapshot: the next one waits for these copies (engine/cudastage.py)
         cpus, job.cpu_section = self.placement.want(), self.gate.held  # CPUs resolved here, moved to by the copy thread
         if lazy and not snapshotted(job):  # a device snapshot holds save()'s values: nothing to guard or seal
@@ -241,11 +183,11 @@ class Pipeline:
             job, shards, cpus = item  # type: ignore[misc]
             self.placement.place(cpus)  # off the CPU save() ran on (resolved there), before this thread copies
             try:
-                job.fused = fused.kernel(self.compiled_pass, job.plan.total_bytes)  # asked once a job: no wait
                 if job.cuda is not None:
                     job.cuda.begin_lazy()
                 for shard in shards:
-                    self._copy_shard(job, shard, job.cuda.lazy if job.cuda is not None else None, self.crc_in_copy)
+                    self._copy_shard(job, shard, job.cuda.lazy if job.cuda is not None else None,
+                                     self.staging.crc_in_copy)
                 # shm: every copy queued first, then checksummed as they land (engine/stagedcheck.py); job.unchecked
                 # were queued in save(), so mostly landed by now: the lazy copies above were not held behind them
                 if job.slot.dir is not None:  # CPU-bound on a CPU state (CUDA: it waits for the copies first)

@@ -15,7 +15,6 @@ import contextlib
 import itertools
 import threading
 from concurrent.futures import Future
-from typing import Any
 
 import psutil
 import torch
@@ -35,7 +34,9 @@ class Prewarm:
 
     def __init__(self, arena: HostArena, compiled_pass: str = "off") -> None:
         self._arena = arena
-        self._compiled_pass = compiled_pass  # staging.compiled_pass: its warm-up starts at prewarm() too
+        self._compiled_pass = compiled_pass  # staging.compiled_pass: its warm-up starts at prewarm() too...
+        if compiled_pass == "on":
+            fused.warm("on")  # ...and, with "on", now: compiled while the model is built, ready for the first save
         self._threads: list[threading.Thread] = []
 
     def start(self, plan: Plan, devices: list[int]) -> Future:

@@ -21,7 +21,6 @@ from ..config import CheckpointConfig
 from ..errors import ConfigError, FastCkptError, FolderRemovedError, StateMismatchError, StorageError
 from ..format.bundle import FileBundle
 from ..format.codec import dumps_objects
-from ..format import fused
 from ..format.flatcache import FlatCache
 from ..format.identity import address, named_addresses
 from ..format.layout import CheckpointInfo
@@ -85,10 +84,7 @@ class Saver:
         self._moved: set[str] = set()  # keys a seal found moved (on_mutation retake): staged eagerly from then on
         self._retaking: SaveHandle | None = None  # set while a refused snapshot is taken again under its handle
         try:  # the pipeline's threads run now: a failure below stops them, so a refused constructor leaves none
-            self.pipeline.on_refused, self.pipeline.crc_in_copy = self._on_refused, config.staging.crc_in_copy
-            self.pipeline.compiled_pass = config.staging.compiled_pass
-            if config.staging.compiled_pass == "on":
-                fused.warm("on")  # compiled while the model is built: ready for the first save
+            self.pipeline.on_refused, self.pipeline.staging = self._on_refused, config.staging
             self.pipeline.pacer = WritePacer(config.persist.chunk_bytes) if config.persist.pace_writes else None
             self.pipeline.cpu_threads(config.persist.cpu_threads)
             gate = self.pipeline.gate

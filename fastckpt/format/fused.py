@@ -74,11 +74,11 @@ import fastckpt.format.fusedkernels
 
 
 class Kernel:
-    """The compiled kernel, with the address of the C function it checksums through."""
+    """The compiled kernel, with the C functions it checksums through: ``sums[name] = (address, flip)``."""
 
-    def __init__(self, fn: Any, crcfn: int) -> None:
+    def __init__(self, fn: Any, sums: dict[str, tuple[int, int]]) -> None:
         self.fn = fn
-        self.crcfn = crcfn
+        self.sums = sums
         self._local = threading.local()
 
     def scratch(self) -> np.ndarray:
@@ -89,20 +89,35 @@ class Kernel:
         return s
 
 
-def _crc_function() -> int:
-    """The address of the crc32c package's C function (``uint32_t f(uint32_t crc, const void *p, size_t n)``,
-    the running value xor-ed with 0xFFFFFFFF), checked against the package's own result."""
+def _checksums() -> dict[str, tuple[int, int]]:
+    """The C functions the kernel checksums through, each checked against fastckpt's own checksum: ``crc32c``, the
+    crc32c package's (``uint32_t f(uint32_t crc, const void *p, size_t n)``, its running value the inverted
+    register: flip 0xFFFFFFFF) and, where zlib-ng is installed, ``crc32``, its ``zng_crc32`` (zlib's convention:
+    flip 0)."""
     import crc32c
     import crc32c._crc32c as ext
 
+    from .checksum import crc32 as zip_crc32
+    from .checksum import crc32c as fast_crc32c
+
+    probe = bytes(range(256)) * 3
+    found: dict[str, tuple[int, int]] = {}
     lib = ctypes.CDLL(ext.__file__)
     fn = getattr(lib, "_crc32c_hw_adler" if getattr(crc32c, "hardware_based", False) else "_crc32c_sw_slicing_by_8")
-    fn.argtypes = [ctypes.c_uint32, ctypes.c_char_p, ctypes.c_size_t]
-    fn.restype = ctypes.c_uint32
-    probe = bytes(range(256)) * 3
-    if fn(0xFFFFFFFF, probe, len(probe)) ^ 0xFFFFFFFF != crc32c.crc32c(probe):
+    fn.argtypes, fn.restype = [ctypes.c_uint32, ctypes.c_char_p, ctypes.c_size_t], ctypes.c_uint32
+    if fn(0xFFFFFFFF, probe, len(probe)) ^ 0xFFFFFFFF != fast_crc32c(probe):
         raise RuntimeError("the crc32c package's C function does not compute CRC32C as expected")
-    return int(ctypes.cast(fn, ctypes.c_void_p).value or 0)
+    found["crc32c"] = (int(ctypes.cast(fn, ctypes.c_void_p).value or 0), 0xFFFFFFFF)
+    try:
+        import zlib_ng.zlib_ng as zng
+
+        zfn = ctypes.CDLL(zng.__file__).zng_crc32
+    except (ImportError, OSError, AttributeError):
+        return found  # a torch file's records take the batched pass
+    zfn.argtypes, zfn.restype = [ctypes.c_uint32, ctypes.c_char_p, ctypes.c_uint32], ctypes.c_uint32
+    if zfn(0, probe, len(probe)) == zip_crc32(probe):
+        found["crc32"] = (int(ctypes.cast(zfn, ctypes.c_void_p).value or 0), 0)
+    return found
 
 
 class _Loader:
@@ -135,7 +150,7 @@ class _Loader:
         try:
             if importlib.util.find_spec("numba") is None:
                 raise ModuleNotFoundError("numba is not installed (pip install numba)")
-            crcfn = _crc_function()
+            sums = _checksums()
             root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
             child = subprocess.run([sys.executable, "-c", _CHILD, root], capture_output=True, text=True,
                                    timeout=_CHILD_TIMEOUT_S, stdin=subprocess.DEVNULL)
@@ -143,7 +158,7 @@ class _Loader:
                 raise RuntimeError(f"compiling the kernel failed (exit code {child.returncode}): "
                                    f"{child.stderr.strip()[-600:]}")
             module = importlib.import_module("fastckpt.format.fusedkernels")  # numba's cache: no compile here
-            got = Kernel(module.shard_pass, crcfn)
+            got = Kernel(module.shard_pass, sums)
             _self_test(got)
         except BaseException as e:  # noqa: BLE001 - the batched pass stays; said once
             self.reason = f"{type(e).__name__}: {e}"
@@ -250,16 +265,17 @@ def _sources(lay: Any, tensors: Sequence[torch.Tensor | None],
 
 
 def run(k: Kernel, lay: Any, *, tensors: Sequence[torch.Tensor | None] | None, health: bool,
-        plain: Callable[[torch.Tensor], bool] = _plain) -> tuple[list[int], dict[int, dict[str, Any]]] | None:
+        plain: Callable[[torch.Tensor], bool] = _plain,
+        checksum: str = "crc32c") -> tuple[list[int], dict[int, dict[str, Any]]] | None:
     """One compiled call over the shard of ``lay`` (format/batchpass.py's ``Layout``): copy each entry from
-    ``tensors`` (where given), then each entry's CRC32C (in ``lay.entries`` order) and, with ``health``, its
-    statistics by position, as ``batchpass.run`` returns them (``plain``: whether a source may be read as its
-    bytes). None where the shard is not covered (see the module
+    ``tensors`` (where given), then each entry's ``checksum`` (``crc32c``, or a torch file's zip ``crc32``; in
+    ``lay.entries`` order) and, with ``health``, its statistics by position, as ``batchpass.run`` returns them
+    (``plain``: whether a source may be read as its bytes). None where the shard is not covered (see the module
     docstring): the caller takes the batched pass."""
     plan = lay.fused
     if plan is None:
         plan = lay.fused = _plan(lay) or False
-    if plan is False:
+    if plan is False or checksum not in k.sums:
         return None
     got = (plan.dsts, None) if tensors is None else _sources(lay, tensors, plain)
     if got is None:
@@ -270,7 +286,8 @@ def run(k: Kernel, lay: Any, *, tensors: Sequence[torch.Tensor | None] | None, h
     tops = np.zeros(n, dtype=np.uint64)
     sqs = np.zeros(n, dtype=np.float64)
     kinds = plan.kinds if health else plan.plain
-    k.fn(kinds, srcs, plan.dsts, plan.ns, k.crcfn, CHUNK, tensors is not None, crcs, tops, sqs, k.scratch())
+    fn, flip = k.sums[checksum]
+    k.fn(kinds, srcs, plan.dsts, plan.ns, fn, flip, CHUNK, tensors is not None, crcs, tops, sqs, k.scratch())
     del keep  # the sources' storages, held through the call
     return crcs.tolist(), (_stats(lay, kinds, tops.tolist(), sqs.tolist()) if health else {})
 
@@ -305,8 +322,10 @@ def _stats(lay: Any, kinds: np.ndarray, tops: list[int], sqs: list[float]) -> di
 
 
 def _self_test(k: Kernel) -> None:
-    """The kernel against the package's CRC32C and torch's reductions, over each kind, before it is trusted."""
-    import crc32c
+    """The kernel against fastckpt's checksums and torch's reductions, over each kind, before it is trusted."""
+    from .checksum import crc32, crc32c
+
+    want_sum = {"crc32c": crc32c, "crc32": crc32}
 
     g = torch.Generator().manual_seed(0)
     values = {torch.float32: torch.randn(70001, generator=g), torch.float64: torch.randn(9001, generator=g,
@@ -316,11 +335,13 @@ def _self_test(k: Kernel) -> None:
         raw = src.view(torch.uint8)
         dst = torch.empty_like(raw)
         kinds = np.array([_KINDS[dtype]], dtype=np.int8)
-        crcs, tops, sqs = np.zeros(1, np.uint32), np.zeros(1, np.uint64), np.zeros(1, np.float64)
-        k.fn(kinds, np.array([raw.data_ptr()], np.int64), np.array([dst.data_ptr()], np.int64),
-             np.array([raw.numel()], np.int64), k.crcfn, 4096, True, crcs, tops, sqs, k.scratch())
         want = float(src.double().abs().max())
         l2 = float(src.double().square().sum().sqrt())
-        if (not torch.equal(dst, raw) or int(crcs[0]) != crc32c.crc32c(raw.numpy())
-                or _magnitude(int(kinds[0]), int(tops[0])) != want or abs(math.sqrt(sqs[0]) - l2) > 1e-9 * l2):
-            raise RuntimeError(f"the compiled kernel's self-test failed for {dtype}")
+        for name, (fn, flip) in k.sums.items():
+            crcs, tops, sqs = np.zeros(1, np.uint32), np.zeros(1, np.uint64), np.zeros(1, np.float64)
+            dst.zero_()
+            k.fn(kinds, np.array([raw.data_ptr()], np.int64), np.array([dst.data_ptr()], np.int64),
+                 np.array([raw.numel()], np.int64), fn, flip, 4096, True, crcs, tops, sqs, k.scratch())
+            if (not torch.equal(dst, raw) or int(crcs[0]) != want_sum[name](raw.numpy())
+                    or _magnitude(int(kinds[0]), int(tops[0])) != want or abs(math.sqrt(sqs[0]) - l2) > 1e-9 * l2):
+                raise RuntimeError(f"the compiled kernel's self-test failed for {dtype} ({name})")

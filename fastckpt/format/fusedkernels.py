@@ -8,13 +8,13 @@ compiles it first in a child process (filling the cache) and imports it here onl
 
 The kernel walks a shard's entries (each a source pointer, a destination pointer in the staged buffer, a byte
 count and a kind) in chunks of ``chunk`` bytes: for each chunk it copies the bytes (where asked), takes the CRC32C
-of the *staged* copy through the crc32c package's own C function (its address is an argument, so that the compiled
-code holds no process-specific constant and can be cached), and reduces the staged values (the largest magnitude
-and the sum of squares in float64) while the chunk is still in cache. Kinds: 0 float32, 1 float64, 2 bfloat16 (widened through a
-float32 scratch), 3 bytes only (copied and checksummed; the caller measures them). The largest magnitude is kept as
-its bits: a NaN or an Inf anywhere in an entry shows there (bits at or above the exponent's all-ones), and a sum
-of squares beyond float64 shows as a non-finite sum; either tells the caller to measure that entry value for value
-instead.
+of the *staged* copy (or zip's CRC-32, a torch file's) through the C function of the package that computes it for
+fastckpt (its address is an argument, so that the compiled code holds no process-specific constant and can be
+cached), and reduces the staged values (the largest magnitude and the sum of squares in float64) while the chunk is
+still in cache. Kinds: 0 float32, 1 float64, 2 bfloat16 (widened through a float32 scratch), 3 bytes only
+(copied and checksummed; the caller measures them). The largest magnitude is kept as its bits: a NaN or an Inf
+anywhere in an entry shows there (bits at or above the exponent's all-ones), and a sum of squares beyond float64
+shows as a non-finite sum; either tells the caller to measure that entry value for value instead.
 """
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ __all__ = ["KINDS", "SIGNATURE", "shard_pass"]
 KINDS = {"float32": 0, "float64": 1, "bfloat16": 2, "bytes": 3}
 
 SIGNATURE = types.void(types.int8[::1], types.int64[::1], types.int64[::1], types.int64[::1], types.int64,
-                       types.int64, types.boolean, types.uint32[::1], types.uint64[::1], types.float64[::1],
-                       types.uint32[::1])
+                       types.uint32, types.int64, types.boolean, types.uint32[::1], types.uint64[::1],
+                       types.float64[::1], types.uint32[::1])
 
 
 @intrinsic
@@ -44,7 +44,7 @@ def _ptr(typingctx, addr):  # type: ignore[no-untyped-def]
 @intrinsic
 def _crc(typingctx, fn, value, addr, n):  # type: ignore[no-untyped-def]
     """Call ``uint32_t fn(uint32_t crc, const uint8_t *data, size_t n)`` at address ``fn`` (the crc32c package's
-    C function, which continues a CRC32C given the running value xor-ed with 0xFFFFFFFF)."""
+    C function, or zlib-ng's ``zng_crc32``, whose 32-bit length reads the low half of ``n``: a chunk's size)."""
     def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
         fnty = ir.FunctionType(ir.IntType(32), [ir.IntType(32), cgutils.voidptr_t, ir.IntType(64)])
         target = builder.inttoptr(args[0], fnty.as_pointer())
@@ -81,16 +81,19 @@ def _reduce64(bits, values):  # type: ignore[no-untyped-def]
 
 
 @njit(SIGNATURE, fastmath=True, nogil=True, cache=True)
-def shard_pass(kinds, srcs, dsts, ns, crcfn, chunk, copy, crcs, tops, sqs, scratch):  # type: ignore[no-untyped-def]
+def shard_pass(kinds, srcs, dsts, ns, crcfn, flip, chunk, copy, crcs, tops, sqs,  # type: ignore[no-untyped-def]
+               scratch):
     """For each entry ``i``: copy ``ns[i]`` bytes from ``srcs[i]`` to ``dsts[i]`` (with ``copy``), and set
-    ``crcs[i]`` to the CRC32C of the bytes at ``dsts[i]`` and, for a float kind, ``tops[i]`` to the bits of their
-    largest magnitude (in the kind's own width) and ``sqs[i]`` to their float64 sum of squares (``scratch``: at
+    ``crcs[i]`` to the checksum of the bytes at ``dsts[i]`` (``crcfn`` continues a running value; ``flip`` is
+    xor-ed into it before the first call and after the last: 0xFFFFFFFF for the crc32c package's function, whose
+    running value is the inverted register, 0 for zlib's ``crc32``) and, for a float kind, ``tops[i]`` to the bits
+    of their largest magnitude (in the kind's own width) and ``sqs[i]`` to their float64 sum of squares (``scratch``: at
     least ``chunk // 2`` slots, bfloat16's widening)."""
     wide = scratch.view(np.float32)
     for i in range(kinds.size):
         kind = kinds[i]
         n = ns[i]
-        crc = np.uint32(0xFFFFFFFF)
+        crc = flip
         top = np.uint64(0)
         sq = 0.0
         at = 0
@@ -117,6 +120,6 @@ def shard_pass(kinds, srcs, dsts, ns, crcfn, chunk, copy, crcs, tops, sqs, scrat
             top = t if t > top else top
             sq += c
             at += k
-        crcs[i] = crc ^ np.uint32(0xFFFFFFFF)
+        crcs[i] = crc ^ flip
         tops[i] = top
         sqs[i] = sq

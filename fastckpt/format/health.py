@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from . import batchpass, fused
-from .checksum import crc32c
+from .checksum import crc32, crc32c
 from .healthpass import shard_pass, tensor_pass
 from .healthrecord import (HEALTH_ATTR, SIDECAR_SUFFIX, attr_bytes, check_health, content_digest, content_tie,
                            delete_with_record, file_health, fingerprints, healthy_of, parse_sidecar, sidecar_bytes,
@@ -49,8 +49,9 @@ def shard_health(job: Any, shard: Any, raw: torch.Tensor, fmt: Any, layout: Any 
     checksum = getattr(fmt, "pass_checksum", None)
     crc = checksum or (getattr(fmt, "crc32c_per_tensor", False) and shard.index not in job.staged_crcs)
     got = None
-    if layout is not None and checksum is None and getattr(job, "fused", None) is not None:
-        got = fused.run(job.fused, layout, tensors=None, health=True)  # one compiled call (CRC32C or none)
+    if layout is not None and getattr(job, "fused", None) is not None:  # one compiled call (format/fused.py)
+        got = fused.run(job.fused, layout, tensors=None, health=True,
+                        checksum="crc32" if checksum is crc32 else "crc32c" if checksum is None else "")
     if layout is not None:
         by_pos, measured_ = got or batchpass.run(layout, raw, checksum=checksum or (crc32c if crc else None),
                                                  health=True)
