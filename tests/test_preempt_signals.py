@@ -180,3 +180,34 @@ def test_a_second_signal_during_the_flush_reaches_the_chain_too(tmp_path, first,
     if code == 0:  # nothing ended it: training went on after handing both on
         assert "ran" in lines
     _final_checkpoint(root, newest=code != 0)
+
+
+def test_no_fastckpt_thread_takes_a_signal_sent_to_the_process(tmp_path) -> None:
+    """A signal sent to the process goes to a thread that does not block it; fastckpt's background threads (some at
+    the idle policy, which a busy machine may not run for seconds) all block the asynchronous ones, so it reaches the
+    training thread at once (engine/threadsignals.py). Beside two CPU-bound processes a second preemption signal
+    was lost: taken by an idle-policy I/O worker still not run when the flush ended."""
+    import threading
+
+    import torch
+
+    from fastckpt import CheckpointConfig, Checkpointer
+    from fastckpt.engine.threadsignals import ASYNC_SIGNALS
+
+    def blocked(tid: int) -> set[int]:
+        for line in Path(f"/proc/self/task/{tid}/status").read_text().splitlines():
+            if line.startswith("SigBlk:"):
+                mask = int(line.split()[1], 16)
+                return {s for s in range(1, 65) if mask >> (s - 1) & 1}
+        raise AssertionError("no SigBlk line")
+
+    with Checkpointer(CheckpointConfig(root=str(tmp_path), persist={"priority": "idle", "workers": 2},
+                                       remote={"url": f"memory://threadsignals-{os.getpid()}"})) as ck:
+        ck.save({"w": torch.randn(1000)}, 1).wait()
+        threads = [t for t in threading.enumerate() if t.name.startswith(("fastckpt-io", "fastckpt-copy",
+                                                                          "fastckpt-commit", "fastckpt-up"))]
+        kinds = {"-".join(t.name.split("_")[0].split("-")[:2]) for t in threads}
+        assert {"fastckpt-io", "fastckpt-copy", "fastckpt-commit", "fastckpt-upload"} <= kinds, kinds
+        for t in threads:
+            assert ASYNC_SIGNALS <= blocked(t.native_id), (t.name, sorted(ASYNC_SIGNALS - blocked(t.native_id)))
+        assert not ASYNC_SIGNALS & blocked(threading.get_native_id())  # the training thread takes them

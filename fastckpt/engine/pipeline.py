@@ -44,6 +44,7 @@ from .job import Job
 from .cpugate import CpuGate, auto_limit
 from .onepass import stage_batched
 from .serialops import serial_here
+from .threadsignals import quiet
 from .cudastage import all_landed, landed, queue_shard, shard_stats, submitted
 from .staging import HostArena, copy_entries
 from .streams import host_wait, shard_events, snapshotted
@@ -71,16 +72,16 @@ class Pipeline:
         n = next(_ids)  # several Checkpointers may live in one process
         self.placement = ThreadPlacement()  # persist.background_cpus: which CPUs these threads run on (affinity.py)
         self._io = ThreadPoolExecutor(workers, thread_name_prefix=f"fastckpt-io-{n}",  # serial: engine/serialops.py
-                                      initializer=self.placement.with_(self._priorities.enlist, serial_here))
+                                      initializer=self.placement.with_(quiet, self._priorities.enlist, serial_here))
         # Never lowered (its threads start from the copy or training thread): takes the writes while the
         # lowered ones are behind and the kernel refused to raise them (ThreadPriorities.boost).
         self._boost = ThreadPoolExecutor(workers, thread_name_prefix=f"fastckpt-boost-{n}",
-                                         initializer=self.placement.with_(serial_here))
+                                         initializer=self.placement.with_(quiet, serial_here))
         self._copy_q: queue.Queue[Job | None] = queue.Queue()
         self._commit_q: queue.Queue[Any] = queue.Queue()
         self._copier = threading.Thread(target=self._copy_loop, name=f"fastckpt-copy-{n}", daemon=True)
         self._committer = threading.Thread(target=self._commit_loop, name=f"fastckpt-commit-{n}", daemon=True)
-        self._checker = StagedChecker(f"fastckpt-crc-{n}", self.placement.enlist)  # shm: staged bytes' CRCs
+        self._checker = StagedChecker(f"fastckpt-crc-{n}", self.placement.with_(quiet))  # shm: staged bytes' CRCs
         self._copier.start()
         self._committer.start()
         self._closed = False
@@ -174,6 +175,7 @@ class Pipeline:
 
     def _copy_loop(self) -> None:
         # Normal priority: the next optimizer step waits for it (starved, overlap turns into a stall); writes can yield
+        quiet()  # signals go to the training thread (engine/threadsignals.py)
         self.placement.enlist()
         serial_here()  # its copies and reductions never fan out onto the training thread's core
         while True:
@@ -288,6 +290,7 @@ class Pipeline:
     # ---- committer -----------------------------------------------------------------
 
     def _commit_loop(self) -> None:
+        quiet()
         self._priorities.enlist()
         self.placement.enlist()
         while True:

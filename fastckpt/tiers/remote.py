@@ -52,6 +52,7 @@ from ..format.layout import CheckpointInfo
 from ..engine.handle import SaveHandle
 from ..format.paths import confine
 from ..engine.priority import ThreadPriorities
+from ..engine.threadsignals import quiet
 from ..storage.fsspec import FsspecStorage
 from ..storage.partplan import Record, SourceRecord
 from ..storage.protocol import Storage
@@ -112,7 +113,7 @@ class RemoteTier:
         self._dedup = dedup and getattr(remote, "copies_ranges", False)
         n = next(_ids)
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix=f"fastckpt-up-{n}",
-                                        initializer=self._priorities.enlist)
+                                        initializer=lambda: (quiet(), self._priorities.enlist()))
         self._q: queue.Queue[Any] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name=f"fastckpt-upload-{n}", daemon=True)
         self._thread.start()
@@ -178,6 +179,7 @@ class RemoteTier:
     # ---- upload thread ----------------------------------------------------------------
 
     def _loop(self) -> None:
+        quiet()  # signals go to the training thread (engine/threadsignals.py)
         self._priorities.enlist()
         while True:
             item = self._q.get()
