@@ -13,7 +13,9 @@ import ctypes.util
 import gc
 import json
 import random
+import os
 import warnings
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -148,6 +150,9 @@ def test_what_the_kernel_does_not_cover_goes_to_the_batched_pass(kernel) -> None
     assert fused.run(kernel, lay, tensors=[src.double().t()], health=True) is None  # not the staged dtype
     assert fused.run(kernel, lay, tensors=[None], health=True) is None  # gone: the batched pass names it
     assert fused.run(kernel, lay, tensors=[src.t().contiguous()], health=True) is not None
+    short = Layout.of(torch.zeros(src.numel() * 4, dtype=torch.uint8), entries, [torch.float32])
+    short.buf = torch.zeros(src.numel() * 4 - 4, dtype=torch.uint8)  # a layout whose buffer is too short
+    assert fused.run(kernel, short, tensors=[src.t().contiguous()], health=True) is None  # never written past the end
 
 
 def test_a_source_whose_data_is_swapped_is_read_from_the_storage_kept(kernel, monkeypatch) -> None:
@@ -348,3 +353,26 @@ def test_a_torch_file_takes_the_compiled_pass_for_its_zip_crcs(tmp_path, kernel,
 
     on, off = (file_health(LocalStorage(str(tmp_path / m)), str(tmp_path / m / "a.ckpt")) for m in ("on", "off"))
     assert on is not None and off is not None and on["healthy"] and on.keys() == off.keys()
+
+
+def test_a_damaged_kernel_cache_is_compiled_afresh(tmp_path) -> None:
+    """Garbage planted over numba's cache files of the kernel (a disk error, a hostile write): numba raises on them
+    instead of compiling again; the warm-up's child removes them and compiles, and the kernel is ready."""
+    import shutil
+    import subprocess
+    import sys
+
+    pkg = Path(fused.__file__).resolve().parent.parent
+    copy = tmp_path / "fastckpt"
+    shutil.copytree(pkg, copy, ignore=shutil.ignore_patterns("*.pyc"))
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from fastckpt.format import fused; "
+            "print(fused.warm('on').result(timeout=600) is not None, fused.state())")
+    first = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert first.stdout.startswith("True"), first.stdout + first.stderr
+    cached = list((copy / "format" / "__pycache__").glob("fusedkernels.*.nb*"))
+    assert cached, "no cache files next to the kernel's module"
+    for f in cached:
+        f.write_bytes(os.urandom(200))
+    again = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert again.stdout.startswith("True"), again.stdout + again.stderr
+    assert "RuntimeWarning" not in again.stderr, again.stderr

@@ -24,7 +24,9 @@ hold left, once per process). It starts at the first save of at least ``MIN_BYTE
 states gain nothing worth a child process), at ``Checkpointer`` construction (``on``), or at ``prewarm()``; until it
 is done, shards take the batched pass. A warm-up that fails (numba missing, a compiler error, a kernel whose
 results disagree with the self-test) leaves the batched pass in place, said once (a ``RuntimeWarning``; ``auto``
-without numba installed says nothing).
+without numba installed says nothing). A damaged entry of the cache next to the module (numba raises on it instead
+of compiling again) is removed by the child, which then compiles afresh. numba's cache holds pickled code: it is
+trusted as the package's own files are (the same folder, or numba's user-wide cache).
 """
 from __future__ import annotations
 
@@ -69,7 +71,15 @@ for name, path in (("fastckpt", root), ("fastckpt.format", os.path.join(root, "f
     module = types.ModuleType(name)
     module.__path__ = [path]
     sys.modules[name] = module
-import fastckpt.format.fusedkernels
+try:
+    import fastckpt.format.fusedkernels
+except Exception:  # a damaged cache entry: numba refuses it rather than compiling again; removed, compiled afresh
+    cache = os.path.join(root, "format", "__pycache__")
+    for name in os.listdir(cache) if os.path.isdir(cache) else ():
+        if name.startswith("fusedkernels.") and name.endswith((".nbi", ".nbc")):
+            os.remove(os.path.join(cache, name))
+    sys.modules.pop("fastckpt.format.fusedkernels", None)
+    import fastckpt.format.fusedkernels
 """
 
 
@@ -220,8 +230,10 @@ class _Plan:
 
 def _plan(lay: Any) -> _Plan | None:
     kinds = []
-    base = lay.buf.data_ptr()
+    base, size = lay.buf.data_ptr(), lay.buf.numel() * lay.buf.element_size()
     for e, dt in zip(lay.entries, lay.dtypes):
+        if e.offset < 0 or e.nbytes < 0 or e.offset + e.nbytes > size:  # the kernel writes by address: never past
+            return None  # the buffer (the batched pass's views would name the mismatch)
         kind = _KINDS.get(dt)
         if kind is not None and e.nbytes and e.offset % dt.itemsize == 0 and e.nbytes % dt.itemsize == 0:
             kinds.append(kind)
