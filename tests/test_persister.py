@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+import fastckpt.format.fused as fused
 from fastckpt import CheckpointConfig, Checkpointer, ConfigError, StorageError
 from fastckpt.tiers.persister import PersistedPipeline
 from tests import persister_children as kids
@@ -67,6 +68,9 @@ def test_persister_writes_the_same_bytes_as_the_thread_path(tmp_path, monkeypatc
     shm = tmp_path / "shm"
     shm.mkdir()
     trees = {}
+    # Both measured by the torch pass: the persister's process does not load the compiled one (format/fused.py),
+    # whose l2s agree with it within 1e-6, not to the last bit of the manifest
+    monkeypatch.setattr(fused, "kernel", lambda mode, nbytes: None)
     for process in ("off", "on"):
         counter = itertools.count()
         monkeypatch.setattr(uuid, "uuid4", lambda: uuid.UUID(int=next(counter)))  # the same uids in both runs
