@@ -50,6 +50,11 @@ def _shard(rng: random.Random) -> tuple[list[torch.Tensor], list[TensorEntry], t
             elif kind == "big" and dtype in (torch.float32, torch.float64):
                 t[at] = 3e20
         srcs.append(t)
+    return laid_out(srcs)
+
+
+def laid_out(srcs: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[TensorEntry], torch.Tensor]:
+    """``srcs`` laid out as format/plan.py lays a shard (widest dtype first, back to back), and a zeroed buffer."""
     order = sorted(range(len(srcs)), key=lambda i: (-srcs[i].element_size(), i))
     entries: list[Any] = [None] * len(srcs)
     offset = 0
@@ -73,6 +78,13 @@ def test_batched_pass_equals_the_reference_for_every_layout(monkeypatch, piece: 
             ctypes.memmove(buf.data_ptr() + e.offset + p.at, srcs[e.index].data_ptr() + p.at, p.n)
 
     crcs, stats = batchpass.run(lay, buf, checksum=crc32c, health=True, fill=fill)
+    assert_reference(lay, buf, srcs, crcs, stats)
+
+
+def assert_reference(lay: Any, buf: torch.Tensor, srcs: list[torch.Tensor], crcs: list[int],
+                     stats: dict[int, dict[str, Any]]) -> None:
+    """The staged bytes equal the sources, and each entry's CRC32C and statistics equal the reference's (exactly,
+    ``l2`` within 1e-6): what every pass over a shard must give (also tests/test_fused_pass.py)."""
     for pos, e in enumerate(lay.entries):
         raw = buf[e.offset:e.offset + e.nbytes]
         src = srcs[e.index].reshape(-1)

@@ -28,7 +28,8 @@ from fastckpt.format.batchpass import Layout
 from fastckpt.format.checksum import crc32
 from fastckpt.format.plan import TensorEntry
 from tests.helpers import assert_bit_equal, clone_state
-from tests.test_healthpass import _random, _reference
+from tests.test_batchpass import assert_reference, laid_out
+from tests.test_healthpass import _random
 
 _KINDS = [torch.float32] * 5 + [torch.float64, torch.bfloat16, torch.bfloat16]
 _OTHERS = [torch.float16, torch.int64, torch.int8, torch.bool, torch.complex64]
@@ -72,30 +73,7 @@ def _shard(rng: random.Random, others: bool = True) -> tuple[list[torch.Tensor],
         t = _random(n, dtype)
         _value(t, rng)
         srcs.append(t.reshape(-1) if rng.random() < 0.8 or t.numel() % 7 else t.reshape(7, -1))
-    order = sorted(range(len(srcs)), key=lambda i: (-srcs[i].element_size(), i))
-    entries: list[Any] = [None] * len(srcs)
-    offset = 0
-    for i in order:
-        nbytes = srcs[i].numel() * srcs[i].element_size()
-        entries[i] = TensorEntry(i, srcs[i].dtype, tuple(srcs[i].shape), nbytes, True, 0, offset)
-        offset += nbytes
-    return srcs, entries, torch.zeros(offset, dtype=torch.uint8)
-
-
-def _assert_reference(lay: Layout, buf: torch.Tensor, srcs: list[torch.Tensor], crcs: list[int],
-                      stats: dict[int, dict[str, Any]]) -> None:
-    for pos, e in enumerate(lay.entries):
-        raw = buf[e.offset:e.offset + e.nbytes]
-        assert bytes(raw.numpy()) == bytes(srcs[e.index].reshape(-1).view(torch.uint8).numpy()), e
-        want = _reference(raw, e.dtype)
-        assert crcs[pos] == want["crc"], e
-        got = stats[pos]
-        for field in ("n", "nan", "inf", "absmax", "fp"):
-            assert got[field] == want[field], (field, e, got, want)
-        if not want["l2"]:
-            assert got["l2"] == want["l2"], (e, got, want)
-        else:
-            assert abs(got["l2"] - want["l2"]) / want["l2"] < 1e-6, (e, got, want)
+    return laid_out(srcs)
 
 
 def test_both_checksums_are_found(kernel) -> None:
@@ -108,10 +86,10 @@ def test_the_compiled_pass_equals_the_reference(kernel, seed: int) -> None:
     lay = Layout.of(buf, entries, [e.dtype for e in entries])
     got = fused.run(kernel, lay, tensors=srcs, health=True)
     assert got is not None, [(e.dtype, e.nbytes) for e in entries]
-    _assert_reference(lay, buf, srcs, *got)
+    assert_reference(lay, buf, srcs, *got)
     # the I/O workers' form: no copy, the staged bytes measured (a CUDA shard landed by DMA)
     crcs, stats = fused.run(kernel, lay, tensors=None, health=True)  # type: ignore[misc]
-    _assert_reference(lay, buf, srcs, crcs, stats)
+    assert_reference(lay, buf, srcs, crcs, stats)
     # health off: the CRCs alone
     buf.zero_()
     crcs2, none = fused.run(kernel, lay, tensors=srcs, health=False)  # type: ignore[misc]
@@ -135,7 +113,7 @@ def test_bfloat16_and_float64_extremes_are_exact(kernel) -> None:
     lay = Layout.of(buf, entries, [torch.float64, torch.bfloat16])
     crcs, stats = fused.run(kernel, lay, tensors=srcs, health=True)  # type: ignore[misc]
     assert stats[0]["absmax"] == 1.7e300 and stats[1]["absmax"] == float(big[fused.CHUNK // 2 + 1].abs())
-    _assert_reference(lay, buf, srcs, crcs, stats)
+    assert_reference(lay, buf, srcs, crcs, stats)
 
 
 def test_what_the_kernel_does_not_cover_goes_to_the_batched_pass(kernel) -> None:
