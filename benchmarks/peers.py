@@ -299,6 +299,14 @@ class FastckptTwoPass(Fastckpt):
     config = {"staging": {"crc_in_copy": False}}
 
 
+class FastckptTorchPass(Fastckpt):
+    """The batched torch pass instead of the compiled one (``staging.compiled_pass: off``): its A/B reference."""
+
+    name = "fastckpt-torchpass"
+    label = "fastckpt (torch pass)"
+    config = {"staging": {"compiled_pass": "off"}}
+
+
 class TorchSnapshot(Peer):
     name = "torchsnapshot"
     label = "torchsnapshot async_take"
@@ -502,10 +510,10 @@ class ByteCheckpoint(Peer):
 
 PEERS: dict[str, type[Peer]] = {p.name: p for p in (TorchSave, LightningAsync, DcpDefault, DcpStager, TorchSnapshot,
                                                     DlroverFlash, ByteCheckpoint, Fastckpt, FastckptShm,
-                                                    FastckptPersister, FastckptTwoPass)}
+                                                    FastckptPersister, FastckptTwoPass, FastckptTorchPass)}
 # fastckpt's variants, compared in turns by ``python -m benchmarks.persister --peers ...``, run in the harness only when
 # named: ``python -m benchmarks.run --peers ...,fastckpt-shm,fastckpt-persister`` (more full runs per section otherwise).
-VARIANTS = ("fastckpt-shm", "fastckpt-persister", "fastckpt-2pass")
+VARIANTS = ("fastckpt-shm", "fastckpt-persister", "fastckpt-2pass", "fastckpt-torchpass")
 ORDER = [name for name in PEERS if name not in VARIANTS]
 LABELS = {name: cls.label for name, cls in PEERS.items()}
 # Peers fastckpt is judged against that this suite cannot run, and why.

@@ -195,6 +195,17 @@ _LOADER = _Loader()
 os.register_at_fork(after_in_child=_LOADER.after_fork)
 
 
+# ``auto`` leaves the copy thread's pass of CPU sources to torch: with every core training (the plain loop, both
+# cores), the compiled pass there stalled training 672 ms a W1 checkpoint against the torch pass's 357 ms (BENCHMARKS.md,
+# "The compiled pass"), while a launch-bound thread stalled half as long. ``on`` takes it there too.
+AUTO_COPY = False
+
+
+def copies(mode: str) -> bool:
+    """Whether the copy thread's one pass of CPU sources takes the kernel under ``mode``."""
+    return mode == "on" or (mode == "auto" and AUTO_COPY)
+
+
 def kernel(mode: str, nbytes: int) -> Kernel | None:
     """The compiled kernel where ``mode`` (``staging.compiled_pass``) allows it and it is ready; a save of
     ``nbytes`` bytes of state starts the warm-up under ``auto`` from ``MIN_BYTES``, and always under ``on``."""
