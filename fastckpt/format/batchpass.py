@@ -43,7 +43,7 @@ import torch
 from .checksum import crc32c
 from .healthpass import GROUP, fingerprints, tensor_pass
 
-__all__ = ["Layout", "Part", "Piece", "PIECE", "RELEASE", "NATIVE", "run", "measure"]
+__all__ = ["Layout", "Part", "Piece", "PIECE", "RELEASE", "NATIVE", "run", "measure", "records"]
 
 NATIVE = (torch.float64, torch.float32, torch.float16, torch.bfloat16)  # measured in groups without conversion
 PIECE = 8 << 20  # bytes a piece's calls cover (see the module docstring)
@@ -347,15 +347,21 @@ def measure(lay: Layout, mv: memoryview) -> dict[int, dict[str, Any]]:
         _collect(lay, lay.small_of, torch.segment_reduce(vals, "max", lengths=lay.small_lengths).tolist(),
                  torch.segment_reduce(vals, "min", lengths=lay.small_lengths).tolist(),
                  torch.segment_reduce(sq, "sum", lengths=lay.small_lengths).tolist(), absmax, squares)
+    return records(lay, mv, {pos: (absmax[pos], squares[pos]) for pos in range(len(lay.entries))
+                             if lay.grouped[pos] and math.isfinite(squares[pos]) and math.isfinite(absmax[pos])})
+
+
+def records(lay: Layout, mv: memoryview, found: dict[int, tuple[float, float]]) -> dict[int, dict[str, Any]]:
+    """Each entry's statistics (by position) from the ``(absmax, sum of squares)`` a pass found for the finite
+    entries of its dtypes (``found``), with their fingerprints; every other entry (another dtype, or a NaN, an Inf
+    or an overflow somewhere in it: rare) measured by the blocked pass, exactly. Also format/fused.py's."""
     out: dict[int, dict[str, Any]] = {}
-    measured = [pos for pos in range(len(lay.entries))
-                if lay.grouped[pos] and math.isfinite(squares[pos]) and math.isfinite(absmax[pos])]
-    fps = fingerprints(mv, [(lay.entries[pos].offset, lay.entries[pos].nbytes) for pos in measured])
-    for pos, fp in zip(measured, fps):
+    fps = fingerprints(mv, [(lay.entries[pos].offset, lay.entries[pos].nbytes) for pos in found])
+    for (pos, (absmax, squares)), fp in zip(found.items(), fps):
         e = lay.entries[pos]
-        out[pos] = {"n": e.nbytes // _SIZE[lay.dtypes[pos]], "nan": 0, "inf": 0, "absmax": absmax[pos],
-                    "l2": math.sqrt(squares[pos]), "fp": fp}
+        out[pos] = {"n": e.nbytes // lay.dtypes[pos].itemsize, "nan": 0, "inf": 0, "absmax": absmax,
+                    "l2": math.sqrt(squares), "fp": fp}
     for pos, e in enumerate(lay.entries):
-        if pos not in out:  # another dtype, or a NaN/Inf/overflow somewhere in it (rare): the blocked pass, exact
+        if pos not in out:
             out[pos] = tensor_pass(lay.buf[e.offset:e.offset + e.nbytes], lay.dtypes[pos])[0]
     return dict(sorted(out.items()))

@@ -47,11 +47,10 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from .healthpass import fingerprints, tensor_pass
+from . import batchpass
 
-__all__ = ["CHUNK", "MIN_BYTES", "MODES", "SMALL", "Kernel", "kernel", "run", "state", "warm"]
+__all__ = ["CHUNK", "MIN_BYTES", "SMALL", "Kernel", "copies", "kernel", "run", "state", "warm"]
 
-MODES = ("auto", "on", "off")
 MIN_BYTES = 64 << 20  # ``auto``: a state smaller than this never starts the warm-up
 SMALL = 64 << 10  # a tensor of another dtype up to this size is measured after the kernel; a larger one: batched
 CHUNK = 256 << 10  # bytes copied, checksummed and reduced in turn: in a core's L2 between the three
@@ -325,23 +324,10 @@ def _magnitude(kind: int, top: int) -> float:
 
 
 def _stats(lay: Any, kinds: np.ndarray, tops: list[int], sqs: list[float]) -> dict[int, dict[str, Any]]:
-    out: dict[int, dict[str, Any]] = {}
-    measured = []
-    for pos, (kind, top, sq) in enumerate(zip(kinds.tolist(), tops, sqs)):
-        if kind != _BYTES and top < _NONFINITE[kind] and math.isfinite(sq):
-            e = lay.entries[pos]
-            out[pos] = {"n": e.nbytes // lay.dtypes[pos].itemsize, "nan": 0, "inf": 0,
-                        "absmax": _magnitude(kind, top), "l2": math.sqrt(sq)}
-            measured.append(pos)
-    if measured:
-        mv = memoryview(lay.buf.numpy())
-        fps = fingerprints(mv, [(lay.entries[pos].offset, lay.entries[pos].nbytes) for pos in measured])
-        for pos, fp in zip(measured, fps):
-            out[pos]["fp"] = fp
-    for pos, e in enumerate(lay.entries):
-        if pos not in out:  # another dtype, empty, or a NaN/Inf/overflow in it: the blocked pass, value for value
-            out[pos] = tensor_pass(lay.buf[e.offset:e.offset + e.nbytes], lay.dtypes[pos])[0]
-    return dict(sorted(out.items()))
+    """The entries the kernel measured and found finite, the others value for value (``batchpass.records``)."""
+    found = {pos: (_magnitude(kind, top), sq) for pos, (kind, top, sq) in enumerate(zip(kinds.tolist(), tops, sqs))
+             if kind != _BYTES and top < _NONFINITE[kind] and math.isfinite(sq)}
+    return batchpass.records(lay, memoryview(lay.buf.numpy()), found)
 
 
 def _self_test(k: Kernel) -> None:
