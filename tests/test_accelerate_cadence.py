@@ -26,17 +26,21 @@ def test_auto_calls_save_state_at_the_chosen_cadence(tmp_path, closing) -> None:
     setup = Setup(acc)
     saves: list[tuple[int, int | None]] = []
     weights = {}
-    for step in range(1, 41):
+    # Until five saves, not a fixed number of steps: the plan is sqrt(2 * cost * MTBF) / step time, and on a loaded
+    # machine a save's measured cost grows against the tiny step (CI once made 3 saves in 40 steps).
+    for step in range(1, 2001):
         setup.step()
         if fastckpt_accelerate.should_checkpoint(acc, step):
             acc.save_state()
             saves.append((step, fastckpt_accelerate.cadence_stats(acc).interval_steps))
             weights[step] = {k: v.clone() for k, v in acc.unwrap_model(setup.model).state_dict().items()}
+            if len(saves) == 5:
+                break
     checkpointing.wait()
     st = fastckpt_accelerate.cadence_stats(acc)
     assert st.mode == "auto" and st.saves_measured >= 2 and st.cost_s > 0
     assert st.baseline_loss_s == pytest.approx(50 * st.step_s / 2)
-    assert len(saves) >= 4
+    assert len(saves) == 5, saves
     # each gap is the interval chosen at the save before it (from the second plan on: the first had no cost)
     assert [b[0] - a[0] for a, b in zip(saves[1:], saves[2:])] == [p for _, p in saves[1:-1]]
     assert len(checkpointing.list()) == len(saves)
