@@ -307,6 +307,15 @@ class FastckptTorchPass(Fastckpt):
     config = {"staging": {"compiled_pass": "off"}}
 
 
+class FastckptCompiled(Fastckpt):
+    """The compiled pass on the copy thread too (``staging.compiled_pass: on``; ``auto`` runs it on the I/O
+    workers only): what ``auto`` would gain or lose by taking it there."""
+
+    name = "fastckpt-compiled"
+    label = "fastckpt (compiled pass on)"
+    config = {"staging": {"compiled_pass": "on"}}
+
+
 class TorchSnapshot(Peer):
     name = "torchsnapshot"
     label = "torchsnapshot async_take"
@@ -510,10 +519,11 @@ class ByteCheckpoint(Peer):
 
 PEERS: dict[str, type[Peer]] = {p.name: p for p in (TorchSave, LightningAsync, DcpDefault, DcpStager, TorchSnapshot,
                                                     DlroverFlash, ByteCheckpoint, Fastckpt, FastckptShm,
-                                                    FastckptPersister, FastckptTwoPass, FastckptTorchPass)}
+                                                    FastckptPersister, FastckptTwoPass, FastckptTorchPass,
+                                                    FastckptCompiled)}
 # fastckpt's variants, compared in turns by ``python -m benchmarks.persister --peers ...``, run in the harness only when
 # named: ``python -m benchmarks.run --peers ...,fastckpt-shm,fastckpt-persister`` (more full runs per section otherwise).
-VARIANTS = ("fastckpt-shm", "fastckpt-persister", "fastckpt-2pass", "fastckpt-torchpass")
+VARIANTS = ("fastckpt-shm", "fastckpt-persister", "fastckpt-2pass", "fastckpt-torchpass", "fastckpt-compiled")
 ORDER = [name for name in PEERS if name not in VARIANTS]
 LABELS = {name: cls.label for name, cls in PEERS.items()}
 # Peers fastckpt is judged against that this suite cannot run, and why.
