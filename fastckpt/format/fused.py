@@ -194,15 +194,24 @@ _LOADER = _Loader()
 os.register_at_fork(after_in_child=_LOADER.after_fork)
 
 
-# ``auto`` leaves the copy thread's pass of CPU sources to torch: with every core training (the plain loop, both
-# cores), the compiled pass there stalled training 672 ms a W1 checkpoint against the torch pass's 357 ms (BENCHMARKS.md,
-# "The compiled pass"), while a launch-bound thread stalled half as long. ``on`` takes it there too.
-AUTO_COPY = False
+# Under ``auto`` the copy thread's pass of CPU sources takes the kernel only where training leaves this process a CPU
+# (its intra-op threads fewer than the CPUs it may use: a launch-bound thread, a GPU job's). There one GIL-free call a
+# shard stalled a launch-bound thread 53 ms a W1 checkpoint against the torch pass's 141 (2-core AMD EPYC). With every
+# core training (torch's default threads) the kernel, a whole core for ~40 ms a shard, preempts one thread of
+# training's OpenMP team at a time and its partner waits at the next barrier: the plain loop stalled 672 ms a checkpoint
+# against the torch pass's 357 there, 0.91-0.93 s against 0.81 on a 2-core Xeon (BENCHMARKS.md, "The compiled pass"),
+# where a SCHED_IDLE kernel did not help either (staging then waited 0.4 s at the optimizer step). ``on`` takes it
+# there always. Tests set ``AUTO_COPY`` to force auto's choice.
+AUTO_COPY: bool | None = None
 
 
-def copies(mode: str) -> bool:
-    """Whether the copy thread's one pass of CPU sources takes the kernel under ``mode``."""
-    return mode == "on" or (mode == "auto" and AUTO_COPY)
+def copies(mode: str, training_threads: int, cpus: int) -> bool:
+    """Whether the copy thread's one pass of CPU sources takes the kernel under ``mode``, where training runs
+    ``training_threads`` intra-op threads (``torch.get_num_threads()`` on the training thread) on ``cpus`` usable
+    CPUs."""
+    if mode != "auto":
+        return mode == "on"
+    return AUTO_COPY if AUTO_COPY is not None else training_threads < cpus
 
 
 def kernel(mode: str, nbytes: int) -> Kernel | None:

@@ -52,6 +52,19 @@ def _crc(typingctx, fn, value, addr, n):  # type: ignore[no-untyped-def]
     return types.uint32(types.int64, types.uint32, types.int64, types.int64), codegen
 
 
+@intrinsic
+def _memcpy(typingctx, dst, src, n):  # type: ignore[no-untyped-def]
+    """``memcpy(dst, src, n)`` between integer addresses: LLVM's intrinsic, which a variable length lowers to the C
+    library's ``memcpy``. Numba's slice assignment between two arrays over the same memory checks for overlap and
+    copies through a temporary: 0.6 CPU-s per GB on a 2-core Xeon, where one memcpy takes 0.14."""
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        d, s, k = args
+        cgutils.raw_memcpy(builder, builder.inttoptr(d, cgutils.voidptr_t), builder.inttoptr(s, cgutils.voidptr_t),
+                           k, 1)
+        return context.get_dummy_value()
+    return types.none(types.int64, types.int64, types.int64), codegen
+
+
 @njit(fastmath=True, nogil=True, inline="always")
 def _reduce32(bits, values):  # type: ignore[no-untyped-def]
     """The largest magnitude's bits and the float64 sum of squares of float32 ``values`` (``bits``: the same
@@ -101,8 +114,7 @@ def shard_pass(kinds, srcs, dsts, ns, crcfn, flip, chunk, copy, crcs, tops, sqs,
             k = min(chunk, n - at)
             dst = dsts[i] + at
             if copy:
-                d8 = carray(_ptr(dst), k, np.uint8)
-                d8[:] = carray(_ptr(srcs[i] + at), k, np.uint8)
+                _memcpy(dst, srcs[i] + at, k)
             crc = _crc(crcfn, crc, dst, k)
             t = np.uint64(0)
             c = 0.0
