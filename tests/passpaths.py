@@ -34,7 +34,6 @@ def use(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
     assert path in PATHS, path
     if path == "compiled":
         assert fused.warm("on").result(timeout=600) is not None, fused.state()
-        monkeypatch.setattr(fused, "AUTO_COPY", True)  # the copy thread's pass too, as ``on`` has it
         return
     monkeypatch.setattr(fused, "kernel", lambda mode, nbytes: None)  # a kernel warmed by another test stays unused
     if path == "blocked":

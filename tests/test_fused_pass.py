@@ -200,40 +200,6 @@ def test_the_checkpointer_takes_it_restores_bit_exact_and_records_the_same_healt
         assert abs(on[key]["l2"] - off[key]["l2"]) <= 1e-6 * max(off[key]["l2"], 1e-30), key
 
 
-def test_auto_takes_the_copy_threads_pass_only_where_training_leaves_a_cpu(tmp_path, kernel, monkeypatch) -> None:
-    """``auto``: the kernel copies CPU sources on the copy thread where training's intra-op threads leave this process
-    a CPU (a launch-bound thread); with every CPU training, the copy thread keeps the torch pass (fused.AUTO_COPY's
-    comment: the kernel there doubled the plain loop's stall)."""
-    assert fused.copies("auto", 1, 2) and not fused.copies("auto", 2, 2) and not fused.copies("auto", 4, 2)
-    assert fused.copies("on", 2, 2) and not fused.copies("off", 1, 2)
-    import fastckpt.engine.pipeline as pipeline
-
-    copied: list[bool] = []
-    real = fused.run
-
-    def spy(*args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("tensors") is not None:  # the copy thread's pass (the I/O workers' passes copy nothing)
-            copied.append(True)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(fused, "run", spy)
-    monkeypatch.setattr(fused, "kernel", lambda m, n: kernel)
-    model = torch.nn.Linear(300, 200)
-    opt = torch.optim.AdamW(model.parameters())
-    state = {"model": model.state_dict()}
-    threads = torch.get_num_threads()
-    for cpus, want in ((threads + 1, True), (threads, False)):
-        copied.clear()
-        monkeypatch.setattr(pipeline, "usable_cpus", lambda n=cpus: n)
-        with Checkpointer(CheckpointConfig(root=str(tmp_path / str(cpus)))) as ck:
-            ck.watch(opt)  # lazy: the copy thread stages the parameters
-            handle = ck.save(state, 1)
-            assert handle._staged.wait(60) and not handle.hurry.is_set()  # the one pass, unhurried
-            handle.wait()
-            assert_bit_equal(state, ck.load(1))
-        assert bool(copied) == want, (cpus, threads, copied)
-
-
 def test_auto_starts_the_warm_up_only_for_a_large_state(monkeypatch) -> None:
     loader = fused._Loader()
     started: list[bool] = []

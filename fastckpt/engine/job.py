@@ -75,7 +75,6 @@ class Job:
     cpu_section: Callable[[], Any] = nullcontext  # entered by a format around its CPU-bound work (engine/cpugate.py)
     token: Any = None  # format/flatcache.py's skeleton the state matched (what the seal derived from it is reused)
     fused: Any = None  # format/fused.py's compiled kernel, where ready when the job was submitted
-    fused_copy: bool = False  # the copy thread's pass of CPU sources takes it too (fused.copies)
 
     # what a FileFormat reads of a save (format/protocol.py's Snapshot)
     @property

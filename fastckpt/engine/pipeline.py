@@ -28,7 +28,6 @@ from ..config import StagingOptions
 from ..errors import FastCkptError, StorageError
 from ..format import fused
 from ..format.health import HealthPart, attr_bytes, measured, summarize
-from ..format.healthpass import usable_cpus
 from ..format.layout import CheckpointInfo
 from ..format.openlayout import OPEN_LAYOUT
 from ..format.plan import Shard
@@ -121,7 +120,6 @@ class Pipeline:
         """Queue ``job``: the copy thread stages ``lazy`` shards, then the committer commits."""
         self._on_gpu = job.cuda is not None
         job.fused = fused.kernel(self.staging.compiled_pass, job.plan.total_bytes)  # where ready: never waits
-        job.fused_copy = fused.copies(self.staging.compiled_pass, torch.get_num_threads(), usable_cpus())
         submitted(job)  # a device snapshot: the next one waits for these copies (engine/cudastage.py)
         cpus, job.cpu_section = self.placement.want(), self.gate.held  # CPUs resolved here, moved to by the copy thread
         if lazy and not snapshotted(job):  # a device snapshot holds save()'s values: nothing to guard or seal

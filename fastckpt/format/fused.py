@@ -49,7 +49,7 @@ import torch
 
 from . import batchpass
 
-__all__ = ["CHUNK", "MIN_BYTES", "SMALL", "Kernel", "copies", "kernel", "run", "state", "warm"]
+__all__ = ["CHUNK", "MIN_BYTES", "SMALL", "Kernel", "kernel", "run", "state", "warm"]
 
 MIN_BYTES = 64 << 20  # ``auto``: a state smaller than this never starts the warm-up
 SMALL = 64 << 10  # a tensor of another dtype up to this size is measured after the kernel; a larger one: batched
@@ -192,26 +192,6 @@ class _Loader:
 
 _LOADER = _Loader()
 os.register_at_fork(after_in_child=_LOADER.after_fork)
-
-
-# Under ``auto`` the copy thread's pass of CPU sources takes the kernel only where training leaves this process a CPU
-# (its intra-op threads fewer than the CPUs it may use: a launch-bound thread, a GPU job's). There one GIL-free call a
-# shard stalled a launch-bound thread 53 ms a W1 checkpoint against the torch pass's 141 (2-core AMD EPYC). With every
-# core training (torch's default threads) the kernel, a whole core for ~40 ms a shard, preempts one thread of
-# training's OpenMP team at a time and its partner waits at the next barrier: the plain loop stalled 672 ms a checkpoint
-# against the torch pass's 357 there, 0.91-0.93 s against 0.81 on a 2-core Xeon (BENCHMARKS.md, "The compiled pass"),
-# where a SCHED_IDLE kernel did not help either (staging then waited 0.4 s at the optimizer step). ``on`` takes it
-# there always. Tests set ``AUTO_COPY`` to force auto's choice.
-AUTO_COPY: bool | None = None
-
-
-def copies(mode: str, training_threads: int, cpus: int) -> bool:
-    """Whether the copy thread's one pass of CPU sources takes the kernel under ``mode``, where training runs
-    ``training_threads`` intra-op threads (``torch.get_num_threads()`` on the training thread) on ``cpus`` usable
-    CPUs."""
-    if mode != "auto":
-        return mode == "on"
-    return AUTO_COPY if AUTO_COPY is not None else training_threads < cpus
 
 
 def kernel(mode: str, nbytes: int) -> Kernel | None:
