@@ -90,11 +90,9 @@ class StagingOptions(_Freezable):
     shard that holds no GIL (numba, format/fused.py), instead of a handful of torch calls per 8 MiB: a launch-bound
     training thread waits each time a background thread takes the GIL back. The kernel is compiled once per machine
     in a low-priority child process and loaded from numba's cache once per process (about 0.3 s of one GIL hold, in
-    the background); shards take the batched torch pass until it is ready. ``auto``: the I/O workers' pass only (the
-    copy thread's pass of CPU sources stays torch's: with every core training it stalled the plain loop 672 ms a W1
-    checkpoint against 357, BENCHMARKS.md "The compiled pass"), the warm-up starting at the first save of 64 MiB or
-    more, or at ``prewarm()``; ``on``: the copy thread's too (a launch-bound training thread stalls half as long),
-    warmed when the ``Checkpointer`` is made, a failed warm-up warns; ``off``: never. Without numba installed
+    the background); shards take the batched torch pass until it is ready. ``auto``: the warm-up starts at the first
+    save of 64 MiB or more, or at ``prewarm()``; ``on``: warmed when the ``Checkpointer`` is made, a failed warm-up
+    warns; ``off``: never (the batched torch pass everywhere). Without numba installed
     ``auto`` quietly keeps the torch pass."""
 
     device_snapshot: str = "off"
