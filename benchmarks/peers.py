@@ -308,8 +308,8 @@ class FastckptTorchPass(Fastckpt):
 
 
 class FastckptCompiled(Fastckpt):
-    """The compiled pass on the copy thread too (``staging.compiled_pass: on``; ``auto`` runs it on the I/O
-    workers only): what ``auto`` would gain or lose by taking it there."""
+    """``staging.compiled_pass: on``: the kernel warmed when the ``Checkpointer`` is made (``auto``, the default,
+    warms it at the first save of 64 MiB or at ``prewarm()``; until then shards take the torch pass)."""
 
     name = "fastckpt-compiled"
     label = "fastckpt (compiled pass on)"
