@@ -203,8 +203,11 @@ def cpu_now() -> float:
     return me.ru_utime + me.ru_stime + gone.ru_utime + gone.ru_stime + live
 
 
-def measure(name: str, n_ckpt: int, n_cpu: int, window: float, step_ms: float, quick: bool) -> dict[str, Any]:
-    """One peer, in this process: the time lost per checkpoint, CPU-seconds per checkpoint, save() times."""
+def measure(name: str, n_ckpt: int, n_cpu: int, window: float, step_ms: float, quick: bool,
+            touch: bool = False) -> dict[str, Any]:
+    """One peer, in this process: the time lost per checkpoint, CPU-seconds per checkpoint, save() times (``touch``:
+    every floating-point tensor of the state rewritten in place, untimed, before each save, as an optimizer step
+    would: on a VM where memory left idle for seconds is slow to touch again, the saves read it warm)."""
     import torch
 
     from .workload import FULL, QUICK, build, make_state, tensor_bytes, train_step, Batches, unique_tensors
@@ -217,6 +220,12 @@ def measure(name: str, n_ckpt: int, n_cpu: int, window: float, step_ms: float, q
     state = make_state(model, opt, 0)
     nbytes = tensor_bytes(state)
     tensors = len(unique_tensors(state))
+    floats = [t for t in unique_tensors(state) if t.is_floating_point()]
+
+    def warm_state() -> None:
+        if touch:
+            with torch.no_grad():
+                torch._foreach_mul_(floats, 1.0)
     first = sorted(os.sched_getaffinity(0))[0]
     # the training thread on one CPU while it launches (a GPU job's launching thread); the peer's threads go where
     # they go: they are made while it is not pinned, so they do not inherit its one CPU
@@ -256,6 +265,7 @@ def measure(name: str, n_ckpt: int, n_cpu: int, window: float, step_ms: float, q
         clean.append(clean_rate())
         for _ in range(n_ckpt):
             step += 1
+            warm_state()
             t0 = time.perf_counter()
             peer.save(state, step)
             t1 = time.perf_counter()
@@ -279,6 +289,7 @@ def measure(name: str, n_ckpt: int, n_cpu: int, window: float, step_ms: float, q
         cpu_saves: list[float] = []
         for _ in range(n_cpu):
             step += 1
+            warm_state()
             c0 = cpu_now()
             t0 = time.perf_counter()
             peer.save(state, step)
@@ -291,7 +302,7 @@ def measure(name: str, n_ckpt: int, n_cpu: int, window: float, step_ms: float, q
             "stalled_ms": [x * 1e3 for x in stalled],
             "save_ms": [x * 1e3 for x in saves + cpu_saves], "waited_ms": [x * 1e3 for x in waited],
             "cpu_s": cpu, "cpu_s_per_gb": [c / (nbytes / 1e9) for c in cpu], "first_s": first_s,
-            "clean_iter_per_s": clean, "window_s": window, "step_ms": step_ms}
+            "clean_iter_per_s": clean, "window_s": window, "step_ms": step_ms, "touch": touch}
 
 
 def _median(xs: list[float]) -> float | None:
@@ -381,6 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step-ms", type=float, default=0.0,
                     help="launches before a host-side wait for staging (0: no host wait, as on a GPU)")
     ap.add_argument("--quick", action="store_true", help="the tiny model: a smoke run of seconds")
+    ap.add_argument("--touch", action="store_true",
+                    help="rewrite the state in place (untimed) before each save, as an optimizer step would")
     ap.add_argument("--json", type=Path, default=REPO / "benchmarks" / "launchbound.json")
     ap.add_argument("--into", type=Path, default=None, help="merge the section into this report (BENCHMARKS.md)")
     ap.add_argument("--gil", type=Path, default=None, help="benchmarks.gilcalls --json output to quote")
@@ -388,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.one:
         try:
-            res = measure(args.one, args.n_ckpt, args.n_cpu, args.window, args.step_ms, args.quick)
+            res = measure(args.one, args.n_ckpt, args.n_cpu, args.window, args.step_ms, args.quick, args.touch)
         except Exception as e:  # noqa: BLE001 - reported as the peer's row
             res = {"peer": args.one, "error": f"{type(e).__name__}: {e}"}
         print("RESULT " + json.dumps(res))
@@ -400,6 +413,8 @@ def main(argv: list[str] | None = None) -> int:
                    "--n-cpu", str(args.n_cpu), "--window", str(args.window), "--step-ms", str(args.step_ms)]
             if args.quick:
                 cmd.append("--quick")
+            if args.touch:
+                cmd.append("--touch")
             out = subprocess.run(cmd, cwd=REPO, env=repo_env(), capture_output=True, text=True)
             line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
             res = json.loads(line[7:]) if line else {"peer": name, "error": (out.stderr or "no result")[-300:]}
