@@ -55,8 +55,9 @@ def _crc(typingctx, fn, value, addr, n):  # type: ignore[no-untyped-def]
 @intrinsic
 def _memcpy(typingctx, dst, src, n):  # type: ignore[no-untyped-def]
     """``memcpy(dst, src, n)`` between integer addresses: LLVM's intrinsic, which a variable length lowers to the C
-    library's ``memcpy``. Numba's slice assignment between two arrays over the same memory checks for overlap and
-    copies through a temporary: 0.6 CPU-s per GB on a 2-core Xeon, where one memcpy takes 0.14."""
+    library's ``memcpy``. Numba's slice assignment between two arrays checks whether they overlap and copies through
+    a temporary: with it the kernel took 0.63 CPU-s per GB on a 2-core Xeon, with this 0.26 (one ``torch`` copy of
+    the same bytes: 0.17)."""
     def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
         d, s, k = args
         cgutils.raw_memcpy(builder, builder.inttoptr(d, cgutils.voidptr_t), builder.inttoptr(s, cgutils.voidptr_t),
