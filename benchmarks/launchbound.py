@@ -49,9 +49,9 @@ from . import REPO, repo_env
 
 HEADING = "## The launch-bound training thread"
 PEERS = ("fastckpt", "fastckpt-nohealth", "dcp_stager", "torch_checkpointing", "torch_save")
-# fastckpt variants by config, for A/B runs beside the defaults (not in the default --peers)
-VARIANTS = {"fastckpt-nohealth": {"health": {"enabled": False}},
-            "fastckpt-torchpass": {"staging": {"compiled_pass": "off"}}}  # the batched torch pass (format/batchpass.py)
+# fastckpt variants by config that only this benchmark drives, for A/B runs beside the defaults (not in the default
+# --peers); benchmarks/peers.py's own (fastckpt-torchpass, fastckpt-compiled, ...) are named as they are
+VARIANTS = {"fastckpt-nohealth": {"health": {"enabled": False}}}
 _OPS_PER_ITER = 4  # tiny ops per counted iteration
 
 
