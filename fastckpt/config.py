@@ -92,8 +92,8 @@ class StagingOptions(_Freezable):
     in a low-priority child process and loaded from numba's cache once per process (about 0.3 s of one GIL hold, in
     the background); shards take the batched torch pass until it is ready. ``auto``: the warm-up starts at the first
     save of 64 MiB or more, or at ``prewarm()``; ``on``: warmed when the ``Checkpointer`` is made, a failed warm-up
-    warns; ``off``: never (the batched torch pass everywhere). Without numba installed
-    ``auto`` quietly keeps the torch pass."""
+    warns; ``off``: never (the batched torch pass everywhere). Without numba installed ``auto`` quietly keeps the
+    torch pass."""
 
     device_snapshot: str = "off"
     """CUDA states: ``save()`` copies the state's CUDA tensors into a buffer on their own device (one fused

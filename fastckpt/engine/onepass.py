@@ -125,8 +125,7 @@ def copy_batched(job: Any, shard: Shard, buf: torch.Tensor, check: Callable[[int
     statistics in a few calls a piece, ``check`` around each tensor's copy."""
     lay = job.slot.layout(shard, buf, [e.dtype for e in shard.entries])
     got = None
-    if job.fused is not None:  # one compiled call for the shard (format/fused.py), checked
-        # around it as a whole
+    if job.fused is not None:  # one compiled call for the shard (format/fused.py), checked around it as a whole
         if check is not None:
             for e in lay.entries:
                 check(e.index)
