@@ -265,3 +265,78 @@ def test_the_watched_optimizers_identities_are_walked_again_exactly_when_they_ch
         assert (got is not last) == (got != last)  # walked again only when the identities changed
         assert cache.get([opt]) is got
         last = got
+
+
+
+def _lazy_addresses(ckpt: Checkpointer) -> set[int]:
+    """The data addresses of the tensors the last save's plan copies lazily (its state's token holds them)."""
+    token, _, _, plan = ckpt._saver._planner._last
+    return {token.ids[e.index] for s in plan.shards for e in s.entries if e.lazy}
+
+
+def test_a_reused_state_takes_the_watched_identities_without_walking_the_optimizers(tmp_path, monkeypatch) -> None:
+    """engine/watch.py: a state that passed the identity check, saved with the same optimizers, gets the last
+    answer without ``_fingerprint`` (a map over every parameter and state tensor); an optimizer watched since walks
+    again, and its tensors are copied lazily from that save on."""
+    from fastckpt.engine import watch
+
+    walks = []
+    real = watch._fingerprint
+    monkeypatch.setattr(watch, "_fingerprint", lambda opts: walks.append(1) or real(opts))
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    _train(model, opt)
+    extra = nn.Parameter(torch.randn(64, 64))
+    refs = {}
+    with _ckpt(tmp_path) as ckpt:
+        ckpt.watch(opt)
+        counts = []
+        for step in range(1, 5):
+            state = {**_state(model, opt, step), "extra": extra.detach()}
+            refs[step] = clone_state(state)
+            ckpt.save(state, step)
+            counts.append(len(walks))
+            _train(model, opt)
+        assert _reused(ckpt)[0] == 3
+        assert counts[1] > 0 and counts[-1] == counts[1], counts  # after the first reuse: no walk at all
+        assert extra.data_ptr() not in _lazy_addresses(ckpt)
+        opt2 = torch.optim.SGD([extra], lr=0.1)
+        ckpt.watch(opt2)  # the same state structure, another optimizer: walked again
+        state = {**_state(model, opt, 5), "extra": extra.detach()}
+        refs[5] = clone_state(state)
+        ckpt.save(state, 5)
+        assert _reused(ckpt)[0] == 4 and len(walks) > counts[-1]
+        assert extra.data_ptr() in _lazy_addresses(ckpt)
+        ckpt.wait()
+        for step, ref in refs.items():
+            assert_bit_equal(ckpt.load(step=step), ref)
+
+
+def test_a_parameter_group_added_makes_its_tensors_lazy_at_the_next_save(tmp_path) -> None:
+    """A layer unfrozen mid-training (a fine-tuning callback adding a parameter group): a state made anew from the
+    model and the optimizer changes structure, so the next save walks the optimizers and copies the new group's
+    parameters lazily, not inside ``save()``; every checkpoint restores bit for bit."""
+    body = _model(3)
+    head = nn.Linear(64, 64)
+    opt = torch.optim.SGD(body.parameters(), lr=0.1, momentum=0.9)
+    _train(body, opt)
+    full = nn.ModuleDict({"body": body, "head": head})
+    refs = {}
+    with _ckpt(tmp_path) as ckpt:
+        ckpt.watch(opt)
+        for step in range(1, 4):
+            state = {"model": full.state_dict(), "optim": opt.state_dict(), "step": step}
+            refs[step] = clone_state(state)
+            ckpt.save(state, step)
+            _train(body, opt)
+        assert _reused(ckpt)[0] == 2
+        assert head.weight.data_ptr() not in _lazy_addresses(ckpt)
+        assert body[0].weight.data_ptr() in _lazy_addresses(ckpt)
+        opt.add_param_group({"params": list(head.parameters())})
+        state = {"model": full.state_dict(), "optim": opt.state_dict(), "step": 4}
+        refs[4] = clone_state(state)
+        ckpt.save(state, 4)
+        assert {head.weight.data_ptr(), head.bias.data_ptr()} <= _lazy_addresses(ckpt)
+        ckpt.wait()
+        for step, ref in refs.items():
+            assert_bit_equal(ckpt.load(step=step), ref)

@@ -138,7 +138,7 @@ class Saver:
         # resumed run re-saving the step it died in) is removed first, so none of its files outlive the commit.
         self._claim_root()
         eager_ptrs = named_addresses(flat, eager, "eager")
-        lazy_ptrs, watched = self._lazy_ptrs(named_addresses(flat, lazy, "lazy"), eager_ptrs)
+        lazy_ptrs, watched = self._lazy_ptrs(named_addresses(flat, lazy, "lazy"), eager_ptrs, certified=flat.token)
         dirpath = self.storage.join(self.storage.url, name)
         if self.config.staging.mode == "lazy" and flat.tensors and self._retaking is None and not any(
                 i in lazy_ptrs for i in flat.identities()) and not all(i in eager_ptrs for i in flat.identities()):
@@ -376,11 +376,12 @@ class Saver:
         self.stats.append(handle.stats)
         return handle
 
-    def _lazy_ptrs(self, also: AbstractSet[Hashable] = frozenset(), never: AbstractSet[Hashable] = frozenset()
-                   ) -> tuple[AbstractSet[Hashable], Watched]:
+    def _lazy_ptrs(self, also: AbstractSet[Hashable] = frozenset(), never: AbstractSet[Hashable] = frozenset(),
+                   certified: Any = None) -> tuple[AbstractSet[Hashable], Watched]:
         """The identities to copy lazily, and the watched optimizers' own (``watched_identities``); without ``also``
-        and ``never``, one frozenset while the optimizers are unchanged (the planner's check of the copy classes)."""
-        watched = self._watched_ids.get(list(self._watched))
+        and ``never``, one frozenset while the optimizers are unchanged (the planner's check of the copy classes).
+        ``certified``: the token of a state that passed format/flatcache.py's identity check (``WatchedCache.get``)."""
+        watched = self._watched_ids.get(list(self._watched), certified)
         if self.config.staging.mode != "lazy" or self._retaking is not None:
             return set(), watched  # eager mode: save(lazy=...) is ignored too; a retake is taken whole, at the seal
         return ((watched[0] | watched[1] | also) - never if also or never else self._watched_ids.union), watched
