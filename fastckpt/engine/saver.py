@@ -378,9 +378,8 @@ class Saver:
 
     def _lazy_ptrs(self, also: AbstractSet[Hashable] = frozenset(), never: AbstractSet[Hashable] = frozenset(),
                    certified: Any = None) -> tuple[AbstractSet[Hashable], Watched]:
-        """The identities to copy lazily, and the watched optimizers' own (``watched_identities``); without ``also``
-        and ``never``, one frozenset while the optimizers are unchanged (the planner's check of the copy classes).
-        ``certified``: the token of a state that passed format/flatcache.py's identity check (``WatchedCache.get``)."""
+        """The identities to copy lazily, and the watched optimizers' own (``watched_identities``; ``certified``: see
+        ``WatchedCache.get``); without ``also`` and ``never``, one frozenset while the optimizers are unchanged."""
         watched = self._watched_ids.get(list(self._watched), certified)
         if self.config.staging.mode != "lazy" or self._retaking is not None:
             return set(), watched  # eager mode: save(lazy=...) is ignored too; a retake is taken whole, at the seal
